@@ -1,0 +1,128 @@
+"""Every core loss against the independent float64 references of tests/reference.py:
+loss value and gradient w.r.t. the learner log-probs, random inputs with padding and mixed lengths."""
+
+import pytest
+import torch
+
+import reference as ref
+from vcpo.core import losses
+from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+
+def run(fn, batch, mode, **params):
+    log_prob, behav, advantages, mask = batch
+    loss, metrics = fn(log_prob, behav, advantages, mask, agg=LossAggregation(mode), **params)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    return loss, grad, metrics
+
+
+def assert_matches(loss, grad, ref_loss, ref_grad, rtol=1e-9):
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, torch.tensor(ref_loss, dtype=loss.dtype), rtol=rtol, atol=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(ref_grad, dtype=grad.dtype), rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("bound,lo,hi", [("truncate", 0.0, 2.0), ("truncate", 0.3, 1.5), ("mask", 0.5, 2.0), ("mask", 0.8, 1.25)])
+def test_reinforce_is_matches_reference(mode, level, bound, lo, hi):
+    batch = ref.random_batch(seed=1)
+    params = dict(level=level, bound=bound, lo=lo, hi=hi)
+    loss, grad, metrics = run(losses.reinforce_is_loss, batch, mode, **params)
+    assert_matches(loss, grad, *ref.reinforce_is(ref.Inputs(*batch), mode=mode, **params))
+
+
+def test_bounds_actually_bind_in_the_reference_cases():
+    """The cases above are only meaningful if some ratios fall outside the bounds."""
+    batch = ref.random_batch(seed=1)
+    _, _, metrics = run(losses.reinforce_is_loss, batch, "token-mean", level="sequence", bound="mask", lo=0.8, hi=1.25)
+    assert 0.0 < metrics["actor/is_out_of_bounds_frac"] < 1.0
+    assert 0.0 < metrics["actor/kept_token_frac"] < 1.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_deepseek_v32_masking_matches_reference(mode):
+    batch = ref.random_batch(seed=2, scale=0.05)
+    params = dict(level="geometric", bound="mask", lo=0.0, hi=8.0, negative_delta=0.01)
+    loss, grad, metrics = run(losses.reinforce_is_loss, batch, mode, **params)
+    assert 0.0 < metrics["actor/kept_token_frac"] < 1.0
+    assert_matches(loss, grad, *ref.reinforce_is(ref.Inputs(*batch), mode=mode, **params))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("threshold", [0.0, 0.04, 0.1, 10.0])
+def test_m2po_matches_reference(mode, threshold):
+    batch = ref.random_batch(seed=3)
+    loss, grad, _ = run(losses.m2po_loss, batch, mode, threshold=threshold)
+    assert_matches(loss, grad, *ref.m2po(ref.Inputs(*batch), threshold=threshold, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "token-sum"])
+def test_vespo_matches_reference(mode):
+    batch = ref.random_batch(seed=4)
+    params = dict(k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0)
+    loss, grad, _ = run(losses.vespo_loss, batch, mode, log_w_clamp=20.0, **params)
+    assert_matches(loss, grad, *ref.vespo(ref.Inputs(*batch), mode=mode, **params))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_p3o_matches_reference(mode):
+    batch = ref.random_batch(seed=5)
+    loss, grad, metrics = run(losses.p3o_loss, batch, mode, kl_log_clamp=10.0)
+    ref_loss, ref_grad, ref_ess = ref.p3o(ref.Inputs(*batch), mode=mode)
+    assert 0.0 < ref_ess < 1.0
+    assert metrics["actor/p3o_token_ess"].item() == pytest.approx(ref_ess, rel=1e-12)
+    assert_matches(loss, grad, ref_loss, ref_grad)
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.05, 100.0])
+def test_vaco_matches_reference(delta):
+    batch = ref.random_batch(seed=6)
+    loss, grad, metrics = run(losses.vaco_loss, batch, "token-mean", delta=delta)
+    ref_loss, ref_grad, ref_tv = ref.vaco(ref.Inputs(*batch), delta=delta, mode="token-mean")
+    assert metrics["actor/vaco_tv"].item() == pytest.approx(ref_tv, rel=1e-12)
+    assert metrics["actor/vaco_filter_active"].item() == float(ref_tv > delta / 2)
+    assert (metrics["actor/vaco_filtered_frac"].item() > 0) == (ref_tv > delta / 2)
+    assert_matches(loss, grad, ref_loss, ref_grad)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_topr_matches_reference(mode):
+    batch = ref.random_batch(seed=7)
+    loss, grad, _ = run(losses.topr_loss, batch, mode)
+    assert_matches(loss, grad, *ref.topr(ref.Inputs(*batch), mode=mode))
+
+
+def test_topr_uses_rewards_when_given():
+    log_prob, behav, advantages, mask = ref.random_batch(seed=8)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    positive_adv = torch.where(mask, rewards.unsqueeze(-1) - 0.5, torch.nan)
+    by_reward, _ = losses.topr_loss(log_prob, behav, advantages, mask, agg=LossAggregation(), rewards=rewards)
+    by_sign, _ = losses.topr_loss(log_prob, behav, advantages, mask, agg=LossAggregation())
+    assert not torch.allclose(by_reward, by_sign)
+    same_split, _ = losses.topr_loss(log_prob, behav, positive_adv, mask, agg=LossAggregation())
+    by_reward_same_adv, _ = losses.topr_loss(log_prob, behav, positive_adv, mask, agg=LossAggregation(), rewards=rewards)
+    torch.testing.assert_close(same_split, by_reward_same_adv)
+
+
+def test_weight_is_stop_gradient():
+    """∇loss = −w·A·∇l^θ / N with w held constant: equal to the gradient with w precomputed."""
+    log_prob, behav, advantages, mask = ref.random_batch(seed=9)
+    loss, _ = losses.reinforce_is_loss(
+        log_prob, behav, advantages, mask, agg=LossAggregation("token-sum"), level="sequence", bound="truncate", lo=0.0, hi=1e6
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    s = torch.where(mask, log_prob.detach() - behav, 0.0).sum(-1, keepdim=True)
+    expected = torch.where(mask, -torch.exp(s) * advantages, 0.0)
+    torch.testing.assert_close(grad, expected)
+    # the gradient of the un-detached surrogate −w(θ)·A·l would carry an extra ∇w term:
+    assert not torch.allclose(grad, expected * (1 + torch.where(mask, log_prob.detach(), 0.0).sum(-1, keepdim=True)))
+
+
+def test_kl_in_reward_subtracts_the_sequence_kl():
+    log_prob, behav, _, mask = ref.random_batch(seed=10)
+    rewards = torch.ones(len(ref.LENGTHS), dtype=torch.float64)
+    shaped = losses.kl_in_reward(rewards, log_prob, behav, mask, beta=0.001)
+    x = ref.Inputs(log_prob, behav, torch.zeros_like(behav), mask)
+    expected = [1.0 - 0.001 * sum(x.r(i, t) for t in x.valid[i]) for i in range(x.B)]
+    torch.testing.assert_close(shaped, torch.tensor(expected, dtype=torch.float64))
+    assert not shaped.requires_grad

@@ -1,0 +1,26 @@
+"""The README keeps exactly two fresh-machine commands, and CI runs the test one verbatim."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands():
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_readme_has_the_two_fresh_machine_commands():
+    fresh_machine = (ROOT / "README.md").read_text().split("## Fresh machine", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.+?)\n```", fresh_machine, flags=re.S)
+    assert len(commands) == 2
+    main_job, tests = commands
+    assert "torch==2.13.0" in main_job and "snakemake" in main_job
+    assert main_job.index("torch==2.13.0") < main_job.index("pip install -e")
+    assert "pytest" in tests and tests.index("torch==2.13.0") < tests.index("pip install -e")
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = readme_commands()[1]
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci_lines[-1] == test_command

@@ -1,0 +1,158 @@
+"""The verl plugin: a plain `import verl` registers every loss; hyper-parameters come from verl config."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import verl
+from hydra import compose, initialize_config_dir
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils.config import omega_conf_to_dataclass
+
+import reference as ref
+from vcpo.core.aggregation import LossAggregation
+from vcpo.core.registry import POLICY_LOSSES
+from vcpo.methods import default_method, get_method
+
+NAMES = ["seq_tis", "token_tis", "geo_tis", "seq_mis", "token_mis", "geo_mis", "dsv32_mis", "m2po", "vespo", "p3o", "vaco", "topr"]
+
+
+def core_loss(name, batch, params, mode="token-mean"):
+    log_prob, behav, advantages, mask = batch
+    loss, _ = POLICY_LOSSES[name].fn(log_prob, behav, advantages, mask, agg=LossAggregation(mode), **params)
+    return loss
+
+
+def test_registry_names_are_the_issue_names():
+    assert sorted(NAMES) == sorted(POLICY_LOSSES)
+
+
+def test_plain_import_verl_registers_every_loss_in_a_fresh_interpreter(tmp_path):
+    """A new Python process that imports only verl finds every loss through the entry point, and
+    each gives the core function's value and gradient."""
+    script = textwrap.dedent(
+        f"""
+        import json, torch, verl
+        from verl.trainer.ppo.core_algos import get_policy_loss_fn
+        old, new, adv, mask = torch.load("batch.pt")
+        out = {{}}
+        for name in {NAMES!r}:
+            log_prob = new.clone().requires_grad_(True)
+            loss, metrics = get_policy_loss_fn(name)(old, log_prob, adv, mask, "seq-mean-token-mean", None, None)
+            loss.backward()
+            out[name] = [loss.item(), log_prob.grad.tolist(), sorted(metrics)]
+        print(json.dumps(out))
+        """
+    )
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) * 2
+    new = old + 0.2 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 1, generator=g).expand(4, 6).contiguous()
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    torch.save((old, new, adv, mask), tmp_path / "batch.pt")
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in NAMES:
+        log_prob = new.clone().requires_grad_(True)
+        expected = core_loss(name, (log_prob, old, adv, mask.bool()), default_method(name).loss_params, "seq-mean-token-mean")
+        expected.backward()
+        assert out[name][0] == pytest.approx(expected.item(), rel=1e-6), name
+        torch.testing.assert_close(torch.tensor(out[name][1]), log_prob.grad, rtol=1e-6, atol=1e-8)
+        assert log_prob.grad.abs().sum() > 0, name
+        assert "actor/all_masked" in out[name][2] and "rollout_corr/seq_ess_ratio" in out[name][2]
+
+
+def actor_config(*overrides):
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(
+            "ppo_trainer",
+            overrides=[
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.actor.policy_loss._target_=vcpo.verl_plugin.VcpoPolicyLossConfig",
+                *overrides,
+            ],
+        )
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def call_verl(name, config, batch, mode="token-mean", rollout_is_weights=None):
+    log_prob, behav, advantages, mask = batch
+    return get_policy_loss_fn(name)(behav, log_prob, advantages, mask, mode, config, rollout_is_weights)
+
+
+def test_method_and_params_come_from_verl_config():
+    batch = ref.random_batch(seed=20, scale=0.5)
+    log_prob, behav, _, mask = batch
+    seq_ratios = torch.exp(torch.where(mask, log_prob.detach() - behav, 0.0).sum(-1))
+    # an upper bound that masks some sequence kept by the preset's [0.5, 2]
+    hi = seq_ratios[mask.any(-1) & (seq_ratios > 0.5) & (seq_ratios < 2.0)].max().item() - 1e-6
+    config = actor_config(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=seq_mis",
+        "+actor_rollout_ref.actor.policy_loss.method=seq_mis_c2",
+        f"+actor_rollout_ref.actor.policy_loss.params.hi={hi!r}",
+    )
+    loss, _ = call_verl("seq_mis", config, batch)
+    expected = core_loss("seq_mis", batch, {"lo": 0.5, "hi": hi})
+    torch.testing.assert_close(loss, expected)
+    assert not torch.allclose(expected, core_loss("seq_mis", batch, get_method("seq_mis_c2").loss_params))
+
+
+def test_default_preset_without_vcpo_config():
+    batch = ref.random_batch(seed=21)
+    plain = omega_conf_to_dataclass(_plain_actor_config())
+    loss, _ = call_verl("m2po", plain, batch)
+    torch.testing.assert_close(loss, core_loss("m2po", batch, {"threshold": 0.04}))
+
+
+def _plain_actor_config():
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose("ppo_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    return cfg.actor_rollout_ref.actor
+
+
+def test_global_batch_info_is_used():
+    batch = ref.random_batch(seed=22)
+    config = actor_config()
+    info = {"dp_size": 2, "batch_num_tokens": 60, "global_batch_size": 10, "loss_scale_factor": None}
+    config.global_batch_info.update(info)
+    for mode in ["token-mean", "seq-mean-token-mean"]:
+        loss, _ = call_verl("vespo", config, batch, mode)
+        log_prob, behav, advantages, mask = batch
+        expected, _ = POLICY_LOSSES["vespo"].fn(
+            log_prob, behav, advantages, mask, agg=LossAggregation(mode, **info), **default_method("vespo").loss_params
+        )
+        torch.testing.assert_close(loss, expected)
+
+
+def test_rollout_is_weights_multiply_the_token_loss():
+    batch = ref.random_batch(seed=23)
+    weights = torch.rand(batch[3].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    config = actor_config()
+    weighted, _ = call_verl("topr", config, batch, "token-sum", weights)
+    log_prob, behav, advantages, mask = batch
+    expected, _ = POLICY_LOSSES["topr"].fn(
+        log_prob, behav, advantages, mask, agg=lambda m, k: LossAggregation("token-sum")(m * weights, k)
+    )
+    torch.testing.assert_close(weighted, expected)
+
+
+def test_config_errors_name_the_key():
+    batch = ref.random_batch(seed=24)
+    wrong_method = actor_config("+actor_rollout_ref.actor.policy_loss.method=m2po")
+    with pytest.raises(ValueError, match="policy_loss.method='m2po' is a preset of loss 'm2po'"):
+        call_verl("seq_tis", wrong_method, batch)
+    unknown_param = actor_config("+actor_rollout_ref.actor.policy_loss.params.c=3")
+    with pytest.raises(ValueError, match=r"unknown keys \['c'\]"):
+        call_verl("seq_tis", unknown_param, batch)
+    missing = actor_config("+actor_rollout_ref.actor.policy_loss.method=seq_tis_c3")
+    with pytest.raises(ValueError, match="unknown method 'seq_tis_c3'"):
+        call_verl("seq_tis", missing, batch)

@@ -1,0 +1,1 @@
+"""The math of every method, as pure PyTorch functions (no framework import)."""

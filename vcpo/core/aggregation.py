@@ -1,0 +1,72 @@
+"""Reduction of a per-token loss matrix to the scalar loss, with verl's ``loss_agg_mode`` semantics.
+
+The modes and the global-batch normalisers (dp_size, batch_num_tokens, global_batch_size,
+loss_scale_factor) follow ``verl.trainer.ppo.core_algos.agg_loss`` exactly (a test compares the two),
+so a loss gives the same value in the CPU simulator and in verl. One difference is deliberate: a
+batch with no valid token reduces to an exact zero that keeps the autograd graph, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Σ values over ``mask``; ``where`` rather than a product, so inf/NaN at padding cannot leak."""
+    selected = torch.where(mask, values, torch.zeros_like(values))
+    return selected.sum() if dim is None else selected.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over ``mask``; 0 when the mask is empty."""
+    return masked_sum(values, mask) / mask.sum().clamp_min(1)
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """How a (B, T) loss matrix becomes the scalar that is backpropagated.
+
+    ``dp_size``, ``batch_num_tokens`` and ``global_batch_size`` describe the global batch when a
+    minibatch is split over data-parallel ranks and micro-batches (verl's ``global_batch_info``);
+    left ``None`` they default to this micro-batch's own counts.
+    """
+
+    mode: str = "token-mean"
+    dp_size: int = 1
+    batch_num_tokens: int | None = None
+    global_batch_size: int | None = None
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.mode!r}")
+        if self.dp_size > 1 and self.mode == "token-mean" and self.batch_num_tokens is None:
+            raise ValueError("batch_num_tokens (global) is required for token-mean when dp_size > 1")
+        if self.dp_size > 1 and self.mode.startswith("seq-mean") and self.global_batch_size is None:
+            raise ValueError("global_batch_size is required for seq-mean modes when dp_size > 1")
+
+    def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.mode == "token-mean":
+            tokens = mask.sum() if self.batch_num_tokens is None else self.batch_num_tokens
+            return masked_sum(loss_mat, mask) / _at_least_one(tokens) * self.dp_size
+        if self.mode == "token-sum":
+            return masked_sum(loss_mat, mask) * self.dp_size
+        token_counts = mask.sum(-1)
+        seq_losses = masked_sum(loss_mat, mask, dim=-1)
+        if self.mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / token_counts.clamp_min(1)
+        has_tokens = token_counts > 0
+        sequences = has_tokens.sum() if self.global_batch_size is None else self.global_batch_size
+        loss = masked_sum(seq_losses, has_tokens) / _at_least_one(sequences) * self.dp_size
+        if self.mode == "seq-mean-token-sum-norm":
+            loss = loss / (mask.shape[-1] if self.loss_scale_factor is None else self.loss_scale_factor)
+        return loss
+
+
+def _at_least_one(count: torch.Tensor | int) -> torch.Tensor | int:
+    """An empty batch has a zero numerator; dividing by 1 keeps the loss an exact, finite zero."""
+    return count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1)

@@ -1,0 +1,120 @@
+"""Off-policy optimal baseline, OPOB (VCPO §3.3, App. B, Eq. 7 / 13).
+
+For Ĝ(b) = (1/B) Σ_i w_i (R_i − b) g_i the variance-minimising scalar baseline is
+
+    b* = Σ_i w_i² ||g_i||² R_i / Σ_i w_i² ||g_i||²                      (Eq. 7)
+
+i.e. a weighted mean of the rewards with weights c_i = w_i² ||g_i||². The weights are formed in log
+space (log c_i = 2 s_i + log ||g_i||²) and normalised with a softmax, so a sequence log-ratio of
+hundreds neither overflows nor underflows the baseline. With ||g_i||² replaced by the response length
+and w ≡ 1 the same formula is OPO's length-weighted baseline b = Σ L_i R_i / Σ L_i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vcpo.core.validation import check_float, check_sequence_inputs
+
+OPOB_VARIANTS = ("paper", "official")
+
+
+def group_index(groups: torch.Tensor | None, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels to 0..G-1; ``None`` puts the whole batch in one group."""
+    if groups is None:
+        return torch.zeros(batch_size, dtype=torch.long, device=device), 1
+    check_sequence_inputs(batch_size, groups=groups)
+    if groups.is_floating_point():
+        raise ValueError(f"groups must hold integer labels, got dtype {groups.dtype}")
+    labels, index = torch.unique(groups, return_inverse=True)
+    return index.to(device), labels.numel()
+
+
+def group_softmax(logits: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Softmax of ``logits`` within each group; a group whose logits are all -inf gets all zeros."""
+    group_max = torch.full((num_groups,), -torch.inf, dtype=logits.dtype, device=logits.device)
+    group_max = group_max.scatter_reduce(0, index, logits, reduce="amax")
+    shifted = logits - group_max[index]
+    weights = torch.where(torch.isfinite(shifted), torch.exp(shifted), torch.zeros_like(shifted))
+    totals = torch.zeros(num_groups, dtype=logits.dtype, device=logits.device).index_add(0, index, weights)
+    return torch.where(totals[index] > 0, weights / totals[index].clamp_min(torch.finfo(logits.dtype).tiny), 0.0)
+
+
+def opob_baseline(
+    rewards: torch.Tensor,
+    grad_sq_norms: torch.Tensor,
+    seq_log_weights: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
+    *,
+    variant: str = "paper",
+    tis_cap: float | None = None,
+) -> torch.Tensor:
+    """Per-sequence OPOB baseline b*_{g(i)} (VCPO Eq. 7), shape (B,).
+
+    Args:
+        rewards: R_i, shape (B,).
+        grad_sq_norms: ||g_i||² of the per-sequence gradient that actually enters the update
+            (e.g. of mean_t l^θ when the loss averages tokens per sequence), shape (B,), >= 0.
+        seq_log_weights: s_i = Σ_t (l^θ − l^μ), the log of the UNCLIPPED sequence ratio; ``None``
+            means on-policy (w ≡ 1), which gives the gradient-norm-weighted on-policy baseline.
+        groups: prompt-group label per sequence; ``None`` = one baseline for the whole batch
+            (scope "batch"); labels = one baseline per group (scope "group", the official default).
+        variant: "paper" uses w_i² once, as in Eq. 7. "official" reproduces the authors' code, whose
+            gradient norm already carries the truncated weight min(w_i, c), giving coefficients
+            w_i² · min(w_i, c)² · ||g_i||²; it needs ``tis_cap`` = c.
+
+    A group whose coefficients are all zero (every norm zero) gets b = 0, the ε → 0 limit of
+    N/(D+ε) in Algorithm 1; its sequences contribute no gradient whatever the baseline.
+    """
+    check_float(rewards, "rewards")
+    check_float(grad_sq_norms, "grad_sq_norms")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (one reward per sequence), got {tuple(rewards.shape)}")
+    batch_size = rewards.shape[0]
+    check_sequence_inputs(batch_size, grad_sq_norms=grad_sq_norms, seq_log_weights=seq_log_weights)
+    if bool((grad_sq_norms < 0).any()) or not bool(torch.isfinite(grad_sq_norms).all()):
+        raise ValueError("grad_sq_norms must be finite and non-negative")
+    if variant not in OPOB_VARIANTS:
+        raise ValueError(f"variant must be one of {OPOB_VARIANTS}, got {variant!r}")
+    if variant == "official" and not (tis_cap is not None and tis_cap > 0):
+        raise ValueError("variant='official' needs tis_cap > 0 (the TIS truncation c carried by the gradient norm)")
+
+    dtype = torch.float64
+    log_coef = torch.log(grad_sq_norms.detach().to(dtype))
+    if seq_log_weights is not None:
+        s = seq_log_weights.detach().to(dtype)
+        log_coef = log_coef + 2.0 * s
+        if variant == "official":
+            log_coef = log_coef + 2.0 * torch.clamp(s, max=torch.log(torch.tensor(tis_cap, dtype=dtype)).item())
+    index, num_groups = group_index(groups, batch_size, rewards.device)
+    weights = group_softmax(log_coef, index, num_groups)
+    baseline = torch.zeros(num_groups, dtype=dtype, device=rewards.device)
+    baseline = baseline.index_add(0, index, weights * rewards.detach().to(dtype))
+    return baseline[index].to(rewards.dtype)
+
+
+def baseline_advantages(
+    rewards: torch.Tensor,
+    baseline: torch.Tensor,
+    groups: torch.Tensor | None = None,
+    *,
+    norm_by_std: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """A_i = (R_i − b_i), divided by the group's population reward std σ_g when ``norm_by_std``.
+
+    Mirrors the official VCPO update Σ_i (R_i − b_g)/σ_g · g_i; a group with σ_g <= eps (all rewards
+    equal) is not divided (its R_i − b_g is already zero when b_g is a weighted mean of its rewards).
+    """
+    check_float(rewards, "rewards")
+    check_sequence_inputs(rewards.shape[0], baseline=baseline)
+    advantages = rewards - baseline
+    if not norm_by_std:
+        return advantages
+    index, num_groups = group_index(groups, rewards.shape[0], rewards.device)
+    r = rewards.to(torch.float64)
+    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, index, torch.ones_like(r))
+    mean = torch.zeros_like(counts).index_add(0, index, r) / counts
+    var = torch.zeros_like(counts).index_add(0, index, (r - mean[index]) ** 2) / counts
+    std = var.sqrt()[index]
+    return torch.where(std > eps, advantages / std.clamp_min(eps).to(advantages.dtype), advantages)
