@@ -11,7 +11,6 @@ import math
 
 import torch
 
-
 LENGTHS = [9, 4, 1, 7, 0, 6]  # a one-token and an all-padding sequence included
 
 

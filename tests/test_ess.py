@@ -31,7 +31,7 @@ def test_matches_direct_formula():
     expected = direct_ess([math.exp(v) for v in s.tolist()])
     assert math.exp(log_effective_sample_size(s)) == pytest.approx(expected, rel=1e-12)
     valid = torch.arange(20) % 3 != 0
-    expected_valid = direct_ess([math.exp(v) for v, k in zip(s.tolist(), valid.tolist()) if k])
+    expected_valid = direct_ess([math.exp(v) for v, k in zip(s.tolist(), valid.tolist(), strict=True) if k])
     assert ess_ratio(s, valid).item() == pytest.approx(expected_valid / int(valid.sum()), rel=1e-12)
 
 

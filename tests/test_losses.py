@@ -4,9 +4,11 @@ loss value and gradient w.r.t. the learner log-probs, random inputs with padding
 import pytest
 import torch
 
-import reference as ref
 from vcpo.core import losses
 from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+
+import reference as ref
+
 
 def run(fn, batch, mode, **params):
     log_prob, behav, advantages, mask = batch

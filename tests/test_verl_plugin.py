@@ -13,10 +13,11 @@ from hydra import compose, initialize_config_dir
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 
-import reference as ref
 from vcpo.core.aggregation import LossAggregation
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import default_method, get_method
+
+import reference as ref
 
 NAMES = ["seq_tis", "token_tis", "geo_tis", "seq_mis", "token_mis", "geo_mis", "dsv32_mis", "m2po", "vespo", "p3o", "vaco", "topr"]
 

@@ -74,9 +74,9 @@ def scaled_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> Iter
         raise ValueError(f"scale must be a finite non-negative number, got {scale}")
     saved = [group["lr"] for group in optimizer.param_groups]
     try:
-        for group, lr in zip(optimizer.param_groups, saved):
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr * scale
         yield
     finally:
-        for group, lr in zip(optimizer.param_groups, saved):
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr

@@ -7,9 +7,9 @@ the presets, never here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 from vcpo.core import losses
 

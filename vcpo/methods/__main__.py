@@ -50,7 +50,7 @@ def _rows() -> list[list[str]]:
 def print_table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, ["-" * w for w in widths] + ["-" * len(header[-1])], *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

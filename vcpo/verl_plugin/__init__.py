@@ -1,0 +1,98 @@
+"""verl plugin: every ``vcpo.core`` policy loss in verl's policy-loss registry.
+
+Loaded through the ``verl.plugins`` entry point, so a plain ``import verl`` makes
+``verl.trainer.ppo.core_algos.get_policy_loss_fn(name)`` return our losses under the names of
+``vcpo.core.registry.POLICY_LOSSES`` (seq_tis, token_tis, geo_tis, seq_mis, token_mis, geo_mis,
+dsv32_mis, m2po, vespo, p3o, vaco, topr), with verl's ``PolicyLossFn`` signature and
+``loss_agg_mode`` / global-batch semantics. ``old_log_prob`` is the behaviour log-prob l^μ (bypass
+mode: old = rollout log-probs).
+
+Hyper-parameters come from a method preset (``recipes/methods``): the one named by
+``policy_loss.method``, else the loss's default preset; ``policy_loss.params`` overrides single
+values. Both need the config class below, e.g. as Hydra overrides::
+
+    actor_rollout_ref.actor.policy_loss._target_=vcpo.verl_plugin.VcpoPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis
+    +actor_rollout_ref.actor.policy_loss.method=seq_tis_c2
+    +actor_rollout_ref.actor.policy_loss.params.hi=4.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+from verl.workers.config import PolicyLossConfig
+
+from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
+from vcpo.methods import default_method, get_method
+
+
+@dataclass
+class VcpoPolicyLossConfig(PolicyLossConfig):
+    """verl's policy-loss config plus the vcpo method preset and parameter overrides."""
+
+    method: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_params(loss_name: str, policy_loss_config: Any) -> dict[str, Any]:
+    """Preset values for ``loss_name``, overridden by ``policy_loss.params``; bad names raise."""
+    get = getattr(policy_loss_config, "get", None)
+    method_name = get("method", None) if get else None
+    method = get_method(method_name) if method_name else default_method(loss_name)
+    if method.loss_name != loss_name:
+        raise ValueError(
+            f"policy_loss.method={method.name!r} is a preset of loss {method.loss_name!r}, not of loss_mode {loss_name!r}"
+        )
+    params = method.loss_params
+    overrides = dict(get("params", None) or {}) if get else {}
+    unknown = sorted(set(overrides) - set(params))
+    if unknown:
+        raise ValueError(f"policy_loss.params has unknown keys {unknown} for loss {loss_name!r}; it takes {sorted(params)}")
+    params.update(overrides)
+    return params
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One device-to-host copy for all metrics instead of one sync per ``.item()``."""
+    if not metrics:
+        return {}
+    values = torch.stack([value.detach().to(torch.float64).reshape(()) for value in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
+
+
+def _as_verl_loss(loss: PolicyLoss):
+    def policy_loss_fn(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        policy_config = config.get("policy_loss", None) if config is not None else None
+        batch_info = dict(config.get("global_batch_info", None) or {}) if config is not None else {}
+
+        def aggregate(loss_mat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            # verl's convention: decoupled-mode rollout IS weights multiply the per-token loss.
+            if rollout_is_weights is not None:
+                loss_mat = loss_mat * rollout_is_weights
+            return agg_loss(loss_mat=loss_mat, loss_mask=keep, loss_agg_mode=loss_agg_mode, **batch_info)
+
+        value, metrics = loss.fn(
+            log_prob, old_log_prob, advantages, response_mask, agg=aggregate, **resolve_params(loss.name, policy_config)
+        )
+        return value, metrics_to_floats(metrics)
+
+    policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = f"vcpo_{loss.name}"
+    core_fn = getattr(loss.fn, "func", loss.fn)  # unwrap the registry's functools.partial
+    policy_loss_fn.__doc__ = f"vcpo policy loss {loss.name!r}: {loss.weight}. Math: vcpo.core.losses.{core_fn.__name__}."
+    return policy_loss_fn
+
+
+for _loss in POLICY_LOSSES.values():
+    register_policy_loss(_loss.name)(_as_verl_loss(_loss))
