@@ -1,0 +1,41 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
+
+
+@dataclass(frozen=True)
+class BenchmarkData:
+    """Where the benchmark files are: the full set (``real``) or this project's 20-row fixtures."""
+
+    root: Path
+    real: bool
+
+    def file(self, benchmark: str) -> Path:
+        return self.root / benchmark / "test.jsonl"
+
+
+@pytest.fixture(scope="session")
+def benchmark_data() -> BenchmarkData:
+    """The folder named by ``VCPO_SHARED_DATA`` (CI sets it to shared/data), else tests/fixtures/data."""
+    shared = os.environ.get("VCPO_SHARED_DATA")
+    if not shared:
+        return BenchmarkData(FIXTURE_DATA, real=False)
+    if not Path(shared).is_dir():
+        raise FileNotFoundError(f"VCPO_SHARED_DATA={shared} is not a folder")
+    return BenchmarkData(Path(shared), real=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 checkpoint with a locally trained tokenizer (vcpo.tiny), saved once per session."""
+    from vcpo.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), vocab_size=320, hidden_size=32, num_layers=1)

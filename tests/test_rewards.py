@@ -1,0 +1,347 @@
+"""Rewards: GSM8K, math-verify in worker processes, Countdown, and their behaviour on hostile input."""
+
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vcpo.data import load_rows
+from vcpo.rewards import REASONS, compute_score, countdown_ground_truth, reward_stats, score_batch
+from vcpo.rewards.adversarial import ADVERSARIAL_KINDS, adversarial_answers
+from vcpo.rewards.math_workers import MathVerifyPool
+
+RESULT_KEYS = {"score", "acc", "reason", "truncated"}
+
+
+def reason(data_source, solution, ground_truth, **options):
+    result = compute_score(data_source, solution, ground_truth, **options)
+    assert set(result) == RESULT_KEYS and result["reason"] in REASONS
+    assert result["score"] == (1.0 if result["reason"] == "correct" else 0.0) and result["acc"] == (
+        result["score"] == 1.0
+    )
+    return result["reason"]
+
+
+@pytest.mark.parametrize(
+    "solution, gold, expected",
+    [
+        ("She makes 9 * 2 = $18.\n#### 18", "18", "correct"),
+        ("#### 1,000.", "1000", "correct"),
+        ("#### $18.00", "18", "correct"),
+        ("####18 dollars", "18", "correct"),
+        ("#### -3", "-3", "correct"),
+        ("first #### 5, then corrected: #### 18", "18", "correct"),
+        ("#### 18", "2,125", "wrong"),
+        ("#### 2125", "2,125", "correct"),
+        ("#### 17", "18", "wrong"),
+        ("The answer is 18.", "18", "no_answer"),
+        ("#### eighteen", "18", "invalid"),
+        ("", "18", "no_answer"),
+    ],
+)
+def test_gsm8k_requires_the_hash_format(solution, gold, expected):
+    assert reason("gsm8k", solution, gold) == expected
+
+
+@pytest.mark.parametrize(
+    "solution, gold, expected",
+    [
+        (r"so $\boxed{\frac12}$", r"\frac{1}{2}", "correct"),
+        (r"so $\boxed{0.5}$", r"\frac{1}{2}", "correct"),
+        (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)", "correct"),
+        (r"\boxed{25}", "25", "correct"),
+        (r"\boxed{26}", "25", "wrong"),
+        ("I do not know.", "25", "no_answer"),
+        (r"\boxed{9^{9^{9^9}}}", "25", "invalid"),  # 370-million-digit exponent: refused, not computed
+        ("\\boxed{" + "{" * 100 + "1" + "}" * 100 + "}", "1", "invalid"),  # nesting beyond any real answer
+    ],
+)
+def test_math_answers(solution, gold, expected):
+    assert reason("aime24", solution, gold) == expected
+
+
+def test_long_outputs_keep_their_tail_and_say_so():
+    result = compute_score("math500", "x" * 1_000_000 + r" so \boxed{42}", "42")
+    assert result == {"score": 1.0, "acc": True, "reason": "correct", "truncated": True}
+    assert compute_score("math500", r"\boxed{42}", "42")["truncated"] is False
+
+
+def test_unknown_data_source_and_bad_ground_truth_are_errors():
+    with pytest.raises(ValueError, match="no reward for data_source 'openai/gsm9k'"):
+        compute_score("openai/gsm9k", "#### 1", "1")
+    with pytest.raises(ValueError, match="GSM8K ground_truth must be a number"):
+        compute_score("gsm8k", "#### 1", "one")
+    with pytest.raises(ValueError, match="countdown ground_truth"):
+        compute_score("countdown", "<answer>1</answer>", '{"numbers": [1]}')
+
+
+def test_score_batch_keeps_order_and_checks_lengths():
+    results = score_batch(
+        ["gsm8k", "aime24", "countdown", "aime24"],
+        ["#### 3", r"\boxed{7}", "<answer>1 + 2</answer>", r"\boxed{8}"],
+        ["3", "7", countdown_ground_truth([1, 2], 3), "7"],
+        workers=2,
+    )
+    assert [result["reason"] for result in results] == ["correct", "correct", "correct", "wrong"]
+    with pytest.raises(ValueError, match="solutions has 1 items, data_sources has 2"):
+        score_batch(["gsm8k", "gsm8k"], ["#### 1"], ["1", "1"])
+
+
+# ---- Countdown ----------------------------------------------------------------------------------
+
+PUZZLE = countdown_ground_truth([36, 29, 95, 32, 4, 15], 139)
+
+
+@pytest.mark.parametrize(
+    "solution, expected",
+    [
+        ("<answer>15 - 4 + 95 + 36 - 32 + 29</answer>", "correct"),
+        (r"\boxed{(15 - 4) + 95 + 36 - 32 + 29}", "correct"),
+        ("<answer>15 - 4 + 95 + 36 - 32 + 29</answer> oops <answer>1</answer>", "invalid"),  # the last tag counts
+        (r"<answer>0</answer> ... \boxed{15 - 4 + 95 + 36 - 32 + 29}", "correct"),  # a later box wins
+        ("<answer>15 - 4 + 95 + 36 - 32 - 29</answer>", "wrong"),
+        ("<answer>15 - 4 + 95 + 36 - 32</answer>", "invalid"),  # 29 missing
+        ("<answer>15 - 4 + 95 + 36 - 32 + 29 + 29 - 29</answer>", "invalid"),  # 29 used three times
+        ("<answer>15 − 4 + 95 + 36 − 32 + 29</answer>", "invalid"),  # U+2212 minus is not ASCII
+        ("<answer>-4 + 15 + 95 + 36 - 32 + 29</answer>", "correct"),  # a leading minus is allowed
+        ("<answer>-(4 - 15) + 95 + 36 - 32 + 29</answer>", "correct"),
+        ("<answer>+15 - 4 + 95 + 36 - 32 + 29</answer>", "invalid"),  # unary plus is not
+        ("<answer>15 - 4 + 95 + 36 - 32 + 29 = 139</answer>", "invalid"),
+        ("<answer>9**9**9</answer>", "invalid"),
+        ("<answer>__import__('os').system('true')</answer>", "invalid"),
+        ("<answer></answer>", "no_answer"),
+        ("", "no_answer"),
+        ("１５ - ４ + ９５ + ３６ - ３２ + ２９", "no_answer"),
+        ("<answer>１５ - ４ + ９５ + ３６ - ３２ + ２９</answer>", "invalid"),  # full-width digits
+        ("<answer>" + "(" * 2000 + "15" + ")" * 2000 + "</answer>", "invalid"),  # over the length cap
+    ],
+)
+def test_countdown_rules_and_rejections_are_fast(solution, expected):
+    started = time.monotonic()
+    assert reason("countdown", solution, PUZZLE) == expected
+    assert time.monotonic() - started <= 1.0
+
+
+def test_countdown_operator_spellings_and_exact_fractions():
+    puzzle = countdown_ground_truth([6, 4, 3, 2], 10)
+    assert reason("countdown", r"\boxed{6 \times 4 \div 3 + 2}", puzzle) == "correct"
+    assert reason("countdown", "<answer>6 × 4 ÷ 3 + 2</answer>", puzzle) == "correct"
+    assert reason("countdown", "<answer>(6 / 4) * (2 + 3) + 2.5</answer>", puzzle) == "invalid"  # no decimals
+    assert (
+        reason("countdown", "<answer>6 / (4 - 2 * 2) + 3</answer>", countdown_ground_truth([6, 4, 2, 2, 3], 3))
+        == "invalid"
+    )
+    # 1/3 + 2/3 is exactly 1 over fractions; floats would give 0.9999999999999999.
+    assert reason("countdown", "<answer>1 / 3 + 2 / 3</answer>", countdown_ground_truth([1, 3, 2, 3], 1)) == "correct"
+
+
+def test_countdown_oracle_expressions_score_one_and_shuffled_targets_zero():
+    rows = load_rows("countdown", "validation", size=100)
+    oracles = [row["extra_info"]["answer"] for row in rows]
+    golds = [row["reward_model"]["ground_truth"] for row in rows]
+    assert [
+        reason("countdown", f"<answer>{oracle}</answer>", gold) for oracle, gold in zip(oracles, golds, strict=True)
+    ] == ["correct"] * len(rows)
+    # Each oracle against the next puzzle: other numbers, so never correct.
+    shifted = [
+        reason("countdown", f"<answer>{oracle}</answer>", gold)
+        for oracle, gold in zip(oracles, golds[1:] + golds[:1], strict=True)
+    ]
+    assert "correct" not in shifted
+
+
+# ---- gold answers of the real benchmarks --------------------------------------------------------
+
+
+def gold_solutions(benchmark, rows):
+    """What a perfect model would write: GSM8K's own reference solution, else the gold in \\boxed{}."""
+    if benchmark == "gsm8k":
+        return [row["extra_info"]["answer"] for row in rows]
+    return [f"The final answer is $\\boxed{{{row['reward_model']['ground_truth']}}}$." for row in rows]
+
+
+def derangement(count, seed=0):
+    rng = random.Random(seed)
+    order = list(range(count))
+    while any(index == target for index, target in enumerate(order)):
+        rng.shuffle(order)
+    return order
+
+
+# Deranged pairs that still score 1 although their gold strings differ, each checked by hand: the
+# seed-0 derangement of the full MATH test set pairs these equal answers.
+EQUIVALENT_GOLDS = {frozenset({"9", r"9 \text{ multiples}"})}  # math-verify ignores the unit text
+
+
+@pytest.mark.parametrize(
+    "benchmark", ["gsm8k", "math500", "aime24", "aime25", "amc23", pytest.param("math", marks=pytest.mark.slow)]
+)
+def test_every_gold_answer_scores_one_and_a_deranged_gold_zero(benchmark, benchmark_data):
+    rows = load_rows(benchmark, "test", source=benchmark_data.file(benchmark))
+    golds = [row["reward_model"]["ground_truth"] for row in rows]
+    solutions = gold_solutions(benchmark, rows)
+    sources = [benchmark] * len(rows)
+
+    results = score_batch(sources, solutions, golds, workers=2)
+    assert [index for index, result in enumerate(results) if result["score"] != 1.0] == []
+
+    order = derangement(len(rows))
+    results = score_batch(sources, [solutions[target] for target in order], golds, workers=2)
+    nonzero = {index for index, result in enumerate(results) if result["score"] != 0.0}
+    # Only duplicate answers may score: two problems whose golds are the same value.
+    same_gold = {
+        index
+        for index, target in enumerate(order)
+        if golds[index] == golds[target] or frozenset({golds[index], golds[target]}) in EQUIVALENT_GOLDS
+    }
+    assert nonzero == same_gold
+
+
+# ---- worker processes: timeouts, crashes, hostile input -----------------------------------------
+
+
+def test_a_timed_out_answer_is_counted_and_the_worker_replaced():
+    pool = MathVerifyPool(1)
+    try:
+        slow = r"\boxed{" + "{" * 11 + "1" + "}" * 11 + "}"  # depth 12, the most allowed: about a second
+        started = time.monotonic()
+        assert pool.judge(slow, "1", timeout_s=0.05) == "timeout"
+        assert time.monotonic() - started < 1.0
+        assert pool.stats()["timeouts"] == 1
+        assert pool.judge(r"\boxed{2}", "2", timeout_s=30) == "correct"
+        assert pool.stats() == {"timeouts": 1, "worker_errors": 0, "workers_started": 2}
+    finally:
+        pool.close()
+
+
+def test_a_crashed_worker_gives_error_and_is_replaced():
+    pool = MathVerifyPool(1)
+    try:
+        assert pool.judge(r"\boxed{2}", "2", timeout_s=30) == "correct"
+        (worker,) = pool._workers
+        worker._process.kill()
+        worker._process.wait()
+        assert pool.judge(r"\boxed{2}", "2", timeout_s=30) == "error"
+        assert pool.judge(r"\boxed{2}", "2", timeout_s=30) == "correct"
+        assert pool.stats()["worker_errors"] == 1
+    finally:
+        pool.close()
+
+
+def test_shared_pool_reports_timeouts_from_compute_score():
+    before = reward_stats()["timeouts"]
+    slow = r"\boxed{" + "{" * 11 + "1" + "}" * 11 + "}"
+    assert compute_score("math500", slow, "1", timeout_s=0.05)["reason"] == "timeout"
+    assert reward_stats()["timeouts"] == before + 1
+
+
+def score_adversarial(count, timeout_s):
+    answers = [answer for _, answer in adversarial_answers(count, seed=7)]
+    timings = {}
+    results = {}
+    for data_source, gold in [("aime24", "25"), ("gsm8k", "25"), ("countdown", countdown_ground_truth([25, 1], 25))]:
+        started = time.monotonic()
+        results[data_source] = score_batch(
+            [data_source] * count, answers, [gold] * count, timeout_s=timeout_s, workers=2
+        )
+        timings[data_source] = time.monotonic() - started
+    return results, timings
+
+
+def check_adversarial(results, timings, math_bound_s):
+    for data_source, batch in results.items():
+        assert all(result["score"] == 0.0 for result in batch), data_source
+        assert all(result["reason"] in REASONS for result in batch)
+    assert timings["gsm8k"] < 2.0 and timings["countdown"] < 2.0
+    assert timings["aime24"] < math_bound_s
+    reasons = {}
+    for result in results["aime24"]:
+        reasons[result["reason"]] = reasons.get(result["reason"], 0) + 1
+    print(f"math-verify on adversarial answers: {reasons} in {timings['aime24']:.1f} s")
+
+
+def test_adversarial_answers_are_scored_zero_in_bounded_time():
+    count = 4 * len(ADVERSARIAL_KINDS)
+    results, timings = score_adversarial(count, timeout_s=2.0)
+    # Each answer is bounded by the 2 s timeout, but the screens keep nearly all far below it.
+    check_adversarial(results, timings, math_bound_s=20.0)
+
+
+@pytest.mark.slow
+def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time():
+    before = reward_stats()["timeouts"]
+    results, timings = score_adversarial(1000, timeout_s=5.0)
+    check_adversarial(results, timings, math_bound_s=180.0)
+    timed_out = sum(result["reason"] == "timeout" for result in results["aime24"])
+    assert reward_stats()["timeouts"] - before == timed_out
+
+
+# ---- verl integration ---------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """Just enough of a tokenizer for verl's reward manager: one token per character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(token)) for token in ids)
+
+
+def as_tokens(texts, width):
+    ids = torch.zeros(len(texts), width, dtype=torch.long)
+    mask = torch.zeros(len(texts), width, dtype=torch.long)
+    for row, text in enumerate(texts):
+        ids[row, : len(text)] = torch.tensor([ord(char) for char in text])
+        mask[row, : len(text)] = 1
+    return ids, mask
+
+
+def test_plugs_into_verl_as_custom_reward_function():
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.workers.reward_manager.naive import NaiveRewardManager
+
+    config = OmegaConf.create(
+        {
+            "reward": {
+                "custom_reward_function": {
+                    "path": "pkg://vcpo.rewards",
+                    "name": "compute_score",
+                    "reward_kwargs": {"timeout_s": 10},
+                }
+            }
+        }
+    )
+    reward_fn = get_custom_reward_fn(config)
+    responses = ["#### 18", r"so \boxed{5}", "<answer>2 * 3</answer>"]
+    prompts, prompt_mask = as_tokens(["q"] * 3, 4)
+    response_ids, response_mask = as_tokens(responses, 32)
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": response_ids,
+            "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        },
+        non_tensors={
+            "data_source": np.array(["gsm8k", "aime24", "countdown"], dtype=object),
+            "reward_model": np.array(
+                [{"ground_truth": "18"}, {"ground_truth": "4"}, {"ground_truth": countdown_ground_truth([3, 2], 6)}],
+                dtype=object,
+            ),
+            "extra_info": np.array([{}, {}, {}], dtype=object),
+        },
+    )
+    output = NaiveRewardManager(CharTokenizer(), num_examine=0, compute_score=reward_fn)(batch, return_dict=True)
+    last_token = [len(text) - 1 for text in responses]
+    assert output["reward_tensor"][range(3), last_token].tolist() == [1.0, 0.0, 1.0]
+    assert output["reward_tensor"].sum().item() == 2.0
+    assert output["reward_extra_info"]["reason"] == ["correct", "wrong", "correct"]
+    assert {key: len(values) for key, values in output["reward_extra_info"].items()} == {key: 3 for key in RESULT_KEYS}
+
+
+def test_results_are_json_serialisable():
+    result = compute_score("countdown", "<answer>2 * 3</answer>", {"numbers": [2, 3], "target": 6})
+    assert json.loads(json.dumps(result)) == result

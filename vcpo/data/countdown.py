@@ -1,0 +1,105 @@
+"""Countdown puzzles generated offline with Reasoning Gym, split into train and validation (VCPO App. F).
+
+One seeded set of ``size`` distinct puzzles (default 10,000) is generated; the last tenth is the
+validation split (1,000) and the rest the train split (9,000). Puzzles are identified by their
+numbers (as a multiset) and target, and duplicates are skipped during generation, so the two splits
+can never share a puzzle.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+DEFAULT_SIZE = 10_000
+VALIDATION_FRACTION = 0.1
+# Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
+_MAX_DRAWS_PER_PUZZLE = 4
+# Indices generated per worker task: large enough to amortise the worker start, small enough to
+# stop soon after ``size`` distinct puzzles exist.
+_CHUNK = 500
+
+
+def countdown_split(split: str, size: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """The Reasoning Gym entries of ``split`` ("train" or "validation") of the ``size``-puzzle set."""
+    train, validation = _train_and_validation(size or DEFAULT_SIZE, seed)
+    return list({"train": train, "validation": validation}[split])
+
+
+def puzzle_key(entry: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    """What makes two puzzles the same: their numbers as a multiset and their target."""
+    return tuple(sorted(entry["metadata"]["numbers"])), entry["metadata"]["target"]
+
+
+@functools.lru_cache(maxsize=4)
+def _train_and_validation(size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    if size < 2:
+        raise ValueError(f"countdown size must be >= 2 (one train and one validation puzzle), got {size}")
+    puzzles = _cached_distinct_puzzles(size, seed)
+    validation_count = max(1, round(size * VALIDATION_FRACTION))
+    train, validation = puzzles[:-validation_count], puzzles[-validation_count:]
+    shared = {puzzle_key(entry) for entry in train} & {puzzle_key(entry) for entry in validation}
+    if shared:
+        raise AssertionError(f"countdown train and validation share {len(shared)} puzzles")
+    return train, validation
+
+
+def cache_dir() -> Path:
+    """Where generated puzzle sets are kept: $VCPO_CACHE_DIR, else ~/.cache/vcpo."""
+    return Path(os.environ.get("VCPO_CACHE_DIR") or Path.home() / ".cache" / "vcpo")
+
+
+def _cached_distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
+    """The puzzle set, generated once per (size, seed, Reasoning Gym version) and kept on disk:
+    the full set takes minutes to generate, and every process that trains or evaluates needs it."""
+    import reasoning_gym
+
+    path = cache_dir() / f"countdown-{size}-seed{seed}-rg{reasoning_gym.__version__}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    text = json.dumps(_distinct_puzzles(size, seed))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(text)
+    partial.replace(path)  # atomic: concurrent builders never read a half-written set
+    return json.loads(text)  # the same values (lists, not tuples) as a later cached read
+
+
+def _generate(seed: int, indices: range) -> list[dict[str, Any]]:
+    import reasoning_gym
+
+    generator = reasoning_gym.create_dataset("countdown", size=indices.stop, seed=seed)
+    return [generator[index] for index in indices]
+
+
+def _distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
+    """The first ``size`` distinct puzzles in index order. Reasoning Gym draws each index from its
+    own seed, so indices are generated in parallel chunks and deduplicated in order afterwards."""
+    puzzles: list[dict[str, Any]] = []
+    seen: set = set()
+    limit = size * _MAX_DRAWS_PER_PUZZLE
+    chunk = max(1, min(_CHUNK, size))
+    workers = min(os.cpu_count() or 1, 8)
+    chunks = (range(start, min(start + chunk, limit)) for start in range(0, limit, chunk))
+    with (
+        tqdm(total=size, desc=f"countdown puzzles (seed {seed})", unit="puzzle") as progress,
+        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        for entries in pool.map(functools.partial(_generate, seed), chunks):
+            for entry in entries:
+                if puzzle_key(entry) in seen:
+                    continue
+                seen.add(puzzle_key(entry))
+                puzzles.append(entry)
+                progress.update()
+                if len(puzzles) == size:
+                    pool.shutdown(cancel_futures=True)
+                    return puzzles
+    raise RuntimeError(f"Reasoning Gym gave fewer than {size} distinct countdown puzzles for seed {seed}")

@@ -1,0 +1,138 @@
+"""One entry point per use: ``compute_score`` for verl, ``score_batch`` for evaluation and simulation."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vcpo.rewards.countdown import score_countdown
+from vcpo.rewards.extract import keep_tail
+from vcpo.rewards.gsm8k import score_gsm8k
+
+logger = logging.getLogger(__name__)
+
+REASONS = ("correct", "wrong", "no_answer", "timeout", "invalid", "error")
+DEFAULT_TIMEOUT_S = 5.0
+# Final answers sit at the end of a response; the tail bounds the parsing cost of megabyte outputs
+# and still holds several thousand tokens of a normal response.
+MAX_SOLUTION_CHARS = 8_000
+
+# vcpo.data writes the task name as data_source; each names the rule that verifies its answers.
+REWARD_BY_DATA_SOURCE = {
+    "gsm8k": "gsm8k",
+    "countdown": "countdown",
+    **{name: "math" for name in ("math", "math500", "aime24", "aime25", "amc23", "dapo_math")},
+}
+_IN_PROCESS_SCORERS = {"gsm8k": score_gsm8k, "countdown": score_countdown}
+
+
+def reward_kind(data_source: str) -> str:
+    """``gsm8k``, ``countdown`` or ``math``: the rule that scores answers of ``data_source``."""
+    try:
+        return REWARD_BY_DATA_SOURCE[data_source]
+    except KeyError:
+        raise ValueError(f"no reward for data_source {data_source!r}; known: {sorted(REWARD_BY_DATA_SOURCE)}") from None
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """verl ``custom_reward_function``: ``{"score": 0.0|1.0, "acc": bool, "reason": str, "truncated": bool}``.
+
+    ``reason`` is one of :data:`REASONS`. ``truncated`` says that only the last ``MAX_SOLUTION_CHARS``
+    characters of the response were read. Every call returns the same keys, as verl's reward managers
+    collect each key into one column. ``extra_info`` and other keyword arguments that verl passes
+    (``reward_router_address``, ...) are accepted and not needed; ``timeout_s`` can be set through
+    ``custom_reward_function.reward_kwargs``.
+    """
+    return _score_one(reward_kind(data_source), solution_str, ground_truth, timeout_s)
+
+
+def score_batch(
+    data_sources: Sequence[str],
+    solutions: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict] | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    workers: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """:func:`compute_score` for many answers at once, math answers on ``workers`` processes in parallel.
+
+    Results come back in input order. ``extra_infos`` is accepted for symmetry with verl and unused.
+    """
+    columns = {"solutions": solutions, "ground_truths": ground_truths}
+    if extra_infos is not None:
+        columns["extra_infos"] = extra_infos
+    for name, column in columns.items():
+        if len(column) != len(data_sources):
+            raise ValueError(f"score_batch: {name} has {len(column)} items, data_sources has {len(data_sources)}")
+    kinds = [reward_kind(source) for source in data_sources]
+    thread_count = 1
+    if "math" in kinds:
+        thread_count = _math_pool(workers).size
+
+    def score(index: int) -> dict[str, Any]:
+        return _score_one(kinds[index], solutions[index], ground_truths[index], timeout_s)
+
+    with ThreadPoolExecutor(max_workers=thread_count) as executor:
+        results = list(
+            tqdm(executor.map(score, range(len(kinds))), total=len(kinds), desc="scoring", disable=not progress)
+        )
+    reasons = Counter(result["reason"] for result in results)
+    if reasons["timeout"] or reasons["error"]:
+        logger.warning(
+            "score_batch: %d of %d answers timed out (limit %.1f s), %d failed with a worker error",
+            reasons["timeout"],
+            len(results),
+            timeout_s,
+            reasons["error"],
+        )
+    return results
+
+
+def reward_stats() -> dict[str, int]:
+    """Totals of this process's math-verify workers: ``timeouts``, ``worker_errors``, ``workers_started``."""
+    return _math_pool(None).stats()
+
+
+def _score_one(kind: str, solution: Any, ground_truth: Any, timeout_s: float) -> dict[str, Any]:
+    if not isinstance(solution, str):
+        return _result("invalid", truncated=False)
+    solution, truncated = keep_tail(solution, MAX_SOLUTION_CHARS)
+    if kind == "math":
+        reason = _math_pool(None).judge(solution, _answer_text(ground_truth), timeout_s)
+    else:
+        reason = _IN_PROCESS_SCORERS[kind](solution, ground_truth)
+    return _result(reason, truncated)
+
+
+def _answer_text(ground_truth: Any) -> str:
+    if not isinstance(ground_truth, (str, int, float)) or not str(ground_truth).strip():
+        raise ValueError(f"math ground_truth must be a non-empty string or number, got {ground_truth!r}")
+    return str(ground_truth)
+
+
+def _result(reason: str, truncated: bool) -> dict[str, Any]:
+    correct = reason == "correct"
+    return {"score": 1.0 if correct else 0.0, "acc": correct, "reason": reason, "truncated": truncated}
+
+
+def _math_pool(workers: int | None):
+    # Imported on first use: the worker module loads sympy and math-verify, which the GSM8K and
+    # Countdown rewards (and vcpo.data) never need.
+    from vcpo.rewards.math_workers import shared_pool
+
+    return shared_pool(workers)
