@@ -1,0 +1,1 @@
+"""Evaluation entry point: ``python -m eval --help``. The logic lives in ``vcpo.evaluation``."""

@@ -1,0 +1,62 @@
+"""python -m eval --model PATH --benchmarks gsm8k,math500 --out DIR [options]
+
+Samples n completions per problem (vLLM on GPU machines, transformers otherwise), scores them with
+vcpo.rewards and writes per-sample jsonl and mean@n / pass@k summaries (see vcpo.evaluation.harness).
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from vcpo.evaluation import BACKENDS, run_evaluation
+
+BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE)
+    parser.add_argument("--n", type=int, help="samples per problem (default: per benchmark)")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--limit", type=int, help="evaluate only the first K problems of each benchmark")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--source-dir", type=Path, help="local benchmark files (as in shared/data) instead of the hub")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (transformers backend)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    summary = run_evaluation(
+        args.model,
+        [name.strip() for name in args.benchmarks.split(",") if name.strip()],
+        args.out,
+        benchmarks_file=args.benchmarks_file,
+        sampling_overrides={
+            "n": args.n,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens,
+        },
+        backend=args.backend,
+        limit=args.limit,
+        source_dir=args.source_dir,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    for name, result in summary["results"].items():
+        pass_at_k = ", ".join(f"pass@{k} {value:.3f}" for k, value in result["pass_at_k"].items())
+        print(f"{name}: mean@{result['sampling']['n']} {result['mean_at_n']:.3f}, {pass_at_k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Evaluation harness: pass@k / mean@n estimators, benchmark definitions, and an end-to-end CLI run."""
+
+import itertools
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from vcpo import data
+from vcpo.evaluation import (
+    SamplingParams,
+    benchmark_pass_at_k,
+    default_ks,
+    evaluate_benchmark,
+    load_benchmarks,
+    mean_at_n,
+    pass_at_k,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS_FILE = REPO / "eval" / "benchmarks.yaml"
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n samples (the first c correct) that contain a correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(sample < c for sample in subset) for subset in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_pass_at_k_matches_enumeration_of_all_subsets(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_hand_cases():
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(5, 5, 1) == 1.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(3, 1, 1) == pytest.approx(1 / 3)  # pass@1 is the plain accuracy
+
+
+def test_pass_at_k_is_stable_where_binomials_overflow_floats():
+    n, c, k = 2000, 37, 500
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert math.comb(n, k) > 10**308  # as a float this would be inf
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(3, 4, 1), (3, -1, 1), (3, 1, 0), (3, 1, 4)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_mean_at_n_and_benchmark_pass_at_k():
+    correct = [[True, False, False], [True, True, True], [False, False, False]]
+    assert mean_at_n(correct) == pytest.approx(4 / 9)
+    result = benchmark_pass_at_k(correct, [1, 2, 3])
+    assert result[1] == pytest.approx(4 / 9)  # pass@1 equals mean@n
+    assert result[2] == pytest.approx((2 / 3 + 1 + 0) / 3)  # 1 - C(2,2)/C(3,2) = 2/3 for one correct of three
+    assert result[3] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        mean_at_n([])
+
+
+def test_default_ks_are_powers_of_two_and_n():
+    assert default_ks(1) == [1]
+    assert default_ks(3) == [1, 2, 3]
+    assert default_ks(5) == [1, 2, 4, 5]
+    assert default_ks(16) == [1, 2, 4, 8, 16]
+
+
+def test_benchmark_file_carries_the_papers_sampling_defaults():
+    benchmarks = {
+        b.name: b
+        for b in load_benchmarks(BENCHMARKS_FILE, ["gsm8k", "math500", "aime24", "aime25", "amc23", "countdown"])
+    }
+    assert benchmarks["gsm8k"].sampling == SamplingParams(n=3, temperature=0.8, top_p=0.7, max_new_tokens=2048)
+    assert benchmarks["math500"].sampling.n == 3 and benchmarks["math500"].sampling.max_new_tokens == 4096
+    assert benchmarks["aime24"].sampling.n == benchmarks["aime25"].sampling.n == 5
+    assert (benchmarks["countdown"].task, benchmarks["countdown"].split) == ("countdown", "validation")
+    assert (benchmarks["gsm8k"].task, benchmarks["gsm8k"].split) == ("gsm8k", "test")
+
+
+def test_overrides_replace_benchmark_settings_and_bad_names_are_reported():
+    (aime,) = load_benchmarks(BENCHMARKS_FILE, ["aime25"], {"n": 2, "temperature": None, "max_new_tokens": 64})
+    assert aime.sampling == SamplingParams(n=2, temperature=0.8, top_p=0.7, max_new_tokens=64)
+    with pytest.raises(ValueError, match="gsm9k"):
+        load_benchmarks(BENCHMARKS_FILE, ["gsm9k"])
+    with pytest.raises(ValueError, match="top_p"):
+        load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"top_p": 1.5})
+
+
+def test_benchmark_definitions_with_unknown_keys_are_rejected(tmp_path):
+    path = tmp_path / "benchmarks.yaml"
+    path.write_text(
+        "benchmarks:\n  toy: {task: gsm8k, split: test, n: 2, temperature: 1.0, top_p: 1.0, max_new_tokens: 8, topk: 5}\n"
+    )
+    with pytest.raises(ValueError, match="topk"):
+        load_benchmarks(path, ["toy"])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+class ScriptedGenerator:
+    """Answers problem i correctly in its first ``correct_counts[i]`` samples; the others are wrong or
+    give no answer at all, alternately."""
+
+    def __init__(self, ground_truths: list[str], correct_counts: list[int]):
+        self.ground_truths, self.correct_counts = ground_truths, correct_counts
+
+    def generate(self, conversations, sampling, desc):
+        assert len(conversations) == len(self.ground_truths)
+        return [
+            [
+                f"Step by step. #### {truth}" if sample < correct else ("#### -1" if sample % 2 else "I do not know.")
+                for sample in range(sampling.n)
+            ]
+            for truth, correct in zip(self.ground_truths, self.correct_counts, strict=True)
+        ]
+
+
+def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
+    (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"n": 3})
+    rows = data.load_rows("gsm8k", "test", source=benchmark_data.file("gsm8k"))[:3]
+    generator = ScriptedGenerator([row["reward_model"]["ground_truth"] for row in rows], correct_counts=[0, 1, 3])
+    summary = evaluate_benchmark(
+        generator, gsm8k, tmp_path, limit=3, source_dir=benchmark_data.root, run_info={"model": "m"}
+    )
+
+    assert summary["mean_at_n"] == pytest.approx(4 / 9)
+    assert summary["pass_at_k"] == pytest.approx({"1": 4 / 9, "2": (0 + 2 / 3 + 1) / 3, "3": 2 / 3})
+    # Wrong samples alternate "I do not know." (index 0, 2) and "#### -1" (index 1).
+    assert (summary["reasons"]["correct"], summary["no_answer"], summary["reasons"]["wrong"]) == (4, 3, 2)
+    assert summary["timeouts"] == 0 and summary["model"] == "m" and summary["num_samples"] == 9
+
+    records = read_jsonl(tmp_path / "gsm8k" / "samples.jsonl")
+    assert [(r["problem_id"], r["sample_index"]) for r in records] == [
+        (row["extra_info"]["index"], sample) for row in rows for sample in range(3)
+    ]
+    assert [r["acc"] for r in records] == [False] * 3 + [True, False, False] + [True] * 3
+    assert json.loads((tmp_path / "gsm8k" / "summary.json").read_text()) == summary
+
+
+def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from eval.__main__ import main
+
+    out = tmp_path / "out"
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--benchmarks",
+        "gsm8k",
+        "--out",
+        str(out),
+        "--limit",
+        "3",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--backend",
+        "hf",
+        "--source-dir",
+        str(benchmark_data.root),
+    ]
+    assert main(argv) == 0
+
+    records = read_jsonl(out / "gsm8k" / "samples.jsonl")
+    assert len(records) == 6 and len({r["problem_id"] for r in records}) == 3
+    assert [r["sample_index"] for r in records] == [0, 1] * 3
+    assert set(records[0]) == {"problem_id", "sample_index", "completion", "score", "acc", "reason", "ground_truth"}
+    summary = json.loads((out / "gsm8k" / "summary.json").read_text())
+    assert (summary["num_problems"], summary["num_samples"], summary["backend"]) == (3, 6, "HFGenerator")
+    assert summary["sampling"] == {"n": 2, "temperature": 0.8, "top_p": 0.7, "max_new_tokens": 8, "seed": 0}
+    assert set(summary["pass_at_k"]) == {"1", "2"}
+    assert summary["mean_at_n"] == pytest.approx(sum(r["acc"] for r in records) / 6)
+    assert summary["no_answer"] == sum(r["reason"] == "no_answer" for r in records)
+    assert sum(summary["reasons"].values()) == 6
+    run = json.loads((out / "summary.json").read_text())
+    assert run["model"] == str(tiny_model_dir) and run["results"]["gsm8k"] == summary
+
+
+def test_source_dir_without_the_benchmark_file_is_reported(tmp_path):
+    (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"])
+    with pytest.raises(FileNotFoundError, match="gsm8k/test.jsonl"):
+        evaluate_benchmark(ScriptedGenerator([], []), gsm8k, tmp_path, source_dir=tmp_path)

@@ -1,0 +1,328 @@
+"""The Python sandbox stops hostile or broken programs without harming the calling process."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vcpo.tools import sandbox
+from vcpo.tools.sandbox import SandboxStatus, namespaces_available, run_python
+
+ISOLATIONS = ["hooks"] + (["namespaces"] if namespaces_available() else [])
+# Start-up (namespace setup, interpreter) plus killing and reaping, on a slow CI machine.
+OVERHEAD_S = 3.0
+IS_ROOT = os.geteuid() == 0
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of processes still running a sandbox (their command line names the sandbox directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"vcpo-sandbox-" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def sandbox_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("vcpo-sandbox-")}
+
+
+@pytest.fixture(params=ISOLATIONS)
+def isolation(request):
+    dirs_before = sandbox_dirs()
+    yield request.param
+    assert sandbox_processes() == [], "a sandboxed process outlived run_python"
+    assert sandbox_dirs() == dirs_before, "run_python left its working directory behind"
+
+
+def run_timed(code: str, **kwargs):
+    started = time.monotonic()
+    result = run_python(textwrap.dedent(code), **kwargs)
+    return result, time.monotonic() - started
+
+
+def test_normal_program_returns_its_output(isolation):
+    result = run_python(
+        "import sys\nprint(sum(range(101)))\nprint(input()[::-1], file=sys.stderr)", stdin="abc\n", isolation=isolation
+    )
+    assert (result.status, result.exit_code, result.stdout, result.stderr) == (SandboxStatus.OK, 0, "5050\n", "cba\n")
+    assert result.isolation == isolation and result.ok
+
+
+def test_exceptions_and_exit_codes_are_reported(isolation):
+    failed = run_python("x = 1\nraise ValueError('bad value')", isolation=isolation)
+    assert (failed.status, failed.exit_code) == (SandboxStatus.ERROR, 1)
+    assert 'File "main.py", line 2' in failed.stderr and "ValueError: bad value" in failed.stderr
+    assert run_python("import sys; sys.exit(3)", isolation=isolation).exit_code == 3
+    assert "SyntaxError" in run_python("def f(:", isolation=isolation).stderr
+
+
+def test_program_can_use_its_directory_and_installed_packages(isolation):
+    code = """
+        import fractions, sympy
+        with open("notes.txt", "w") as handle:
+            handle.write(str(sympy.factorint(360)))
+        print(open("notes.txt").read(), fractions.Fraction(1, 3) + fractions.Fraction(1, 6))
+    """
+    result, _ = run_timed(code, isolation=isolation)
+    assert result.stdout == "{2: 3, 3: 2, 5: 1} 1/2\n", result.stderr
+
+
+def test_infinite_loop_is_killed_at_the_wall_clock_limit(isolation):
+    result, elapsed = run_timed("while True:\n    pass", timeout_s=1.0, cpu_time_s=30, isolation=isolation)
+    assert result.status is SandboxStatus.TIMEOUT and result.timed_out
+    assert 1.0 <= elapsed < 1.0 + OVERHEAD_S
+
+
+def test_output_before_a_timeout_is_kept(isolation):
+    result, _ = run_timed(
+        "import time\nprint('partial', flush=True)\ntime.sleep(60)", timeout_s=1.0, isolation=isolation
+    )
+    assert result.status is SandboxStatus.TIMEOUT and result.stdout == "partial\n"
+
+
+def test_cpu_time_limit(isolation):
+    result, elapsed = run_timed("while True:\n    pass", timeout_s=20, cpu_time_s=1, isolation=isolation)
+    assert result.status is SandboxStatus.CPU_LIMIT
+    assert elapsed < 1.0 + OVERHEAD_S
+
+
+def test_ten_gigabyte_allocation_fails_inside_the_sandbox(isolation):
+    result, elapsed = run_timed(
+        "block = bytearray(10 * 1024**3)\nprint('allocated')", memory_mb=512, isolation=isolation
+    )
+    assert result.status is SandboxStatus.MEMORY_LIMIT and "MemoryError" in result.stderr and result.stdout == ""
+    assert elapsed < OVERHEAD_S
+
+
+def test_fork_bomb_is_refused(isolation):
+    code = """
+        import os
+        while True:
+            os.fork()
+    """
+    result, elapsed = run_timed(code, timeout_s=5, isolation=isolation)
+    assert result.status is SandboxStatus.ERROR and "starting a process (os.fork)" in result.stderr
+    assert run_python("import subprocess; subprocess.run(['true'])", isolation=isolation).status is SandboxStatus.ERROR
+    assert elapsed < OVERHEAD_S
+
+
+@pytest.mark.skipif(IS_ROOT, reason="the kernel exempts real uid 0 from RLIMIT_NPROC")
+def test_process_limit_is_enforced_by_the_kernel():
+    # Threads count against RLIMIT_NPROC like processes, and the audit hook does not refuse them.
+    code = """
+        import threading, time
+        threading.stack_size(256 * 1024)  # small stacks, so that RLIMIT_AS is not what stops them
+        started = 0
+        try:
+            for _ in range(100):
+                threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+                started += 1
+        finally:
+            print(started)
+    """
+    result = run_python(textwrap.dedent(code), max_processes=8, memory_mb=8192)
+    assert "can't start new thread" in result.stderr
+    assert int(result.stdout) < 20  # the budget is 8 new tasks; other processes of this user may come and go
+
+
+def test_writes_outside_the_directory_are_refused(isolation, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    code = f"""
+        import os, shutil
+        refused = 0
+        for attempt in (lambda: open({str(victim)!r}, "w"), lambda: os.remove({str(victim)!r}),
+                        lambda: open({str(tmp_path / "new.txt")!r}, "x"), lambda: shutil.rmtree({str(tmp_path)!r}),
+                        lambda: os.rename({str(victim)!r}, "stolen.txt"), lambda: os.chmod({str(victim)!r}, 0)):
+            try:
+                attempt()
+            except PermissionError:
+                refused += 1
+        print(refused)
+    """
+    result, _ = run_timed(code, isolation=isolation)
+    assert result.stdout == "6\n", result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["victim.txt"] and victim.read_text() == "precious"
+    assert os.stat(victim).st_mode & 0o777 != 0
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the caller's loopback that counts the connections it accepts."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    accepted = []
+    stop = threading.Event()
+
+    def accept_loop():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_loop, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], accepted
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_network_is_refused(isolation, listener):
+    port, accepted = listener
+    code = f"""
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2)
+            print("connected")
+        except OSError as error:
+            print(type(error).__name__)
+    """
+    result, elapsed = run_timed(code, isolation=isolation)
+    assert result.stdout == "PermissionError\n" and accepted == []
+    assert elapsed < OVERHEAD_S
+
+
+def test_signals_to_the_caller_are_refused(isolation):
+    code = f"""
+        import os, signal
+        for send in (lambda: os.kill({os.getpid()}, signal.SIGKILL), lambda: os.killpg(0, signal.SIGKILL)):
+            try:
+                send()
+            except PermissionError:
+                print("refused")
+    """
+    assert run_python(textwrap.dedent(code), isolation=isolation).stdout == "refused\nrefused\n"
+
+
+def test_native_calls_through_ctypes_are_refused(isolation):
+    code = "import ctypes\nctypes.CDLL(None).fork()"
+    assert "calling native code" in run_python(code, isolation=isolation).stderr
+
+
+def test_output_flood_is_truncated_and_stopped(isolation):
+    result, elapsed = run_timed(
+        "while True:\n    print('x' * 1000)", max_output_bytes=10_000, timeout_s=10, isolation=isolation
+    )
+    assert result.status is SandboxStatus.OUTPUT_LIMIT and result.stdout_truncated and not result.stderr_truncated
+    assert len(result.stdout) == 10_000
+    assert elapsed < OVERHEAD_S
+
+
+def test_invalid_limits_name_the_argument():
+    with pytest.raises(ValueError, match="memory_mb"):
+        run_python("pass", memory_mb=0)
+    with pytest.raises(ValueError, match="isolation"):
+        run_python("pass", isolation="docker")
+
+
+def test_auto_falls_back_to_hooks_with_a_warning_where_namespaces_are_missing(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None)
+    sandbox._probe_namespaces.cache_clear()
+    try:
+        assert run_python("print('ran')").isolation == "hooks"
+        assert "not found" in caplog.text
+        with pytest.raises(RuntimeError, match="namespaces"):
+            run_python("pass", isolation="namespaces")
+    finally:
+        sandbox._probe_namespaces.cache_clear()
+
+
+# The operating-system layer alone, with an interpreter that has no audit hook at all, as native
+# code that bypassed the hook would see it.
+needs_namespaces = pytest.mark.skipif("namespaces" not in ISOLATIONS, reason="namespaces unavailable here")
+
+
+def run_without_hooks(code: str) -> subprocess.CompletedProcess:
+    with sandbox._private_workdir() as workdir:
+        command = sandbox._in_namespaces([sys.executable, "-I", "-c", textwrap.dedent(code)], workdir)
+        return subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=30)
+
+
+@needs_namespaces
+def test_namespaces_make_everything_but_the_workdir_read_only(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    code = f"""
+        import errno
+        open("inside.txt", "w").write("ok")
+        try:
+            open({str(victim)!r}, "w")
+        except OSError as error:
+            print(errno.errorcode[error.errno])
+    """
+    completed = run_without_hooks(code)
+    assert completed.stdout == "EROFS\n", completed.stderr
+    assert victim.read_text() == "precious"
+
+
+@needs_namespaces
+def test_namespaces_hide_the_network_and_the_callers_processes(listener):
+    port, accepted = listener
+    code = f"""
+        import os, socket
+        print(socket.if_nameindex())
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2)
+        except OSError as error:
+            print(error.errno)
+        try:
+            os.kill({os.getpid()}, 0)  # signal 0 only checks whether the pid exists
+            print("caller visible")
+        except ProcessLookupError:
+            print("caller hidden")
+    """
+    completed = run_without_hooks(code)
+    lines = completed.stdout.splitlines()
+    assert lines[0] == "[(1, 'lo')]" and lines[2] == "caller hidden", completed.stderr
+    assert int(lines[1]) in (101, 111) and accepted == []  # ENETUNREACH / ECONNREFUSED
+
+
+def test_verl_tool_from_the_recipe_yaml():
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tools" / "python_sandbox.yaml"
+    (tool,) = initialize_tools_from_config(str(recipe))
+    assert tool.name == "code_interpreter"
+
+    async def call(parameters):
+        instance_id, _ = await tool.create()
+        try:
+            return await tool.execute(instance_id, parameters)
+        finally:
+            await tool.release(instance_id)
+
+    response, reward, metrics = asyncio.run(call({"code": "print(6 * 7)"}))
+    assert (response.text, reward, metrics["status"]) == ("42", 0.0, "ok")
+    response, _, _ = asyncio.run(call({"source": "print(1)"}))
+    assert "'code' argument" in response.text
+
+
+def test_verl_tool_reports_why_a_program_was_stopped():
+    from vcpo.tools.python_tool import PythonSandboxTool
+
+    tool = PythonSandboxTool({"type": "native", "timeout_s": 1, "max_output_bytes": 5}, None)
+    response, _, metrics = asyncio.run(tool.execute("id", {"code": "print('abc')\nwhile True: pass"}))
+    assert (response.text, metrics["status"]) == ("abc\n[stopped: wall-clock time limit reached]", "timeout")
+    response, _, _ = asyncio.run(tool.execute("id", {"code": "print('abcdefgh')"}))
+    assert response.text == "abcde\n...(output truncated)\n[stopped: output limit reached]"
+
+
+def test_verl_tool_rejects_unknown_config_keys():
+    from vcpo.tools.python_tool import PythonSandboxTool
+
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        PythonSandboxTool({"type": "native", "timeout_seconds": 3}, None)

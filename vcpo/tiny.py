@@ -1,0 +1,138 @@
+"""Tiny, randomly initialised Qwen2-family models with a locally trained tokenizer.
+
+For tests, CI smoke runs and the CPU simulator, on machines that cannot reach the Hugging Face hub.
+The tokenizer is a byte-level BPE trained on a few KB of generated arithmetic text, so it encodes any
+string; it carries Qwen's chat markup (``<|im_start|>role ... <|im_end|>``) as special tokens and a
+matching chat template. The model is a ``Qwen2ForCausalLM`` with a few thousand parameters per layer;
+its outputs are random text, which is all a pipeline test needs.
+
+    python -m vcpo.tiny OUT_DIR      # writes a directory loadable with from_pretrained(OUT_DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+END_OF_TEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def training_corpus(seed: int = 0, problems: int = 120) -> list[str]:
+    """A few KB of chat-formatted arithmetic problems and answers, in the styles the rewards parse."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(problems):
+        a, b = rng.randint(0, 999), rng.randint(1, 99)
+        lines.append(
+            f"{IM_START}user\nWhat is {a} + {b}? Let's think step by step.{IM_END}\n"
+            f"{IM_START}assistant\n{a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}.\n#### {a + b}{IM_END}"
+        )
+    lines.append("Using the numbers [3, 7, 25], create an equation that equals 46: <answer>25 + 3 * 7</answer>")
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
+    """Byte-level BPE tokenizer with Qwen-style chat special tokens, trained in memory."""
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"build_tiny_tokenizer: vocab_size must cover the 256 bytes and special tokens, got {vocab_size}"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,  # as Qwen2 does
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",  # decoder-only generation pads on the left
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """Randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer``; same seed, same weights."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    # Stop at the end of an assistant turn as well as at end-of-text, as Qwen chat models do.
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model.eval()
+
+
+def save_tiny_model(output_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, **model_kwargs) -> Path:
+    """Build a tiny tokenizer and model and save both to ``output_dir`` (loadable by path)."""
+    output_dir = Path(output_dir)
+    tokenizer = build_tiny_tokenizer(vocab_size, seed=seed)
+    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.tiny", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = save_tiny_model(
+        args.output_dir,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
