@@ -1,0 +1,393 @@
+"""Step time and peak memory of the single-backward OPOB update against its alternatives.
+
+On one random-init Qwen2 model and one batch, in one process, it times one optimizer step of
+  plain           one backward of the TIS loss with a fixed (group-mean) baseline: the reference,
+  opob            `PerSequenceGradients`: exact ||g_i||² and G_R, G_S in the same single backward,
+  naive           two passes: one to get the norms, a second backward with the OPOB coefficients,
+  per_sequence    one trajectory per micro-batch (the authors' release): ||g_i||² read off p.grad,
+and prints each variant's median time and peak memory as a ratio to plain. Every step ends with the
+ESS-scaled AdamW step (`scaled_learning_rate` + `ess_step_scale`), identical in all variants.
+
+Timing: the variants run round-robin (each repeat runs all of them), so background load slows them
+alike; the median over repeats is reported, for the whole step and for forward + backward alone.
+Peak memory beyond the model and its optimizer state: on CUDA torch.cuda.max_memory_allocated; on CPU
+the resident-set high-water mark (VmHWM) of a fresh subprocess per variant, reset after a warm-up
+step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live tensors).
+
+    python benchmarks/opob_overhead.py --model 50m --threads 1
+    python benchmarks/opob_overhead.py --model 0.5b --device cuda --dtype bfloat16 --seq-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from vcpo.core.baselines import opob_baseline
+from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
+from vcpo.core.per_sequence_grads import PerSequenceGradients
+
+VARIANTS = ("plain", "opob", "naive", "per_sequence")
+
+# Qwen2 shapes; "0.5b" is the Qwen2-0.5B architecture (tied embeddings), with random weights.
+MODEL_SHAPES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "50m": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+    ),
+}
+TIS_CAP = 8.0
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**MODEL_SHAPES[args.model], tie_word_embeddings=True, max_position_embeddings=args.seq_len)
+    torch.manual_seed(args.seed)
+    return Qwen2ForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).train()
+
+
+def build_batch(args: argparse.Namespace, vocab_size: int) -> dict:
+    """Right-padded sequences of random lengths in [f·T, T], GRPO-style groups, stale sequence weights."""
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    batch, tokens = args.batch_size, args.seq_len
+    lengths = torch.randint(max(2, int(tokens * args.min_length_fraction)), tokens + 1, (batch,), generator=generator)
+    rewards = torch.rand(batch, generator=generator, dtype=torch.float64)  # never all equal: Ĝ ≠ 0
+    seq_log_weights = 0.5 * torch.randn(batch, generator=generator, dtype=torch.float64)
+    tis = seq_log_weights.exp().clamp(max=TIS_CAP)
+    groups = torch.arange(batch) // args.group_size
+    group_mean = torch.zeros(batch, dtype=torch.float64).index_add(0, groups, rewards)[groups] / args.group_size
+    to = dict(device=args.device)
+    return dict(
+        input_ids=torch.randint(0, vocab_size, (batch, tokens), generator=generator).to(**to),
+        mask=(torch.arange(tokens)[None] < lengths[:, None]).long().to(**to),
+        lengths=lengths.tolist(),
+        rewards=rewards.to(**to),
+        seq_log_weights=seq_log_weights.to(**to),
+        coef_r=(tis * rewards / batch).to(**to),
+        coef_s=(tis / batch).to(**to),
+        group_mean=group_mean.to(**to),
+    )
+
+
+def sequence_scores(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """l_i = mean_t log π(y_t | y_<t) over the valid tokens (seq-mean-token-mean), shape (B,)."""
+    logits = model(input_ids, attention_mask=mask).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    token_log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    valid = mask[:, 1:].to(token_log_probs.dtype)
+    return (token_log_probs * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+
+
+def micro_batches(args: argparse.Namespace, batch: dict):
+    for start in range(0, args.batch_size, args.micro_batch_size):
+        yield slice(start, start + args.micro_batch_size)
+
+
+def weighted_backward(model, batch: dict, args: argparse.Namespace, weights: torch.Tensor) -> None:
+    """A plain backward of Σ_i weights_i l_i, micro-batch by micro-batch."""
+    for rows in micro_batches(args, batch):
+        scores = sequence_scores(model, batch["input_ids"][rows], batch["mask"][rows])
+        (weights[rows].to(scores.dtype) * scores).sum().backward()
+
+
+def opob_norms_and_buffers(engine, model, batch: dict, args: argparse.Namespace) -> None:
+    for rows in micro_batches(args, batch):
+        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows]):
+            sequence_scores(model, batch["input_ids"][rows], batch["mask"][rows]).sum().backward()
+
+
+def baseline_from(norms: torch.Tensor, batch: dict) -> torch.Tensor:
+    return opob_baseline(batch["rewards"], norms, batch["seq_log_weights"])
+
+
+def step_plain(model, engine, batch, args):
+    weighted_backward(model, batch, args, batch["coef_r"] - batch["group_mean"] * batch["coef_s"])
+
+
+def step_opob(model, engine, batch, args):
+    opob_norms_and_buffers(engine, model, batch, args)
+    engine.combine(baseline_from(engine.sq_norms, batch))
+
+
+def step_naive(model, engine, batch, args):
+    opob_norms_and_buffers(engine, model, batch, args)  # pass 1: the norms (its gradients are discarded)
+    norms = engine.sq_norms
+    engine.combine(0.0)
+    model.zero_grad(set_to_none=True)
+    weighted_backward(model, batch, args, batch["coef_r"] - baseline_from(norms, batch) * batch["coef_s"])
+
+
+def step_per_sequence(model, engine, batch, args):
+    """One unpadded trajectory per micro-batch: g_i = p.grad, folded into G_R and G_S one at a time."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    reward_sum = [torch.zeros_like(p) for p in params]
+    score_sum = [torch.zeros_like(p) for p in params]
+    norms = []
+    for i, length in enumerate(batch["lengths"]):
+        ids = batch["input_ids"][i : i + 1, :length]
+        sequence_scores(model, ids, torch.ones_like(ids)).sum().backward()
+        grads = [p.grad for p in params]
+        norms.append(torch.stack(torch._foreach_norm(grads)).double().square().sum())
+        torch._foreach_add_(reward_sum, grads, alpha=float(batch["coef_r"][i]))
+        torch._foreach_add_(score_sum, grads, alpha=float(batch["coef_s"][i]))
+        model.zero_grad(set_to_none=True)
+    b = float(baseline_from(torch.stack(norms), batch)[0])
+    torch._foreach_add_(reward_sum, score_sum, alpha=-b)
+    for p, g in zip(params, reward_sum, strict=True):
+        p.grad = g
+
+
+STEPS = {"plain": step_plain, "opob": step_opob, "naive": step_naive, "per_sequence": step_per_sequence}
+
+
+def optimizer_step(optimizer, batch: dict) -> None:
+    scale = ess_step_scale(ess_ratio(batch["seq_log_weights"]))
+    with scaled_learning_rate(optimizer, scale):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, float]:
+    """(forward + backward seconds, whole-step seconds) of one step."""
+    synchronize(args.device)
+    start = time.perf_counter()
+    STEPS[variant](model, engine, batch, args)
+    synchronize(args.device)
+    backward_done = time.perf_counter()
+    optimizer_step(optimizer, batch)
+    synchronize(args.device)
+    return backward_done - start, time.perf_counter() - start
+
+
+def setup(args: argparse.Namespace):
+    model = build_model(args)
+    engine = PerSequenceGradients(model, mode=args.mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
+    batch = build_batch(args, model.config.vocab_size)
+    return model, engine, optimizer, batch
+
+
+def final_gradients(variant, model, engine, batch, args) -> list[torch.Tensor]:
+    STEPS[variant](model, engine, batch, args)
+    grads = [p.grad.detach().double().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def check_agreement(model, engine, batch, args) -> dict:
+    """Relative difference of each variant's final gradient from the single-backward one."""
+    reference = final_gradients("opob", model, engine, batch, args)
+    reference_norm = torch.stack([g.norm() for g in reference]).norm()
+    result = {}
+    for variant in ("naive", "per_sequence"):
+        grads = final_gradients(variant, model, engine, batch, args)
+        result[variant] = float(
+            torch.stack([(g - r).norm() for g, r in zip(grads, reference, strict=True)]).norm() / reference_norm
+        )
+    return result
+
+
+def time_variants(args: argparse.Namespace) -> dict:
+    model, engine, optimizer, batch = setup(args)
+    agreement = check_agreement(model, engine, batch, args)
+    times = {variant: ([], []) for variant in args.variants}
+    for repeat in range(args.warmup + args.repeats):
+        for variant in args.variants:
+            backward_seconds, step_seconds = timed_step(variant, model, engine, optimizer, batch, args)
+            if repeat >= args.warmup:
+                times[variant][0].append(backward_seconds)
+                times[variant][1].append(step_seconds)
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "agreement": agreement,
+        "fwd_bwd_s": {v: statistics.median(t[0]) for v, t in times.items()},
+        "step_s": {v: statistics.median(t[1]) for v, t in times.items()},
+    }
+
+
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"^{key}:\s+(\d+)", status.read(), re.MULTILINE).group(1))
+
+
+def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
+    """Peak bytes above the model and optimizer state during one step of ``variant``."""
+    model, engine, optimizer, batch = setup(args)
+    timed_step(variant, model, engine, optimizer, batch, args)  # warm-up: optimizer state, lazy buffers
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resting = torch.cuda.memory_allocated()
+        timed_step(variant, model, engine, optimizer, batch, args)
+        return torch.cuda.max_memory_allocated() - resting
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS is the live memory
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset VmHWM to the current RSS
+    resting = _proc_status_kib("VmRSS")
+    timed_step(variant, model, engine, optimizer, batch, args)
+    return (_proc_status_kib("VmHWM") - resting) * 1024
+
+
+def memory_in_subprocess(args: argparse.Namespace, variant: str) -> int:
+    command = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", variant]
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def calibrate_pass_cost(args: argparse.Namespace) -> float:
+    """The machine balance κ of `prefers_ghost`, measured on one Linear of the model's MLP shape.
+
+    The materialise route replaces autograd's weight-gradient matmul by per-sequence matmuls with the
+    same FLOPs plus reductions over B·R·C values; κ is that extra time per value in units of one
+    multiply-add of the plain layer (forward + weight gradient = 2·B·T·R·C multiply-adds).
+    """
+    shape = MODEL_SHAPES[args.model]
+    dtype = getattr(torch, args.dtype)
+    layer = torch.nn.Linear(
+        shape["hidden_size"], shape["intermediate_size"], bias=False, device=args.device, dtype=dtype
+    )
+    batch, tokens = args.micro_batch_size, args.seq_len
+    x = torch.randn(batch, tokens, shape["hidden_size"], device=args.device, dtype=dtype)
+    delta = torch.randn(batch, tokens, shape["intermediate_size"], device=args.device, dtype=dtype)
+    engine = PerSequenceGradients(layer, mode="materialize")
+    ones = torch.ones(batch, device=args.device)
+
+    def plain():
+        (layer(x) * delta).sum().backward()
+
+    def per_sequence():
+        with engine.micro_batch(ones, ones):
+            (layer(x) * delta).sum().backward()
+        engine.combine(0.0)
+
+    times = {plain: [], per_sequence: []}
+    for repeat in range(args.warmup + 5 * args.repeats):
+        for step in times:
+            layer.weight.grad = None
+            synchronize(args.device)
+            start = time.perf_counter()
+            step()
+            synchronize(args.device)
+            if repeat >= args.warmup:
+                times[step].append(time.perf_counter() - start)
+    plain_s, per_sequence_s = statistics.median(times[plain]), statistics.median(times[per_sequence])
+    return (per_sequence_s - plain_s) / plain_s * 2 * tokens
+
+
+def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
+    plain_step, plain_bwd = timing["step_s"]["plain"], timing["fwd_bwd_s"]["plain"]
+    print(
+        f"model {args.model} ({timing['params'] / 1e6:.1f}M params), device {args.device}, dtype {args.dtype}, "
+        f"batch {args.batch_size} x {args.seq_len} tokens (lengths >= {args.min_length_fraction:g}·T), "
+        f"micro-batch {args.micro_batch_size}, "
+        f"threads {torch.get_num_threads()}, repeats {args.repeats}, mode {args.mode}"
+    )
+    header = f"{'variant':<14}{'step s':>9}{'step/plain':>12}{'fwd+bwd/plain':>15}{'peak MiB':>10}{'peak/plain':>12}"
+    print(header)
+    for variant in args.variants:
+        step, bwd = timing["step_s"][variant], timing["fwd_bwd_s"][variant]
+        peak = memory.get(variant)
+        peak_text = (
+            f"{peak / 2**20:>10.1f}{peak / memory['plain']:>12.2f}" if peak is not None else f"{'-':>10}{'-':>12}"
+        )
+        print(f"{variant:<14}{step:>9.3f}{step / plain_step:>12.2f}{bwd / plain_bwd:>15.2f}{peak_text}")
+    print("final gradient vs opob (relative L2): " + ", ".join(f"{k} {v:.1e}" for k, v in timing["agreement"].items()))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="tiny")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4, help="responses per prompt (plain's group-mean baseline)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--min-length-fraction",
+        type=float,
+        default=0.5,
+        help="sequence lengths are drawn from [f * seq-len, seq-len]; 1.0 = no padding",
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--mode", choices=("auto", "materialize", "ghost"), default="auto")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="only measure the cost-model constant pass_cost on this machine and exit",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or "plain" not in args.variants:
+        raise SystemExit(f"--variants must include plain and be drawn from {VARIANTS}, got {args.variants}")
+    if args.batch_size % args.micro_batch_size:
+        raise SystemExit("--batch-size must be a multiple of --micro-batch-size")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        print(json.dumps({"peak_bytes": measure_peak_memory(args, args.memory_probe)}))
+        return
+    if args.calibrate:
+        print(f"pass_cost (κ of prefers_ghost) on {args.device}/{args.dtype}: {calibrate_pass_cost(args):.1f}")
+        return
+    timing = time_variants(args)
+    memory = {}
+    if not args.no_memory:
+        for variant in args.variants:
+            if args.device.startswith("cuda"):
+                memory[variant] = measure_peak_memory(args, variant)
+            else:
+                memory[variant] = memory_in_subprocess(args, variant)
+    print_table(args, timing, memory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,543 @@
+"""Exactness of `PerSequenceGradients` against a slow loop that backpropagates one sequence at a time.
+
+The reference runs every sequence alone and unpadded through the model, takes g_i with
+torch.autograd.grad over all parameters (a tied weight appears once, so autograd sums its two uses),
+and forms ||g_i||², the OPOB baseline and Σ_i (c^R_i − b c^S_i) g_i directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vcpo.core.baselines import opob_baseline
+from vcpo.core.per_sequence_grads import (
+    PerSequenceGradients,
+    ghost_sq_norms,
+    per_sample_outer,
+    prefers_ghost,
+    rows_at_ids,
+    sparse_rows_sq_norms,
+)
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+LENGTHS = [9, 4, 1, 7, 6]  # a one-token sequence has no target: its gradient is zero
+MODELS = ("qwen2_tied", "qwen2", "llama", "gpt2")
+TOLERANCE = 1e-5
+
+
+def tiny_model(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> nn.Module:
+    torch.manual_seed(seed)
+    shapes = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    if kind in ("qwen2", "qwen2_tied"):
+        config = transformers.Qwen2Config(**{**shapes, "tie_word_embeddings": kind == "qwen2_tied", **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shapes, **overrides}))
+    elif kind == "gpt2":
+        shapes = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**shapes, **overrides}))
+    else:
+        raise ValueError(kind)
+    return model.to(dtype).eval()  # eval: no dropout, so the batch and the loop see the same function
+
+
+def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregation: str = "seq-mean-token-mean"):
+    """Token ids padded to the longest sequence, and per-sequence score scales a_i (u_{i,t} = a_i m_{i,t})."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, tokens = len(lengths), max(lengths)
+    ids = torch.randint(0, VOCAB, (batch, tokens), generator=generator)
+    mask = torch.zeros(batch, tokens, dtype=torch.long)
+    for i, length in enumerate(lengths):
+        if padding == "right":
+            mask[i, :length] = 1
+        else:
+            mask[i, tokens - length :] = 1
+    targets = torch.tensor([max(length - 1, 0) for length in lengths], dtype=torch.float64)
+    scale = {
+        "seq-mean-token-mean": 1.0 / targets.clamp(min=1.0),
+        "token-sum": torch.ones(batch, dtype=torch.float64),
+        "token-mean": torch.full((batch,), 1.0 / float(targets.sum()), dtype=torch.float64),
+    }[aggregation]
+    rewards = torch.rand(batch, generator=generator, dtype=torch.float64)
+    seq_log_weights = 0.7 * torch.randn(batch, generator=generator, dtype=torch.float64)
+    tis = seq_log_weights.exp().clamp(max=8.0)
+    return dict(
+        ids=ids,
+        mask=mask,
+        padding=padding,
+        scale=scale,
+        rewards=rewards,
+        seq_log_weights=seq_log_weights,
+        coef_r=tis * rewards / batch,
+        coef_s=tis / batch,
+    )
+
+
+def batched_scores(model, batch, rows=slice(None)) -> torch.Tensor:
+    """l_i = a_i Σ_t log π(y_t | y_<t) over valid targets (a target and its input both valid)."""
+    ids, mask = batch["ids"][rows], batch["mask"][rows]
+    position_ids = None
+    if batch["padding"] == "left":
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(ids, attention_mask=mask, position_ids=position_ids).logits[:, :-1]
+    log_probs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = (mask[:, 1:] * mask[:, :-1]).to(log_probs.dtype)
+    return batch["scale"][rows].to(log_probs.dtype) * (log_probs * valid).sum(1)
+
+
+def reference_gradients(model, batch) -> list[list[torch.Tensor]]:
+    """g_i for every sequence: the sequence alone, unpadded, one backward each."""
+    params = list(model.parameters())
+    gradients = []
+    for i in range(batch["ids"].shape[0]):
+        tokens = batch["ids"][i][batch["mask"][i].bool()].unsqueeze(0)
+        logits = model(tokens).logits[0, :-1]
+        score = batch["scale"][i].item() * torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None]).sum()
+        grads = torch.autograd.grad(score, params, allow_unused=True)
+        gradients.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params, strict=True)])
+    return gradients
+
+
+def reference_update(gradients, batch, groups=None):
+    """Norms, baseline and Σ_i (c^R_i − b_i c^S_i) g_i from the per-sequence gradients."""
+    norms = torch.stack([sum(g.double().pow(2).sum() for g in grads) for grads in gradients])
+    baseline = opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], groups)
+    weights = batch["coef_r"] - baseline * batch["coef_s"]
+    final = [
+        sum(w.item() * grads[k] for w, grads in zip(weights, gradients, strict=True)) for k in range(len(gradients[0]))
+    ]
+    return norms, final
+
+
+def run_engine(model, batch, micro_batches=(slice(None),), groups=None, combine_each=False, **engine_kwargs):
+    """Engine over the given micro-batches; returns all sequences' norms and the final p.grad."""
+    engine = PerSequenceGradients(model, **engine_kwargs)
+    model.zero_grad(set_to_none=True)
+    norms = []
+    for rows in micro_batches:
+        group_rows = None if groups is None else groups[rows]
+        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=group_rows):
+            batched_scores(model, batch, rows).sum().backward()
+        if combine_each:
+            norms.append(engine.sq_norms)
+            engine.combine(
+                opob_baseline(batch["rewards"][rows], engine.sq_norms, batch["seq_log_weights"][rows], engine.groups)
+            )
+    if not combine_each:
+        norms.append(engine.sq_norms)
+        engine.combine(opob_baseline(batch["rewards"], engine.sq_norms, batch["seq_log_weights"], engine.groups))
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return torch.cat(norms), grads
+
+
+def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    difference = math.sqrt(
+        sum(float((a.double() - e.double()).pow(2).sum()) for a, e in zip(actual, expected, strict=True))
+    )
+    scale = math.sqrt(sum(float(e.double().pow(2).sum()) for e in expected))
+    return difference / scale
+
+
+def assert_norms_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert torch.allclose(actual.double(), expected.double(), rtol=TOLERANCE, atol=TOLERANCE * float(expected.max()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness against the per-sequence loop.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_matches_per_sequence_loop_float64(kind, padding, mode):
+    model = tiny_model(kind)
+    batch = make_batch(seed=1, padding=padding)
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch, mode=mode)
+    assert float(expected_norms.min()) == 0.0 and float(expected_norms.max()) > 0.0  # one-token sequence
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_matches_per_sequence_loop_float32(kind, mode):
+    model = tiny_model(kind, torch.float32, seed=2)
+    batch = make_batch(seed=2, lengths=[12, 5, 9, 3], padding="left")
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch, mode=mode)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("aggregation", ["token-sum", "token-mean"])
+def test_other_loss_aggregations(aggregation):
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=3, aggregation=aggregation)
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "gpt2"])
+def test_many_small_blocks(kind):
+    """block_bytes=1: every weight is split into blocks of MIN_BLOCK_ROWS rows."""
+    model = tiny_model(kind)
+    batch = make_batch(seed=4)
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch, mode="materialize", block_bytes=1)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+def test_padding_idx_rows_get_no_gradient():
+    """Qwen2 with pad_token_id: the embedding's padding row has no gradient, also for in-sequence pads."""
+    model = tiny_model("qwen2_tied", pad_token_id=0)
+    assert model.model.embed_tokens.padding_idx == 0
+    batch = make_batch(seed=5)
+    batch["ids"][:, 2] = 0
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing(reentrant):
+    """The checkpointed forward is recomputed inside backward; each handler still runs once."""
+    batch = make_batch(seed=6)
+    expected_norms, expected_grads = reference_update(reference_gradients(tiny_model("qwen2_tied"), batch), batch)
+    model = tiny_model("qwen2_tied").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    norms, grads = run_engine(model, batch)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+def test_update_equals_naive_two_backward_method():
+    """AdamW after the single-backward update == AdamW after norms, then a second weighted backward.
+
+    GPT-2 because its float64 forward stays in float64: HF's RMSNorm computes in float32, and the
+    naive backward of Σ w_i l_i (w of both signs, cancelling) rounds differently from the per-sequence
+    gradients, at float32 precision.
+    """
+    batch = make_batch(seed=7, lengths=[8, 3, 6, 5])
+    naive = tiny_model("gpt2", seed=7)
+    norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in reference_gradients(naive, batch)])
+    weights = batch["coef_r"] - opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]) * batch["coef_s"]
+    (weights * batched_scores(naive, batch)).sum().backward()
+    torch.optim.AdamW(naive.parameters(), lr=1e-2, weight_decay=0.1).step()
+
+    single = tiny_model("gpt2", seed=7)
+    run_engine(single, batch)
+    torch.optim.AdamW(single.parameters(), lr=1e-2, weight_decay=0.1).step()
+    initial = list(tiny_model("gpt2", seed=7).parameters())
+    single_update = [p.detach() - p0.detach() for p, p0 in zip(single.parameters(), initial, strict=True)]
+    naive_update = [p.detach() - p0.detach() for p, p0 in zip(naive.parameters(), initial, strict=True)]
+    assert relative_error(single_update, naive_update) < 1e-9
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batches, baseline scopes, coefficients.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_batch_scope_accumulates_across_micro_batches(mode):
+    model = tiny_model("gpt2")
+    batch = make_batch(seed=8)
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_group_scope_with_group_aligned_micro_batches(mode):
+    """Two groups per micro-batch (three score buffers), combined after each micro-batch."""
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=9, lengths=[9, 4, 7, 6, 5, 8, 3, 7])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, grads = run_engine(model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+def test_groups_spanning_micro_batches_keep_a_buffer_per_group():
+    model = tiny_model("llama")
+    batch = make_batch(seed=10, lengths=[9, 4, 7, 6, 5, 8])
+    groups = torch.tensor([5, 7, 5, 7, 7, 5])
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, grads = run_engine(model, batch, (slice(0, 2), slice(2, 6)), groups=groups)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+def test_zero_coefficients_keep_exact_norms():
+    model = tiny_model("qwen2")
+    batch = make_batch(seed=11)
+    batch["coef_r"][1] = batch["coef_s"][1] = 0.0
+    batch["coef_r"][3] = 0.0
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch)
+    assert bool((norms[[1, 3]] > 0).all())
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
+    """autograd adds nothing itself: after a micro-batch p.grad = previous + Σ c^R_i g_i."""
+    model = tiny_model("gpt2")
+    batch = make_batch(seed=12)
+    gradients = reference_gradients(model, batch)
+    previous = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), previous, strict=True):
+        p.grad = g.clone()
+    engine = PerSequenceGradients(model, mode=mode)
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        batched_scores(model, batch).sum().backward()
+    expected = [
+        prev + sum(c.item() * grads[k] for c, grads in zip(batch["coef_r"], gradients, strict=True))
+        for k, prev in enumerate(previous)
+    ]
+    assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
+
+
+def test_combine_with_a_constant_baseline():
+    model = tiny_model("qwen2")
+    batch = make_batch(seed=13)
+    gradients = reference_gradients(model, batch)
+    engine = PerSequenceGradients(model)
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        batched_scores(model, batch).sum().backward()
+    engine.combine(0.25)
+    weights = batch["coef_r"] - 0.25 * batch["coef_s"]
+    expected = [
+        sum(w.item() * grads[k] for w, grads in zip(weights, gradients, strict=True)) for k in range(len(gradients[0]))
+    ]
+    assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
+    assert engine._score_buffers == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# The pure functions against dense per-sample computations.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_pure_functions_match_dense_per_sample_gradients():
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = (
+        torch.randn(3, 5, 4, generator=generator, dtype=torch.float64),
+        torch.randn(3, 5, 6, generator=generator, dtype=torch.float64),
+    )
+    dense = torch.stack([sum(torch.outer(rows[i, t], cols[i, t]) for t in range(5)) for i in range(3)])
+    assert torch.allclose(per_sample_outer(rows, cols), dense)
+    assert torch.allclose(ghost_sq_norms(rows, cols), dense.pow(2).sum((1, 2)))
+
+    ids = torch.tensor([[1, 1, 3, 0, 1], [2, 2, 2, 2, 2], [0, 1, 2, 3, 4]])
+    embedding_grads = torch.zeros(3, 7, 6, dtype=torch.float64)
+    for i in range(3):
+        for t in range(5):
+            embedding_grads[i, ids[i, t]] += cols[i, t]
+    assert torch.allclose(sparse_rows_sq_norms(ids, cols, 7), embedding_grads.pow(2).sum((1, 2)))
+
+    delta, x = torch.randn(3, 5, 7, generator=generator, dtype=torch.float64), cols
+    head_grads = per_sample_outer(delta, x)  # (3, 7, 6)
+    expected_rows = torch.stack([head_grads[i, ids[i]] for i in range(3)])
+    assert torch.allclose(rows_at_ids(delta, x, ids), expected_rows)
+
+
+def test_cost_model_prefers_materialising_long_sequences():
+    assert not prefers_ghost(tokens=2048, rows=896, cols=896, num_combinations=2, pass_cost=512.0)
+    assert prefers_ghost(tokens=4, rows=896, cols=896, num_combinations=2, pass_cost=32.0)
+    # Exactly at the boundary: ghost = T²(R+C) + (k−1)·T·R·C against pass_cost·R·C.
+    tokens, rows, cols = 8, 16, 16
+    ghost = tokens**2 * (rows + cols) + tokens * rows * cols
+    assert not prefers_ghost(tokens, rows, cols, 2, pass_cost=ghost / (rows * cols))
+    assert prefers_ghost(tokens, rows, cols, 2, pass_cost=ghost / (rows * cols) * 1.01)
+    # More score buffers make the ghost route (one matmul per buffer) dearer.
+    assert prefers_ghost(12, 64, 64, 2, 20.0) and not prefers_ghost(12, 64, 64, 3, 20.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors instead of silently wrong norms.
+# ----------------------------------------------------------------------------------------------
+
+
+class _WithConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.conv = nn.Conv1d(4, 4, 1)
+
+    def forward(self, ids):
+        return self.conv(self.embed(ids).transpose(1, 2)).sum((1, 2))
+
+
+def test_unsupported_trainable_module_is_rejected_by_name():
+    model = _WithConv()
+    with pytest.raises(ValueError, match=r"'conv' \(Conv1d\) has trainable parameter 'weight'"):
+        PerSequenceGradients(model)
+    model.conv.requires_grad_(False)
+    PerSequenceGradients(model)  # frozen: left alone
+
+
+class _FunctionalUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        hidden = self.proj(self.embed(ids))
+        return (hidden @ self.proj.weight).sum((1, 2))  # a second use that no handler sees
+
+
+class _CalledTwice(_FunctionalUse):
+    def forward(self, ids):
+        return self.proj(self.proj(self.embed(ids))).sum((1, 2))
+
+
+@pytest.mark.parametrize("model_class", [_FunctionalUse, _CalledTwice])
+def test_uses_outside_the_handlers_raise(model_class):
+    model = model_class()
+    engine = PerSequenceGradients(model)
+    ids = torch.randint(0, 10, (2, 3))
+    with pytest.raises(RuntimeError, match="per-sequence norm would"):
+        with engine.micro_batch(torch.ones(2), torch.ones(2)):
+            model(ids).sum().backward()
+    with pytest.raises(ValueError, match="no micro-batch"):
+        _ = engine.sq_norms  # the failed micro-batch was dropped
+
+
+def test_weight_shared_between_two_linears_is_rejected():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[2].weight = model[1].weight
+    with pytest.raises(ValueError, match="parameter shared by"):
+        PerSequenceGradients(model)
+
+
+def test_backward_outside_the_block_raises():
+    model = tiny_model("qwen2")
+    batch = make_batch(seed=14)
+    engine = PerSequenceGradients(model)
+    with pytest.raises(RuntimeError, match="backward did not run inside"):
+        with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+            scores = batched_scores(model, batch)
+    with pytest.raises(RuntimeError, match="outside `micro_batch`"):
+        scores.sum().backward()
+
+
+def test_forward_with_another_batch_size_raises():
+    model = tiny_model("llama")
+    batch = make_batch(seed=15)
+    engine = PerSequenceGradients(model)
+    with pytest.raises(ValueError, match="ids must have shape"):
+        with engine.micro_batch(batch["coef_r"][:3], batch["coef_s"][:3]):
+            batched_scores(model, batch)
+
+
+def test_argument_validation():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="mode"):
+        PerSequenceGradients(model, mode="fast")
+    with pytest.raises(ValueError, match="block_bytes"):
+        PerSequenceGradients(model, block_bytes=0)
+    engine = PerSequenceGradients(model)
+    with pytest.raises(ValueError, match="coef_s"):
+        with engine.micro_batch(torch.ones(3), torch.ones(4)):
+            pass
+    with pytest.raises(ValueError, match="coef_r must be finite"):
+        with engine.micro_batch(torch.tensor([1.0, math.nan]), torch.ones(2)):
+            pass
+    with pytest.raises(ValueError, match="integer labels"):
+        with engine.micro_batch(torch.ones(2), torch.ones(2), groups=torch.ones(2)):
+            pass
+    with pytest.raises(ValueError, match="combine"):
+        engine.combine(0.0)
+
+
+def test_baseline_must_be_constant_within_a_group():
+    model = tiny_model("qwen2")
+    batch = make_batch(seed=16)
+    engine = PerSequenceGradients(model)
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        batched_scores(model, batch).sum().backward()
+    with pytest.raises(ValueError, match="constant within a group"):
+        engine.combine(torch.arange(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="baseline must be finite"):
+        engine.combine(math.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: a larger model, and the benchmark end to end.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["auto", "materialize", "ghost"])
+@pytest.mark.parametrize("kind", ["qwen2_tied", "gpt2"])
+def test_larger_float32_model_with_groups_and_micro_batches(kind, mode):
+    overrides = dict(num_hidden_layers=3) if kind != "gpt2" else dict(n_layer=3)
+    model = tiny_model(kind, torch.float32, seed=17, **overrides)
+    lengths = [40, 23, 31, 12, 38, 27, 35, 19]
+    batch = make_batch(seed=17, lengths=lengths, padding="left")
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, grads = run_engine(
+        model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode, block_bytes=4096
+    )
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_variants_agree(capsys):
+    import pathlib
+    import runpy
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "opob_overhead.py"
+    benchmark = runpy.run_path(str(script))
+    args = [
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    timing = benchmark["time_variants"](benchmark["parse_args"](args))
+    assert set(timing["step_s"]) == {"plain", "opob", "naive", "per_sequence"}
+    assert timing["agreement"]["naive"] < 1e-5 and timing["agreement"]["per_sequence"] < 1e-4
+    peak = benchmark["measure_peak_memory"](benchmark["parse_args"](args), "opob")
+    assert peak > 0
