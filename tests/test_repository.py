@@ -24,3 +24,13 @@ def test_ci_runs_the_readme_test_command_verbatim():
     test_command = readme_commands()[1]
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci_lines[-1] == test_command
+
+
+def test_core_imports_no_framework():
+    """vcpo.core is pure PyTorch: importing it loads neither verl nor transformers."""
+    import subprocess
+    import sys
+
+    script = "import sys, vcpo.core; print(sorted(m for m in ('verl', 'transformers', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

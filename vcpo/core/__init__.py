@@ -1,1 +1,49 @@
-"""The math of every method, as pure PyTorch functions (no framework import)."""
+"""The math of every method, as pure PyTorch functions (no framework import).
+
+- ratios: log-space token / sequence / geometric ratios, TIS / MIS bounds, DeepSeek-V3.2 masking,
+  off-policy diagnostics (ALGORITHMS.md §1)
+- ess: effective sample size and the ESS step-size rule (§2)
+- baselines: the off-policy optimal baseline OPOB (§3)
+- per_sequence_grads: exact per-sequence gradient norms and the single-backward two-buffer update (§4)
+- losses, registry: every policy loss, by name (§1, §5-§10); aggregation: verl's loss_agg_mode
+"""
+
+from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+from vcpo.core.baselines import baseline_advantages, opob_baseline
+from vcpo.core.ess import ess_ratio, ess_step_scale, log_effective_sample_size, scaled_learning_rate
+from vcpo.core.losses import (
+    kl_in_reward,
+    m2po_loss,
+    p3o_loss,
+    reinforce_is_loss,
+    topr_loss,
+    vaco_loss,
+    vespo_loss,
+)
+from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, token_log_ratio
+from vcpo.core.registry import POLICY_LOSSES, get_policy_loss
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "LossAggregation",
+    "PerSequenceGradients",
+    "baseline_advantages",
+    "ess_ratio",
+    "ess_step_scale",
+    "get_policy_loss",
+    "importance_weights",
+    "kl_in_reward",
+    "log_effective_sample_size",
+    "m2po_loss",
+    "offpolicy_diagnostics",
+    "opob_baseline",
+    "p3o_loss",
+    "reinforce_is_loss",
+    "scaled_learning_rate",
+    "token_log_ratio",
+    "topr_loss",
+    "vaco_loss",
+    "vespo_loss",
+]
