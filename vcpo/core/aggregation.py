@@ -26,6 +26,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / mask.sum().clamp_min(1)
 
 
+def masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of each row over its ``mask``, shape (B,); 0 for a row without valid entries."""
+    return masked_sum(values, mask, dim=-1) / mask.sum(-1).clamp_min(1)
+
+
+def masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce) -> torch.Tensor:
+    """``reduce`` (torch.amax / torch.amin) over ``mask``; 0 when the mask is empty."""
+    selected = values[mask.expand_as(values)]
+    return reduce(selected) if selected.numel() else torch.zeros((), dtype=values.dtype, device=values.device)
+
+
 @dataclass(frozen=True)
 class LossAggregation:
     """How a (B, T) loss matrix becomes the scalar that is backpropagated.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from vcpo.core.aggregation import masked_mean, masked_sum
+from vcpo.core.aggregation import masked_extreme, masked_mean, masked_sum
 from vcpo.core.ratios import (
     TOKEN_LOG_RATIO_CLAMP,
     compute_dtype,
@@ -170,7 +170,7 @@ def vespo_loss(
     valid_seq = batch.mask.any(-1)
     metrics = {
         "actor/vespo_weight_mean": masked_mean(phi, valid_seq),
-        "actor/vespo_weight_max": phi[valid_seq].max() if bool(valid_seq.any()) else phi.new_zeros(()),
+        "actor/vespo_weight_max": masked_extreme(phi, valid_seq, torch.amax),
     }
     return batch.reduce(batch.reinforce(phi.unsqueeze(-1)), batch.mask, agg, metrics)
 

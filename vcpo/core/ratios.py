@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vcpo.core.aggregation import masked_mean, masked_sum
+from vcpo.core.aggregation import masked_extreme, masked_mean, masked_row_mean, masked_sum
 from vcpo.core.ess import ess_ratio
 from vcpo.core.validation import check_bounds
 
@@ -44,7 +44,7 @@ def sequence_log_ratio(r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def geometric_log_ratio(r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """a_i = s_i / T_i, shape (B,); 0 for a sequence without valid tokens."""
-    return sequence_log_ratio(r, mask) / mask.sum(-1).clamp_min(1)
+    return masked_row_mean(r, mask)
 
 
 def level_log_ratio(r: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -106,15 +106,10 @@ def importance_weights(
     metrics = {
         "actor/is_out_of_bounds_frac": masked_mean((~unit_in_bounds).to(r.dtype), units),
         "actor/is_weight_mean": masked_mean(unit_weight, kept_units),
-        "actor/is_weight_max": _masked_extreme(unit_weight, kept_units, torch.amax),
-        "actor/is_weight_min": _masked_extreme(unit_weight, kept_units, torch.amin),
+        "actor/is_weight_max": masked_extreme(unit_weight, kept_units, torch.amax),
+        "actor/is_weight_min": masked_extreme(unit_weight, kept_units, torch.amin),
     }
     return ImportanceWeights(weight=weight, keep=keep, metrics=metrics)
-
-
-def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce) -> torch.Tensor:
-    selected = values[mask.expand_as(values)]
-    return reduce(selected) if selected.numel() else torch.zeros((), dtype=values.dtype, device=values.device)
 
 
 def negative_advantage_mask(seq_advantages: torch.Tensor, geo_log_ratio: torch.Tensor, delta: float) -> torch.Tensor:
@@ -127,7 +122,7 @@ def negative_advantage_mask(seq_advantages: torch.Tensor, geo_log_ratio: torch.T
 
 def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence advantage A_i as the mean over its valid tokens (exact for outcome advantages)."""
-    return masked_sum(advantages, mask, dim=-1) / mask.sum(-1).clamp_min(1)
+    return masked_row_mean(advantages, mask)
 
 
 def offpolicy_diagnostics(
@@ -148,9 +143,8 @@ def offpolicy_diagnostics(
     num_seqs = valid_seq.sum().clamp_min(1).to(torch.float64)
     log_second_moment = torch.logsumexp(torch.where(valid_seq, 2.0 * s, -torch.inf).double(), 0) - num_seqs.log()
     log_second_moment = torch.where(valid_seq.any(), log_second_moment, 0.0)  # empty batch: w ≡ 1 by convention
-    token_count = mask.sum(-1).clamp_min(1)
-    mean_logp = masked_sum(log_prob.detach().to(dtype), mask, dim=-1) / token_count
-    mean_behav_logp = masked_sum(behav_log_prob.detach().to(dtype), mask, dim=-1) / token_count
+    mean_logp = masked_row_mean(log_prob.detach().to(dtype), mask)
+    mean_behav_logp = masked_row_mean(behav_log_prob.detach().to(dtype), mask)
     return {
         "rollout_corr/kl": masked_mean(-r, mask),
         "rollout_corr/k3_kl": masked_mean(torch.exp(r_safe) - r_safe - 1.0, mask),
