@@ -1,7 +1,8 @@
 """python -m eval --model PATH --benchmarks gsm8k,math500 --out DIR [options]
 
 Samples n completions per problem (vLLM on GPU machines, transformers otherwise), scores them with
-vcpo.rewards and writes per-sample jsonl and mean@n / pass@k summaries (see vcpo.evaluation.harness).
+vcpo.rewards under both answer formats (strict: the format the prompt asks for; lenient: also a bare
+final number) and writes per-sample jsonl and mean@n / pass@k summaries (see vcpo.evaluation.harness).
 """
 
 import argparse
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from vcpo.evaluation import BACKENDS, run_evaluation
+from vcpo.rewards import ANSWER_FORMATS
 
 BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
 
@@ -29,6 +31,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--source-dir", type=Path, help="local benchmark files (as in shared/data) instead of the hub")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (transformers backend)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--answer-format",
+        choices=ANSWER_FORMATS,
+        help="primary answer format of the summaries (default: per benchmark, strict); both are always scored",
+    )
     return parser.parse_args(argv)
 
 
@@ -51,10 +58,14 @@ def main(argv=None) -> int:
         source_dir=args.source_dir,
         batch_size=args.batch_size,
         seed=args.seed,
+        answer_format=args.answer_format,
     )
     for name, result in summary["results"].items():
-        pass_at_k = ", ".join(f"pass@{k} {value:.3f}" for k, value in result["pass_at_k"].items())
-        print(f"{name}: mean@{result['sampling']['n']} {result['mean_at_n']:.3f}, {pass_at_k}")
+        n = result["sampling"]["n"]
+        for answer_format, metrics in result["by_answer_format"].items():
+            pass_at_k = ", ".join(f"pass@{k} {value:.3f}" for k, value in metrics["pass_at_k"].items())
+            primary = " (primary)" if answer_format == result["answer_format"] else ""
+            print(f"{name} [{answer_format}{primary}]: mean@{n} {metrics['mean_at_n']:.3f}, {pass_at_k}")
     return 0
 
 

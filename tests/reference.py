@@ -174,3 +174,32 @@ def vaco(x: Inputs, *, delta, mode):
         grads[(i, t)] = 0.0 if filtered else -rho[(i, t)] * a
     loss, grad = aggregate(terms, grads, {k: True for k in keys}, mode, x.T)
     return loss, _as_matrix(grad, x.B, x.T), tv
+
+
+def _token_ess(ratios):
+    return sum(ratios) ** 2 / (len(ratios) * sum(v * v for v in ratios))
+
+
+def p3o_two_anchor(x: Inputs, prox, *, mode):
+    """P3O two-anchor (App. B Eq. 14-15) with the mixture formed from probabilities, not log space.
+
+    ``prox``: proximal log-probs as a nested (B, T) list. Returns (loss, grad, e_mix, e_b, e_prox).
+    """
+    keys = [(i, t) for i in range(x.B) for t in x.valid[i]]
+    rho_b = {k: math.exp(x.r(*k)) for k in keys}
+    rho_prox = {(i, t): math.exp(x.lp[i][t] - prox[i][t]) for (i, t) in keys}
+    ess_b, ess_prox = _token_ess(list(rho_b.values())), _token_ess(list(rho_prox.values()))
+    ess = min(ess_b, ess_prox)
+    w_b, w_prox = 1 - ess_b, 1 - ess_prox
+    terms, grads = {}, {}
+    for (i, t) in keys:
+        lp, a = x.lp[i][t], x.adv[i][t]
+        if w_b + w_prox > 0:
+            mix = math.log((w_b * math.exp(x.mu[i][t]) + w_prox * math.exp(prox[i][t])) / (w_b + w_prox))
+        else:
+            mix = x.mu[i][t]
+        cap = min(rho_b[(i, t)], ess)
+        terms[(i, t)] = -cap * a * lp + (1 - ess) * ((lp - mix) + math.exp(mix - lp) - 1)
+        grads[(i, t)] = -cap * a + (1 - ess) * (1 - math.exp(mix - lp))
+    loss, grad = aggregate(terms, grads, {k: True for k in keys}, mode, x.T)
+    return loss, _as_matrix(grad, x.B, x.T), ess, ess_b, ess_prox

@@ -84,6 +84,7 @@ def test_benchmark_file_carries_the_papers_sampling_defaults():
     assert benchmarks["aime24"].sampling.n == benchmarks["aime25"].sampling.n == 5
     assert (benchmarks["countdown"].task, benchmarks["countdown"].split) == ("countdown", "validation")
     assert (benchmarks["gsm8k"].task, benchmarks["gsm8k"].split) == ("gsm8k", "test")
+    assert {benchmark.answer_format for benchmark in benchmarks.values()} == {"strict"}
 
 
 def test_overrides_replace_benchmark_settings_and_bad_names_are_reported():
@@ -93,6 +94,27 @@ def test_overrides_replace_benchmark_settings_and_bad_names_are_reported():
         load_benchmarks(BENCHMARKS_FILE, ["gsm9k"])
     with pytest.raises(ValueError, match="top_p"):
         load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"top_p": 1.5})
+
+
+def test_answer_format_comes_from_the_definition_or_the_override(tmp_path):
+    path = tmp_path / "benchmarks.yaml"
+    path.write_text(
+        "defaults: {n: 2, temperature: 1.0, top_p: 1.0, max_new_tokens: 8}\n"
+        "benchmarks:\n"
+        "  plain: {task: gsm8k, split: test}\n"
+        "  loose: {task: gsm8k, split: test, answer_format: lenient}\n"
+        "  typo: {task: gsm8k, split: test, answer_format: relaxed}\n"
+    )
+    plain, loose = load_benchmarks(path, ["plain", "loose"])
+    assert (plain.answer_format, loose.answer_format) == ("strict", "lenient")
+    assert [b.answer_format for b in load_benchmarks(path, ["plain", "loose"], answer_format="strict")] == [
+        "strict",
+        "strict",
+    ]
+    with pytest.raises(ValueError, match="unknown answer_format 'relaxed'; allowed: strict, lenient"):
+        load_benchmarks(path, ["typo"])
+    with pytest.raises(ValueError, match="unknown answer_format 'loose'"):
+        load_benchmarks(path, ["plain"], answer_format="loose")
 
 
 def test_benchmark_definitions_with_unknown_keys_are_rejected(tmp_path):
@@ -110,7 +132,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 class ScriptedGenerator:
     """Answers problem i correctly in its first ``correct_counts[i]`` samples; the others are wrong or
-    give no answer at all, alternately."""
+    give the right number without the ``####`` format (no answer under strict, correct under lenient),
+    alternately."""
 
     def __init__(self, ground_truths: list[str], correct_counts: list[int]):
         self.ground_truths, self.correct_counts = ground_truths, correct_counts
@@ -119,7 +142,9 @@ class ScriptedGenerator:
         assert len(conversations) == len(self.ground_truths)
         return [
             [
-                f"Step by step. #### {truth}" if sample < correct else ("#### -1" if sample % 2 else "I do not know.")
+                f"Step by step. #### {truth}"
+                if sample < correct
+                else ("#### -1" if sample % 2 else f"I am not sure; maybe {truth}?")
                 for sample in range(sampling.n)
             ]
             for truth, correct in zip(self.ground_truths, self.correct_counts, strict=True)
@@ -134,18 +159,38 @@ def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
         generator, gsm8k, tmp_path, limit=3, source_dir=benchmark_data.root, run_info={"model": "m"}
     )
 
+    assert summary["answer_format"] == "strict"
     assert summary["mean_at_n"] == pytest.approx(4 / 9)
     assert summary["pass_at_k"] == pytest.approx({"1": 4 / 9, "2": (0 + 2 / 3 + 1) / 3, "3": 2 / 3})
-    # Wrong samples alternate "I do not know." (index 0, 2) and "#### -1" (index 1).
+    # Wrong samples alternate the unformatted right number (index 0, 2) and "#### -1" (index 1).
     assert (summary["reasons"]["correct"], summary["no_answer"], summary["reasons"]["wrong"]) == (4, 3, 2)
     assert summary["timeouts"] == 0 and summary["model"] == "m" and summary["num_samples"] == 9
+    # Lenient also credits the unformatted right numbers: 2, 2 and 3 of 3 correct.
+    strict, lenient = summary["by_answer_format"]["strict"], summary["by_answer_format"]["lenient"]
+    assert strict == {key: summary[key] for key in ("mean_at_n", "pass_at_k", "timeouts", "no_answer", "reasons")}
+    assert lenient["mean_at_n"] == pytest.approx(7 / 9)
+    assert lenient["pass_at_k"] == pytest.approx({"1": 7 / 9, "2": 1.0, "3": 1.0})
+    assert (lenient["reasons"]["correct"], lenient["no_answer"], lenient["reasons"]["wrong"]) == (7, 0, 2)
 
     records = read_jsonl(tmp_path / "gsm8k" / "samples.jsonl")
     assert [(r["problem_id"], r["sample_index"]) for r in records] == [
         (row["extra_info"]["index"], sample) for row in rows for sample in range(3)
     ]
     assert [r["acc"] for r in records] == [False] * 3 + [True, False, False] + [True] * 3
+    assert [r["by_answer_format"]["strict"]["acc"] for r in records] == [r["acc"] for r in records]
+    assert [r["by_answer_format"]["lenient"]["acc"] for r in records] == [True, False, True] * 2 + [True] * 3
+    assert records[0]["by_answer_format"]["strict"] == {"score": 0.0, "acc": False, "reason": "no_answer"}
     assert json.loads((tmp_path / "gsm8k" / "summary.json").read_text()) == summary
+
+    # The same samples with lenient as the primary format: the top-level metrics follow it.
+    (gsm8k_lenient,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"n": 3}, answer_format="lenient")
+    summary = evaluate_benchmark(
+        generator, gsm8k_lenient, tmp_path / "lenient", limit=3, source_dir=benchmark_data.root
+    )
+    assert summary["answer_format"] == "lenient" and summary["mean_at_n"] == pytest.approx(7 / 9)
+    assert summary["by_answer_format"]["strict"]["mean_at_n"] == pytest.approx(4 / 9)
+    records = read_jsonl(tmp_path / "lenient" / "gsm8k" / "samples.jsonl")
+    assert [r["acc"] for r in records] == [r["by_answer_format"]["lenient"]["acc"] for r in records]
 
 
 def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path, monkeypatch):
@@ -170,22 +215,51 @@ def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path
         "hf",
         "--source-dir",
         str(benchmark_data.root),
+        "--answer-format",
+        "lenient",
     ]
     assert main(argv) == 0
 
     records = read_jsonl(out / "gsm8k" / "samples.jsonl")
     assert len(records) == 6 and len({r["problem_id"] for r in records}) == 3
     assert [r["sample_index"] for r in records] == [0, 1] * 3
-    assert set(records[0]) == {"problem_id", "sample_index", "completion", "score", "acc", "reason", "ground_truth"}
+    assert set(records[0]) == {
+        "problem_id",
+        "sample_index",
+        "completion",
+        "score",
+        "acc",
+        "reason",
+        "ground_truth",
+        "by_answer_format",
+    }
+    assert all(set(r["by_answer_format"]) == {"strict", "lenient"} for r in records)
+    assert [r["acc"] for r in records] == [r["by_answer_format"]["lenient"]["acc"] for r in records]
     summary = json.loads((out / "gsm8k" / "summary.json").read_text())
     assert (summary["num_problems"], summary["num_samples"], summary["backend"]) == (3, 6, "HFGenerator")
     assert summary["sampling"] == {"n": 2, "temperature": 0.8, "top_p": 0.7, "max_new_tokens": 8, "seed": 0}
     assert set(summary["pass_at_k"]) == {"1", "2"}
+    assert summary["answer_format"] == "lenient" and set(summary["by_answer_format"]) == {"strict", "lenient"}
+    assert summary["by_answer_format"]["lenient"]["mean_at_n"] == summary["mean_at_n"]
+    assert summary["by_answer_format"]["strict"]["mean_at_n"] == pytest.approx(
+        sum(r["by_answer_format"]["strict"]["acc"] for r in records) / 6
+    )
     assert summary["mean_at_n"] == pytest.approx(sum(r["acc"] for r in records) / 6)
     assert summary["no_answer"] == sum(r["reason"] == "no_answer" for r in records)
     assert sum(summary["reasons"].values()) == 6
     run = json.loads((out / "summary.json").read_text())
     assert run["model"] == str(tiny_model_dir) and run["results"]["gsm8k"] == summary
+
+
+def test_cli_answer_format_option(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from eval.__main__ import parse_args
+
+    required = ["--model", "m", "--benchmarks", "gsm8k", "--out", "o"]
+    assert parse_args(required).answer_format is None  # each benchmark's own (strict unless it says)
+    assert parse_args([*required, "--answer-format", "lenient"]).answer_format == "lenient"
+    with pytest.raises(SystemExit):
+        parse_args([*required, "--answer-format", "loose"])
 
 
 def test_source_dir_without_the_benchmark_file_is_reported(tmp_path):

@@ -77,6 +77,92 @@ def test_p3o_matches_reference(mode):
     assert_matches(loss, grad, ref_loss, ref_grad)
 
 
+def prox_batch(seed, drift, dtype=torch.float64):
+    """A random batch plus proximal log-probs l^prox = l^θ − drift·N(0, 1), garbage (NaN) at padding."""
+    log_prob, behav, advantages, mask = ref.random_batch(seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1000)
+    noise = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    prox = torch.where(mask, log_prob.detach().double() - drift * noise, torch.nan).to(dtype)
+    return (log_prob, behav, advantages, mask), prox
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("drift", [0.05, 1.0])  # e_prox > e_b, then e_prox < e_b
+def test_p3o_two_anchor_matches_reference(mode, drift):
+    batch, prox = prox_batch(seed=11, drift=drift)
+    loss, grad, metrics = run(losses.p3o_two_anchor_loss, batch, mode, kl_log_clamp=10.0, prox_log_prob=prox)
+    ref_loss, ref_grad, ess, ess_b, ess_prox = ref.p3o_two_anchor(ref.Inputs(*batch), prox.tolist(), mode=mode)
+    assert 0.0 < ess_b < 1.0 and 0.0 < ess_prox < 1.0 and (ess_prox > ess_b) == (drift < 0.3)
+    for key, value in [("", ess), ("_behav", ess_b), ("_prox", ess_prox)]:
+        assert metrics[f"actor/p3o_token_ess{key}"].item() == pytest.approx(value, rel=1e-12)
+    assert_matches(loss, grad, ref_loss, ref_grad)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_p3o_two_anchor_with_one_on_policy_anchor_matches_reference(mode):
+    """π_b = π_θ (e_b = 1): the behaviour anchor drops out and the KL pulls towards π_prox alone;
+    both anchors on-policy: the coefficient 1 − e_mix is 0 and the loss is plain REINFORCE."""
+    batch, prox = prox_batch(seed=12, drift=0.5)
+    log_prob, _, advantages, mask = batch
+    on_policy = log_prob.detach().clone()
+    for prox_log_prob in (prox, on_policy):
+        loss, grad, metrics = run(
+            losses.p3o_two_anchor_loss, (log_prob, on_policy, advantages, mask), mode, kl_log_clamp=10.0, prox_log_prob=prox_log_prob
+        )
+        ref_loss, ref_grad, ess, ess_b, _ = ref.p3o_two_anchor(
+            ref.Inputs(log_prob, on_policy, advantages, mask), prox_log_prob.tolist(), mode=mode
+        )
+        assert ess_b == 1.0 and metrics["actor/p3o_token_ess_behav"].item() == 1.0
+        assert_matches(loss, grad, ref_loss, ref_grad)
+    assert ess == 1.0 and metrics["actor/p3o_kl"].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("prox", ["current", "behaviour", "none"])
+def test_p3o_two_anchor_reduces_to_p3o(mode, prox):
+    """π_prox = π_θ (r_prox ≡ 1, e_prox = 1; also the ``None`` default) or π_prox = π_b: P3O exactly."""
+    log_prob, behav, advantages, mask = batch = ref.random_batch(seed=5)
+    prox_log_prob = {"current": log_prob.detach().clone(), "behaviour": behav, "none": None}[prox]
+    loss, grad, metrics = run(losses.p3o_two_anchor_loss, batch, mode, kl_log_clamp=10.0, prox_log_prob=prox_log_prob)
+    p3o_loss, p3o_grad, p3o_metrics = run(losses.p3o_loss, batch, mode, kl_log_clamp=10.0)
+    assert torch.equal(loss, p3o_loss) and torch.equal(grad, p3o_grad)
+    for key in ("actor/p3o_token_ess", "actor/p3o_kl", "actor/pg_loss"):
+        assert torch.equal(metrics[key], p3o_metrics[key]), key
+    assert metrics["actor/p3o_token_ess_prox"].item() == (1.0 if prox != "behaviour" else p3o_metrics["actor/p3o_token_ess"].item())
+
+
+def test_p3o_two_anchor_is_finite_with_large_log_ratios_in_float32():
+    """Token log-ratios of ±60 to both anchors and anchors ±100 apart stay finite in float32."""
+    (log_prob, behav, advantages, mask), prox = prox_batch(seed=13, drift=60.0, dtype=torch.float32)
+    far = torch.where(mask, behav + 40.0 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)), behav)
+    log_prob = far.clone().requires_grad_(True)
+    prox = torch.where(mask, prox - 100.0, prox)
+    for mode in LOSS_AGG_MODES:
+        loss, grad, metrics = run(losses.p3o_two_anchor_loss, (log_prob, behav, advantages, mask), mode, kl_log_clamp=10.0, prox_log_prob=prox)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert all(torch.isfinite(value) for value in metrics.values())
+        assert 0.0 < metrics["actor/p3o_token_ess"].item() < 0.5
+
+
+def test_p3o_two_anchor_all_masked_batch_is_a_zero():
+    log_prob = torch.randn(3, 5, requires_grad=True)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    garbage = torch.full((3, 5), -torch.inf)
+    loss, metrics = losses.p3o_two_anchor_loss(
+        log_prob, garbage, torch.full((3, 5), torch.nan), mask, agg=LossAggregation(), kl_log_clamp=10.0, prox_log_prob=garbage
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    assert metrics["actor/all_masked"].item() == 1.0 and metrics["actor/p3o_token_ess"].item() == 1.0
+    assert all(torch.isfinite(value) for value in metrics.values())
+
+
+def test_p3o_two_anchor_rejects_a_misshapen_proximal_input():
+    log_prob, behav, advantages, mask = ref.random_batch(seed=14)
+    with pytest.raises(ValueError, match="prox_log_prob"):
+        losses.p3o_two_anchor_loss(log_prob, behav, advantages, mask, agg=LossAggregation(), kl_log_clamp=10.0, prox_log_prob=behav[:, :-1])
+
+
 @pytest.mark.parametrize("delta", [0.0, 0.05, 100.0])
 def test_vaco_matches_reference(delta):
     batch = ref.random_batch(seed=6)

@@ -46,6 +46,7 @@ def test_vcpo_preset_is_the_paper_configuration():
         ("grpo", ("loss", "params", "clip_ratio_high"), 0.28),
         ("tis_ess", ("step_size", "rule"), "ess"),
         ("otb", ("advantage", "estimator"), "optimal_token_baseline"),
+        ("p3o_two_anchor", ("loss", "params", "kl_log_clamp"), 10.0),
     ],
 )
 def test_paper_values(name, path, value):
@@ -60,6 +61,18 @@ def test_extends_replaces_params_and_keeps_other_fields():
     assert vaco["loss"]["params"] == {"delta": 0.05}  # the parent's lo/hi do not leak in
     assert vaco["optimizer"] == get_method("seq_tis_c8").spec["optimizer"]
     assert not get_method("seq_tis_c2").is_default  # `default` is never inherited
+
+
+def test_p3o_two_anchor_preset_is_p3o_with_the_second_anchor():
+    """P3O §3.1, App. B: no hyper-parameter beyond P3O's; everything else as the P3O preset."""
+    two_anchor, p3o = get_method("p3o_two_anchor"), get_method("p3o")
+    assert two_anchor.is_default and default_method("p3o_two_anchor") == two_anchor
+    assert two_anchor.loss_params == p3o.loss_params
+    assert {k: v for k, v in two_anchor.spec.items() if k not in ("name", "title", "source", "loss", "extends")} == {
+        k: v for k, v in p3o.spec.items() if k not in ("name", "title", "source", "loss", "extends")
+    }
+    assert two_anchor.spec["loss"]["agg"] == p3o.spec["loss"]["agg"]
+    assert "App. B Eq. 14-15" in two_anchor.spec["source"]
 
 
 def test_each_core_loss_has_one_default_preset():

@@ -2,6 +2,7 @@
 
 import json
 import random
+import string
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from vcpo.data import load_rows
-from vcpo.rewards import REASONS, compute_score, countdown_ground_truth, reward_stats, score_batch
+from vcpo.rewards import ANSWER_FORMATS, REASONS, compute_score, countdown_ground_truth, reward_stats, score_batch
 from vcpo.rewards.adversarial import ADVERSARIAL_KINDS, adversarial_answers
 from vcpo.rewards.math_workers import MathVerifyPool
 
@@ -88,6 +89,118 @@ def test_score_batch_keeps_order_and_checks_lengths():
     assert [result["reason"] for result in results] == ["correct", "correct", "correct", "wrong"]
     with pytest.raises(ValueError, match="solutions has 1 items, data_sources has 2"):
         score_batch(["gsm8k", "gsm8k"], ["#### 1"], ["1", "1"])
+
+
+# ---- answer formats: strict (the prompt's format only) and lenient ------------------------------
+
+
+@pytest.mark.parametrize(
+    "data_source, solution, gold, strict, lenient",
+    [
+        # math: strict reads only the last complete box; lenient is math-verify's own extraction.
+        ("aime25", "The answer is 25.", "25", "no_answer", "correct"),
+        ("aime25", "so $25$", "25", "no_answer", "correct"),
+        ("math500", r"\boxed{25}", "25", "correct", "correct"),
+        ("math500", r"\boxed{24}, no wait: 25", "25", "wrong", "wrong"),  # the box still wins
+        ("math500", r"\boxed{25} and then \boxed{26", "25", "correct", "correct"),  # unclosed box skipped
+        ("math500", r"\boxed{x = 25} then 7", "25", "correct", "correct"),
+        ("dapo_math", r"first 25, finally \boxed{7}", "25", "wrong", "wrong"),
+        ("amc23", "I do not know.", "25", "no_answer", "no_answer"),
+        # gsm8k: strict reads only the number after the last ####; lenient falls back to the last number.
+        ("gsm8k", "She has 1,000 apples.", "1000", "no_answer", "correct"),
+        ("gsm8k", "#### 18", "18", "correct", "correct"),
+        ("gsm8k", "It is 18. #### 17", "18", "wrong", "wrong"),  # a #### number is never overridden
+        ("gsm8k", "#### eighteen, that is 18", "18", "invalid", "correct"),
+        ("gsm8k", "Numbers 1,2,3", "123", "no_answer", "wrong"),  # 1,2,3 is three numbers
+        ("gsm8k", "no numbers at all", "18", "no_answer", "no_answer"),
+        # countdown: strict reads the last tag or box; lenient falls back to the last arithmetic line.
+        ("countdown", "3 + 4", "3 4 7", "no_answer", "correct"),
+        ("countdown", "Try:\n(3 + 4)\nwhich gives 7.", "3 4 7", "no_answer", "correct"),
+        ("countdown", "4 + 3\nno, 3 * 4\nthat is 12", "3 4 7", "no_answer", "correct"),  # 3 * 4 is not a line
+        ("countdown", "3 * 4", "3 4 7", "no_answer", "wrong"),
+        ("countdown", "<answer>3 + 4</answer>", "3 4 7", "correct", "correct"),
+        ("countdown", "<answer>1</answer>\n3 + 4", "3 4 7", "invalid", "invalid"),  # a tag is never overridden
+        ("countdown", "<answer></answer>\n3 + 4", "3 4 7", "no_answer", "correct"),
+        ("countdown", "3 + 4 = 7", "3 4 7", "no_answer", "no_answer"),  # "= 7" is not arithmetic
+        ("countdown", "__import__('os').system('true')\n7", "3 4 7", "no_answer", "invalid"),
+    ],
+)
+def test_strict_and_lenient_answer_formats(data_source, solution, gold, strict, lenient):
+    if data_source == "countdown":
+        *numbers, target = map(int, gold.split())
+        gold = countdown_ground_truth(numbers, target)
+    assert reason(data_source, solution, gold) == strict  # strict is the default
+    assert reason(data_source, solution, gold, answer_format="strict") == strict
+    assert reason(data_source, solution, gold, answer_format="lenient") == lenient
+    [batch_strict], [batch_lenient] = (
+        score_batch([data_source], [solution], [gold], answer_format=answer_format) for answer_format in ANSWER_FORMATS
+    )
+    assert (batch_strict["reason"], batch_lenient["reason"]) == (strict, lenient)
+
+
+def test_unknown_answer_format_is_an_error():
+    assert ANSWER_FORMATS == ("strict", "lenient")
+    for call in (
+        lambda: compute_score("gsm8k", "#### 1", "1", answer_format="loose"),
+        lambda: score_batch(["gsm8k"], ["#### 1"], ["1"], answer_format="loose"),
+    ):
+        with pytest.raises(ValueError, match=r"unknown answer_format 'loose'; allowed: strict, lenient"):
+            call()
+
+
+# Digits, letters, punctuation (which holds \ { } # < > $ and the operators) and spaces.
+RANDOM_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " "
+
+
+def random_texts(count, seed, *, max_line_chars=200, max_lines=1):
+    """``count`` seeded random texts of 1 to ``max_lines`` lines of 0 to ``max_line_chars`` characters."""
+    rng = random.Random(seed)
+    return [
+        "\n".join(
+            "".join(rng.choice(RANDOM_ALPHABET) for _ in range(rng.randint(0, max_line_chars)))
+            for _ in range(rng.randint(1, max_lines))
+        )
+        for _ in range(count)
+    ]
+
+
+def correct_counts(data_sources, texts, golds, lenient_limit=None):
+    """Correct answers under each format; lenient reads only the first ``lenient_limit`` texts."""
+    counts = {}
+    for answer_format in ANSWER_FORMATS:
+        limit = lenient_limit if answer_format == "lenient" else None
+        results = score_batch(
+            data_sources[:limit], texts[:limit], golds[:limit], answer_format=answer_format, workers=2
+        )
+        counts[answer_format] = sum(result["reason"] == "correct" for result in results)
+        assert all(result["score"] == 0.0 or result["reason"] == "correct" for result in results)
+    return counts
+
+
+RANDOM_TEXT_COUNT = 2000
+
+
+def test_random_text_never_scores_under_strict_but_does_under_lenient():
+    """An untrained model's output is close to random text: only the lenient formats credit it.
+
+    AIME-style integer golds 0..9 and 25 (single digits are where a random last number hits most often).
+    Lenient math runs math-verify on every text (a few ms each), so it reads only the first 500.
+    """
+    texts = random_texts(RANDOM_TEXT_COUNT, seed=0)
+    golds = [str(index % 11) if index % 11 < 10 else "25" for index in range(len(texts))]
+    counts = {
+        "math": correct_counts(["aime25"] * len(texts), texts, golds, lenient_limit=500),
+        "gsm8k": correct_counts(["gsm8k"] * len(texts), texts, golds),
+    }
+    # Countdown: the lenient fallback reads whole lines, so the random text here has short lines;
+    # one-number puzzles ("7" alone makes 7) are the ones random lines can solve.
+    lines = random_texts(RANDOM_TEXT_COUNT, seed=1, max_line_chars=4, max_lines=40)
+    puzzles = [countdown_ground_truth([index % 10], index % 10) for index in range(len(lines))]
+    counts["countdown"] = correct_counts(["countdown"] * len(lines), lines, puzzles)
+    print(f"correct answers among {RANDOM_TEXT_COUNT} random texts (lenient math: 500): {counts}")
+    for kind, count in counts.items():
+        assert count["strict"] == 0, kind
+        assert count["lenient"] > count["strict"], kind
 
 
 # ---- Countdown ----------------------------------------------------------------------------------
@@ -238,22 +351,24 @@ def test_shared_pool_reports_timeouts_from_compute_score():
     assert reward_stats()["timeouts"] == before + 1
 
 
-def score_adversarial(count, timeout_s):
+def score_adversarial(count, timeout_s, answer_format):
     answers = [answer for _, answer in adversarial_answers(count, seed=7)]
     timings = {}
     results = {}
     for data_source, gold in [("aime24", "25"), ("gsm8k", "25"), ("countdown", countdown_ground_truth([25, 1], 25))]:
         started = time.monotonic()
         results[data_source] = score_batch(
-            [data_source] * count, answers, [gold] * count, timeout_s=timeout_s, workers=2
+            [data_source] * count, answers, [gold] * count, timeout_s=timeout_s, answer_format=answer_format, workers=2
         )
         timings[data_source] = time.monotonic() - started
     return results, timings
 
 
-def check_adversarial(results, timings, math_bound_s):
+def check_adversarial(results, timings, math_bound_s, answer_format):
     for data_source, batch in results.items():
-        assert all(result["score"] == 0.0 for result in batch), data_source
+        # Lenient GSM8K and Countdown may credit a stray number or line (a power tower's base of 25).
+        if answer_format == "strict" or data_source == "aime24":
+            assert all(result["score"] == 0.0 for result in batch), data_source
         assert all(result["reason"] in REASONS for result in batch)
     assert timings["gsm8k"] < 2.0 and timings["countdown"] < 2.0
     assert timings["aime24"] < math_bound_s
@@ -263,18 +378,20 @@ def check_adversarial(results, timings, math_bound_s):
     print(f"math-verify on adversarial answers: {reasons} in {timings['aime24']:.1f} s")
 
 
-def test_adversarial_answers_are_scored_zero_in_bounded_time():
+@pytest.mark.parametrize("answer_format", ANSWER_FORMATS)
+def test_adversarial_answers_are_scored_zero_in_bounded_time(answer_format):
     count = 4 * len(ADVERSARIAL_KINDS)
-    results, timings = score_adversarial(count, timeout_s=2.0)
+    results, timings = score_adversarial(count, timeout_s=2.0, answer_format=answer_format)
     # Each answer is bounded by the 2 s timeout, but the screens keep nearly all far below it.
-    check_adversarial(results, timings, math_bound_s=20.0)
+    check_adversarial(results, timings, math_bound_s=20.0, answer_format=answer_format)
 
 
 @pytest.mark.slow
-def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time():
+@pytest.mark.parametrize("answer_format", ANSWER_FORMATS)
+def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time(answer_format):
     before = reward_stats()["timeouts"]
-    results, timings = score_adversarial(1000, timeout_s=5.0)
-    check_adversarial(results, timings, math_bound_s=180.0)
+    results, timings = score_adversarial(1000, timeout_s=5.0, answer_format=answer_format)
+    check_adversarial(results, timings, math_bound_s=180.0, answer_format=answer_format)
     timed_out = sum(result["reason"] == "timeout" for result in results["aime24"])
     assert reward_stats()["timeouts"] - before == timed_out
 
@@ -340,6 +457,35 @@ def test_plugs_into_verl_as_custom_reward_function():
     assert output["reward_tensor"].sum().item() == 2.0
     assert output["reward_extra_info"]["reason"] == ["correct", "wrong", "correct"]
     assert {key: len(values) for key, values in output["reward_extra_info"].items()} == {key: 3 for key in RESULT_KEYS}
+
+
+@pytest.mark.parametrize("answer_format, expected", [("strict", [0.0, 0.0, 0.0]), ("lenient", [1.0, 1.0, 1.0])])
+def test_answer_format_passes_through_verl_reward_kwargs(answer_format, expected):
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    config = OmegaConf.create(
+        {
+            "reward": {
+                "custom_reward_function": {
+                    "path": "pkg://vcpo.rewards",
+                    "name": "compute_score",
+                    "reward_kwargs": {"answer_format": answer_format},
+                }
+            }
+        }
+    )
+    reward_fn = get_custom_reward_fn(config)
+    cases = [
+        ("gsm8k", "so it is 18", "18"),
+        ("aime24", "so it is 4", "4"),
+        ("countdown", "so:\n2 * 3", countdown_ground_truth([3, 2], 6)),
+    ]
+    scores = [
+        reward_fn(data_source=source, solution_str=text, ground_truth=gold, extra_info={})["score"]
+        for source, text, gold in cases
+    ]
+    assert scores == expected
 
 
 def test_results_are_json_serialisable():

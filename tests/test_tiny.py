@@ -55,3 +55,20 @@ def test_saved_model_loads_by_path_and_generates(tmp_path):
 def test_vocab_too_small_for_bytes_is_rejected():
     with pytest.raises(ValueError, match="vocab_size"):
         build_tiny_tokenizer(vocab_size=100)
+
+
+def test_tokenizer_from_a_corpus_with_split_digits_keeps_numbers_as_digits():
+    corpus = [f"<|im_start|>user\nUse {a}, {a + 7} once each.<|im_end|>\n" for a in range(10, 90)] * 5
+    tokenizer = build_tiny_tokenizer(vocab_size=300, corpus=corpus, split_digits=True)
+    text = "Use 17, 24 once each. <answer>(17 - 8)/9</answer> ü"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens.count("1") == 2 and tokens.count("7") == 2  # "17" reads the same after a space or "("
+    assert "Ġonce" in tokens  # merges came from the corpus
+    assert IM_END in tokenizer.convert_ids_to_tokens(tokenizer("x<|im_end|>", add_special_tokens=False)["input_ids"])
+
+
+def test_model_mlp_width_can_be_set(tokenizer):
+    assert build_tiny_model(tokenizer, hidden_size=32, intermediate_size=96).config.intermediate_size == 96
+    assert build_tiny_model(tokenizer, hidden_size=32).config.intermediate_size == 64

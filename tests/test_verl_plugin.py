@@ -19,13 +19,23 @@ from vcpo.methods import default_method, get_method
 
 import reference as ref
 
-NAMES = ["seq_tis", "token_tis", "geo_tis", "seq_mis", "token_mis", "geo_mis", "dsv32_mis", "m2po", "vespo", "p3o", "vaco", "topr"]
+NAMES = [
+    "seq_tis", "token_tis", "geo_tis", "seq_mis", "token_mis", "geo_mis", "dsv32_mis", "m2po", "vespo", "p3o", "p3o_two_anchor",
+    "vaco", "topr",
+]
+PROX_NAMES = [name for name in NAMES if POLICY_LOSSES[name].needs_prox]
 
 
-def core_loss(name, batch, params, mode="token-mean"):
+def core_loss(name, batch, params, mode="token-mean", prox=None):
     log_prob, behav, advantages, mask = batch
+    if POLICY_LOSSES[name].needs_prox:
+        params = {**params, "prox_log_prob": prox}
     loss, _ = POLICY_LOSSES[name].fn(log_prob, behav, advantages, mask, agg=LossAggregation(mode), **params)
     return loss
+
+
+def test_only_p3o_two_anchor_needs_the_proximal_log_probs():
+    assert PROX_NAMES == ["p3o_two_anchor"]
 
 
 def test_registry_names_are_the_issue_names():
@@ -39,11 +49,13 @@ def test_plain_import_verl_registers_every_loss_in_a_fresh_interpreter(tmp_path)
         f"""
         import json, torch, verl
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
-        old, new, adv, mask = torch.load("batch.pt")
+        old, new, adv, mask, prox = torch.load("batch.pt")
         out = {{}}
         for name in {NAMES!r}:
             log_prob = new.clone().requires_grad_(True)
-            loss, metrics = get_policy_loss_fn(name)(old, log_prob, adv, mask, "seq-mean-token-mean", None, None)
+            # decoupled convention of a loss that needs l^prox: old = l^prox, weights = exp(l^prox - l^b)
+            args = (prox, torch.exp(prox - old) * mask) if name in {PROX_NAMES!r} else (old, None)
+            loss, metrics = get_policy_loss_fn(name)(args[0], log_prob, adv, mask, "seq-mean-token-mean", None, args[1])
             loss.backward()
             out[name] = [loss.item(), log_prob.grad.tolist(), sorted(metrics)]
         print(json.dumps(out))
@@ -55,14 +67,16 @@ def test_plain_import_verl_registers_every_loss_in_a_fresh_interpreter(tmp_path)
     adv = torch.randn(4, 1, generator=g).expand(4, 6).contiguous()
     mask = torch.ones(4, 6)
     mask[1, 4:] = 0
-    torch.save((old, new, adv, mask), tmp_path / "batch.pt")
+    prox = new - 0.3 * torch.randn(4, 6, generator=g)
+    torch.save((old, new, adv, mask, prox), tmp_path / "batch.pt")
     env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     for name in NAMES:
         log_prob = new.clone().requires_grad_(True)
-        expected = core_loss(name, (log_prob, old, adv, mask.bool()), default_method(name).loss_params, "seq-mean-token-mean")
+        params = default_method(name).loss_params
+        expected = core_loss(name, (log_prob, old, adv, mask.bool()), params, "seq-mean-token-mean", prox)
         expected.backward()
         assert out[name][0] == pytest.approx(expected.item(), rel=1e-6), name
         torch.testing.assert_close(torch.tensor(out[name][1]), log_prob.grad, rtol=1e-6, atol=1e-8)
@@ -144,6 +158,42 @@ def test_rollout_is_weights_multiply_the_token_loss():
         log_prob, behav, advantages, mask, agg=lambda m, k: LossAggregation("token-sum")(m * weights, k)
     )
     torch.testing.assert_close(weighted, expected)
+
+
+def two_anchor_batch(seed, dtype):
+    """A batch, proximal log-probs and verl's decoupled-mode weights exp(l^prox − l^b), 0 at padding."""
+    log_prob, behav, advantages, mask = ref.random_batch(seed=seed, dtype=dtype)
+    noise = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    prox = torch.where(mask, log_prob.detach().double() - 0.5 * noise, -torch.inf).to(dtype)
+    weights = torch.where(mask, torch.exp(prox - behav), 0.0)
+    return (log_prob, behav, advantages, mask), prox, weights
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "token-sum"])
+def test_two_anchor_decoupled_convention(dtype, rtol, mode):
+    """old_log_prob = l^prox and rollout_is_weights = exp(l^prox − l^b): verl's loss equals the core
+    function called with (l^b, l^prox), and the weights do not multiply the loss."""
+    (log_prob, behav, advantages, mask), prox, weights = two_anchor_batch(seed=25, dtype=dtype)
+    config = actor_config()
+    float_mask = mask.to(dtype)  # verl's response_mask is a float tensor
+    loss, metrics = get_policy_loss_fn("p3o_two_anchor")(prox, log_prob, advantages, float_mask, mode, config, weights)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    expected, expected_metrics = POLICY_LOSSES["p3o_two_anchor"].fn(
+        log_prob, behav, advantages, mask, agg=LossAggregation(mode), prox_log_prob=prox, **default_method("p3o_two_anchor").loss_params
+    )
+    (expected_grad,) = torch.autograd.grad(expected, log_prob)
+    torch.testing.assert_close(loss, expected, rtol=rtol, atol=rtol * 1e-2)
+    torch.testing.assert_close(grad, expected_grad, rtol=rtol, atol=rtol * 1e-2)
+    for key in ("actor/p3o_token_ess", "actor/p3o_token_ess_behav", "actor/p3o_token_ess_prox"):
+        assert metrics[key] == pytest.approx(expected_metrics[key].item(), rel=rtol), key
+    assert 0.0 < metrics["actor/p3o_token_ess_behav"] < 1.0 and 0.0 < metrics["actor/p3o_token_ess_prox"] < 1.0
+
+
+def test_two_anchor_without_rollout_is_weights_raises():
+    (log_prob, behav, advantages, mask), prox, _ = two_anchor_batch(seed=26, dtype=torch.float64)
+    with pytest.raises(ValueError, match="decoupled mode.*old_log_prob is the proximal log-prob"):
+        call_verl("p3o_two_anchor", actor_config(), (log_prob, prox, advantages, mask))
 
 
 def test_config_errors_name_the_key():

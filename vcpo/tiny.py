@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+# Qwen2's pre-tokenization: words with an optional leading non-letter, single digits, punctuation runs,
+# newlines and other whitespace.
+QWEN2_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -46,14 +52,33 @@ def training_corpus(seed: int = 0, problems: int = 120) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
-    """Byte-level BPE tokenizer with Qwen-style chat special tokens, trained in memory."""
+def build_tiny_tokenizer(
+    vocab_size: int = 512, seed: int = 0, corpus: Iterable[str] | None = None, *, split_digits: bool = False
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE tokenizer with Qwen-style chat special tokens, trained in memory.
+
+    ``corpus``: the texts to learn merges from (e.g. a task's prompts and solutions, so that its
+    prompts take few tokens); default :func:`training_corpus`. Any corpus gives a tokenizer that
+    encodes every string (the 256 bytes are always in the vocabulary).
+
+    ``split_digits``: pre-tokenize with Qwen2's pattern, which makes every digit a token of its own and
+    never merges a space into a number, so that a number is the same tokens wherever it stands (the
+    default keeps GPT-2's pattern, which merges digit runs and a leading space).
+    """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
             f"build_tiny_tokenizer: vocab_size must cover the 256 bytes and special tokens, got {vocab_size}"
         )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -61,7 +86,7 @@ def build_tiny_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedToke
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(seed), trainer=trainer)
+    tokenizer.train_from_iterator(training_corpus(seed) if corpus is None else corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=END_OF_TEXT,
@@ -81,12 +106,16 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     max_positions: int = 4096,
     seed: int = 0,
+    intermediate_size: int | None = None,
 ) -> Qwen2ForCausalLM:
-    """Randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer``; same seed, same weights."""
+    """Randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer``; same seed, same weights.
+
+    ``intermediate_size`` (the MLP width) defaults to twice ``hidden_size``.
+    """
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

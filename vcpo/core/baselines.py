@@ -111,10 +111,16 @@ def baseline_advantages(
     advantages = rewards - baseline
     if not norm_by_std:
         return advantages
+    return advantages / group_reward_std(rewards, groups, eps).to(advantages.dtype)
+
+
+def group_reward_std(rewards: torch.Tensor, groups: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """σ_g(i): the population std of the rewards of each sequence's group, shape (B,), float64;
+    1 where σ_g <= eps (a group whose rewards are all equal is not divided)."""
     index, num_groups = group_index(groups, rewards.shape[0], rewards.device)
-    r = rewards.to(torch.float64)
+    r = rewards.detach().to(torch.float64)
     counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, index, torch.ones_like(r))
     mean = torch.zeros_like(counts).index_add(0, index, r) / counts
     var = torch.zeros_like(counts).index_add(0, index, (r - mean[index]) ** 2) / counts
     std = var.sqrt()[index]
-    return torch.where(std > eps, advantages / std.clamp_min(eps).to(advantages.dtype), advantages)
+    return torch.where(std > eps, std, torch.ones_like(std))

@@ -14,7 +14,6 @@ mask; a batch left without any token gives an exact zero loss (graph kept) and `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -49,6 +48,10 @@ class _Batch:
         self.log_prob = torch.where(self.mask, log_prob, torch.zeros_like(log_prob)).to(dtype)
         self.advantages = torch.where(self.mask, advantages.detach(), torch.zeros_like(advantages)).to(dtype)
         self.metrics = offpolicy_diagnostics(log_prob, behav_log_prob, self.r, self.mask)
+
+    def anchor(self, anchor_log_prob: torch.Tensor) -> torch.Tensor:
+        """A reference log-prob (behaviour, proximal) as a constant: detached, compute dtype, 0 at padding."""
+        return torch.where(self.mask, anchor_log_prob.detach().to(self.r.dtype), 0.0)
 
     def reinforce(self, weight: torch.Tensor) -> torch.Tensor:
         """Per-token REINFORCE term −sg(weight)·A·l^θ."""
@@ -175,6 +178,63 @@ def vespo_loss(
     return batch.reduce(batch.reinforce(phi.unsqueeze(-1)), batch.mask, agg, metrics)
 
 
+def log_token_ess(r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log e_B, e_B = (Σ ρ_t)² / (|B| Σ ρ_t²) over the valid tokens, ρ_t = exp(r_t) (P3O Eq. 11).
+
+    Detached, float64, 0-d. The largest log-ratio is subtracted before exponentiating (the
+    log-sum-exp shift: log Σ ρ_t = max r + log Σ exp(r_t − max r)), so no exp overflows, and the
+    ratio is formed in one division, so a constant ratio (on-policy) gives exactly e_B = 1. e_B ≤ 1
+    by Cauchy-Schwarz; rounding above it is clamped. A batch without valid token has e_B = 1.
+    """
+    r_valid = r.detach()[mask].double()
+    if not r_valid.numel():
+        return torch.zeros((), dtype=torch.float64, device=r.device)
+    shifted = r_valid - r_valid.max()
+    first, second = torch.exp(shifted).sum(), torch.exp(2.0 * shifted).sum()
+    return torch.log((first * first / (r_valid.numel() * second)).clamp(max=1.0))
+
+
+def sampled_kl(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor, kl_log_clamp: float) -> torch.Tensor:
+    """KL_t = (l^θ − l^a) + exp(l^a − l^θ) − 1, the sampled-token KL(π_θ‖π_a) of P3O Eq. 12.
+
+    The anchor l^a is a constant (detached); the exponent is clamped to ±kl_log_clamp.
+    """
+    reverse_log_ratio = torch.clamp(anchor_log_prob - log_prob, -kl_log_clamp, kl_log_clamp)
+    return (log_prob - anchor_log_prob) + torch.exp(reverse_log_ratio) - 1.0
+
+
+def mixture_log_prob(
+    behav_log_prob: torch.Tensor, prox_log_prob: torch.Tensor, behav_weight: torch.Tensor, prox_weight: torch.Tensor
+) -> torch.Tensor:
+    """log of the anchor mixture (w_b·π_b + w_prox·π_prox) / (w_b + w_prox) of P3O Eq. 15, in log space:
+
+        l^mix = l^b + LSE(log λ_b, log λ_prox + l^prox − l^b),   λ = w / (w_b + w_prox).
+
+    The 0-d weights are w = 1 − e ≥ 0. A zero weight drops its anchor exactly (λ_prox = 0 gives
+    l^mix = l^b bit for bit); with both weights 0 the mixture is taken to be π_b.
+    """
+    total = behav_weight + prox_weight
+    positive = total > 0
+    behav_share = torch.where(positive, behav_weight / torch.where(positive, total, 1.0), 1.0)
+    prox_share = torch.where(positive, prox_weight / torch.where(positive, total, 1.0), 0.0)
+    dtype = behav_log_prob.dtype
+    log_shares = torch.stack([
+        torch.log(behav_share).to(dtype).expand_as(behav_log_prob),
+        torch.log(prox_share).to(dtype) + (prox_log_prob - behav_log_prob),
+    ])
+    return behav_log_prob + torch.logsumexp(log_shares, 0)
+
+
+def _p3o_loss_matrix(
+    batch: _Batch, log_ess: torch.Tensor, anchor_log_prob: torch.Tensor, kl_log_clamp: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """−sg(min(ρ_t, e))·l^θ·A + (1 − e)·KL_t towards ``anchor_log_prob``; returns (loss matrix, e, KL)."""
+    ess = log_ess.exp().to(batch.r.dtype)
+    capped_ratio = torch.exp(torch.minimum(batch.r, log_ess.to(batch.r.dtype)))
+    kl = sampled_kl(batch.log_prob, anchor_log_prob, kl_log_clamp)
+    return batch.reinforce(capped_ratio) + (1.0 - ess) * kl, ess, kl
+
+
 def p3o_loss(
     log_prob: torch.Tensor,
     behav_log_prob: torch.Tensor,
@@ -188,22 +248,56 @@ def p3o_loss(
 
         −sg(min(ρ_t, e_B))·l^θ·A + (1 − e_B)·KL_t,   KL_t = (l^θ − l^b) + exp(l^b − l^θ) − 1
 
-    with e_B = (Σ ρ_t)² / (|B| Σ ρ_t²) the detached token ESS over the valid tokens, computed in log
-    space, and the KL exponent clamped to ±kl_log_clamp.
+    with e_B = (Σ ρ_t)² / (|B| Σ ρ_t²) the detached token ESS over the valid tokens
+    (:func:`log_token_ess`), and the KL exponent clamped to ±kl_log_clamp (:func:`sampled_kl`).
     """
     batch = _Batch(log_prob, behav_log_prob, advantages, mask)
-    r_valid = batch.r[batch.mask].double()
-    if r_valid.numel():
-        log_token_ess = 2 * torch.logsumexp(r_valid, 0) - torch.logsumexp(2 * r_valid, 0) - math.log(r_valid.numel())
+    loss_mat, ess, kl = _p3o_loss_matrix(
+        batch, log_token_ess(batch.r, batch.mask), batch.anchor(behav_log_prob), kl_log_clamp
+    )
+    metrics = {"actor/p3o_token_ess": ess, "actor/p3o_kl": masked_mean(kl.detach(), batch.mask)}
+    return batch.reduce(loss_mat, batch.mask, agg, metrics)
+
+
+def p3o_two_anchor_loss(
+    log_prob: torch.Tensor,
+    behav_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: Aggregation,
+    kl_log_clamp: float,
+    prox_log_prob: torch.Tensor | None = None,
+) -> LossOutput:
+    """P3O two-anchor extension (P3O §3.1, App. B, Eq. 14-15):
+
+        −sg(min(r_b, e_mix))·l^θ·A + (1 − e_mix)·KL_t(π_θ‖π_mix),   e_mix = min(e_b, e_prox),
+        π_mix = ((1 − e_b)·π_b + (1 − e_prox)·π_prox) / ((1 − e_b) + (1 − e_prox))
+
+    with r_b = exp(l^θ − l^b), r_prox = exp(l^θ − l^prox), e_b and e_prox their detached token ESS
+    (:func:`log_token_ess`), π_mix evaluated at the sampled token in log space
+    (:func:`mixture_log_prob`) and KL_t the sampled-token form of :func:`p3o_loss` towards l^mix.
+    ``prox_log_prob`` is the proximal snapshot l^prox (the policy at the start of the optimizer
+    epoch); ``None`` means the snapshot is the current policy, sg(l^θ). If π_prox = π_θ (e_prox = 1)
+    or π_prox = π_b, the loss is :func:`p3o_loss`.
+    """
+    batch = _Batch(log_prob, behav_log_prob, advantages, mask)
+    check_token_inputs(batch.mask, prox_log_prob=prox_log_prob)
+    if prox_log_prob is None:
+        prox, r_prox = batch.log_prob.detach(), torch.zeros_like(batch.r)
     else:
-        log_token_ess = torch.zeros((), dtype=torch.float64, device=batch.r.device)
-    token_ess = log_token_ess.exp().to(batch.r.dtype)
-    capped_ratio = torch.exp(torch.minimum(batch.r, log_token_ess.to(batch.r.dtype)))
-    behav = torch.where(batch.mask, behav_log_prob.detach().to(batch.r.dtype), 0.0)
-    reverse_log_ratio = torch.clamp(behav - batch.log_prob, -kl_log_clamp, kl_log_clamp)
-    kl = (batch.log_prob - behav) + torch.exp(reverse_log_ratio) - 1.0
-    loss_mat = batch.reinforce(capped_ratio) + (1.0 - token_ess) * kl
-    return batch.reduce(loss_mat, batch.mask, agg, {"actor/p3o_token_ess": token_ess, "actor/p3o_kl": masked_mean(kl.detach(), batch.mask)})
+        prox, r_prox = batch.anchor(prox_log_prob), token_log_ratio(log_prob, prox_log_prob, batch.mask)
+    log_ess_behav, log_ess_prox = log_token_ess(batch.r, batch.mask), log_token_ess(r_prox, batch.mask)
+    # 1 − e = −expm1(log e): exact near e = 1, and exactly 0 for an on-policy anchor.
+    mixture = mixture_log_prob(batch.anchor(behav_log_prob), prox, -torch.expm1(log_ess_behav), -torch.expm1(log_ess_prox))
+    loss_mat, ess, kl = _p3o_loss_matrix(batch, torch.minimum(log_ess_behav, log_ess_prox), mixture, kl_log_clamp)
+    metrics = {
+        "actor/p3o_token_ess": ess,
+        "actor/p3o_token_ess_behav": log_ess_behav.exp().to(batch.r.dtype),
+        "actor/p3o_token_ess_prox": log_ess_prox.exp().to(batch.r.dtype),
+        "actor/p3o_kl": masked_mean(kl.detach(), batch.mask),
+    }
+    return batch.reduce(loss_mat, batch.mask, agg, metrics)
 
 
 def vaco_loss(

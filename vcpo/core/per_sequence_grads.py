@@ -398,6 +398,7 @@ class _MicroBatch:
     coefficients: torch.Tensor  # (k, B) float64: row 0 = c^R, row 1 + j = c^S of the sequences of labels[j]
     labels: list
     sq_norms: torch.Tensor  # (B,) float64
+    groups: torch.Tensor | None = None
     received: set = field(default_factory=set)  # (site name, parameter id) of every gradient part
     forwards: set = field(default_factory=set)  # sites whose forward built a graph
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
@@ -626,6 +627,7 @@ class PerSequenceGradients:
             coefficients=coefficients,
             labels=labels,
             sq_norms=torch.zeros(coefficients.shape[1], dtype=torch.float64, device=device),
+            groups=groups,
         )
         guards = [p.register_hook(_unhandled_gradient_guard) for p in self._params]
         for site in self.sites:
@@ -645,6 +647,21 @@ class PerSequenceGradients:
                 guard.remove()
         self._open_norms.append(micro_batch.sq_norms)
         self._open_labels.extend(label_of_sequence)
+
+    def set_coefficients(self, coef_r: torch.Tensor, coef_s: torch.Tensor) -> None:
+        """Replace c^R and c^S of the open micro-batch after its forward and before its backward.
+
+        Truncated weights such as min(w_i, c) depend on the learner's log-probs, which exist only
+        after the forward; setting them here saves a separate no-grad forward.
+        """
+        active = self.active_micro_batch("set_coefficients")
+        if active.received:
+            raise RuntimeError("set_coefficients must be called before the micro-batch's backward")
+        coefficients, labels, _ = self._coefficient_rows(coef_r, coef_s, active.groups)
+        if coefficients.shape[1] != active.batch_size:
+            raise ValueError(f"coef_r has {coefficients.shape[1]} sequences, the micro-batch {active.batch_size}")
+        active.coefficients, active.labels = coefficients, labels
+        active._cast.clear()
 
     def _coefficient_rows(self, coef_r, coef_s, groups):
         """(k, B) coefficient matrix, the labels of its score rows, and each sequence's label."""

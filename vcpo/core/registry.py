@@ -20,6 +20,9 @@ class PolicyLoss:
     fn: Callable[..., losses.LossOutput]
     params: tuple[str, ...]
     weight: str  # the weight / mask it applies, one line for `python -m vcpo.methods list`
+    # The loss also takes the proximal log-probs l^prox (keyword ``prox_log_prob``, (B, T)): the policy
+    # at the start of the optimizer epoch. verl passes them as ``old_log_prob`` (see vcpo.verl_plugin).
+    needs_prox: bool = False
 
 
 def _is_loss(name: str, level: str, bound: str, ratio: str, extra_params: tuple[str, ...] = (), **fixed) -> PolicyLoss:
@@ -53,6 +56,13 @@ _LOSSES = [
         "VESPO kernel W^k exp(lam(1-W)) of the sequence ratio, (k, lam) by sign of A",
     ),
     PolicyLoss("p3o", losses.p3o_loss, ("kl_log_clamp",), "token ratio capped at the token ESS e_B, plus (1-e_B) KL"),
+    PolicyLoss(
+        "p3o_two_anchor",
+        losses.p3o_two_anchor_loss,
+        ("kl_log_clamp",),
+        "token ratio capped at e_mix = min(e_b, e_prox), plus (1-e_mix) KL to the ESS mixture of pi_b, pi_prox",
+        needs_prox=True,
+    ),
     PolicyLoss("vaco", losses.vaco_loss, ("delta",), "token ratio; TV-increasing tokens detached when TV > delta/2"),
     PolicyLoss("topr", losses.topr_loss, (), "1 for positive sequences, min(w_i, 1) for the others"),
 ]

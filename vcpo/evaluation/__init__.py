@@ -1,5 +1,8 @@
 """Evaluation: sample n completions per benchmark problem, score them, report mean@n and pass@k.
 
+Every sample is scored under both answer formats (``strict``, ``lenient``); see ``vcpo.evaluation.harness``
+for the record and summary layout.
+
 ``python -m eval`` (top-level ``eval/``) is the command-line entry point over ``run_evaluation``.
 """
 

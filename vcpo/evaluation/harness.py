@@ -1,8 +1,18 @@
 """Evaluate a checkpoint on named benchmarks: sample, score, write per-sample records and summaries.
 
+Every completion is scored under each answer format of ``vcpo.rewards.ANSWER_FORMATS``: ``strict`` (the
+answer in the format the prompt asks for: ``\\boxed{}``, ``#### N``, ``<answer>`` tags) and ``lenient``
+(also a bare final number or expression). A benchmark's ``answer_format`` (benchmarks YAML, default
+``strict``; ``python -m eval --answer-format`` overrides it) names the primary one.
+
 Output layout, for each benchmark B under ``out_dir``:
-    B/samples.jsonl   one record per completion: problem_id, sample_index, completion, score, acc, reason
-    B/summary.json    mean@n, pass@k, failure reasons, the benchmark definition and sampling used
+    B/samples.jsonl   one record per completion: problem_id, sample_index, completion, ground_truth,
+                      score, acc, reason (primary format) and ``by_answer_format``:
+                      {"strict": {"score", "acc", "reason"}, "lenient": {...}}
+    B/summary.json    the benchmark definition and sampling used, ``answer_format`` (the primary one),
+                      mean_at_n, pass_at_k, timeouts, no_answer and reasons under the primary format,
+                      and ``by_answer_format``: {"strict": {mean_at_n, pass_at_k, timeouts, no_answer,
+                      reasons}, "lenient": {...}} with the same metrics under every format
 and ``summary.json`` with every benchmark's summary and the run's configuration.
 """
 
@@ -30,11 +40,26 @@ class Benchmark:
     task: str  # vcpo.data.load_rows task name
     split: str
     sampling: SamplingParams
+    answer_format: str = "strict"  # the primary format of the summary (every format is scored)
+
+    def __post_init__(self):
+        if self.answer_format not in rewards.ANSWER_FORMATS:
+            raise ValueError(
+                f"benchmark {self.name!r}: unknown answer_format {self.answer_format!r}; "
+                f"allowed: {', '.join(rewards.ANSWER_FORMATS)}"
+            )
 
 
-def load_benchmarks(path: str | Path, names: list[str], overrides: dict[str, Any] | None = None) -> list[Benchmark]:
+def load_benchmarks(
+    path: str | Path,
+    names: list[str],
+    overrides: dict[str, Any] | None = None,
+    *,
+    answer_format: str | None = None,
+) -> list[Benchmark]:
     """The benchmarks ``names`` from a benchmarks YAML (``defaults`` + ``benchmarks``), with sampling
-    ``overrides`` (keys of SamplingParams; None values ignored) applied on top of both."""
+    ``overrides`` (keys of SamplingParams; None values ignored) applied on top of both, and
+    ``answer_format`` (when not None) replacing every benchmark's primary answer format."""
     spec = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     defaults, definitions = spec.get("defaults", {}), spec.get("benchmarks", {})
     overrides = {key: value for key, value in (overrides or {}).items() if value is not None}
@@ -46,10 +71,12 @@ def load_benchmarks(path: str | Path, names: list[str], overrides: dict[str, Any
         definition = {**defaults, **definitions[name]}
         settings = {**{key: definition.pop(key) for key in _SAMPLING_KEYS & set(definition)}, **overrides}
         task, split = definition.pop("task", None), definition.pop("split", None)
+        defined_format = definition.pop("answer_format", "strict")
+        primary_format = answer_format or defined_format
         if task is None or split is None or definition:
             raise ValueError(
-                f"{path}: benchmark {name!r} needs 'task' and 'split' and only sampling keys "
-                f"{sorted(_SAMPLING_KEYS)}; unexpected: {sorted(definition)}"
+                f"{path}: benchmark {name!r} needs 'task' and 'split' and only 'answer_format' and sampling "
+                f"keys {sorted(_SAMPLING_KEYS)}; unexpected: {sorted(definition)}"
             )
         if task not in data.TASKS:
             raise ValueError(f"{path}: benchmark {name!r}: unknown task {task!r}; tasks: {sorted(data.TASKS)}")
@@ -57,7 +84,12 @@ def load_benchmarks(path: str | Path, names: list[str], overrides: dict[str, Any
             sampling = SamplingParams(**settings)
         except TypeError as error:
             raise ValueError(f"{path}: benchmark {name!r}: incomplete sampling settings {settings}") from error
-        benchmarks.append(Benchmark(name=name, task=task, split=split, sampling=sampling))
+        try:
+            benchmarks.append(
+                Benchmark(name=name, task=task, split=split, sampling=sampling, answer_format=primary_format)
+            )
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
     return benchmarks
 
 
@@ -91,24 +123,24 @@ def evaluate_benchmark(
         raise RuntimeError(f"benchmark {benchmark.name!r}: the generator did not return {n} completions per prompt")
 
     started = time.monotonic()
-    records = _score(rows, completions)
+    records = _score(rows, completions, benchmark.answer_format)
     scoring_seconds = time.monotonic() - started
 
-    correct = [[bool(record["acc"]) for record in records[i * n : (i + 1) * n]] for i in range(len(rows))]
-    reason_counts = Counter(record["reason"] for record in records)
+    by_format = {
+        answer_format: _metrics([record["by_answer_format"][answer_format] for record in records], len(rows), n)
+        for answer_format in rewards.ANSWER_FORMATS
+    }
     summary = {
         **(run_info or {}),
         "benchmark": benchmark.name,
         "task": benchmark.task,
         "split": benchmark.split,
         "sampling": asdict(benchmark.sampling),
+        "answer_format": benchmark.answer_format,
         "num_problems": len(rows),
         "num_samples": len(records),
-        "mean_at_n": mean_at_n(correct),
-        "pass_at_k": {str(k): value for k, value in benchmark_pass_at_k(correct, default_ks(n)).items()},
-        "timeouts": reason_counts["timeout"],
-        "no_answer": reason_counts["no_answer"],
-        "reasons": {reason: reason_counts[reason] for reason in rewards.REASONS},
+        **by_format[benchmark.answer_format],
+        "by_answer_format": by_format,
         "generation_seconds": generation_seconds,
         "scoring_seconds": scoring_seconds,
     }
@@ -137,33 +169,60 @@ def local_benchmark_file(benchmark: Benchmark, source_dir: str | Path) -> Path |
     return path
 
 
-def _score(rows: list[dict], completions: list[list[str]]) -> list[dict[str, Any]]:
-    """One record per completion, problem-major, with the reward's score, accuracy and reason."""
+def _metrics(results: list[dict[str, Any]], num_problems: int, n: int) -> dict[str, Any]:
+    """mean@n, pass@k and reason counts of problem-major ``results`` (``n`` per problem)."""
+    correct = [[bool(result["acc"]) for result in results[i * n : (i + 1) * n]] for i in range(num_problems)]
+    reason_counts = Counter(result["reason"] for result in results)
+    return {
+        "mean_at_n": mean_at_n(correct),
+        "pass_at_k": {str(k): value for k, value in benchmark_pass_at_k(correct, default_ks(n)).items()},
+        "timeouts": reason_counts["timeout"],
+        "no_answer": reason_counts["no_answer"],
+        "reasons": {reason: reason_counts[reason] for reason in rewards.REASONS},
+    }
+
+
+def _score(rows: list[dict], completions: list[list[str]], primary_format: str) -> list[dict[str, Any]]:
+    """One record per completion, problem-major: the reward's score, accuracy and reason under the
+    primary answer format, and under every format in ``by_answer_format``."""
     owners = [(position, index) for position, texts in enumerate(completions) for index in range(len(texts))]
     sample_rows = [rows[position] for position, _ in owners]
     texts = [completions[position][index] for position, index in owners]
     ground_truths = [row["reward_model"]["ground_truth"] for row in sample_rows]
-    results = rewards.score_batch(
-        [row["data_source"] for row in sample_rows],
-        texts,
-        ground_truths,
-        [row.get("extra_info") or {} for row in sample_rows],
-        progress=True,
-    )
-    return [
-        {
-            "problem_id": _problem_id(row, position),
-            "sample_index": index,
-            "completion": text,
-            "score": result["score"],
-            "acc": bool(result["acc"]),
-            "reason": result["reason"],
-            "ground_truth": ground_truth,
-        }
-        for (position, index), row, text, ground_truth, result in zip(
-            owners, sample_rows, texts, ground_truths, results, strict=True
+    results_by_format = {
+        answer_format: rewards.score_batch(
+            [row["data_source"] for row in sample_rows],
+            texts,
+            ground_truths,
+            [row.get("extra_info") or {} for row in sample_rows],
+            answer_format=answer_format,
+            progress=True,
         )
-    ]
+        for answer_format in rewards.ANSWER_FORMATS
+    }
+    records = []
+    for sample, ((position, index), row, text, ground_truth) in enumerate(
+        zip(owners, sample_rows, texts, ground_truths, strict=True)
+    ):
+        by_format = {
+            answer_format: {
+                "score": results[sample]["score"],
+                "acc": bool(results[sample]["acc"]),
+                "reason": results[sample]["reason"],
+            }
+            for answer_format, results in results_by_format.items()
+        }
+        records.append(
+            {
+                "problem_id": _problem_id(row, position),
+                "sample_index": index,
+                "completion": text,
+                **by_format[primary_format],
+                "ground_truth": ground_truth,
+                "by_answer_format": by_format,
+            }
+        )
+    return records
 
 
 def _problem_id(row: dict, position: int):
@@ -186,11 +245,16 @@ def run_evaluation(
     source_dir: str | Path | None = None,
     batch_size: int = 8,
     seed: int = 0,
+    answer_format: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on each benchmark with one loaded generator; write and return ``summary.json``."""
+    """Evaluate ``model`` on each benchmark with one loaded generator; write and return ``summary.json``.
+
+    ``answer_format`` (when not None) replaces each benchmark's primary answer format."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    benchmarks = load_benchmarks(benchmarks_file, benchmark_names, {**(sampling_overrides or {}), "seed": seed})
+    benchmarks = load_benchmarks(
+        benchmarks_file, benchmark_names, {**(sampling_overrides or {}), "seed": seed}, answer_format=answer_format
+    )
     generator = make_generator(backend, model, batch_size=batch_size, seed=seed)
     run_info = {
         "model": str(model),

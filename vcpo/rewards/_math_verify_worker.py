@@ -16,6 +16,7 @@ import resource
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection
 
 import sympy
@@ -34,6 +35,9 @@ def serve(connection: Connection, memory_limit_bytes: int) -> None:
     _exit_with_parent()
     # math-verify warns once per process that its timeouts are off; here that is deliberate.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # Arbitrary text (lenient answers) makes latex2sympy build odd sympy objects, and sympy prints a
+    # multi-line deprecation warning for many of them onto the caller's terminal.
+    warnings.filterwarnings("ignore", category=sympy.utilities.exceptions.SymPyDeprecationWarning)
     connection.send(READY)
     while True:
         try:

@@ -3,7 +3,9 @@
 Ground truth format (written by ``vcpo.data`` and accepted here as a JSON string or a dict):
 ``{"numbers": [36, 29, 95, 32, 4, 15], "target": 139}``.
 
-The expression is the content of the last ``\\boxed{}`` or ``<answer>`` tag, whichever comes later.
+The expression is the content of the last ``\\boxed{}`` or ``<answer>`` tag, whichever comes later
+(answer format ``strict``, the default). Under ``lenient``, a response with neither (or only empty ones)
+is read from its last line that parses as an arithmetic expression by the rules below.
 It may hold only digits, whitespace, ``+ - * / × ÷`` and parentheses (``\\times``, ``\\cdot`` and
 ``\\div`` are read as operators); every other character, ``**``, ``//`` and a unary ``+`` are rejected
 before anything is evaluated. A leading minus is allowed: Reasoning Gym's own solutions use it
@@ -19,7 +21,7 @@ import operator
 import re
 from fractions import Fraction
 
-from vcpo.rewards.extract import last_boxed_or_answer_tag
+from vcpo.rewards.extract import check_answer_format, last_boxed_or_answer_tag
 
 # Checked after the operator spellings below are rewritten to * and /. re.ASCII keeps \s to ASCII
 # whitespace (and there is no \d: it would admit every Unicode digit).
@@ -50,13 +52,17 @@ def parse_ground_truth(ground_truth: str | dict) -> tuple[list[int], int]:
     return list(numbers), target
 
 
-def score_countdown(solution: str, ground_truth: str | dict) -> str:
+def score_countdown(solution: str, ground_truth: str | dict, answer_format: str = "strict") -> str:
     """Reason for ``solution``: correct only when all numbers are used once and the value equals the target."""
+    check_answer_format(answer_format)
     numbers, target = parse_ground_truth(ground_truth)
     expression = last_boxed_or_answer_tag(solution)
     if expression is None or not expression.strip():
-        return "no_answer"
-    tree = _parse_arithmetic(expression)
+        tree = _last_arithmetic_line(solution) if answer_format == "lenient" else None
+        if tree is None:
+            return "no_answer"
+    else:
+        tree = _parse_arithmetic(expression)
     if tree is None or sorted(_literals(tree)) != sorted(numbers):
         return "invalid"
     try:
@@ -80,6 +86,15 @@ def _parse_arithmetic(expression: str) -> ast.Expression | None:
         return None
     nodes_allowed = all(isinstance(node, _ALLOWED_NODES) for node in ast.walk(tree))
     return tree if nodes_allowed else None
+
+
+def _last_arithmetic_line(text: str) -> ast.Expression | None:
+    """The syntax tree of the last line of ``text`` that is plain arithmetic (lenient fallback)."""
+    for line in reversed(text.splitlines()):
+        tree = _parse_arithmetic(line) if line.strip() else None
+        if tree is not None:
+            return tree
+    return None
 
 
 def _literals(tree: ast.Expression) -> list[int]:

@@ -1,12 +1,26 @@
-"""Locating final answers in model output: the last ``\\boxed{}``, the last ``<answer>`` tag, the tail."""
+"""Locating final answers in model output: the last ``\\boxed{}``, the last ``<answer>`` tag, the tail.
+
+``ANSWER_FORMATS`` names how far each reward looks for an answer: ``strict`` reads only the format the
+task's prompt asks for (``\\boxed{}``, ``#### N``, ``<answer>`` tags), ``lenient`` falls back to a bare
+number or expression anywhere in the text when that format is missing.
+"""
 
 from __future__ import annotations
 
 import re
 
+ANSWER_FORMATS = ("strict", "lenient")
+
 # \fbox is the variant a handful of MATH reference solutions use for their final answer.
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)\b\s*")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def check_answer_format(answer_format: str) -> str:
+    """``answer_format`` itself if it is one of :data:`ANSWER_FORMATS`, else ValueError."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer_format {answer_format!r}; allowed: {', '.join(ANSWER_FORMATS)}")
+    return answer_format
 
 
 def last_boxed(text: str) -> str | None:

@@ -1,4 +1,16 @@
-"""One entry point per use: ``compute_score`` for verl, ``score_batch`` for evaluation and simulation."""
+"""One entry point per use: ``compute_score`` for verl, ``score_batch`` for evaluation and simulation.
+
+Both take ``answer_format``, one of ``ANSWER_FORMATS`` (``vcpo.rewards.extract``): where the answer is.
+
+- ``strict`` (the default, for training and evaluation): only the format the task's prompt asks for
+  (vcpo.data.tasks). math: the last complete ``\\boxed{}``, re-boxed alone and given to math-verify;
+  gsm8k: the number after the last ``####``; countdown: the last ``<answer>`` tag or ``\\boxed{}``.
+  Unformatted text scores 0 with reason ``no_answer``.
+- ``lenient``: also a right value written without the format, as many published evaluations accept.
+  math: math-verify's own extraction over the whole text (a box first, else the last number or LaTeX
+  expression); gsm8k: the ``####`` number, else the last number in the text; countdown: the tag or
+  box, else the last line that is plain arithmetic.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +23,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vcpo.rewards.countdown import score_countdown
-from vcpo.rewards.extract import keep_tail
+from vcpo.rewards.extract import check_answer_format, keep_tail, last_boxed
 from vcpo.rewards.gsm8k import score_gsm8k
 
 logger = logging.getLogger(__name__)
@@ -46,6 +58,7 @@ def compute_score(
     extra_info: dict | None = None,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    answer_format: str = "strict",
     **kwargs: Any,
 ) -> dict[str, Any]:
     """verl ``custom_reward_function``: ``{"score": 0.0|1.0, "acc": bool, "reason": str, "truncated": bool}``.
@@ -53,10 +66,12 @@ def compute_score(
     ``reason`` is one of :data:`REASONS`. ``truncated`` says that only the last ``MAX_SOLUTION_CHARS``
     characters of the response were read. Every call returns the same keys, as verl's reward managers
     collect each key into one column. ``extra_info`` and other keyword arguments that verl passes
-    (``reward_router_address``, ...) are accepted and not needed; ``timeout_s`` can be set through
-    ``custom_reward_function.reward_kwargs``.
+    (``reward_router_address``, ...) are accepted and not needed. ``answer_format`` (``strict`` or
+    ``lenient``, see the module docstring) and ``timeout_s`` can be set through
+    ``custom_reward_function.reward_kwargs``; an unknown ``answer_format`` is a ValueError.
     """
-    return _score_one(reward_kind(data_source), solution_str, ground_truth, timeout_s)
+    check_answer_format(answer_format)
+    return _score_one(reward_kind(data_source), solution_str, ground_truth, timeout_s, answer_format)
 
 
 def score_batch(
@@ -66,13 +81,16 @@ def score_batch(
     extra_infos: Sequence[dict] | None = None,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    answer_format: str = "strict",
     workers: int | None = None,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """:func:`compute_score` for many answers at once, math answers on ``workers`` processes in parallel.
 
     Results come back in input order. ``extra_infos`` is accepted for symmetry with verl and unused.
+    Every answer is read under the one ``answer_format``.
     """
+    check_answer_format(answer_format)
     columns = {"solutions": solutions, "ground_truths": ground_truths}
     if extra_infos is not None:
         columns["extra_infos"] = extra_infos
@@ -85,7 +103,7 @@ def score_batch(
         thread_count = _math_pool(workers).size
 
     def score(index: int) -> dict[str, Any]:
-        return _score_one(kinds[index], solutions[index], ground_truths[index], timeout_s)
+        return _score_one(kinds[index], solutions[index], ground_truths[index], timeout_s, answer_format)
 
     with ThreadPoolExecutor(max_workers=thread_count) as executor:
         results = list(
@@ -108,15 +126,26 @@ def reward_stats() -> dict[str, int]:
     return _math_pool(None).stats()
 
 
-def _score_one(kind: str, solution: Any, ground_truth: Any, timeout_s: float) -> dict[str, Any]:
+def _score_one(kind: str, solution: Any, ground_truth: Any, timeout_s: float, answer_format: str) -> dict[str, Any]:
     if not isinstance(solution, str):
         return _result("invalid", truncated=False)
     solution, truncated = keep_tail(solution, MAX_SOLUTION_CHARS)
     if kind == "math":
-        reason = _math_pool(None).judge(solution, _answer_text(ground_truth), timeout_s)
+        reason = _score_math(solution, _answer_text(ground_truth), timeout_s, answer_format)
     else:
-        reason = _IN_PROCESS_SCORERS[kind](solution, ground_truth)
+        reason = _IN_PROCESS_SCORERS[kind](solution, ground_truth, answer_format)
     return _result(reason, truncated)
+
+
+def _score_math(solution: str, gold: str, timeout_s: float, answer_format: str) -> str:
+    if answer_format == "strict":
+        # Only the last complete box reaches math-verify, so its fallbacks (the last number or LaTeX
+        # expression anywhere) never see the rest of the text; no box is no answer, without a worker.
+        boxed = last_boxed(solution)
+        if boxed is None:
+            return "no_answer"
+        solution = "\\boxed{" + boxed + "}"
+    return _math_pool(None).judge(solution, gold, timeout_s)
 
 
 def _answer_text(ground_truth: Any) -> str:

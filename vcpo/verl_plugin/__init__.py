@@ -3,9 +3,17 @@
 Loaded through the ``verl.plugins`` entry point, so a plain ``import verl`` makes
 ``verl.trainer.ppo.core_algos.get_policy_loss_fn(name)`` return our losses under the names of
 ``vcpo.core.registry.POLICY_LOSSES`` (seq_tis, token_tis, geo_tis, seq_mis, token_mis, geo_mis,
-dsv32_mis, m2po, vespo, p3o, vaco, topr), with verl's ``PolicyLossFn`` signature and
-``loss_agg_mode`` / global-batch semantics. ``old_log_prob`` is the behaviour log-prob l^μ (bypass
-mode: old = rollout log-probs).
+dsv32_mis, m2po, vespo, p3o, p3o_two_anchor, vaco, topr), with verl's ``PolicyLossFn`` signature
+and ``loss_agg_mode`` / global-batch semantics. ``old_log_prob`` is the behaviour log-prob l^μ (bypass
+mode: old = rollout log-probs), and decoupled-mode ``rollout_is_weights`` multiply the per-token loss.
+
+Losses that also need the proximal log-probs l^prox (``PolicyLoss.needs_prox``: p3o_two_anchor)
+use verl's decoupled mode instead, since verl's loss signature has no slot for a third log-prob:
+``old_log_prob`` is the proximal log-prob l^prox (recomputed by the actor at the start of the
+optimizer epoch) and ``rollout_is_weights`` carries the UNtruncated token ratio exp(l^prox − l^b)
+(``algorithm.rollout_correction.rollout_is=token`` with a ``rollout_is_threshold`` above e^20, so
+only verl's ±20 log-ratio safety clamp applies). The loss recovers l^b = l^prox − log(rollout_is_weights)
+on the valid tokens and does not multiply the loss by the weights; without weights it raises.
 
 Hyper-parameters come from a method preset (``recipes/methods``): the one named by
 ``policy_loss.method``, else the loss's default preset; ``policy_loss.params`` overrides single
@@ -64,6 +72,20 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(metrics, values, strict=True))
 
 
+def behaviour_from_proximal(
+    prox_log_prob: torch.Tensor, rollout_is_weights: torch.Tensor | None, response_mask: torch.Tensor, loss_name: str
+) -> torch.Tensor:
+    """l^b = l^prox − log(rollout_is_weights) on the valid tokens (l^prox at padding, where verl's weights are 0)."""
+    if rollout_is_weights is None:
+        raise ValueError(
+            f"policy loss {loss_name!r} needs the proximal log-probs: run verl in decoupled mode, where old_log_prob is "
+            "the proximal log-prob l^prox and rollout_is_weights the untruncated token ratio exp(l^prox - l^b) "
+            "(algorithm.rollout_correction.rollout_is=token with a rollout_is_threshold above e^20); got rollout_is_weights=None"
+        )
+    log_weights = torch.log(rollout_is_weights.detach().to(prox_log_prob.dtype))
+    return torch.where(response_mask.bool(), prox_log_prob.detach() - log_weights, prox_log_prob.detach())
+
+
 def _as_verl_loss(loss: PolicyLoss):
     def policy_loss_fn(
         old_log_prob: torch.Tensor,
@@ -77,15 +99,19 @@ def _as_verl_loss(loss: PolicyLoss):
         policy_config = config.get("policy_loss", None) if config is not None else None
         batch_info = dict(config.get("global_batch_info", None) or {}) if config is not None else {}
 
+        params = resolve_params(loss.name, policy_config)
+        behav_log_prob, is_weights = old_log_prob, rollout_is_weights
+        if loss.needs_prox:
+            behav_log_prob = behaviour_from_proximal(old_log_prob, rollout_is_weights, response_mask, loss.name)
+            params["prox_log_prob"], is_weights = old_log_prob, None
+
         def aggregate(loss_mat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
             # verl's convention: decoupled-mode rollout IS weights multiply the per-token loss.
-            if rollout_is_weights is not None:
-                loss_mat = loss_mat * rollout_is_weights
+            if is_weights is not None:
+                loss_mat = loss_mat * is_weights
             return agg_loss(loss_mat=loss_mat, loss_mask=keep, loss_agg_mode=loss_agg_mode, **batch_info)
 
-        value, metrics = loss.fn(
-            log_prob, old_log_prob, advantages, response_mask, agg=aggregate, **resolve_params(loss.name, policy_config)
-        )
+        value, metrics = loss.fn(log_prob, behav_log_prob, advantages, response_mask, agg=aggregate, **params)
         return value, metrics_to_floats(metrics)
 
     policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = f"vcpo_{loss.name}"

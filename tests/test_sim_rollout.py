@@ -1,0 +1,236 @@
+"""The simulator's rollouts and update: lag semantics, behaviour log-probs, OPOB, multi-turn tool tokens."""
+
+import copy
+
+import pytest
+import torch
+
+from vcpo.core import opob_baseline
+from vcpo.methods import get_method
+from vcpo.sim.config import SimConfig
+from vcpo.sim.learner import Learner, collate, response_log_probs
+from vcpo.sim.rollout import TOOL_TOKEN, Generator, Rollouts, Sampling
+from vcpo.tiny import build_tiny_model, build_tiny_tokenizer
+
+GROUPS, GROUP_SIZE = 3, 4
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def prompts(tokenizer, count=40):
+    return [
+        tokenizer.encode(f"<|im_start|>user\nWhat is {i} + {i % 7}?<|im_end|>\n<|im_start|>assistant\n")
+        for i in range(count)
+    ]
+
+
+class Run:
+    """Rollouts and a learner over a float64 tiny model, keeping every version's weights."""
+
+    def __init__(self, tokenizer, method="seq_tis_c8", lag_model="pipeline", lag=3, max_tokens=6, update_tokens=3):
+        torch.manual_seed(0)
+        self.model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2).double().train()
+        self.config = SimConfig(
+            method=method, lag=lag, lag_model=lag_model, prompts_per_step=GROUPS,
+            responses_per_prompt=GROUP_SIZE, micro_batch_size=2 * GROUP_SIZE, lr=3e-3,
+        )
+        self.learner = Learner(self.model, get_method(method), self.config)
+        sampling = Sampling(max_response_tokens=max_tokens, temperature=1.0, eos_token_ids=(0, 2), pad_token_id=0)
+        self.versions = {}
+        self.step = 0
+        self.rollouts = Rollouts(
+            lag_model=lag_model, lag=lag, prompts_per_step=GROUPS, responses_per_prompt=GROUP_SIZE,
+            update_tokens=update_tokens, seed=1, prompts=prompts(tokenizer).__getitem__, num_problems=40, generator=Generator(tokenizer, sampling),
+            model=copy.deepcopy(self.model).eval(), weights=lambda version: self.versions[version],
+        )
+
+    def batch(self):
+        self.versions[self.step] = copy.deepcopy(self.model.state_dict())
+        trajectories = self.rollouts.batch(self.step)
+        rewards = [float((t.problem + i) % 3 == 0) for i, t in enumerate(trajectories)]
+        return trajectories, collate(trajectories, rewards, pad_token_id=0, dtype=torch.float64)
+
+    def update(self, batch):
+        metrics = self.learner.update(batch, 1.0)
+        self.step += 1
+        return metrics
+
+
+def version_log_probs(model, weights, batch):
+    model = copy.deepcopy(model).eval()
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return response_log_probs(model, batch, 1.0)
+
+
+@pytest.mark.parametrize("lag_model", ["pipeline", "fixed", "minibatch"])
+def test_behaviour_log_prob_is_that_of_the_generating_version(tokenizer, lag_model):
+    run = Run(tokenizer, lag_model=lag_model)
+    seen_lags, inflight, group_lags = set(), 0, []
+    for _ in range(7):
+        trajectories, batch = run.batch()
+        generated = batch.versions >= 0
+        for version in batch.versions[generated].unique().tolist():
+            at = batch.versions == version
+            expected = version_log_probs(run.model, run.versions[version], batch)
+            assert torch.allclose(batch.behav_log_prob[at], expected[at], atol=1e-6, rtol=0)
+        lags = run.step - batch.versions[generated]
+        assert int(lags.max()) <= 3 and int(lags.min()) >= 0
+        seen_lags |= set(lags.tolist())
+        inflight += sum(len(set(t.versions)) > 1 for t in trajectories)
+        group_lags.append({run.step - t.versions[0] for t in trajectories})
+        run.update(batch)
+    assert seen_lags == {0, 1, 2, 3}
+    if lag_model == "pipeline":
+        assert inflight > 0, "no response spans two policy versions: in-flight updates are not simulated"
+        assert any(len(lags) > 1 for lags in group_lags), "groups of one batch never have mixed staleness"
+    else:
+        assert inflight == 0
+    if lag_model == "fixed":
+        assert [min(lags) for lags in group_lags] == [0, 1, 2, 3, 3, 3, 3]
+    if lag_model == "minibatch":
+        assert [min(lags) for lags in group_lags] == [0, 1, 2, 3, 0, 1, 2]
+
+
+@pytest.mark.parametrize("lag_model", ["pipeline", "fixed", "minibatch"])
+def test_lag_zero_is_on_policy(tokenizer, lag_model):
+    run = Run(tokenizer, lag_model=lag_model, lag=0)
+    for _ in range(3):
+        _, batch = run.batch()
+        assert set(batch.versions[batch.versions >= 0].tolist()) == {run.step}
+        metrics = run.update(batch)
+        assert metrics["rollout_corr/seq_ess_ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert abs(metrics["rollout_corr/kl"]) < 1e-6
+        assert metrics["actor/is_weight_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_lagged_batches_are_off_policy(tokenizer):
+    run = Run(tokenizer, lag_model="fixed", lag=3)
+    for _ in range(5):
+        _, batch = run.batch()
+        metrics = run.update(batch)
+    assert metrics["rollout_corr/seq_ess_ratio"] < 0.999
+
+
+def per_sequence_sq_norms(model, batch):
+    """Reference: ||∇ mean_t l^θ_i||² by one backward per sequence (float64)."""
+    norms = []
+    for row in range(batch.size):
+        model.zero_grad()
+        one = batch.rows(row, row + 1)
+        log_prob = response_log_probs(model, one, 1.0)
+        (log_prob.sum() / one.mask.sum()).backward()
+        norms.append(sum(float((p.grad**2).sum()) for p in model.parameters() if p.grad is not None))
+    model.zero_grad()
+    return torch.tensor(norms, dtype=torch.float64)
+
+
+def test_opob_update_equals_the_registry_loss_gradient(tokenizer):
+    """VCPO in one backward = autograd of seq-TIS with A_i = (R_i − b*_g)/σ_g, b* from exact norms (Eq. 7)."""
+    run = Run(tokenizer, method="vcpo", lag_model="fixed", lag=2)
+    for _ in range(3):
+        _, batch = run.batch()
+        run.update(batch)
+    _, batch = run.batch()
+    model, learner = run.model, run.learner
+    learner.actor_config.global_batch_info.update(dp_size=1, batch_num_tokens=int(batch.mask.sum()), global_batch_size=batch.size)
+    learner._opob_backward(batch, batch.rewards.double(), {})
+    engine_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    sq_norms = per_sequence_sq_norms(model, batch)
+    log_prob = response_log_probs(model, batch, 1.0)
+    s = ((log_prob.detach() - batch.behav_log_prob) * batch.mask).sum(-1)
+    baseline = opob_baseline(batch.rewards.double(), sq_norms, s, batch.groups)
+    rewards = batch.rewards.double()
+    std = torch.stack([rewards[batch.groups == g].std(unbiased=False) for g in batch.groups])
+    std = torch.where(std > 1e-6, std, 1.0)
+    advantages = ((rewards - baseline) / std).unsqueeze(-1) * batch.mask
+    loss, _ = learner._call_loss(batch, log_prob, advantages, None)
+    loss.backward()
+    # verl's seq-mean-token-mean divides by T_i + 1e-8, the engine by T_i: agreement to ~1e-8 relative.
+    for engine, reference in zip(engine_grad, [p.grad for p in model.parameters()], strict=True):
+        assert torch.allclose(engine, reference, rtol=1e-6, atol=1e-7 * float(reference.abs().max()))
+    assert any(float(g.abs().max()) > 0 for g in engine_grad)
+
+
+class ScriptedModel:
+    """A 'policy' that writes fixed turns through the generate interface: turn j after the j-th tool output."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns = tokenizer, turns
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **_):
+        rows = []
+        for row in range(input_ids.shape[0]):
+            text = self.tokenizer.decode(input_ids[row][attention_mask[row].bool()].tolist(), skip_special_tokens=False)
+            response = text.split("<|im_start|>assistant\n")[-1]
+            turn = response.count("</output>")
+            written = response.rsplit("</output>", 1)[-1]
+            assert self.turns[turn].startswith(written)
+            rest = self.turns[turn][len(written) :]
+            ends = rest.endswith(END)
+            ids = self.tokenizer.encode(rest.removesuffix(END), add_special_tokens=False)
+            ids += [self.tokenizer.convert_tokens_to_ids(END)] if ends else []
+            rows.append(ids[:max_new_tokens])
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        scores = torch.zeros(input_ids.shape[0], width, len(self.tokenizer))
+        return type("Out", (), {"sequences": torch.cat([input_ids, new], 1), "scores": tuple(scores.unbind(1))})
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):
+    from vcpo.rewards import score_batch
+
+    turns = ["Let me compute. <code>print(6*7)</code>", " so #### 42<|im_end|>"]
+    calls = []
+
+    def tool(code):
+        calls.append(code)
+        return "42\n"
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
+    rollouts = Rollouts(
+        lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=4, seed=0,
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, tool),
+        model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
+    )
+    trajectories = rollouts.batch(0)
+    assert calls == ["print(6*7)"] * 2
+    for t in trajectories:
+        assert tokenizer.decode(t.response_ids, skip_special_tokens=True) == (
+            "Let me compute. <code>print(6*7)</code><output>42\n</output> so #### 42"
+        )
+        tool_ids = [token for token, version in zip(t.response_ids, t.versions, strict=True) if version == TOOL_TOKEN]
+        policy_ids = [token for token, version in zip(t.response_ids, t.versions, strict=True) if version != TOOL_TOKEN]
+        assert tokenizer.decode(tool_ids) == "<output>42\n</output>"
+        assert tokenizer.decode(policy_ids, skip_special_tokens=True) + "<|im_end|>" == "".join(turns)
+        assert policy_ids[-1] == im_end
+        assert all(lp == 0.0 for lp, version in zip(t.behav_log_probs, t.versions, strict=True) if version == TOOL_TOKEN)
+        assert t.tool_calls == 1 and t.finished and not t.truncated
+    batch = collate(trajectories, [1.0, 1.0], pad_token_id=0)
+    assert int(batch.mask.sum()) == sum(len(t.response_ids) for t in trajectories) - 2 * len(tool_ids)
+    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajectories]
+    assert [r["score"] for r in score_batch(["gsm8k"] * 2, texts, ["42", "42"])] == [1.0, 1.0]
+
+
+def test_tool_calls_beyond_the_budget_end_the_episode(tokenizer):
+    turns = ["<code>print(1)</code>", "<code>print(2)</code>", "#### 2<|im_end|>"]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=1)
+    rollouts = Rollouts(
+        lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=4, seed=0,
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, lambda code: "1\n"),
+        model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
+    )
+    for t in rollouts.batch(0):
+        assert t.tool_calls == 1 and t.finished
+        assert tokenizer.decode(t.response_ids, skip_special_tokens=True) == "<code>print(1)</code><output>1\n</output><code>print(2)</code>"

@@ -1,0 +1,132 @@
+"""Simulator tasks, SFT bases and held-out evaluation (vcpo.sim.tasks, .base, .evaluate)."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vcpo.rewards import score_batch
+from vcpo.rewards.countdown import parse_ground_truth
+from vcpo.sim import base, tasks
+from vcpo.sim.evaluate import heldout_accuracy
+from vcpo.sim.tasks import SIM_TASKS, get_sim_task, render_prompt
+from vcpo.tiny import IM_END
+
+
+@pytest.fixture(autouse=True, scope="module")
+def private_cache(tmp_path_factory):
+    """Generated problem sets go to a fresh cache folder, so every test generates its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VCPO_CACHE_DIR", str(tmp_path_factory.mktemp("vcpo-cache")))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small gain nothing from more threads, and lose much on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small(name: str, train_size: int = 200, validation_size: int = 40) -> tasks.SimTask:
+    """The task with small splits (Countdown's generator takes about 3 ms a puzzle)."""
+    return dataclasses.replace(get_sim_task(name), train_size=train_size, validation_size=validation_size)
+
+
+@pytest.mark.parametrize("name", sorted(SIM_TASKS))
+def test_tasks_are_deterministic_and_disjoint(name, tmp_path, monkeypatch):
+    task = small(name)
+    train, validation = task.problems("train"), task.problems("validation")
+    assert len(train) == 200 and len(validation) == 40
+    assert len({p.prompt for p in train + validation}) == 240
+    # Generated afresh (no in-process or disk cache): the same problems; a larger train split keeps
+    # the validation split and extends the train split.
+    tasks._splits.cache_clear()
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path))
+    assert task.problems("train") == train and task.problems("validation") == validation
+    larger = small(name, train_size=250)
+    assert larger.problems("validation") == validation and larger.problems("train")[:200] == train
+    with pytest.raises(ValueError, match="test"):
+        task.problems("test")
+
+
+def test_countdown_puzzles_differ_as_numbers_and_target():
+    """The same numbers in another order with the same target would be the same puzzle."""
+    task = small("countdown")
+    keys = []
+    for problem in task.problems("train") + task.problems("validation"):
+        numbers, target = parse_ground_truth(problem.ground_truth)
+        keys.append((tuple(sorted(numbers)), target))
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("name", sorted(SIM_TASKS))
+def test_every_solution_scores_one(name):
+    task = small(name)
+    problems = task.problems("train") + task.problems("validation")
+    results = score_batch(
+        [task.data_source] * len(problems), [p.solution for p in problems], [p.ground_truth for p in problems]
+    )
+    assert [r["reason"] for r in results] == ["correct"] * len(problems)
+    # The prompt states the answer format that the solution uses.
+    marker = {"countdown": "<answer>", "gsm8k": "####"}[task.data_source]
+    assert all(marker in p.prompt and marker in p.solution for p in problems)
+
+
+@pytest.mark.parametrize("name", sorted(SIM_TASKS))
+def test_prompts_fit_the_token_budget(name):
+    task = small(name, train_size=300)
+    tokenizer = base.task_tokenizer(task, base.MODEL_SIZES["tiny"]["vocab"])
+    lengths = [
+        len(tokenizer.encode(render_prompt(tokenizer, p), add_special_tokens=False))
+        for p in task.problems("validation")
+    ]
+    assert max(lengths) <= task.max_prompt_tokens
+    prompt = render_prompt(tokenizer, task.problems("train")[0])
+    assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sft_base_writes_a_loadable_model_once(tmp_path, monkeypatch):
+    task = small("arithmetic", train_size=64, validation_size=8)
+    calls = []
+    train_sft = base.train_sft
+    monkeypatch.setattr(base, "train_sft", lambda *args, **kwargs: calls.append(1) or train_sft(*args, **kwargs))
+    path = base.sft_base(task, "tiny", steps=5, cache_dir=tmp_path, progress=False)
+    assert path.parent == tmp_path and path.name.startswith("sft-arithmetic-tiny-seed0-")
+    info = (path / base.INFO_FILE).read_text()
+    assert '"steps": 5' in info and '"heldout_accuracy"' in info
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary folder left behind
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen2" and model.config.hidden_size == base.MODEL_SIZES["tiny"]["hidden"]
+    assert tokenizer.convert_tokens_to_ids(IM_END) in model.generation_config.eos_token_id
+    mtime = (path / base.INFO_FILE).stat().st_mtime_ns
+    assert base.sft_base(task, "tiny", steps=5, cache_dir=tmp_path, progress=False) == path
+    assert len(calls) == 1 and (path / base.INFO_FILE).stat().st_mtime_ns == mtime
+    # Another setting is another base.
+    assert base.sft_base(task, "tiny", steps=6, cache_dir=tmp_path, progress=False) != path
+
+    # Held-out evaluation: deterministic in its seed, and the global RNG is left alone.
+    problems = task.problems("validation")
+    state = torch.random.get_rng_state()
+    first = heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, batch_size=3, samples=2, seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert (
+        heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, batch_size=3, samples=2, seed=1) == first
+    )
+    assert 0 <= first["accuracy"] <= first["pass_at_k"] <= 1 and 0 < first["mean_response_tokens"] <= 8
+    assert sum(first["reasons"].values()) == 2 * len(problems) and first["samples"] == 2
+    greedy = heldout_accuracy(model, tokenizer, task, problems, temperature=0.0, max_new_tokens=8)
+    assert greedy["samples"] == 1 and sum(greedy["reasons"].values()) == len(problems)
+
+
+def test_unknown_task_or_size_is_named():
+    with pytest.raises(ValueError, match="nonesuch.*known: arithmetic, countdown"):
+        get_sim_task("nonesuch")
+    with pytest.raises(ValueError, match="nonesuch"):
+        base.sft_base("nonesuch")
+    with pytest.raises(ValueError, match="huge.*known: tiny"):
+        base.sft_base("countdown", "huge")

@@ -1,0 +1,128 @@
+"""Command line of the simulator.
+
+    python -m vcpo.sim train --task countdown --method vcpo --lag 12 --seed 0 --steps 200 --out runs/x [key=value ...]
+    python -m vcpo.sim sweep --task countdown --methods sync,seq_tis_c8,vcpo --lags 12 --seeds 0,1,2 --out runs [--jobs 2]
+    python -m vcpo.sim keys        # every configuration key with its default
+
+Trailing ``key=value`` arguments set any field of ``vcpo.sim.config.SimConfig`` (``lag_model=fixed``,
+``max_turns=3``, ``rollout_dtype=preset``, ...). Every configuration is checked before any work starts.
+A sweep writes each run to ``OUT/<task>/<method>/lag<k>/seed<s>/`` and skips runs that finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+
+COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
+
+
+def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
+    given = {key: getattr(args, key) for key in COMMON if getattr(args, key, None) is not None}
+    return validate(apply_overrides(apply_overrides(SimConfig(), given), overrides))
+
+
+def run_dir(root: Path, config: SimConfig) -> Path:
+    return Path(root) / config.task / config.method / f"lag{config.lag}" / f"seed{config.seed}"
+
+
+def is_finished(out: Path) -> bool:
+    return (out / "final" / "eval.json").exists()
+
+
+def _csv(kind):
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimConfig]:
+    base = apply_overrides(SimConfig(), overrides)
+    configs = []
+    for method in args.methods:
+        for lag in args.lags:
+            for seed in args.seeds:
+                changes = {"task": args.task, "method": method, "lag": lag, "seed": seed, "lag_model": args.lag_model}
+                if args.steps is not None:
+                    changes["steps"] = args.steps
+                config = dataclasses.replace(base, **changes)
+                config = dataclasses.replace(config, out=str(run_dir(args.out, config)))
+                configs.append(validate(config))
+    return configs
+
+
+def _run_subprocess(config: SimConfig, threads: int) -> int:
+    overrides = [f"{field.name}={_format(getattr(config, field.name))}" for field in dataclasses.fields(config)
+                 if field.name not in ("extra",) and getattr(config, field.name) != getattr(SimConfig(), field.name)]
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "vcpo.sim", "train", *overrides, f"threads={threads}", "progress=false"]
+    with open(out / "train.log", "a") as log:
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}).returncode
+
+
+def _format(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.sim", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="one run")
+    train.add_argument("--task")
+    train.add_argument("--method")
+    train.add_argument("--lag", type=int)
+    train.add_argument("--lag-model", dest="lag_model")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--steps", type=int)
+    train.add_argument("--out")
+    sweep = commands.add_parser("sweep", help="methods x lags x seeds")
+    sweep.add_argument("--task", default=SimConfig.task)
+    sweep.add_argument("--methods", type=_csv(str), required=True)
+    sweep.add_argument("--lags", type=_csv(int), required=True)
+    sweep.add_argument("--seeds", type=_csv(int), default=[0])
+    sweep.add_argument("--lag-model", dest="lag_model", default=SimConfig.lag_model)
+    sweep.add_argument("--steps", type=int)
+    sweep.add_argument("--out", type=Path, required=True)
+    sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel, one torch thread each")
+    commands.add_parser("keys", help="list configuration keys and defaults")
+    args, overrides = parser.parse_known_args(argv)
+    unknown_flags = [item for item in overrides if item.startswith("--")]
+    if unknown_flags:
+        parser.error(f"unknown option(s) {unknown_flags}; configuration keys are set as key=value")
+
+    try:
+        if args.command == "keys":
+            for field in dataclasses.fields(SimConfig):
+                print(f"{field.name:24s} {getattr(SimConfig(), field.name)!r}")
+            return 0
+        if args.command == "train":
+            from vcpo.sim.train import train as train_run
+
+            config = _config(args, overrides)
+            print(train_run(config))
+            return 0
+        configs = sweep_configs(args, overrides)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    todo = [config for config in configs if not is_finished(Path(config.out))]
+    print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {args.jobs} at a time")
+    threads = 1 if args.jobs > 1 else 0
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        codes = list(pool.map(lambda config: _run_subprocess(config, threads), todo))
+    failed = [config.out for config, code in zip(todo, codes, strict=True) if code != 0]
+    for out in failed:
+        print(f"failed: {out} (see {out}/train.log)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The simulator's run configuration: one dataclass, checked in full before any work starts.
+
+Every field has a default; ``key=value`` overrides (the CLI's trailing arguments) are parsed with the
+field's type, and an unknown key, a bad value or a combination the simulator cannot honour raises a
+``ConfigError`` naming the key. Values the paper states are marked with their table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from vcpo.methods import Method, get_method
+
+LAG_MODELS = ("pipeline", "fixed", "minibatch")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+ROLLOUT_DTYPES = (*DTYPES, "preset")
+PRESET_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+# The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
+# factor applied to the simulator's own reference learning rate (low_lr: 1e-7 -> x0.1).
+PAPER_REFERENCE_LR = 1.0e-6
+# Advantage scopes the single-backward OPOB engine can assemble (vcpo.core.PerSequenceGradients).
+OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean")
+OPOB_LEVELS = ("sequence", "geometric")
+
+
+class ConfigError(ValueError):
+    """A configuration the simulator cannot run; the message names the key."""
+
+
+@dataclass
+class SimConfig:
+    # what to train
+    task: str = "countdown"
+    method: str = "seq_tis_c8"
+    seed: int = 0
+    steps: int = 200
+    model_size: str = "tiny"
+    base: str | None = None  # an SFT base folder; None: the cached vcpo.sim.base.sft_base(task, model_size, seed=base_seed)
+    base_seed: int = 0
+    # asynchrony
+    lag_model: str = "pipeline"
+    lag: int = 0  # max policy lag k in optimizer steps (0: synchronous oracle)
+    update_tokens: int = 8  # pipeline: tokens every in-flight sequence generates between two weight updates
+    # batch and sampling (shape of VCPO Table 3: 8 prompts x 8 completions)
+    prompts_per_step: int = 8
+    responses_per_prompt: int = 8
+    max_response_tokens: int = 48
+    temperature: float = 1.0  # VCPO Tables 3-5
+    max_turns: int = 0  # >0: multi-turn with the sandboxed Python tool, at most this many tool calls
+    tool_timeout_s: float = 5.0
+    # optimizer (VCPO Table 2: AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0.1, gradient clip 1.0)
+    lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, README); presets scale it by lr / 1e-6
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 5  # warmup-stable-decay (VCPO Table 3)
+    decay_steps: int = 0
+    micro_batch_size: int = 64  # sequences per learner forward/backward (whole groups)
+    # precision
+    learner_dtype: str = "float32"
+    rollout_dtype: str = "float32"  # "preset": the preset's precision (bf16/fp16), a training-inference mismatch
+    # ESS step size: rho_on overrides the preset's (0.55 for multi-turn, VCPO Table 5)
+    rho_on: float | None = None
+    # evaluation, outputs
+    eval_every: int = 25
+    eval_problems: int = 200
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
+    checkpoint_every: int = 25
+    threads: int = 0  # torch threads; 0 = torch's default
+    wandb: bool = False  # through verl's Tracking; WANDB_MODE defaults to offline
+    progress: bool = True
+    out: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes copied into config.json
+
+    @property
+    def method_preset(self) -> Method:
+        return get_method(self.method)
+
+    @property
+    def effective_lag(self) -> int:
+        forced = self.method_preset.spec.get("max_lag")
+        return self.lag if forced is None else min(self.lag, forced)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.responses_per_prompt
+
+    @property
+    def base_lr(self) -> float:
+        return self.lr * self.method_preset.spec["optimizer"]["lr"] / PAPER_REFERENCE_LR
+
+    @property
+    def resolved_rollout_dtype(self) -> str:
+        if self.rollout_dtype == "preset":
+            return PRESET_PRECISION_DTYPE[self.method_preset.spec["precision"]]
+        return self.rollout_dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
+
+
+def _parse_value(key: str, text: str) -> Any:
+    kind = FIELD_TYPES[key]
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "float | None":
+            return None if text.lower() in ("none", "null") else float(text)
+        if kind == "str | None":
+            return None if text.lower() in ("none", "null") else text
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if kind == "tuple[float, float]":
+            first, second = text.split(",")
+            return (float(first), float(second))
+        if kind == "str":
+            return text
+    except ValueError:
+        raise ConfigError(f"config key {key!r}: cannot read {text!r} as {kind}") from None
+    raise ConfigError(f"config key {key!r} cannot be set from the command line")
+
+
+def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) -> SimConfig:
+    """A copy of ``config`` with ``key=value`` strings (or a mapping) applied; unknown keys raise."""
+    items = overrides.items() if isinstance(overrides, dict) else [_split(item) for item in overrides]
+    changes = {}
+    for key, value in items:
+        if key not in FIELD_TYPES or key == "extra":
+            close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; keys: {', '.join(sorted(FIELD_TYPES))}")
+        changes[key] = _parse_value(key, value) if isinstance(value, str) else value
+    return dataclasses.replace(config, **changes)
+
+
+def _split(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must be key=value")
+    key, value = item.split("=", 1)
+    return key.strip().replace("-", "_"), value.strip()
+
+
+def validate(config: SimConfig) -> SimConfig:
+    """Raise ConfigError naming the key of the first problem; return ``config`` unchanged."""
+    from vcpo.sim.base import MODEL_SIZES
+    from vcpo.sim.tasks import SIM_TASKS
+
+    def fail(key: str, message: str) -> None:
+        raise ConfigError(f"config key {key!r}: {message}")
+
+    if config.task not in SIM_TASKS:
+        fail("task", f"unknown task {config.task!r}; known: {sorted(SIM_TASKS)}")
+    try:
+        method = config.method_preset
+    except ValueError as error:
+        fail("method", str(error))
+    if config.lag_model not in LAG_MODELS:
+        fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
+    for key in ("steps", "prompts_per_step", "responses_per_prompt", "max_response_tokens", "update_tokens"):
+        if getattr(config, key) < 1:
+            fail(key, f"must be >= 1, got {getattr(config, key)}")
+    for key in ("lag", "max_turns", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "threads"):
+        if getattr(config, key) < 0:
+            fail(key, f"must be >= 0, got {getattr(config, key)}")
+    if config.checkpoint_every < 1 or config.eval_samples < 1:
+        fail("checkpoint_every" if config.checkpoint_every < 1 else "eval_samples", "must be >= 1")
+    if config.warmup_steps + config.decay_steps > config.steps:
+        fail("warmup_steps", f"warmup_steps + decay_steps ({config.warmup_steps + config.decay_steps}) exceed steps ({config.steps})")
+    if config.responses_per_prompt < 2:
+        fail("responses_per_prompt", "group baselines need at least 2 responses per prompt")
+    if config.micro_batch_size < config.responses_per_prompt or config.micro_batch_size % config.responses_per_prompt:
+        fail("micro_batch_size", f"must hold whole groups: a multiple of responses_per_prompt ({config.responses_per_prompt})")
+    if not config.lr > 0 or not config.temperature > 0 or not config.eval_temperature > 0:
+        fail("lr" if not config.lr > 0 else "temperature", "must be positive")
+    if config.learner_dtype not in DTYPES:
+        fail("learner_dtype", f"must be one of {DTYPES}")
+    if config.rollout_dtype not in ROLLOUT_DTYPES:
+        fail("rollout_dtype", f"must be one of {ROLLOUT_DTYPES}")
+    if config.learner_dtype in ("bfloat16", "float16"):
+        fail("learner_dtype", "the learner keeps float32 or float64 master weights; set rollout_dtype for low precision")
+    if method.spec["precision"] == "fp16" and config.resolved_rollout_dtype != "float16":
+        fail(
+            "rollout_dtype",
+            f"method {method.name!r} differs from its parent only by fp16 precision; run it with rollout_dtype=preset "
+            "(fp16 rollouts against the learner), otherwise it would silently be a different method",
+        )
+    if config.lag_model == "minibatch" and config.effective_lag == 0 and config.lag != 0:
+        fail("lag", "minibatch lag needs k >= 1 (k + 1 optimizer steps per rollout batch)")
+    if config.base is not None and not (Path(config.base) / "config.json").is_file():
+        fail("base", f"no SFT base model at {config.base!r} (expected a save_pretrained folder with config.json)")
+    if config.base is None and config.model_size not in MODEL_SIZES:
+        fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
+    if config.rho_on is not None and not config.rho_on > 0:
+        fail("rho_on", "must be positive")
+    _check_method_support(config, method)
+    return config
+
+
+def _check_method_support(config: SimConfig, method: Method) -> None:
+    """A preset the simulator cannot run as written is an error that says why."""
+    from vcpo.core.registry import POLICY_LOSSES
+
+    advantage = method.spec["advantage"]
+    if advantage["estimator"] == "opob":
+        loss = method.loss_name
+        level = getattr(POLICY_LOSSES.get(loss), "fn", None)
+        level = getattr(level, "keywords", {}).get("level")
+        if level not in OPOB_LEVELS:
+            raise ConfigError(
+                f"config key 'method': {method.name!r} combines OPOB with loss {loss!r}; the single-backward OPOB "
+                f"update needs one weight per sequence (a loss of level {OPOB_LEVELS}), since it forms "
+                "sum_i c_i g_i from per-sequence gradients"
+            )
+        if method.spec["loss"]["agg"] not in OPOB_AGGREGATIONS:
+            raise ConfigError(
+                f"config key 'method': OPOB with loss_agg_mode {method.spec['loss']['agg']!r} is not supported; "
+                f"supported: {OPOB_AGGREGATIONS}"
+            )
+        if advantage["params"].get("scope") not in ("group", "batch"):
+            raise ConfigError(f"config key 'method': OPOB scope {advantage['params'].get('scope')!r} is not group or batch")

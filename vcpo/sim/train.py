@@ -1,0 +1,312 @@
+"""The simulator's training loop: rollouts under a lag model -> rewards -> one optimizer step, repeated.
+
+Writes into ``out``: ``config.json`` (the resolved configuration, method preset included),
+``metrics.jsonl`` (one object per optimizer step, verl metric names plus the paper's diagnostics),
+``checkpoint.pt`` (everything needed to continue: weights, optimizer, the rollout engine's queue,
+the snapshots the lag model still needs) and, at the end, ``final/`` (a save_pretrained model that
+``python -m eval`` reads). A run restarted with the same ``out`` continues from its checkpoint and
+writes the same metrics an uninterrupted run would (generation seeds derive from (seed, step)).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from vcpo.sim.config import SimConfig, validate
+from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
+from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run.
+TIMING_PREFIXES = ("timing_s/", "perf/")
+
+
+def load_base(config: SimConfig) -> Path:
+    from vcpo.sim.base import sft_base
+
+    if config.base is not None:
+        return Path(config.base)
+    return sft_base(config.task, config.model_size, seed=config.base_seed, progress=config.progress)
+
+
+class Trainer:
+    """Builds every part of a run from its config; ``run()`` trains to ``config.steps``."""
+
+    def __init__(self, config: SimConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from vcpo.sim.tasks import get_sim_task, render_prompt
+
+        self.config = validate(config)
+        if config.out is None:
+            raise ValueError("config key 'out': a run needs an output folder")
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.out = Path(config.out)
+        self.base = load_base(config)
+        self.task = get_sim_task(config.task)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base)
+        learner_dtype = DTYPES[config.learner_dtype]
+        torch.manual_seed(config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.base, dtype=learner_dtype)
+        self.model.train()
+        self.rollout_model = copy.deepcopy(self.model).to(DTYPES[config.resolved_rollout_dtype]).eval()
+        method = config.method_preset
+        ref_model = None
+        if method.spec.get("kl_in_reward_beta"):
+            ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.learner = Learner(self.model, method, config, ref_model=ref_model)
+        self.lag = config.effective_lag
+
+        self.train_problems = self.task.problems("train")
+        self.eval_problems = self.task.problems("validation")[: config.eval_problems]
+        eos = self.model.generation_config.eos_token_id
+        eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        sampling = Sampling(
+            max_response_tokens=config.max_response_tokens,
+            temperature=config.temperature,
+            eos_token_ids=eos,
+            pad_token_id=self.tokenizer.pad_token_id,
+            max_turns=config.max_turns,
+            tool_timeout_s=config.tool_timeout_s,
+        )
+        self.generator = Generator(self.tokenizer, sampling, sandbox_tool(config.tool_timeout_s) if config.max_turns else None)
+        self.snapshots: dict[int, dict] = {}
+        self.rollouts = Rollouts(
+            lag_model=config.lag_model,
+            lag=self.lag,
+            prompts_per_step=config.prompts_per_step,
+            responses_per_prompt=config.responses_per_prompt,
+            update_tokens=config.update_tokens,
+            seed=config.seed,
+            prompts=functools.lru_cache(maxsize=None)(
+                lambda i: self.tokenizer.encode(render_prompt(self.tokenizer, self.train_problems[i]), add_special_tokens=False)
+            ),
+            num_problems=len(self.train_problems),
+            generator=self.generator,
+            model=self.rollout_model,
+            weights=self.snapshot,
+        )
+        self.step = 0
+        self.tracker = None
+
+    # -- snapshots of policy versions ---------------------------------------------------------------
+    def snapshot(self, version: int) -> dict:
+        if version == self.step:
+            return self.model.state_dict()
+        if version not in self.snapshots:
+            raise RuntimeError(f"policy version {version} was asked for at step {self.step} but not kept")
+        return self.snapshots[version]
+
+    def _keep_snapshots(self) -> None:
+        needed = self.rollouts.versions_needed(self.step) | self._prox_versions()
+        for version in list(self.snapshots):
+            if version not in needed:
+                del self.snapshots[version]
+        if self.step in needed and self.step not in self.snapshots and self.step < self.config.steps:
+            self.snapshots[self.step] = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
+
+    def _prox_versions(self) -> set[int]:
+        """P3O two-anchor: the proximal snapshot is the policy at the start of the optimizer epoch,
+        i.e. of the rollout batch (minibatch lag model); with one step per batch it is θ itself."""
+        if not self.learner.needs_prox or self.config.lag_model != "minibatch":
+            return set()
+        return {self.step - self.step % (self.lag + 1)}
+
+    def _prox_log_prob(self, batch) -> torch.Tensor | None:
+        versions = self._prox_versions()
+        if not versions or versions == {self.step}:
+            return None
+        prox_model = copy.deepcopy(self.model)
+        prox_model.load_state_dict(self.snapshot(versions.pop()))
+        with torch.no_grad():
+            return response_log_probs(prox_model, batch, self.config.temperature)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.learner.optimizer.state_dict(),
+            "rollouts": self.rollouts.state_dict(),
+            "snapshots": self.snapshots,
+        }
+        partial = self.out / f"{CHECKPOINT}.{os.getpid()}.tmp"
+        torch.save(state, partial)
+        partial.replace(self.out / CHECKPOINT)
+
+    def maybe_resume(self) -> None:
+        path = self.out / CHECKPOINT
+        if not path.exists():
+            return
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.rollouts.load_state_dict(state["rollouts"])
+        self.snapshots = state["snapshots"]
+        self.step = state["step"]
+        metrics = self.out / METRICS
+        if metrics.exists():  # drop the lines of steps after the checkpoint: they are redone
+            lines = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] < self.step]
+            metrics.write_text("".join(line + "\n" for line in lines))
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        from vcpo.sim.evaluate import heldout_accuracy
+
+        if not self.eval_problems:
+            return {}
+        started = time.perf_counter()
+        self.model.eval()
+        result = heldout_accuracy(
+            self.model,
+            self.tokenizer,
+            self.task,
+            self.eval_problems,
+            temperature=self.config.eval_temperature,
+            max_new_tokens=self.config.max_response_tokens,
+            samples=self.config.eval_samples,
+            seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
+        )
+        self.model.train()
+        name = f"val-core/{self.task.name}/acc/mean@{self.config.eval_samples}"
+        return {name: result["accuracy"], "val/accuracy": result["accuracy"], "timing_s/testing": time.perf_counter() - started}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        config = self.config
+        started = time.perf_counter()
+        metrics: dict = {"step": self.step, "training/global_step": self.step}
+        if config.eval_every and self.step % config.eval_every == 0:
+            metrics.update(self.evaluate())
+
+        generation_started = time.perf_counter()
+        trajectories = self.rollouts.batch(self.step)
+        metrics["timing_s/gen"] = time.perf_counter() - generation_started
+
+        reward_started = time.perf_counter()
+        results = self._score(trajectories)
+        metrics["timing_s/reward"] = time.perf_counter() - reward_started
+        batch = collate(trajectories, [r["score"] for r in results], self.tokenizer.pad_token_id, self.model.dtype)
+
+        update_started = time.perf_counter()
+        lr_scale = warmup_stable_decay(self.step, config.steps, config.warmup_steps, config.decay_steps)
+        metrics.update(self.learner.update(batch, lr_scale, self._prox_log_prob(batch)))
+        metrics["timing_s/update_actor"] = time.perf_counter() - update_started
+        metrics.update(self._batch_metrics(batch, trajectories, results))
+
+        self.step += 1
+        self._keep_snapshots()
+        elapsed = time.perf_counter() - started
+        metrics["timing_s/step"] = elapsed
+        metrics["perf/throughput"] = int(batch.mask.sum()) / elapsed
+        return metrics
+
+    def _score(self, trajectories) -> list[dict]:
+        from vcpo.rewards import score_batch
+
+        texts = [self.tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajectories]
+        truths = [self.train_problems[t.problem].ground_truth for t in trajectories]
+        return score_batch([self.task.data_source] * len(texts), texts, truths)
+
+    def _batch_metrics(self, batch, trajectories, results) -> dict:
+        lags = token_lags(batch, self.step)
+        histogram = torch.bincount(lags, minlength=self.lag + 1).tolist()
+        lengths = batch.mask.sum(-1).float()
+        reasons = Counter(r["reason"] for r in results)
+        versions_per_sequence = [len({v for v in t.versions if v >= 0}) for t in trajectories]
+        return {
+            "async/lag_mean": float(lags.float().mean()),
+            "async/lag_max": int(lags.max()),
+            "async/lag_hist": histogram,
+            "async/versions_per_sequence_mean": sum(versions_per_sequence) / len(versions_per_sequence),
+            "async/inflight_sequence_frac": sum(n > 1 for n in versions_per_sequence) / len(versions_per_sequence),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": sum(t.truncated for t in trajectories) / len(trajectories),
+            "reward/no_answer_frac": reasons["no_answer"] / len(results),
+            "multi_turn/tool_calls_mean": sum(t.tool_calls for t in trajectories) / len(trajectories),
+        }
+
+    def _start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.maybe_resume()
+        if self.step == 0:
+            self._keep_snapshots()
+        resolved = {
+            **self.config.to_dict(),
+            "base": str(self.base),
+            "effective_lag": self.lag,
+            "base_lr": self.config.base_lr,
+            "resolved_rollout_dtype": self.config.resolved_rollout_dtype,
+            "method_preset": self.config.method_preset.spec,
+            "versions": _versions(),
+        }
+        (self.out / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        if self.config.wandb:
+            from verl.utils.tracking import Tracking
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.tracker = Tracking("vcpo-sim", self.out.name, default_backend=["wandb"], config=resolved)
+
+    def _log(self, metrics: dict) -> None:
+        with open(self.out / METRICS, "a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        if self.tracker is not None:
+            self.tracker.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=metrics["step"])
+
+    def run(self) -> Path:
+        self._start()
+        config = self.config
+        bar = tqdm(total=config.steps, initial=self.step, desc=f"{config.method} k={self.lag} seed={config.seed}",
+                   unit="step", disable=not config.progress, dynamic_ncols=True)
+        last_accuracy = None
+        while self.step < config.steps:
+            metrics = self.train_step()
+            last_accuracy = metrics.get("val/accuracy", last_accuracy)
+            self._log(metrics)
+            if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                self.save_checkpoint()
+            bar.update()
+            bar.set_postfix(
+                reward=f"{metrics['critic/score/mean']:.2f}",
+                val=f"{last_accuracy:.2f}" if last_accuracy is not None else "-",
+                ess=f"{metrics['rollout_corr/seq_ess_ratio']:.2f}",
+                lag=f"{metrics['async/lag_mean']:.1f}",
+                refresh=False,
+            )
+        bar.close()
+        final = self.out / "final"
+        if not (final / "eval.json").exists():
+            result = {"step": self.step, **(self.evaluate() if config.eval_every else {})}
+            self.model.save_pretrained(final)
+            self.tokenizer.save_pretrained(final)
+            (final / "eval.json").write_text(json.dumps(result) + "\n")
+            if result.get("val/accuracy") is not None:
+                self._log(result)
+        if self.tracker is not None:
+            self.tracker.finish()
+        return self.out
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+    import verl
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "verl": verl.__version__}
+
+
+def train(config: SimConfig) -> Path:
+    return Trainer(config).run()
