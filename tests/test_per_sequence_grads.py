@@ -541,3 +541,25 @@ def test_benchmark_runs_and_variants_agree(capsys):
     assert timing["agreement"]["naive"] < 1e-5 and timing["agreement"]["per_sequence"] < 1e-4
     peak = benchmark["measure_peak_memory"](benchmark["parse_args"](args), "opob")
     assert peak > 0
+
+
+def test_coefficients_set_after_the_forward_give_the_same_update():
+    """set_coefficients between forward and backward = passing the coefficients up front."""
+    model, batch = tiny_model("qwen2"), make_batch()
+    expected_norms, expected = run_engine(model, batch)
+    engine = PerSequenceGradients(model)
+    model.zero_grad(set_to_none=True)
+    zeros = torch.zeros_like(batch["coef_r"])
+    with engine.micro_batch(zeros, zeros):
+        scores = batched_scores(model, batch)
+        engine.set_coefficients(batch["coef_r"], batch["coef_s"])
+        scores.sum().backward()
+        with pytest.raises(RuntimeError, match="before the micro-batch's backward"):
+            engine.set_coefficients(batch["coef_r"], batch["coef_s"])
+    norms = engine.sq_norms
+    engine.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]))
+    assert torch.allclose(norms, expected_norms, rtol=1e-12)
+    for actual, reference in zip([p.grad for p in model.parameters()], expected, strict=True):
+        assert torch.allclose(actual, reference, rtol=1e-12, atol=1e-15)
+    with pytest.raises(RuntimeError, match="outside `micro_batch`"):
+        engine.set_coefficients(batch["coef_r"], batch["coef_s"])

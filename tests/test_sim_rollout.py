@@ -234,3 +234,11 @@ def test_tool_calls_beyond_the_budget_end_the_episode(tokenizer):
     for t in rollouts.batch(0):
         assert t.tool_calls == 1 and t.finished
         assert tokenizer.decode(t.response_ids, skip_special_tokens=True) == "<code>print(1)</code><output>1\n</output><code>print(2)</code>"
+
+
+def test_the_multi_turn_tool_runs_code_in_the_sandbox():
+    from vcpo.sim.rollout import sandbox_tool
+
+    run = sandbox_tool(timeout_s=10.0)
+    assert run("print(6 * 7)") == "42\n"
+    assert run("1 / 0").endswith("ZeroDivisionError: division by zero")

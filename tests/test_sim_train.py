@@ -67,6 +67,12 @@ def test_every_preset_runs(base, tmp_path, method):
     assert config["method_preset"]["name"] == method and (out / "final" / "config.json").exists()
 
 
+def test_wandb_logging_goes_through_verls_tracking(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the code path of wandb=true, without files or network
+    out = Trainer(small_config(base, tmp_path / "wandb", wandb=True, steps=1)).run()
+    assert len((out / METRICS).read_text().splitlines()) == 1
+
+
 def test_sync_preset_forces_lag_zero(base, tmp_path):
     out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=5)).run()
     lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]

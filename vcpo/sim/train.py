@@ -259,7 +259,8 @@ class Trainer:
             from verl.utils.tracking import Tracking
 
             os.environ.setdefault("WANDB_MODE", "offline")
-            self.tracker = Tracking("vcpo-sim", self.out.name, default_backend=["wandb"], config=resolved)
+            # verl's Tracking reads trainer.* (e.g. trainer.wandb_proxy) from the config it logs
+            self.tracker = Tracking("vcpo-sim", self.out.name, default_backend=["wandb"], config={"trainer": {}, **resolved})
 
     def _log(self, metrics: dict) -> None:
         with open(self.out / METRICS, "a") as handle:
