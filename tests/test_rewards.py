@@ -320,6 +320,8 @@ def test_a_timed_out_answer_is_counted_and_the_worker_replaced():
     pool = MathVerifyPool(1)
     try:
         slow = r"\boxed{" + "{" * 11 + "1" + "}" * 11 + "}"  # depth 12, the most allowed: about a second
+        # The first answer waits for the worker's imports (seconds on a fresh virtualenv): not timed.
+        assert pool.judge(r"\boxed{1}", "1", timeout_s=30) == "correct"
         started = time.monotonic()
         assert pool.judge(slow, "1", timeout_s=0.05) == "timeout"
         assert time.monotonic() - started < 1.0
