@@ -73,6 +73,13 @@ def test_wandb_logging_goes_through_verls_tracking(base, tmp_path, monkeypatch):
     assert len((out / METRICS).read_text().splitlines()) == 1
 
 
+@pytest.mark.parametrize("lag_model, lags", [("fixed", [0, 1, 2, 2, 2]), ("minibatch", [0, 1, 2, 0, 1])])
+def test_lag_models_through_the_trainer_keep_the_versions_they_need(base, tmp_path, lag_model, lags):
+    out = Trainer(small_config(base, tmp_path / lag_model, lag_model=lag_model, steps=5)).run()
+    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    assert [line["async/lag_max"] for line in lines] == lags
+
+
 def test_sync_preset_forces_lag_zero(base, tmp_path):
     out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=5)).run()
     lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]

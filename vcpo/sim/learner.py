@@ -261,14 +261,15 @@ class Learner:
         return metrics
 
     def _micro_batches(self, batch: Batch):
+        """(first row, micro-batch) of consecutive rows; micro_batch_size holds whole groups."""
         size = self.config.micro_batch_size
         for start in range(0, batch.size, size):
-            yield batch.rows(start, min(start + size, batch.size))
+            yield start, batch.rows(start, min(start + size, batch.size))
 
     def _loss_backward(self, batch, advantages, prox_log_prob, timings):
         forward = backward = 0.0
         log_probs, metric_sums, count = [], {}, 0
-        for start, mb in zip(range(0, batch.size, self.config.micro_batch_size), self._micro_batches(batch), strict=True):
+        for start, mb in self._micro_batches(batch):
             stop = start + mb.size
             started = time.perf_counter()
             log_prob = response_log_probs(self.model, mb, self.config.temperature)
@@ -320,7 +321,7 @@ class Learner:
         std = group_reward_std(rewards, batch.groups) if self.adv_params["norm_by_std"] else ones
         forward = backward = 0.0
         log_probs, norms, weights_all, baselines = [], [], [], []
-        for start, mb in zip(range(0, batch.size, self.config.micro_batch_size), self._micro_batches(batch), strict=True):
+        for start, mb in self._micro_batches(batch):
             stop = start + mb.size
             zeros = torch.zeros(mb.size, dtype=torch.float64)
             with self.opob.micro_batch(zeros, zeros, groups=mb.groups if scope_group else None):

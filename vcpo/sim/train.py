@@ -101,6 +101,7 @@ class Trainer:
         )
         self.step = 0
         self.tracker = None
+        self._prox_model = None
 
     # -- snapshots of policy versions ---------------------------------------------------------------
     def snapshot(self, version: int) -> dict:
@@ -110,29 +111,35 @@ class Trainer:
             raise RuntimeError(f"policy version {version} was asked for at step {self.step} but not kept")
         return self.snapshots[version]
 
+    def _versions_needed(self, step: int) -> set[int]:
+        return self.rollouts.versions_needed(step) | self._prox_versions(step)
+
     def _keep_snapshots(self) -> None:
-        needed = self.rollouts.versions_needed(self.step) | self._prox_versions()
+        """Keep the older versions the coming step asks for; copy the current weights only if a later
+        step will ask for them (the current version itself is read live)."""
+        needed = self._versions_needed(self.step)
         for version in list(self.snapshots):
             if version not in needed:
                 del self.snapshots[version]
-        if self.step in needed and self.step not in self.snapshots and self.step < self.config.steps:
+        if self.step in self._versions_needed(self.step + 1) and self.step < self.config.steps:
             self.snapshots[self.step] = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
 
-    def _prox_versions(self) -> set[int]:
+    def _prox_versions(self, step: int) -> set[int]:
         """P3O two-anchor: the proximal snapshot is the policy at the start of the optimizer epoch,
         i.e. of the rollout batch (minibatch lag model); with one step per batch it is θ itself."""
         if not self.learner.needs_prox or self.config.lag_model != "minibatch":
             return set()
-        return {self.step - self.step % (self.lag + 1)}
+        return {step - step % (self.lag + 1)}
 
     def _prox_log_prob(self, batch) -> torch.Tensor | None:
-        versions = self._prox_versions()
+        versions = self._prox_versions(self.step)
         if not versions or versions == {self.step}:
             return None
-        prox_model = copy.deepcopy(self.model)
-        prox_model.load_state_dict(self.snapshot(versions.pop()))
+        if self._prox_model is None:
+            self._prox_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._prox_model.load_state_dict(self.snapshot(versions.pop()))
         with torch.no_grad():
-            return response_log_probs(prox_model, batch, self.config.temperature)
+            return response_log_probs(self._prox_model, batch, self.config.temperature)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
