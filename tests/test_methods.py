@@ -107,7 +107,7 @@ ONE_PER_LOSS = {
         ({**BASE, "loss": {**BASE["loss"], "name": "ppo"}}, "unknown loss 'ppo'"),
         ({**BASE, "precision": "fp8"}, "precision"),
         ({**BASE, "optimizer": {"lr": 1e-6, "betas": [0.9, 0.99]}}, "optimizer"),
-        ({**BASE, "extends": "missing"}, "extends unknown method 'missing'"),
+        ({**BASE, "extends": "missing"}, "extends unknown recipe 'missing'"),
         ({**BASE, "name": "other"}, "must equal the file name"),
     ],
 )

@@ -1,8 +1,8 @@
 """Exact per-sequence gradient norms and the single-backward OPOB update (VCPO §3.4, Alg. 1, App. C).
 
-A micro-batch holds B sequences (one per row) with per-sequence scores l_i = Σ_t u_{i,t} l^θ_{i,t}
-(u: the loss's per-token aggregation weights, e.g. m_{i,t} or m_{i,t}/T_i) and score gradients
-g_i = ∇_θ l_i. From ONE backward pass of Σ_i l_i this module obtains
+A micro-batch holds B sequences (one per row, or packed in one row) with per-sequence scores
+l_i = Σ_t u_{i,t} l^θ_{i,t} (u: the loss's per-token aggregation weights, e.g. m_{i,t} or m_{i,t}/T_i)
+and score gradients g_i = ∇_θ l_i. From ONE backward pass of Σ_i l_i this module obtains
 
     ||g_i||²                                over all trainable parameters, for every sequence,
     G_R   = Σ_i c^R_i g_i                   accumulated into p.grad,
@@ -13,7 +13,8 @@ chooses the coefficients, e.g. c^R_i = w^TIS_i R_i / B and c^S_i = w^TIS_i / B, 
 `vcpo.core.baselines.opob_baseline` applied to `sq_norms`.
 
 Why it is exact and cheap. Rows of a batch do not interact (attention stays within a row), so the
-gradient δ_i reaching row i of any layer's output belongs to sequence i alone. Every parameterised
+gradient δ_i reaching row i of any layer's output belongs to sequence i alone (packed micro-batches:
+the tokens of segment i, see below). Every parameterised
 module runs its forward through a custom autograd function that returns the input gradient as usual
 but NOT the parameter gradient: it forms the per-sequence parameter gradients from (saved input x,
 output gradient δ) itself and reduces them at once to squared norms and to the k = 1 + #groups
@@ -50,14 +51,29 @@ Scope "group" with group-aligned micro-batches (whole groups in one micro-batch)
 ``groups=`` to `micro_batch` and call `combine` after each micro-batch with that micro-batch's
 baseline; the groups' score buffers are freed at once.
 
+Packed ("remove padding") micro-batches: ``micro_batch(..., cu_seqlens=offsets)`` with B sequences
+concatenated along the token dimension of ONE row (every module input (1, tokens, ...), sequence i =
+tokens [c_i, c_{i+1}), attention block-diagonal). Every handler reduces per segment. Linear/Conv1D
+gather each `length_buckets` group of sequences into its own (B_b, T_b, ·) rows (T_b: the group's
+longest length, zeros after each end; a view of the packed tokens when the group is consecutive and
+of equal length), so the per-sequence matmuls pad at most (BUCKET_SLACK − 1)·tokens and the ghost
+Gram matrices are the diagonal blocks of the block-diagonal Gram product, one group at a time.
+Embeddings and norm affines (hidden-width tensors) use the (B, max_len, ·) zero-padded layout of
+`PackedSegments.pad`. Zero rows add nothing, so the result is exact and equals the one-row-per-sequence
+result. Tokens after c_B (trailing padding) belong to no sequence: they are left out of the norms,
+p.grad and the score buffers (their gradient is zero for any loss that ignores them).
+
 Memory beyond a plain backward: one score buffer per open group label (one for scope "batch", one
 per group of the micro-batch for scope "group"), plus one block of per-sequence gradients
-(``block_bytes``) or the ghost Gram matrices (2·B·T² values, also chunked to ``block_bytes``).
+(``block_bytes``) or the ghost Gram matrices (2·B·T² values, also chunked to ``block_bytes``), plus,
+for a packed micro-batch, one module's bucketed copy of its input and output gradient (at most
+BUCKET_SLACK x their tokens).
 
-Limits: one row per sequence (packed / remove-padding batches are rejected by the batch-size check);
-no torch.autocast (the functions run in the parameters' dtype). Under data parallelism (paper App. C)
-defer the gradient all-reduce: gather the B norms across ranks for the baseline, `combine` locally,
-then all-reduce p.grad once.
+Limits: the engine cannot see the attention, and sequences must not interact through it (rows of a
+padded batch; the block-diagonal mask of a packed row, which HF transformers 5 builds from position_ids
+restarting at 0 only with attention_mask=None and use_cache=False). No torch.autocast (the functions
+run in the parameters' dtype). Under data parallelism (paper App. C) defer the gradient all-reduce:
+gather the B norms across ranks for the baseline, `combine` locally, then all-reduce p.grad once.
 """
 
 from __future__ import annotations
@@ -80,6 +96,12 @@ MODES = ("auto", "materialize", "ghost")
 # Unblocked, the reductions over a (B, 32000, 512) lm_head gradient ran at DRAM speed, 1.5x slower.
 DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
 MIN_BLOCK_ROWS = 16
+
+# Packed micro-batches: the per-sequence weight gradients of sequences of unequal lengths are formed
+# in buckets of similar lengths, each padded only to its own longest, with at most this many padded
+# tokens per real token (`length_buckets`). One bucket (pad all to the longest) wasted 2x the
+# multiply-adds at lengths 30-250; more buckets mean more, smaller matmuls.
+BUCKET_SLACK = 1.25
 
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
 # a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
@@ -163,6 +185,94 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return h.to(x.dtype)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """Validate the offsets of B packed sequences: 1-D integers 0 = c_0 < c_1 < ... < c_B; returns them as int64.
+
+    Raises ValueError naming what is wrong (length against the B coefficients, not starting at 0,
+    not strictly increasing: an empty sequence has no gradient to attribute).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with B + 1 = {batch + 1} offsets for the {batch} sequences of coef_r, "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+    offsets = cu_seqlens.detach().to(torch.int64)
+    if int(offsets[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(offsets[0])}")
+    if not bool((offsets[1:] > offsets[:-1]).all()):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {offsets.tolist()}")
+    return offsets
+
+
+def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
+    """Sequence indices grouped so that padding each group to its longest costs <= slack x its tokens.
+
+    Greedy over the lengths in decreasing order: a sequence joins the current group while
+    (size + 1) · longest <= slack · (tokens + its length), else it starts a new group. Within a group the
+    indices are increasing. Equal lengths give one group.
+    """
+    buckets: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if buckets and (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= slack * (tokens + lengths[i]):
+            buckets[-1].append(i)
+            tokens += lengths[i]
+        else:
+            buckets.append([i])
+            tokens = lengths[i]
+    return [sorted(bucket) for bucket in buckets]
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """B sequences packed along the token dimension of one row, at offsets cu_seqlens (B + 1,).
+
+    Token t < cu_seqlens[-1] belongs to sequence i with cu_seqlens[i] <= t < cu_seqlens[i + 1]; tokens
+    from cu_seqlens[-1] on (trailing padding) belong to none. `pad` lays a packed tensor out as
+    (B, max_len, ...) with zeros after each sequence's end, the one-row-per-sequence layout of the
+    embedding and norm handlers (Linear/Conv1D use the tighter `_Bucket` layouts); zero rows add
+    nothing to any per-sequence gradient, norm or cross term, so the result is exact and trailing
+    padding tokens are left out.
+    """
+
+    cu_seqlens: torch.Tensor  # (B + 1,) int64
+    max_len: int
+    flat_index: torch.Tensor  # (total,) position of every packed token in the flattened (B, max_len) layout
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device | None = None) -> PackedSegments:
+        offsets = cu_seqlens.to(device=device, dtype=torch.int64)
+        lengths = offsets[1:] - offsets[:-1]
+        max_len = int(lengths.max())
+        batch, total = lengths.shape[0], int(offsets[-1])
+        sequence = torch.repeat_interleave(torch.arange(batch, device=offsets.device), lengths, output_size=total)
+        position = torch.arange(total, device=offsets.device) - offsets[sequence]
+        return cls(offsets, max_len, sequence * max_len + position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.flat_index.shape[0]
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) with tokens >= total_tokens  ->  (B, max_len, ...), zero-filled; trailing tokens dropped."""
+        rest = packed.shape[1:]
+        padded = packed.new_zeros((self.batch_size * self.max_len, *rest))
+        padded.index_copy_(0, self.flat_index, packed[: self.total_tokens])
+        return padded.view(self.batch_size, self.max_len, *rest)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,15 +434,33 @@ class _Site:
         micro_batch = self.engine.active_micro_batch(self.name)
         if torch.is_grad_enabled():
             micro_batch.forward_ran(self.name)
-        if self.kind == "embedding":
+        if micro_batch.segments is not None:
+            self._check_packed_input(x, micro_batch.segments)
+            if self.kind == "embedding":
+                micro_batch.record_tied_ids(self.module.weight, micro_batch.per_sequence(x))
+        elif self.kind == "embedding":
             x = self._per_sequence_ids(x, micro_batch.batch_size)
             micro_batch.record_tied_ids(self.module.weight, x)
         elif x.shape[0] != micro_batch.batch_size:
             raise ValueError(
                 f"module {self.name!r}: input batch dimension {x.shape[0]} != micro-batch size "
-                f"{micro_batch.batch_size} (one row per sequence is required; packed sequences are not supported)"
+                f"{micro_batch.batch_size} (one row per sequence, or pass cu_seqlens= for packed sequences)"
             )
         return _kind_forward(self, x)
+
+    def _check_packed_input(self, x: torch.Tensor, segments: PackedSegments) -> None:
+        """Packed micro-batch: ids (1, tokens) or activations (1, tokens, width), tokens >= cu_seqlens[-1]."""
+        expected = 2 if self.kind == "embedding" else 3
+        what = "ids of shape (1, tokens)" if expected == 2 else "input of shape (1, tokens, width)"
+        if x.dim() != expected or x.shape[0] != 1:
+            raise ValueError(
+                f"module {self.name!r}: a packed micro-batch (cu_seqlens given) needs {what}, got {tuple(x.shape)}"
+            )
+        if x.shape[1] < segments.total_tokens:
+            raise ValueError(
+                f"module {self.name!r}: cu_seqlens[-1] = {segments.total_tokens} is beyond the token dimension "
+                f"{x.shape[1]} of its input {tuple(x.shape)}"
+            )
 
     def _per_sequence_ids(self, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
         if ids.dim() == 2 and ids.shape[0] == 1 and batch_size > 1:
@@ -351,19 +479,27 @@ class _Site:
     def outer_product_backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
         batch = micro_batch.batch_size
-        x = x.reshape(batch, -1, x.shape[-1])
-        delta = grad_out.reshape(batch, -1, grad_out.shape[-1])
+        # (bucket, x_b, δ_b): (B_b, T_b, ·) rows, zero after each sequence's end (`_Bucket`).
+        parts = [(bucket, bucket.gather(x, batch), bucket.gather(grad_out, batch)) for bucket in micro_batch.buckets]
         weight, bias = self.module.weight, self.module.bias
         if weight.requires_grad:
-            rows, cols = (x, delta) if self.transposed else (delta, x)
-            micro_batch.add_outer_products(self.name, weight, rows, cols)
+            outer = [(bucket, *((x_b, d_b) if self.transposed else (d_b, x_b))) for bucket, x_b, d_b in parts]
+            micro_batch.add_outer_products(self.name, weight, outer)
             if micro_batch.is_tied(weight):
-                micro_batch.add_tied_part(weight, lambda ids: micro_batch.chunked_rows_at_ids(delta, x, ids))
+
+                def rows_at(ids: torch.Tensor) -> torch.Tensor:
+                    return micro_batch.from_buckets(
+                        [(b, micro_batch.chunked_rows_at_ids(d_b, x_b, b.rows_of(ids))) for b, x_b, d_b in parts]
+                    )
+
+                micro_batch.add_tied_part(weight, rows_at)
         if bias is not None and bias.requires_grad:
-            micro_batch.add_dense(self.name, bias, delta.sum(1))
+            micro_batch.add_dense(self.name, bias, micro_batch.from_buckets([(b, d_b.sum(1)) for b, _, d_b in parts]))
 
     def embedding_backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
+        if micro_batch.segments is not None:
+            ids, grad_out = micro_batch.per_sequence(ids), micro_batch.per_sequence(grad_out)
         padding_idx = self.module.padding_idx
         rows = grad_out if padding_idx is None else grad_out * (ids != padding_idx).unsqueeze(-1).to(grad_out.dtype)
         weight = self.module.weight
@@ -373,13 +509,63 @@ class _Site:
 
     def affine_backward(self, x_hat: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
-        batch, width = micro_batch.batch_size, x_hat.shape[-1]
-        delta = grad_out.reshape(batch, -1, width)
+        x_hat, delta = micro_batch.per_sequence(x_hat), micro_batch.per_sequence(grad_out)
         weight, bias = self.module.weight, getattr(self.module, "bias", None)
         if weight.requires_grad:
-            micro_batch.add_dense(self.name, weight, (delta * x_hat.reshape(batch, -1, width)).sum(1))
+            micro_batch.add_dense(self.name, weight, (delta * x_hat).sum(1))
         if bias is not None and bias.requires_grad:
             micro_batch.add_dense(self.name, bias, delta.sum(1))
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Sequences whose per-sequence weight gradients are formed together, as (B_b, T_b, ...) rows.
+
+    One row per sequence: the single default bucket, every sequence, the input reshaped to (B, T, ...).
+    Packed: the sequences of one `length_buckets` group (``sequences``), laid out with T_b = their
+    longest length, zero after each end; ``span`` when they are consecutive and of equal length (a view
+    of the packed tokens), else ``token_index`` (their packed tokens) and ``slot_index`` (where those go
+    in the flattened (B_b, T_b) layout).
+    """
+
+    sequences: torch.Tensor | None = None  # (B_b,) indices in the micro-batch
+    tokens: int = 0
+    span: tuple[int, int] | None = None
+    token_index: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
+
+    def gather(self, values: torch.Tensor, batch: int) -> torch.Tensor:
+        """A module input or output gradient -> this bucket's (B_b, T_b, ...) rows."""
+        if self.sequences is None:
+            return values.reshape(batch, -1, values.shape[-1])
+        packed, count = values[0], self.sequences.shape[0]
+        if self.span is not None:
+            return packed[self.span[0] : self.span[1]].view(count, self.tokens, *packed.shape[1:])
+        out = packed.new_zeros((count * self.tokens, *packed.shape[1:]))
+        out.index_copy_(0, self.slot_index, packed.index_select(0, self.token_index))
+        return out.view(count, self.tokens, *packed.shape[1:])
+
+    def rows_of(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """(B, ...) -> this bucket's rows (B_b, ...)."""
+        return per_sequence if self.sequences is None else per_sequence.index_select(0, self.sequences)
+
+
+def _buckets(segments: PackedSegments | None, device: torch.device) -> list[_Bucket]:
+    """The default bucket, or the `length_buckets` groups of a packed micro-batch."""
+    if segments is None:
+        return [_Bucket()]
+    offsets, lengths = segments.cu_seqlens.tolist(), segments.lengths
+    buckets = []
+    for group in length_buckets(lengths, BUCKET_SLACK):
+        tokens = max(lengths[i] for i in group)
+        sequences = torch.tensor(group, device=device)
+        if group == list(range(group[0], group[-1] + 1)) and all(lengths[i] == tokens for i in group):
+            buckets.append(_Bucket(sequences, tokens, span=(offsets[group[0]], offsets[group[-1] + 1])))
+            continue
+        token_index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+        slot_index = torch.cat([slot * tokens + torch.arange(lengths[i]) for slot, i in enumerate(group)])
+        buckets.append(_Bucket(sequences, tokens, None, token_index.to(device), slot_index.to(device)))
+    return buckets
 
 
 @dataclass
@@ -399,6 +585,8 @@ class _MicroBatch:
     labels: list
     sq_norms: torch.Tensor  # (B,) float64
     groups: torch.Tensor | None = None
+    segments: PackedSegments | None = None  # None: one row per sequence
+    buckets: list = field(default_factory=lambda: [_Bucket()])  # of the per-sequence weight gradients
     received: set = field(default_factory=set)  # (site name, parameter id) of every gradient part
     forwards: set = field(default_factory=set)  # sites whose forward built a graph
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
@@ -408,11 +596,24 @@ class _MicroBatch:
     def batch_size(self) -> int:
         return self.coefficients.shape[1]
 
-    def coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
-        key = (like.dtype, like.device)
+    def coefficients_as(self, like: torch.Tensor, bucket: _Bucket | None = None) -> torch.Tensor:
+        """The (k, B) coefficients in like's dtype and device; with a bucket, its columns (k, B_b)."""
+        sequences = None if bucket is None else bucket.sequences
+        key = (like.dtype, like.device, None if sequences is None else id(bucket))
         if key not in self._cast:
-            self._cast[key] = self.coefficients.to(device=like.device, dtype=like.dtype)
+            cast = self.coefficients.to(device=like.device, dtype=like.dtype)
+            self._cast[key] = cast if sequences is None else cast[:, sequences.to(like.device)]
         return self._cast[key]
+
+    def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """A module input or output gradient as (B, T, ...), row i = sequence i.
+
+        One row per sequence: (B, ..., width) -> (B, T, width). Packed: (1, tokens, ...) -> (B, max_len, ...),
+        zero after each sequence's end (`PackedSegments.pad`); tokens after cu_seqlens[-1] are dropped.
+        """
+        if self.segments is not None:
+            return self.segments.pad(values[0])
+        return values.reshape(self.batch_size, -1, values.shape[-1])
 
     def forward_ran(self, name: str) -> None:
         self.forwards.add(name)
@@ -442,14 +643,24 @@ class _MicroBatch:
         buffers = [self.engine.score_buffer(label, param) for label in self.labels]
         return [param.grad.view(-1)] + [buffer.view(-1) for buffer in buffers]
 
-    def _add_sq_norms(self, values: torch.Tensor) -> None:
-        self.sq_norms += values.to(device=self.sq_norms.device, dtype=torch.float64)
+    def _add_sq_norms(self, values: torch.Tensor, bucket: _Bucket | None = None) -> None:
+        """sq_norms += values, one per sequence (of the bucket's sequences, if given)."""
+        values = values.to(device=self.sq_norms.device, dtype=torch.float64)
+        if bucket is None or bucket.sequences is None:
+            self.sq_norms += values
+        else:
+            self.sq_norms.index_add_(0, bucket.sequences.to(self.sq_norms.device), values)
 
-    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
-        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
-        per_sample = per_sample.reshape(self.batch_size, -1).to(param.dtype)
-        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
-        coefficients = self.coefficients_as(per_sample)
+    def _accumulate(
+        self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, bucket: _Bucket | None = None
+    ) -> None:
+        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n).
+
+        With a bucket, the rows of per_sample are its sequences (B_b, n).
+        """
+        per_sample = per_sample.reshape(per_sample.shape[0], -1).to(param.dtype)
+        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample), bucket)
+        coefficients = self.coefficients_as(per_sample, bucket)
         n = per_sample.shape[1]
         for row, target in enumerate(self._targets(param)):
             target[offset : offset + n].view(1, n).addmm_(coefficients[row : row + 1], per_sample)
@@ -459,37 +670,55 @@ class _MicroBatch:
         self._receive(name, param)
         self._accumulate(param, per_sample, 0)
 
-    def add_outer_products(self, name: str, param: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
-        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route."""
+    def add_outer_products(self, name: str, param: torch.Tensor, parts: list) -> None:
+        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route.
+
+        ``parts``: (bucket, rows (B_b, T_b, R), cols (B_b, T_b, C)) for every bucket of the micro-batch.
+        """
         self._receive(name, param)
-        tokens, num_rows, num_cols = rows.shape[1], rows.shape[2], cols.shape[2]
+        for bucket, rows, cols in parts:
+            self._add_bucket_outer_products(param, bucket, rows, cols)
+
+    def from_buckets(self, parts: list) -> torch.Tensor:
+        """Per-bucket values (bucket, (B_b, ...)) -> per-sequence values (B, ...) in micro-batch order."""
+        if len(parts) == 1 and parts[0][0].sequences is None:
+            return parts[0][1]
+        first = parts[0][1]
+        out = first.new_zeros((self.batch_size, *first.shape[1:]))
+        for bucket, values in parts:
+            out.index_copy_(0, bucket.sequences, values)
+        return out
+
+    def _add_bucket_outer_products(
+        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
+    ) -> None:
+        batch, tokens, num_rows, num_cols = rows.shape[0], rows.shape[1], rows.shape[2], cols.shape[2]
         mode = self.engine.mode
         if mode == "ghost" or (
             mode == "auto"
             and prefers_ghost(tokens, num_rows, num_cols, self.coefficients.shape[0], self.engine.pass_cost(param))
         ):
-            self._add_outer_products_ghost(param, rows, cols)
+            self._add_outer_products_ghost(param, bucket, rows, cols)
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions.
-        block_rows = self.engine.block_bytes(param) // (self.batch_size * num_cols * param.element_size())
+        block_rows = self.engine.block_bytes(param) // (batch * num_cols * param.element_size())
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
         for start in range(0, num_rows, block_rows):
             block = per_sample_outer(rows[..., start : start + block_rows], cols)
-            self._accumulate(param, block, start * num_cols)
+            self._accumulate(param, block, start * num_cols, bucket)
 
-    def _add_outer_products_ghost(self, param: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    def _add_outer_products_ghost(
+        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
+    ) -> None:
         batch, tokens = rows.shape[0], rows.shape[1]
         chunk = max(1, self.engine.block_bytes(param) // (2 * tokens * tokens * rows.element_size()))
-        for start in range(0, batch, chunk):
-            self._add_sq_norms_at(start, ghost_sq_norms(rows[start : start + chunk], cols[start : start + chunk]))
-        coefficients = self.coefficients_as(rows)
+        norms = [ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)]
+        self._add_sq_norms(torch.cat(norms), bucket)
+        coefficients = self.coefficients_as(rows, bucket)
         flat_cols = cols.reshape(-1, cols.shape[-1])
         for row, target in enumerate(self._targets(param)):
             weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
             target.view(rows.shape[-1], -1).addmm_(weighted_rows.t(), flat_cols)
-
-    def _add_sq_norms_at(self, start: int, values: torch.Tensor) -> None:
-        self.sq_norms[start : start + values.shape[0]] += values.to(device=self.sq_norms.device, dtype=torch.float64)
 
     def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
@@ -604,30 +833,53 @@ class PerSequenceGradients:
 
     @contextlib.contextmanager
     def micro_batch(
-        self, coef_r: torch.Tensor, coef_s: torch.Tensor, groups: torch.Tensor | None = None
+        self,
+        coef_r: torch.Tensor,
+        coef_s: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> Iterator[None]:
         """Run the forward AND backward of one micro-batch inside this block.
 
         Backpropagate the plain sum Σ_i l_i of the per-sequence scores (unit weights): every weight
-        belongs in the coefficients. Row i of every module input must be sequence i. If the block
-        raises, every open sequence is dropped and p.grad holds a partial sum: zero it.
+        belongs in the coefficients. Without ``cu_seqlens`` row i of every module input must be
+        sequence i. If the block raises, every open sequence is dropped and p.grad holds a partial
+        sum: zero it.
 
         Args:
             coef_r: c^R_i, shape (B,): coefficients of G_R (accumulated into p.grad).
             coef_s: c^S_i, shape (B,): coefficients of the score buffers G_S.
             groups: baseline group label per sequence (integers), or None for one baseline over all
                 sequences up to `combine`. One score buffer per label is kept until `combine`.
+            cu_seqlens: packed ("remove padding") micro-batch: integer offsets (B + 1,), 0 = c_0 < ... < c_B,
+                of B sequences concatenated along the token dimension of ONE row; every module input is
+                then (1, tokens, ...) with tokens >= c_B. Sequence i is tokens [c_i, c_{i+1}). Tokens from
+                c_B on are padding that belongs to no sequence: they are left out of every norm and of
+                p.grad and the score buffers (their gradient, zero for a loss that ignores them, is
+                dropped). The attention must not cross sequences (e.g. HF position_ids restarting at 0
+                with attention_mask=None and use_cache=False, or flash-attn varlen): the engine cannot check it.
         """
         if self._active is not None:
             raise RuntimeError("micro_batch blocks cannot be nested")
+        grouped_before = self._grouped
         coefficients, labels, label_of_sequence = self._coefficient_rows(coef_r, coef_s, groups)
         device = self._params[0].device if self._params else coef_r.device
+        segments = None
+        if cu_seqlens is not None:
+            try:
+                offsets = check_cu_seqlens(cu_seqlens, coefficients.shape[1])
+            except ValueError:
+                self._grouped = grouped_before  # nothing was opened
+                raise
+            segments = PackedSegments.from_cu_seqlens(offsets, device)
         micro_batch = _MicroBatch(
             engine=self,
             coefficients=coefficients,
             labels=labels,
             sq_norms=torch.zeros(coefficients.shape[1], dtype=torch.float64, device=device),
             groups=groups,
+            segments=segments,
+            buckets=_buckets(segments, device),
         )
         guards = [p.register_hook(_unhandled_gradient_guard) for p in self._params]
         for site in self.sites:

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-import yaml
-
 from vcpo.core.registry import POLICY_LOSSES
+from vcpo.recipes import load_folder, recipes_dir
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,6 @@ ADVANTAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "opob": ("scope", "variant", "norm_by_std"),
     "optimal_token_baseline": (),
 }
-NOT_INHERITED = ("default", "extends")
 
 
 @dataclass(frozen=True)
@@ -65,45 +62,6 @@ class Method:
         return bool(self.spec.get("default", False))
 
 
-def recipes_dir() -> Path:
-    """``recipes/`` of the checkout, or the copy a wheel carries as ``vcpo/_recipes``."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[1] / "_recipes", here.parents[2] / "recipes"):
-        if (candidate / "methods").is_dir():
-            return candidate
-    raise FileNotFoundError(f"no recipes/methods folder beside the vcpo package ({here.parents[2]})")
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a method preset must be a mapping")
-    return data
-
-
-def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    merged = {key: value for key, value in parent.items() if key not in NOT_INHERITED}
-    for key, value in child.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
-
-
-def _resolve(name: str, raw: dict[str, dict[str, Any]], chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    if name in chain:
-        raise ValueError(f"method presets extend each other in a cycle: {' -> '.join((*chain, name))}")
-    spec = raw[name]
-    parent = spec.get("extends")
-    if parent is None:
-        return spec
-    if parent not in raw:
-        raise ValueError(f"{name}.yaml extends unknown method {parent!r}")
-    return _merge(_resolve(parent, raw, (*chain, name)), spec)
-
-
 def loss_info(name: str) -> LossInfo:
     """Parameters and weight description of a loss, from the core registry or verl's table."""
     if name in POLICY_LOSSES:
@@ -119,12 +77,7 @@ def _check_params(where: str, given: dict[str, Any], expected: tuple[str, ...]) 
         raise ValueError(f"{where}: missing parameters {sorted(missing)}, unknown parameters {sorted(unknown)}")
 
 
-def _validate(spec: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
-    try:
-        jsonschema.validate(spec, schema)
-    except jsonschema.ValidationError as error:
-        location = "/".join(str(part) for part in error.absolute_path) or "<top>"
-        raise ValueError(f"{path}: {location}: {error.message}") from None
+def _check_method(spec: dict[str, Any], path: Path) -> None:
     loss = spec["loss"]
     try:
         info = loss_info(loss["name"])
@@ -138,16 +91,10 @@ def _validate(spec: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
 def load_methods(directory: Path | None = None) -> dict[str, Method]:
     """Read, resolve and validate every preset in ``directory`` (default: ``recipes/methods``)."""
     directory = Path(directory) if directory is not None else recipes_dir() / "methods"
-    schema = _read_yaml(directory / "schema.yaml")
-    paths = {path.stem: path for path in sorted(directory.glob("*.yaml")) if path.stem != "schema"}
-    raw = {stem: _read_yaml(path) for stem, path in paths.items()}
     methods = {}
-    for stem, path in paths.items():
-        if raw[stem].get("name") != stem:
-            raise ValueError(f"{path}: name {raw[stem].get('name')!r} must equal the file name {stem!r}")
-        spec = _resolve(stem, raw)
-        _validate(spec, schema, path)
-        methods[stem] = Method(stem, spec)
+    for name, (path, spec) in load_folder(directory).items():
+        _check_method(spec, path)
+        methods[name] = Method(name, spec)
     _check_defaults(methods)
     return methods
 

@@ -2,7 +2,7 @@
 
 From verl::
 
-    custom_reward_function.path=pkg://vcpo.rewards custom_reward_function.name=compute_score
+    reward.custom_reward_function.path=pkg://vcpo.rewards reward.custom_reward_function.name=compute_score
 
 ``compute_score`` returns ``{"score", "acc", "reason", "truncated"}``; ``reason`` is one of ``REASONS``.
 ``score_batch`` scores many answers with math-verify running in parallel worker processes, each answer

@@ -23,6 +23,11 @@ values. Both need the config class below, e.g. as Hydra overrides::
     actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis
     +actor_rollout_ref.actor.policy_loss.method=seq_tis_c2
     +actor_rollout_ref.actor.policy_loss.params.hi=4.0
+
+Methods with the ESS step size or OPOB also need the engine of ``vcpo.verl_plugin.engine``, loaded with
+``VERL_USE_EXTERNAL_MODULES`` (not from here: importing verl's engines asks verl's platform for the
+device, which must not happen while ``import verl`` loads its plugins); with ``actor.strategy=megatron``
+their loss raises rather than silently skipping them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from verl.workers.config import PolicyLossConfig
 
 from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
 from vcpo.methods import default_method, get_method
+from vcpo.verl_plugin.shared import metrics_to_floats
 
 
 @dataclass
@@ -44,6 +50,8 @@ class VcpoPolicyLossConfig(PolicyLossConfig):
 
     method: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    # the ESS step size's on-policy ratio when the experiment sets its own (0.55 multi-turn, VCPO Table 5)
+    rho_on: float | None = None
 
 
 def resolve_params(loss_name: str, policy_loss_config: Any) -> dict[str, Any]:
@@ -62,14 +70,6 @@ def resolve_params(loss_name: str, policy_loss_config: Any) -> dict[str, Any]:
         raise ValueError(f"policy_loss.params has unknown keys {unknown} for loss {loss_name!r}; it takes {sorted(params)}")
     params.update(overrides)
     return params
-
-
-def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One device-to-host copy for all metrics instead of one sync per ``.item()``."""
-    if not metrics:
-        return {}
-    values = torch.stack([value.detach().to(torch.float64).reshape(()) for value in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
 
 
 def behaviour_from_proximal(
@@ -100,6 +100,10 @@ def _as_verl_loss(loss: PolicyLoss):
         batch_info = dict(config.get("global_batch_info", None) or {}) if config is not None else {}
 
         params = resolve_params(loss.name, policy_config)
+        if policy_config is not None and config.get("strategy", None) == "megatron":
+            from vcpo.verl_plugin.engine import check_strategy
+
+            check_strategy(policy_config.get("method", None), "megatron")
         behav_log_prob, is_weights = old_log_prob, rollout_is_weights
         if loss.needs_prox:
             behav_log_prob = behaviour_from_proximal(old_log_prob, rollout_is_weights, response_mask, loss.name)

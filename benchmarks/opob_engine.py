@@ -1,0 +1,142 @@
+"""Step time of VCPO's OPOB + ESS step inside verl's FSDP engine against verl's plain step, same batch.
+
+One random-init Qwen2 in verl 0.9.1's engine (``VcpoFSDPEngineWithLMHead``, run on CPU under
+``vcpo.verl_plugin.engine.cpu.cpu_patches``, i.e. without the FSDP wrapper), one actor mini-batch as the
+trainer hands it over, and three optimizer steps through ``engine.train_batch(data, ppo_loss)``:
+
+  plain    method seq_tis_c8: verl's own train_batch (forward, seq-TIS ppo_loss backward, AdamW step),
+  ess      method tis_ess:    the same plus the gathered ESS ratio and the scaled learning rate,
+  vcpo     method vcpo:       OPOB in one backward (PerSequenceGradients per micro-batch, baseline
+                              from the gathered norms, combine) plus the ESS step size.
+
+The variants run round-robin (each repeat runs all of them, after one warm-up each) and the median
+step time of each is printed with its ratio to plain, with the minimum and the median process CPU
+time (with one thread, CPU time does not count the time other jobs on a shared machine take the core). Remove-padding (packed micro-batches, verl's
+default) unless ``--padded``.
+
+    python benchmarks/opob_engine.py                      # small model, packed, 1 thread
+    python benchmarks/opob_engine.py --model 50m --batch 8 --repeats 5
+    python benchmarks/opob_engine.py --padded --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
+# Qwen2 shapes (random init, tied embeddings); "50m" is benchmarks/opob_overhead.py's 50m model.
+MODELS = {
+    "small": dict(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, vocab=4096),
+    "50m": dict(hidden=512, intermediate=1536, layers=10, heads=8, kv_heads=2, vocab=32000),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="small")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (mini-batch)")
+    parser.add_argument("--group", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--micro", type=int, default=4, help="micro-batch size")
+    parser.add_argument("--prompt", type=int, default=64, help="max prompt length")
+    parser.add_argument("--response", type=int, default=192, help="max response length")
+    parser.add_argument("--min-response", type=int, default=128, help="min response length")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--padded", action="store_true", help="padded micro-batches (use_remove_padding=False)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    args = parser.parse_args(argv)
+    for name, value in MODELS[args.model].items():
+        setattr(args, name, value)
+    return args
+
+
+def main(argv=None) -> dict[str, float]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from verl.workers.utils.losses import ppo_loss
+
+    import vcpo.verl_plugin  # noqa: F401  (registers the losses)
+    from vcpo.verl_plugin.engine import cpu
+
+    dtype = getattr(torch, args.dtype)
+    workdir = tempfile.mkdtemp(prefix="opob_engine_")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(f"{workdir}/store", 1), rank=0, world_size=1)
+    model_dir = cpu.save_tiny_qwen2(
+        f"{workdir}/model",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+    )
+    remove_padding = not args.padded
+    losses = {
+        name: functools.partial(ppo_loss, config=cpu.actor_config(method, args.batch, args.group, args.micro))
+        for name, method in VARIANTS.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    cpu_times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    metrics = {}
+    with cpu.cpu_patches():
+        engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6, dtype=dtype)
+
+        def step(name: str) -> tuple[float, float]:
+            td, _ = cpu.actor_batch(
+                args.batch,
+                args.group,
+                args.prompt,
+                args.response,
+                args.vocab,
+                remove_padding,
+                args.micro,
+                dtype=dtype,
+                min_response=args.min_response,
+            )
+            started, started_cpu = time.perf_counter(), time.process_time()
+            out = engine.train_batch(td, losses[name])
+            elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+            metrics[name] = out["metrics"]
+            return elapsed, elapsed_cpu
+
+        for name in VARIANTS:
+            step(name)  # warm-up
+        for _ in range(args.repeats):
+            for name in VARIANTS:
+                wall, used = step(name)
+                times[name].append(wall)
+                cpu_times[name].append(used)
+    tokens = args.batch * (args.prompt + args.response)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    minima = {name: min(values) for name, values in times.items()}
+    cpu_medians = {name: statistics.median(values) for name, values in cpu_times.items()}
+    print(
+        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} micro={args.micro}, "
+        f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, {args.dtype}, {args.threads} thread(s), "
+        f"median of {args.repeats}"
+    )
+    for name in VARIANTS:
+        print(
+            f"  {name:6s} median {medians[name] * 1e3:8.1f} ms  x{medians[name] / medians['plain']:.3f}"
+            f"   min {minima[name] * 1e3:8.1f} ms  x{minima[name] / minima['plain']:.3f}"
+            f"   process CPU {cpu_medians[name] * 1e3:8.1f} ms  x{cpu_medians[name] / cpu_medians['plain']:.3f}"
+        )
+    packed = metrics["vcpo"].get("actor/opob_packed", [0.0])[0]
+    print(
+        f"  vcpo/plain = {medians['vcpo'] / medians['plain']:.3f} (median), {minima['vcpo'] / minima['plain']:.3f} (min), "
+        f"{cpu_medians['vcpo'] / cpu_medians['plain']:.3f} (process CPU time); "
+        f"OPOB micro-batches packed: {bool(packed)}"
+    )
+    return {name: medians[name] / medians["plain"] for name in VARIANTS}
+
+
+if __name__ == "__main__":
+    main()

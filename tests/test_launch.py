@@ -1,0 +1,217 @@
+"""vcpo.launch: every paper run composes with verl 0.9.1's Hydra config and carries the paper's values."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from vcpo.launch import (
+    LaunchError,
+    check,
+    compose,
+    load_tasks,
+    make_run,
+    optimizer_table,
+    overrides,
+    run_environment,
+)
+from vcpo.launch.__main__ import main
+from vcpo.methods import get_method, list_methods
+from vcpo.recipes import recipes_dir
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+REPO = recipes_dir().parent
+
+# VCPO App. F, typed here from the paper once more on purpose: the recipes must agree with it.
+PAPER = {
+    "gsm8k": dict(model="Qwen/Qwen2-1.5B", prompts=8, n=8, prompt=1024, response=2048, steps=400, warmup=5, k=12),
+    "math": dict(model="Qwen/Qwen2.5-7B", prompts=32, n=16, prompt=2048, response=4096, steps=400, warmup=0, k=10),
+    "countdown": dict(model="Qwen/Qwen2.5-7B", prompts=32, n=16, prompt=2048, response=4096, steps=400, warmup=0, k=10),
+    "simpletir": dict(model="Qwen/Qwen2.5-7B", prompts=128, n=16, prompt=2048, response=12288, steps=200, warmup=0, k=2),
+}
+
+
+@functools.cache
+def resolved(task: str, method: str, *extra: str, lag: int | None = None):
+    """Composed and checked once per test session (each compose takes about a second)."""
+    run = make_run(task, method, lag)
+    config = compose(run, list(extra))
+    check(run, config, check_paths=False)
+    return run, config
+
+
+def test_every_paper_task_is_a_recipe():
+    assert sorted(load_tasks()) == sorted(PAPER)
+
+
+@pytest.mark.parametrize("task", sorted(PAPER))
+def test_show_config_carries_the_papers_values_under_verls_keys(task):
+    paper = PAPER[task]
+    _, config = resolved(task, "vcpo")
+    actor, rollout, optim = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, None
+    optim = actor.optim
+    assert config.actor_rollout_ref.model.path == paper["model"]
+    assert optim.lr == pytest.approx(1e-6)  # Table 2
+    assert optim.weight_decay == pytest.approx(0.1)
+    assert list(optim.betas) == [0.9, 0.999]
+    assert optim.override_optimizer_config.eps == pytest.approx(1e-8)
+    assert optim.clip_grad == pytest.approx(1.0)
+    assert actor.entropy_coeff == 0 and actor.use_kl_loss is False
+    assert optim.lr_warmup_steps == paper["warmup"] and optim.lr_scheduler_type == "constant"
+    assert optim.total_training_steps == paper["steps"] == config.trainer.total_training_steps
+    assert config.data.train_batch_size == paper["prompts"] == actor.ppo_mini_batch_size
+    assert rollout.n == paper["n"] and rollout.temperature == 1.0
+    assert config.data.max_prompt_length == paper["prompt"] and config.data.max_response_length == paper["response"]
+    assert config.trainer.v1.trainer_mode == "separate_async"
+    assert config.trainer.v1.sampler.max_off_policy_threshold == paper["k"] + 1  # lag <= threshold - 1
+    assert config.trainer.v1.separate_async.parameter_sync_step == 1 and actor.ppo_epochs == 1
+    assert actor.policy_loss.loss_mode == "seq_tis" and actor.policy_loss.method == "vcpo"
+    assert get_method(actor.policy_loss.method).loss_params["hi"] == 8.0  # max IS ratio
+    assert config.algorithm.rollout_correction.bypass_mode is True
+
+
+def test_the_multi_turn_task_runs_the_sandbox_tool_for_five_turns():
+    _, config = resolved("simpletir", "vcpo")
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable is True and multi_turn.max_assistant_turns == 5
+    assert Path(multi_turn.tool_config_path) == REPO / "recipes/tools/python_sandbox.yaml"
+    assert Path(multi_turn.tool_config_path).is_file()
+    assert config.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
+
+
+def test_countdown_inherits_table_4_from_math_and_changes_only_the_data():
+    tasks = load_tasks()
+    assert tasks["countdown"].paper == tasks["math"].paper
+    assert tasks["countdown"].spec["data"]["train"] == ["countdown/train"]
+
+
+def test_sync_is_the_colocated_synchronous_trainer_on_all_gpus():
+    run, config = resolved("gsm8k", "sync")
+    assert run.lag == 0 and config.trainer.v1.trainer_mode == "sync"
+    assert config.trainer.n_gpus_per_node == 6 + 2 and config.actor_rollout_ref.hybrid_engine is True
+
+
+def test_a_lag_sweep_changes_only_the_lag_keys():
+    base = overrides(make_run("math", "seq_tis_c8", 10))
+    swept = overrides(make_run("math", "seq_tis_c8", 4))
+    changed = sorted({a.split("=")[0] for a, b in zip(base, swept, strict=True) if a != b})
+    assert changed == [
+        "trainer.default_local_dir",
+        "trainer.experiment_name",
+        "trainer.v1.sampler.max_off_policy_threshold",
+        "trainer.v1.separate_async.num_warmup_batches",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("task", "method", "rho_on", "fp32"),
+    [("simpletir", "vcpo", 0.55, True), ("math", "vcpo", 1.0, True), ("gsm8k", "tis_ess", 1.0, False), ("gsm8k", "tis_opob", None, True)],
+)
+def test_ess_and_opob_methods_select_the_engine(task, method, rho_on, fp32):
+    run, config = resolved(task, method)
+    actor = config.actor_rollout_ref.actor
+    assert config.actor_rollout_ref.model.model_type == "vcpo_language_model" and actor.strategy == "fsdp2"
+    assert actor.policy_loss.get("rho_on") == rho_on  # Table 5: 0.55 multi-turn, else the preset's 1.0
+    assert (actor.fsdp_config.get("mixed_precision") or {}).get("param_dtype") == ("fp32" if fp32 else None)
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "vcpo.verl_plugin.engine"
+    assert run_environment(run)["VERL_USE_EXTERNAL_MODULES"] == "vcpo.verl_plugin.engine"
+
+
+def test_methods_without_ess_or_opob_run_verls_own_engine():
+    run, config = resolved("gsm8k", "seq_tis_c8")
+    assert "model_type" not in config.actor_rollout_ref.model and "VERL_USE_EXTERNAL_MODULES" not in run_environment(run)
+    assert config.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "value"),
+    [
+        ("low_lr", "actor_rollout_ref.actor.optim.lr", 1e-7),
+        ("fp16", "actor_rollout_ref.actor.fsdp_config.dtype", "float16"),
+        ("fp16", "actor_rollout_ref.rollout.dtype", "float16"),
+        ("kl_in_reward", "algorithm.use_kl_in_reward", True),
+        ("kl_in_reward", "algorithm.kl_ctrl.kl_coef", 0.001),
+        ("gspo", "actor_rollout_ref.actor.policy_loss.loss_mode", "gspo"),
+        ("gspo", "actor_rollout_ref.actor.clip_ratio_low", 3e-4),
+        ("grpo", "actor_rollout_ref.actor.loss_agg_mode", "token-mean"),
+        ("otb", "algorithm.adv_estimator", "optimal_token_baseline"),
+        ("seq_mis_c2", "actor_rollout_ref.actor.policy_loss.method", "seq_mis_c2"),
+        ("p3o_two_anchor", "algorithm.rollout_correction.bypass_mode", False),
+        ("p3o_two_anchor", "algorithm.rollout_correction.rollout_is", "token"),
+    ],
+)
+def test_method_presets_reach_verls_keys(method, key, value):
+    _, config = resolved("gsm8k", method)
+    got = OmegaConf.select(config, key)
+    assert got == (pytest.approx(value) if isinstance(value, float) else value)
+
+
+@pytest.mark.slow
+def test_every_task_method_pair_composes_and_instantiates_verls_dataclasses():
+    for task in load_tasks():
+        for method in list_methods():
+            run, config = resolved(task, method.name)
+            assert config.trainer.experiment_name == run.name
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "nope", "--method", "vcpo"], "unknown task 'nope' (--task)"),
+        (["--task", "gsm8k", "--method", "nope"], "unknown method 'nope'"),
+        (["--task", "gsm8k", "--method", "sync", "--lag", "3"], "fixes the policy lag to 0"),
+        (["--task", "math", "--method", "vcpo", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=8 must divide the 4 rollout GPUs"),
+        (["--task", "math", "--method", "vcpo", "data.train_batch_size=30"],
+         "data.train_batch_size=30 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=32"),
+        (["--task", "math", "--method", "vcpo", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+         "separate_async needs data.train_batch_size (32) = trainer.v1.separate_async.parameter_sync_step"),
+        (["--task", "gsm8k", "--method", "sync", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=3",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+         "must be divisible by the 8 data-parallel trainer GPUs"),
+        (["--task", "math", "--method", "vcpo", "trainer.use_v1=false"], "legacy trainer replaces"),
+        (["--task", "math", "--method", "vcpo", "no_such_key=1"], "verl's Hydra config rejects the overrides"),
+    ],
+)
+def test_invalid_runs_fail_before_launch_naming_the_key(argv, message, capsys):
+    assert main([*argv, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launch_refuses_more_gpus_than_visible_and_missing_data(tmp_path, capsys):
+    assert main(["--task", "math", "--method", "vcpo", "--gpus", "4", "--output-dir", str(tmp_path)]) == 2
+    assert "the run needs 8 GPUs" in capsys.readouterr().err
+    argv = ["--task", "math", "--method", "vcpo", "--gpus", "8", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"data.train_files: {tmp_path}/math/train.parquet" in err and "math500/test.parquet" in err
+    assert not (tmp_path / "math").exists()  # nothing written before the checks pass
+
+
+def test_dry_run_prints_the_exact_command(capsys):
+    assert main(["--task", "gsm8k", "--method", "vcpo", "--seed", "1", "--dry-run"]) == 0
+    printed = capsys.readouterr().out.replace(str(REPO), "<repo>")
+    snapshot = SNAPSHOTS / "launch_gsm8k_vcpo_seed1.txt"
+    assert printed == snapshot.read_text(), f"dry-run output changed; if intended, rewrite {snapshot}"
+
+
+def test_show_config_is_verls_resolved_yaml(capsys):
+    assert main(["--task", "countdown", "--method", "seq_tis_c2", "--show-config"]) == 0
+    config = OmegaConf.create(capsys.readouterr().out)
+    assert config.actor_rollout_ref.actor.policy_loss.method == "seq_tis_c2"
+    assert config.data.train_files == ["data/countdown/train.parquet"]
+    assert config.trainer.default_local_dir == "results/verl/countdown/seq_tis_c2/lag10/seed0/checkpoints"
+
+
+def test_table_2_is_read_from_the_recipe():
+    assert optimizer_table()["weight_decay"] == 0.1 and optimizer_table()["grad_clip"] == 1.0
+
+
+def test_a_wsd_decay_phase_is_refused(monkeypatch):
+    run = make_run("gsm8k", "vcpo")
+    monkeypatch.setitem(run.task.spec["paper"], "lr_decay_steps", 10)
+    with pytest.raises(LaunchError, match="paper.lr_decay_steps=10"):
+        overrides(run)

@@ -1,0 +1,228 @@
+"""verl 0.9.1's own PPO trainer, end to end on CPU, through ``vcpo.verl_plugin.cpu`` (no verl file patched).
+
+The slow tests run ``python -m vcpo.verl_plugin.cpu`` (which runs ``python -m verl.trainer.main_ppo`` with
+the recipe's Hydra overrides: Ray, TaskRunnerV1, the V1 trainer, FSDP2 on gloo, the ``hf`` rollout
+replica, the agent loop, the reward loop, TransferQueue) on a tiny model, and check verl's own outputs:
+the metrics its file logger wrote and the checkpoint it saved. The fast tests check the plugin pieces
+directly: the CPU platform, the rollout server's log-probs and weight sync, and that verl's Hydra config
+accepts every override of the recipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 480
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def run_cpu_recipe(out: Path, *args: str) -> tuple[list[dict], str]:
+    """Run the launcher in its own process group; returns (metrics per step, combined output)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "vcpo.verl_plugin.cpu", "--out", str(out), *args]
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, verl's driver and the Ray cluster it started
+        output, _ = proc.communicate()
+        pytest.fail(f"verl CPU run exceeded {RUN_TIMEOUT_S}s; last output:\n{output[-6000:]}")
+    (out / "run.log").write_text(output)
+    assert proc.returncode == 0, f"verl CPU run failed (rc={proc.returncode}); last output:\n{output[-6000:]}"
+    metrics_file = out / "metrics.jsonl"
+    assert metrics_file.exists(), f"verl's file logger wrote no {metrics_file}"
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return records, output
+
+
+def finite(record: dict, key: str) -> float:
+    assert key in record["data"], f"step {record['step']}: metric {key!r} missing; has {sorted(record['data'])}"
+    value = float(record["data"][key])
+    assert math.isfinite(value), f"step {record['step']}: {key}={value}"
+    return value
+
+
+# Metrics only vcpo's losses emit (vcpo/core/ratios.py, vcpo/core/losses.py): verl's own losses and its
+# "bypass_mode" loss (the one the legacy trainer substitutes) do not.
+VCPO_LOSS_METRICS = ("actor/is_weight_mean", "actor/is_weight_max", "actor/is_weight_min", "actor/kept_token_frac")
+STALENESS = "training/off_policy/trajectory_staleness/max"
+
+
+def check_training_steps(records: list[dict], steps: int) -> None:
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for record in records:
+        for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm", "critic/score/mean", *VCPO_LOSS_METRICS):
+            finite(record, key)
+        assert finite(record, "actor/grad_norm") > 0, "the dense reward term should give a non-zero gradient"
+        assert finite(record, "response_length/mean") > 0
+
+
+def check_on_policy_log_probs(record: dict) -> None:
+    """Bypass mode: old_log_probs = rollout_log_probs, so on-policy weights are 1 up to float32 noise."""
+    for key in ("actor/is_weight_max", "actor/is_weight_min"):
+        assert abs(finite(record, key) - 1.0) < 1e-4, (record["step"], key, record["data"][key])
+
+
+def check_checkpoint(out: Path, step: int) -> None:
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    actor = ckpt / f"global_step_{step}" / "actor"
+    assert any(actor.glob("model_world_size_1_rank_0.pt")), sorted(p.name for p in actor.iterdir())
+    assert (actor / "huggingface" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- slow: e2e
+OPOB_METRICS = ("actor/opob_baseline", "actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min")
+
+
+@pytest.mark.slow
+def test_vcpo_lag1_through_verls_separate_async_trainer(tmp_path):
+    """``vcpo.launch``'s gsm8k / vcpo run at lag 1 (PipelineRL-1 on ``separate_async``: a trainer worker and a
+    standalone ``hf`` rollout replica, weights synced through the object-store checkpoint engine after every
+    step), run by verl's trainer with the vcpo engine: seq-TIS, OPOB in the backward, ESS step size."""
+    out = tmp_path / "vcpo"
+    records, output = run_cpu_recipe(out, "--task", "gsm8k", "--method", "vcpo", "--lag", "1", "--steps", "3")
+    check_training_steps(records, 3)
+    assert "'loss_mode': 'seq_tis'" in output and "'model_type': 'vcpo_language_model'" in output
+    staleness = [int(finite(r, STALENESS)) for r in records]
+    assert staleness == [0, 1, 1], f"after the warm-up batch every step trains on lag-1 data: {staleness}"
+    for record, lag in zip(records, staleness, strict=True):
+        if lag == 0:  # bypass mode: old_log_probs = rollout log-probs, so on-policy weights are 1
+            check_on_policy_log_probs(record)
+        else:
+            assert abs(finite(record, "actor/is_weight_mean") - 1.0) > 1e-4, record["data"]
+        scale = finite(record, "actor/lr_scale")  # the ESS rule scaled this step's learning rate
+        assert 0.0 < scale <= 1.0 + 1e-9
+        assert math.isclose(finite(record, "actor/effective_lr"), scale * finite(record, "actor/lr"), rel_tol=1e-6)
+        norms = [finite(record, key) for key in OPOB_METRICS[1:]]
+        assert norms[2] <= norms[0] <= norms[1] and norms[1] > 0, norms  # OPOB's per-sequence gradient norms
+        finite(record, OPOB_METRICS[0])
+        assert finite(record, "actor/opob_packed") == 1.0  # on verl's packed (remove-padding) micro-batches
+        assert finite(record, "actor/rollout_corr/seq_ess_ratio") <= 1.0 + 1e-9
+    assert min(finite(r, "actor/lr_scale") for r in records[1:]) < 1.0
+    check_checkpoint(out, 3)
+
+
+@pytest.mark.slow
+def test_sync_through_verls_sync_trainer(tmp_path):
+    """``vcpo.launch``'s gsm8k / sync run (lag 0: verl's V1 ``sync`` trainer, colocated), seq-TIS c = 8."""
+    out = tmp_path / "sync"
+    records, _ = run_cpu_recipe(out, "--task", "gsm8k", "--method", "sync", "--steps", "2")
+    check_training_steps(records, 2)
+    for record in records:
+        assert int(finite(record, STALENESS)) == 0
+        check_on_policy_log_probs(record)
+    check_checkpoint(out, 2)
+
+
+# ------------------------------------------------------------------------------------------------- fast
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from vcpo.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_cpu_platform_answers_verls_device_questions():
+    from vcpo.verl_plugin.cpu.platform import PlatformCPU
+
+    platform = PlatformCPU()
+    assert (platform.device_name, platform.communication_backend_name(), platform.ray_resource_name()) == (
+        "cpu",
+        "gloo",
+        "GPU",
+    )
+    assert platform.current_device() == "cpu" and not platform.is_platform_available(use_smi_check=True)
+    module = platform.device_module
+    module.empty_cache(), module.synchronize(), module.set_device(0)
+    free, total = module.mem_get_info()
+    assert 0 < free <= total
+    state = module.get_rng_state()
+    module.set_rng_state(state)
+
+
+def test_hf_server_log_probs_are_the_models_and_weight_sync_loads_tied_weights(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vcpo.verl_plugin.cpu.rollout import HFRolloutServer, RolloutMode
+
+    config = {"prompt_length": 16, "response_length": 8, "dtype": "float32", "seed": 0}
+    server = HFRolloutServer(config, {"local_path": str(tiny_model)}, RolloutMode.HYBRID)
+    asyncio.run(server.launch_server())
+    prompt = [5, 17, 42, 99]
+    params = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    out = asyncio.run(server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id="r"))
+    assert out.stop_reason == "completed" and 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=1e-4, rtol=1e-4)
+
+    # the trainer's per-tensor weights include the tied lm_head; after a sync the server samples from them
+    other = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.01)
+    named = list(other.state_dict().items())
+    assert "lm_head.weight" in dict(named)
+    assert server.update_weights(named, global_steps=7) == len(named)
+    for name, tensor in other.state_dict().items():
+        torch.testing.assert_close(server.model.state_dict()[name], tensor)
+    out = asyncio.run(server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id="r2"))
+    assert out.extra_fields["global_steps"] == 7
+
+
+def test_hf_server_abort_pauses_and_resume_reopens():
+    from vcpo.verl_plugin.cpu.rollout import HFRolloutServer, RolloutMode
+
+    async def scenario():
+        server = HFRolloutServer({"prompt_length": 4, "response_length": 4}, {}, RolloutMode.HYBRID)
+        result = await server.abort_all_requests(reject_request=True)
+        rejected = await server.generate(prompt_ids=[1], sampling_params={}, request_id="x")
+        await server.resume_generation()
+        return result, rejected, server._submission_paused
+
+    result, rejected, paused = asyncio.run(scenario())
+    assert result["aborted_count"] == 0 and rejected.stop_reason == "aborted" and not paused
+
+
+@pytest.mark.parametrize(("method", "lag", "mode"), [("vcpo", 1, "separate_async"), ("sync", None, "sync")])
+def test_cpu_run_is_the_launch_run_with_cpu_sizes(tmp_path, capsys, method, lag, mode):
+    from vcpo.verl_plugin.cpu.__main__ import main
+    from vcpo.verl_plugin.cpu.recipe import write_data
+
+    paths = write_data(tmp_path / "data")
+    argv = ["--out", str(tmp_path), "--method", method, "--model", "m", "--train", str(paths["train"])]
+    argv += ["--val", str(paths["val"]), *(["--lag", str(lag)] if lag is not None else []), "--print"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    env, _, command = printed.partition(" /")
+    assert "VERL_PLATFORM=cpu" in env and "VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.cpu" in env
+    assert f"trainer.v1.trainer_mode={mode}" in command and "actor_rollout_ref.rollout.name=hf" in command
+    assert f"+actor_rollout_ref.actor.policy_loss.method={method}" in command
+    if method == "vcpo":  # the engine is loaded after the CPU platform, in the driver and in every Ray worker
+        assert "VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.cpu,vcpo.verl_plugin.engine" in env
+        assert "env_vars.VERL_USE_EXTERNAL_MODULES='\"'\"'vcpo.verl_plugin.cpu,vcpo.verl_plugin.engine" in command
+
+
+def test_tiny_reward_adds_the_dense_term():
+    from vcpo.verl_plugin.cpu.recipe import tiny_reward
+
+    reward = tiny_reward("gsm8k", "#### 7", "7")
+    assert reward["score"] == pytest.approx(1.0 + 0.1 * 1 / 6) and reward["acc"]

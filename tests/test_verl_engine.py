@@ -1,0 +1,434 @@
+"""The vcpo engine (vcpo.verl_plugin.engine) through verl 0.9.1's FSDP engine code, on CPU.
+
+verl's FSDP engine cannot initialise on a CPU-only torch (its platform falls back to CUDA); the tests
+run it under `vcpo.verl_plugin.engine.cpu.cpu_patches`, which replaces only the device id / name, the GPU
+memory log and the FSDP wrapper (see that module): the rest of the step is verl's own code. References
+are float64: `vcpo.core` (PerSequenceGradients on the plain model) and a per-sequence backward loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("verl")
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
+from vcpo.core import PerSequenceGradients, ess_ratio, ess_step_scale, opob_baseline  # noqa: E402
+from vcpo.core.baselines import group_reward_std  # noqa: E402
+from vcpo.verl_plugin import engine as vcpo_engine  # noqa: E402
+from vcpo.verl_plugin.engine import cpu  # noqa: E402
+
+B, PROMPT, RESPONSE, GROUP, MICRO, VOCAB = 8, 5, 7, 4, 2, 96
+BASE_LR = 1e-3
+TIS_CAP = 8.0
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return cpu.save_tiny_qwen2(tmp_path_factory.mktemp("tiny"), vocab_size=VOCAB)
+
+
+@pytest.fixture
+def cpu_verl():
+    with cpu.cpu_patches():
+        yield
+
+
+def make_batch(remove_padding: bool, rows: slice | None = None):
+    return cpu.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding, MICRO, rows=rows)
+
+
+def ppo_loss_for(method: str):
+    """What verl's ActorRolloutRefWorker hands the engine: ppo_loss bound to the actor config."""
+    return functools.partial(ppo_loss, config=cpu.actor_config(method, B, GROUP, MICRO))
+
+
+def reference_log_probs(model, raw: cpu.RawBatch) -> torch.Tensor:
+    logits = model(input_ids=raw.input_ids, attention_mask=raw.attention, position_ids=raw.position_ids).logits
+    logits = logits[:, raw.prompt_width - 1 : -1].double()
+    responses = raw.input_ids[:, raw.prompt_width :]
+    lp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    return torch.where(raw.response_mask, lp, torch.zeros_like(lp))
+
+
+def sequence_terms(model, raw: cpu.RawBatch, std: torch.Tensor, count: int):
+    """(scores l_i = mean_t l^θ with grad, s_i, c^S_i = −min(w_i, c)/(σ_g N)) of the VCPO preset."""
+    mask = raw.response_mask
+    lp = reference_log_probs(model, raw)
+    s = ((lp.detach() - raw.old) * mask).sum(-1)
+    coef_s = -torch.exp(s).clamp(max=TIS_CAP) / (std * count)
+    scores = (lp * mask).sum(-1) / mask.sum(-1)
+    return scores, s, coef_s
+
+
+def seq_log_weights(model, raw: cpu.RawBatch) -> torch.Tensor:
+    with torch.no_grad():
+        return sequence_terms(model, raw, torch.ones(B, dtype=torch.float64), B)[1]
+
+
+def scalar(metrics: dict, name: str) -> float:
+    """The engine reports one value per step as a one-element list (verl's per-micro-batch metric format)."""
+    value = metrics[name]
+    assert isinstance(value, list) and len(value) == 1, (name, value)
+    return value[0]
+
+
+def record_lr(engine) -> list[float]:
+    seen, step = [], engine.optimizer.step
+
+    def recording(*args, **kwargs):
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = recording
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# ESS step size
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_ess_step_size_matches_core(process_group, model_dir, cpu_verl, remove_padding):
+    engine = cpu.build_engine(model_dir, remove_padding, lr=BASE_LR)
+    td, raw = make_batch(remove_padding)
+    s = seq_log_weights(engine.module, raw)
+    expected = ess_step_scale(ess_ratio(s), rho_on=1.0, rule="sqrt", clamp=True)
+    assert expected < 0.99  # off-policy enough for the rule to act
+    seen = record_lr(engine)
+    metrics = engine.train_batch(td, ppo_loss_for("tis_ess"))["metrics"]
+    assert seen == [pytest.approx(BASE_LR * expected, rel=1e-9)]  # the LR of this optimizer.step()
+    assert engine.optimizer.param_groups[0]["lr"] == BASE_LR  # restored after it
+    assert scalar(metrics, "actor/lr_scale") == pytest.approx(expected, rel=1e-9)
+    assert scalar(metrics, "actor/effective_lr") == pytest.approx(BASE_LR * expected, rel=1e-9)
+    assert scalar(metrics, "rollout_corr/seq_ess_ratio") == pytest.approx(float(ess_ratio(s)), rel=1e-9)
+    assert "actor/pg_loss" in metrics  # verl's ppo_loss ran (the ESS-only step keeps verl's loss)
+
+
+def test_method_without_ess_or_opob_is_verls_step(process_group, model_dir, cpu_verl):
+    engine = cpu.build_engine(model_dir, remove_padding=True, lr=BASE_LR)
+    td, _ = make_batch(True)
+    seen = record_lr(engine)
+    metrics = engine.train_batch(td, ppo_loss_for("seq_tis_c8"))["metrics"]
+    assert seen == [BASE_LR] and "actor/lr_scale" not in metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# OPOB
+# ---------------------------------------------------------------------------------------------
+
+
+def per_sequence_loop_gradient(model, raw: cpu.RawBatch):
+    """Σ_i c^S_i (R_i − b_i) g_i with g_i from one backward per sequence, b from Eq. 7 on ||g_i||²."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    std = group_reward_std(raw.rewards, raw.groups)
+    scores, s, coef_s = sequence_terms(model, raw, std, B)
+    grads = [torch.autograd.grad(scores[i], params, retain_graph=True) for i in range(B)]
+    sq_norms = torch.stack([sum((g.double() ** 2).sum() for g in gi) for gi in grads])
+    baseline = opob_baseline(raw.rewards, sq_norms, s, raw.groups)
+    coef = coef_s * (raw.rewards - baseline)
+    gradient = [sum(coef[i] * grads[i][k] for i in range(B)) for k in range(len(params))]
+    return gradient, baseline, sq_norms, float((coef * scores.detach()).sum())
+
+
+def core_gradient(model, raw: cpu.RawBatch) -> list[torch.Tensor]:
+    """vcpo.core's PerSequenceGradients on the plain model: padded rows, one group per micro-batch."""
+    engine = PerSequenceGradients(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    std = group_reward_std(raw.rewards, raw.groups)
+    s_all = []
+    for start in range(0, B, GROUP):
+        rows = raw.rows(slice(start, start + GROUP))
+        zeros = torch.zeros(GROUP, dtype=torch.float64)
+        with engine.micro_batch(zeros, zeros, groups=rows.groups):
+            scores, s, coef_s = sequence_terms(model, rows, std[start : start + GROUP], B)
+            engine.set_coefficients(coef_s * rows.rewards, coef_s)
+            scores.sum().backward()
+        s_all.append(s)
+    engine.combine(opob_baseline(raw.rewards, engine.sq_norms, torch.cat(s_all), raw.groups))
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def assert_gradients_close(got, expected, names=None):
+    scale = max(float(g.abs().max()) for g in expected)
+    assert scale > 0
+    for k, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.allclose(a, b, atol=1e-6 * scale, rtol=1e-6), names[k] if names else k
+
+
+def check_opob_step(engine, remove_padding: bool, packed: bool, max_tokens: int | None = None):
+    td, raw = make_batch(remove_padding)
+    if max_tokens is not None:  # verl's dynamic batch size: token-budget micro-batches, reordered
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    loop, baseline, sq_norms, pg_loss = per_sequence_loop_gradient(engine.module, raw)
+    core = core_gradient(engine.module, raw)
+    s = seq_log_weights(engine.module, raw)
+    out = engine.train_batch(td, ppo_loss_for("vcpo"))
+    metrics = out["metrics"]
+    # p.grad after the step is the assembled gradient (clip_grad 1e9 never clips; zeroed at the next step)
+    got = [p.grad for p in engine.module.parameters() if p.requires_grad]
+    assert_gradients_close(core, loop, names)
+    assert_gradients_close(got, loop, names)
+    assert scalar(metrics, "actor/opob_baseline") == pytest.approx(float(baseline.mean()), rel=1e-6)
+    assert scalar(metrics, "actor/seq_grad_norm_max") == pytest.approx(float(sq_norms.sqrt().max()), rel=1e-6)
+    assert scalar(metrics, "actor/seq_grad_norm_min") == pytest.approx(float(sq_norms.sqrt().min()), rel=1e-6)
+    assert scalar(metrics, "actor/opob_packed") == float(packed)
+    assert scalar(metrics, "actor/lr_scale") == pytest.approx(ess_step_scale(ess_ratio(s)), rel=1e-9)
+    assert scalar(metrics, "actor/pg_loss") == pytest.approx(pg_loss, rel=1e-6)
+    assert out["loss"] == [scalar(metrics, "actor/pg_loss")]
+    # the seq-TIS loss's diagnostics, per micro-batch as the loss would log them: max over micro-batches of
+    # the applied weight min(e^s_i, c), every token kept (truncation keeps all), and the KL estimate
+    assert max(flat(metrics["actor/is_weight_max"])) == pytest.approx(min(float(s.exp().max()), 8.0), rel=1e-5)
+    assert set(flat(metrics["actor/kept_token_frac"])) == {1.0}
+    assert all(math.isfinite(v) for v in flat(metrics["rollout_corr/kl"]))
+    return out
+
+
+def flat(values) -> list[float]:
+    """verl's per-micro-batch metric values (Metric objects or floats, possibly nested lists) as floats."""
+    if isinstance(values, (list, tuple)):
+        return [v for item in values for v in flat(item)]
+    if hasattr(values, "values"):  # verl.utils.metric.Metric
+        return flat(values.values)
+    return [float(values)]
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_opob_gradient_matches_core_and_loop(process_group, model_dir, cpu_verl, remove_padding):
+    if remove_padding and not vcpo_engine.packed_opob_supported():
+        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
+    check_opob_step(cpu.build_engine(model_dir, remove_padding), remove_padding, packed=remove_padding)
+
+
+def test_opob_dynamic_batch_size(process_group, model_dir, cpu_verl):
+    """use_dynamic_bsz: verl re-sorts the sequences into token-budget micro-batches of varying size."""
+    engine = cpu.build_engine(model_dir, remove_padding=vcpo_engine.packed_opob_supported())
+    check_opob_step(engine, remove_padding=engine.opob_packed, packed=engine.opob_packed, max_tokens=30)
+
+
+def test_opob_packed_with_static_pad(process_group, model_dir, cpu_verl):
+    """pad_to_length: verl pads the packed row to a bucket; the tail belongs to no sequence."""
+    if not vcpo_engine.packed_opob_supported():
+        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
+    engine = cpu.build_engine(model_dir, remove_padding=True)
+    engine.pad_to_length, engine.pad_to_length_bucket = True, 64
+    check_opob_step(engine, remove_padding=True, packed=True)
+
+
+def test_opob_falls_back_to_padded_rows(process_group, model_dir, cpu_verl):
+    """Without packed support in vcpo.core, a remove-padding run does its OPOB steps on padded rows."""
+    engine = cpu.build_engine(model_dir, remove_padding=True)
+    engine.opob_packed = False
+    check_opob_step(engine, remove_padding=True, packed=False)
+
+
+def test_metrics_pass_through_the_training_worker(process_group, model_dir, cpu_verl):
+    """TrainingWorker._postprocess_output (DP all-gather of metrics) and train_mini_batch's flattening."""
+    from itertools import chain
+    from types import SimpleNamespace
+
+    from verl.workers.engine_workers import TrainingWorker
+
+    engine = cpu.build_engine(model_dir, remove_padding=True)
+    td, _ = make_batch(True)
+    out = engine.train_batch(td, ppo_loss_for("vcpo"))
+    out.pop("model_output")
+    worker = SimpleNamespace(engine=engine, device_name="cpu", flops_counter=None)
+    final = TrainingWorker._postprocess_output(
+        worker, out, global_token_num=None, delta_time=1.0, forward_only=False, images_seqlens=None
+    )
+    metrics = tu.get(final, "metrics")
+    for name in ("actor/lr_scale", "actor/opob_baseline", "actor/seq_grad_norm_mean", "rollout_corr/seq_ess_ratio"):
+        assert len(list(chain.from_iterable(metrics[name]))) == 1  # what train_mini_batch does with lists
+    assert metrics["loss"] == pytest.approx(metrics["actor/pg_loss"][0][0])
+
+
+def fsdp2_engine(model_dir, remove_padding: bool, world: int = 1):
+    """The engine with its module wrapped as verl's apply_fsdp2 does (each decoder layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+    from verl.workers.config.optimizer import build_optimizer
+
+    engine = cpu.build_engine(model_dir, remove_padding)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    for layer in engine.module.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(engine.module, mesh=mesh)
+    engine.optimizer = build_optimizer(engine.module.parameters(), engine.optimizer_config)
+    return engine
+
+
+def full_gradients(module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
+    """fully_shard (FSDP2, world size 1 on gloo): the sharded DTensor gradients are the OPOB gradient."""
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen2ForCausalLM
+
+    if remove_padding and not vcpo_engine.packed_opob_supported():
+        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
+    engine = fsdp2_engine(model_dir, remove_padding)
+    td, raw = make_batch(remove_padding)
+    loop, baseline, _, _ = per_sequence_loop_gradient(reference, raw)
+    before = [p.full_tensor().clone() for p in engine.module.parameters()]
+    metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
+    assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in engine.module.parameters())
+    assert_gradients_close(full_gradients(engine.module), loop)
+    assert scalar(metrics, "actor/opob_baseline") == pytest.approx(float(baseline.mean()), rel=1e-6)
+    assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, engine.module.parameters(), strict=True))
+    # the next step runs again (FSDP2 state restored: resharded, gradient sync back on)
+    td, _ = make_batch(remove_padding)
+    engine.train_batch(td, ppo_loss_for("vcpo"))
+    td, _ = make_batch(remove_padding)
+    engine.train_batch(td, ppo_loss_for("tis_ess"))  # and verl's own FSDP2 path after it
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection and presets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rules_from_presets_and_loss_function():
+    vcpo = vcpo_engine.rule_from_method("vcpo")
+    assert vcpo.ess and vcpo.opob and vcpo.scope == "group" and vcpo.loss_params["hi"] == TIS_CAP
+    assert not vcpo_engine.rule_from_method("seq_tis_c8").active
+    tis_ess = vcpo_engine.rule_from_method("tis_ess")
+    assert tis_ess.ess and not tis_ess.opob
+    assert vcpo_engine.rule_from_loss_function(ppo_loss_for("vcpo")).opob
+    assert vcpo_engine.rule_from_loss_function(lambda **kw: None) is None
+
+
+def test_registry_selects_the_engine_by_model_type():
+    for backend in ("fsdp", "fsdp2"):
+        assert EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, backend) is vcpo_engine.VcpoFSDPEngineWithLMHead
+    assert f"+actor_rollout_ref.model.model_type={vcpo_engine.MODEL_TYPE}" in vcpo_engine.HYDRA_OVERRIDES
+
+
+def test_hydra_overrides_compose_with_verls_config(model_dir):
+    """vcpo_engine.HYDRA_OVERRIDES on verl's ppo_trainer.yaml give the configs the engine reads."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    overrides = [*vcpo_engine.HYDRA_OVERRIDES, f"actor_rollout_ref.model.path={model_dir}"]
+    overrides.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    assert model.model_type == vcpo_engine.MODEL_TYPE and actor.engine.strategy == "fsdp2"
+    assert actor.engine.mixed_precision["param_dtype"] == "fp32"
+    rule = vcpo_engine.rule_from_loss_function(functools.partial(ppo_loss, config=actor))
+    assert rule.ess and rule.opob
+
+
+def test_opob_refuses_losses_it_would_drop():
+    import dataclasses
+
+    config = dataclasses.replace(cpu.actor_config("vcpo", B, GROUP, MICRO), use_kl_loss=True)
+    with pytest.raises(NotImplementedError, match="use_kl_loss"):
+        vcpo_engine.check_opob_loss(functools.partial(ppo_loss, config=config))
+    with pytest.raises(NotImplementedError, match="replaces verl's ppo_loss"):
+        vcpo_engine.check_opob_loss(lambda **kwargs: None)
+    vcpo_engine.check_opob_loss(ppo_loss_for("vcpo"))
+
+
+def test_megatron_strategy_raises_clearly():
+    for method in ("vcpo", "tis_ess", "tis_opob"):
+        with pytest.raises(NotImplementedError, match="Megatron strategy is not supported"):
+            vcpo_engine.check_strategy(method, "megatron")
+        vcpo_engine.check_strategy(method, "fsdp2")
+    vcpo_engine.check_strategy("seq_tis_c8", "megatron")
+    cls = EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, "megatron")
+    with pytest.raises(NotImplementedError, match="Megatron strategy is not supported"):
+        cls(model_config=None, engine_config=None, optimizer_config=None, checkpoint_config=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two data-parallel ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _dp_worker(rank: int, world: int, store_path: str, model_dir: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        with cpu.cpu_patches():
+            results = {}
+            for sharded in (False, True):
+                for remove_padding in (False, True):
+                    if sharded:  # FSDP2 over the two ranks: every parameter really sharded
+                        engine = fsdp2_engine(model_dir, remove_padding, world=world)
+                    else:  # unwrapped module: the engine's own all-reduce is the only gradient sync
+                        engine = cpu.build_engine(model_dir, remove_padding)
+                    # rank r holds rows r, r + world, ...: every prompt group is split across the ranks
+                    td, _ = make_batch(remove_padding, rows=slice(rank, None, world))
+                    metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
+                    results[sharded, remove_padding] = {
+                        "grads": full_gradients(engine.module),
+                        # the engine's per-step values (the loss's per-micro-batch diagnostics are not compared)
+                        "metrics": {k: flat(v)[0] for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))},
+                    }
+        torch.save(results, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_opob_two_data_parallel_ranks(model_dir, tmp_path):
+    """Two gloo ranks, groups split across them, unwrapped and FSDP2-sharded, padded and packed:
+    gathered norms and baseline, one all-reduce, the same gradient as one process on the whole batch."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.multiprocessing.spawn(_dp_worker, args=(2, str(tmp_path / "store"), str(model_dir), str(tmp_path)), nprocs=2)
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
+    _, raw = make_batch(False)
+    loop, baseline, _, _ = per_sequence_loop_gradient(model, raw)
+    expected_scale = ess_step_scale(ess_ratio(seq_log_weights(model, raw)))
+    for rank in range(2):
+        for (_, remove_padding), result in torch.load(tmp_path / f"{rank}.pt").items():
+            assert_gradients_close(result["grads"], loop)
+            assert result["metrics"]["actor/opob_baseline"] == pytest.approx(float(baseline.mean()), rel=1e-6)
+            assert result["metrics"]["actor/lr_scale"] == pytest.approx(expected_scale, rel=1e-9)
+            packed = remove_padding and vcpo_engine.packed_opob_supported()
+            assert result["metrics"]["actor/opob_packed"] == float(packed)
+
+
+def test_opob_sums_the_kl_penalised_rewards_when_verl_sends_them():
+    from tensordict import TensorDict
+
+    scores, penalised = torch.ones(2, 3), torch.zeros(2, 3)
+    assert vcpo_engine.reward_key(TensorDict({"rm_scores": scores}, batch_size=[2])) == "rm_scores"
+    both = TensorDict({"rm_scores": scores, "token_level_rewards": penalised}, batch_size=[2])
+    assert vcpo_engine.reward_key(both) == "token_level_rewards"
+    with pytest.raises(KeyError, match="per-token rewards"):
+        vcpo_engine.reward_key(TensorDict({"advantages": scores}, batch_size=[2]))

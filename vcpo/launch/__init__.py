@@ -1,0 +1,486 @@
+"""A paper run as task × method × lag × seed, composed into verl 0.9.1 Hydra overrides.
+
+``recipes/tasks/<task>.yaml`` holds one experiment's model, data and the values of its paper table
+(VCPO Tables 3-5; Table 2 in ``recipes/optimizer.yaml``); ``recipes/methods/<method>.yaml`` holds the
+loss, baseline, step-size rule, learning rate and precision. `overrides` turns the pair into the exact
+command-line overrides of ``python -m verl.trainer.main_ppo``, each value written once in a recipe;
+`compose` resolves them with verl's own Hydra config and `check` validates the result before any GPU
+is touched. ``python -m vcpo.launch`` is the command line.
+
+verl seams used (no verl file is patched):
+- losses: ``vcpo.verl_plugin`` registers every ``vcpo.core`` loss; a preset is selected by
+  ``policy_loss.method``.
+- behaviour log-probs: verl 0.9.1's V1 trainer in bypass mode (``algorithm.rollout_correction.
+  bypass_mode=true``) sets ``old_log_probs`` = the rollout's per-token log-probs and keeps the
+  configured ``loss_mode``, so our losses receive l^μ as ``old_log_prob``. Losses that also need the
+  proximal policy (``needs_prox``: P3O two-anchor) run in decoupled mode instead (see the plugin).
+- asynchrony, the ESS step size and OPOB: `asynchrony_overrides` and `vcpo.verl_plugin.engine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vcpo.core.registry import POLICY_LOSSES
+from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method
+from vcpo.recipes import load_folder, read_yaml, recipes_dir
+from vcpo.verl_plugin.shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
+
+VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
+# verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is
+# "constant with linear warm-up".
+SUPPORTED_DECAY_STEPS = 0
+# Above e^20: only verl's ±20 log-ratio safety clamp applies to the untruncated decoupled-mode weights.
+UNTRUNCATED_IS_THRESHOLD = 1.0e9
+# verl imports the modules named in this variable inside `import verl`, in the driver and every worker.
+EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+
+
+class LaunchError(ValueError):
+    """A run that cannot launch; the message names the recipe key or verl key at fault."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A resolved, schema-checked task recipe (``spec`` is the merged YAML mapping)."""
+
+    name: str
+    path: Path
+    spec: dict[str, Any]
+
+    @property
+    def paper(self) -> dict[str, Any]:
+        return self.spec["paper"]
+
+    @property
+    def chosen(self) -> dict[str, Any]:
+        return {key: entry["value"] for key, entry in self.spec["chosen"].items()}
+
+    @property
+    def multi_turn(self) -> bool:
+        return "max_turns" in self.paper
+
+
+@functools.cache
+def load_tasks() -> dict[str, Task]:
+    return {name: Task(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
+
+
+def get_task(name: str) -> Task:
+    tasks = load_tasks()
+    if name not in tasks:
+        raise LaunchError(f"unknown task {name!r} (--task); known: {sorted(tasks)}")
+    return tasks[name]
+
+
+@functools.cache
+def optimizer_table() -> dict[str, Any]:
+    """VCPO Table 2 (``recipes/optimizer.yaml``)."""
+    return read_yaml(recipes_dir() / "optimizer.yaml")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: what `overrides` composes."""
+
+    task: Task
+    method: Method
+    lag: int
+    seed: int = 0
+    data_dir: Path = Path("data")
+    output_dir: Path = Path("results/verl")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task.name}-{self.method.name}-lag{self.lag}-seed{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.task.name / self.method.name / f"lag{self.lag}" / f"seed{self.seed}"
+
+    def data_files(self, which: str) -> list[Path]:
+        return [self.data_dir / f"{split}.parquet" for split in self.task.spec["data"][which]]
+
+
+def make_run(
+    task: str,
+    method: str,
+    lag: int | None = None,
+    seed: int = 0,
+    data_dir: Path | str = "data",
+    output_dir: Path | str = "results/verl",
+) -> Run:
+    """The run for ``--task --method [--lag] [--seed]``; the lag defaults to the task's (paper) value.
+
+    A method that fixes its lag (``max_lag`` in the preset: sync = 0) refuses another ``--lag``.
+    """
+    task_recipe = get_task(task)
+    try:
+        method_preset = get_method(method)
+    except ValueError as error:
+        raise LaunchError(f"{error} (--method)") from None
+    forced = method_preset.spec.get("max_lag")
+    if forced is not None and lag is not None and lag != forced:
+        raise LaunchError(f"--lag {lag}: method {method!r} fixes the policy lag to {forced} (max_lag in its preset)")
+    if lag is not None and lag < 0:
+        raise LaunchError(f"--lag must be >= 0, got {lag}")
+    resolved_lag = forced if forced is not None else (lag if lag is not None else task_recipe.paper["max_lag"])
+    return Run(task_recipe, method_preset, resolved_lag, seed, Path(data_dir), Path(output_dir))
+
+
+def _value(value: Any) -> str:
+    """A Hydra override value: lists and dicts in Hydra's grammar, None as null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def _set(key: str, value: Any) -> str:
+    return f"{key}={_value(value)}"
+
+
+def model_and_data_overrides(run: Run) -> list[str]:
+    paper, actor = run.task.paper, "actor_rollout_ref"
+    return [
+        _set(f"{actor}.model.path", paper["model"]),
+        _set("data.train_files", [str(path) for path in run.data_files("train")]),
+        _set("data.val_files", [str(path) for path in run.data_files("val")]),
+        _set("data.train_batch_size", paper["prompts_per_batch"]),
+        _set("data.max_prompt_length", paper["max_prompt_length"]),
+        _set("data.max_response_length", paper["max_response_length"]),
+        _set("data.seed", run.seed),
+        _set("reward.custom_reward_function.path", "pkg://vcpo.rewards"),
+        _set("reward.custom_reward_function.name", "compute_score"),
+    ]
+
+
+def rollout_overrides(run: Run) -> list[str]:
+    paper, rollout = run.task.paper, "actor_rollout_ref.rollout"
+    settings = [
+        _set(f"{rollout}.n", paper["completions_per_prompt"]),
+        _set(f"{rollout}.temperature", paper["temperature"]),
+        _set(f"{rollout}.calculate_log_probs", True),
+        _set(f"{rollout}.seed", run.seed),
+    ]
+    if run.task.multi_turn:
+        settings += [
+            _set(f"{rollout}.multi_turn.enable", True),
+            _set(f"{rollout}.multi_turn.max_assistant_turns", paper["max_turns"]),
+            _set(f"{rollout}.multi_turn.tool_config_path", recipes_dir() / run.task.spec["tool_config"]),
+            _set(f"{rollout}.agent.default_agent_loop", "tool_agent"),
+        ]
+    return settings
+
+
+def optimizer_overrides(run: Run) -> list[str]:
+    """VCPO Table 2 with the method's learning rate and the task's warm-up and step count."""
+    table, paper, optim = optimizer_table(), run.task.paper, "actor_rollout_ref.actor.optim"
+    if paper["lr_decay_steps"] != SUPPORTED_DECAY_STEPS:
+        raise LaunchError(
+            f"{run.task.path}: paper.lr_decay_steps={paper['lr_decay_steps']}: verl's FSDP optimizer has constant "
+            "and cosine schedules only, so a WSD decay phase cannot be expressed"
+        )
+    return [
+        _set(f"{optim}.lr", run.method.spec["optimizer"]["lr"]),
+        _set(f"{optim}.weight_decay", table["weight_decay"]),
+        _set(f"{optim}.betas", table["betas"]),
+        _set(f"{optim}.override_optimizer_config", {"eps": table["eps"]}),
+        _set(f"{optim}.clip_grad", table["grad_clip"]),
+        _set(f"{optim}.lr_scheduler_type", "constant"),
+        _set(f"{optim}.lr_warmup_steps", paper["lr_warmup_steps"]),
+        _set(f"{optim}.total_training_steps", paper["training_steps"]),
+        _set("actor_rollout_ref.actor.entropy_coeff", table["entropy_coeff"]),
+        _set("actor_rollout_ref.actor.use_kl_loss", table["kl_coef"] > 0),
+        _set("trainer.total_training_steps", paper["training_steps"]),
+    ]
+
+
+def method_overrides(run: Run) -> list[str]:
+    """The method preset: loss, aggregation, baseline, precision, KL-in-reward and how l^μ arrives."""
+    spec, actor = run.method.spec, "actor_rollout_ref.actor"
+    loss = spec["loss"]
+    settings = [_set(f"{actor}.loss_agg_mode", loss["agg"])]
+    if loss["name"] in VERL_POLICY_LOSSES:
+        settings.append(_set(f"{actor}.policy_loss.loss_mode", loss["name"]))
+        settings += [_set(f"{actor}.{key}", value) for key, value in loss["params"].items()]
+    else:
+        settings += [
+            _set(f"{actor}.policy_loss._target_", "vcpo.verl_plugin.VcpoPolicyLossConfig"),
+            _set(f"{actor}.policy_loss.loss_mode", loss["name"]),
+            _set(f"+{actor}.policy_loss.method", run.method.name),
+        ]
+    correction = "algorithm.rollout_correction"
+    if getattr(POLICY_LOSSES.get(loss["name"]), "needs_prox", False):
+        settings += [
+            _set(f"{correction}.bypass_mode", False),
+            _set(f"{correction}.rollout_is", "token"),
+            _set(f"{correction}.rollout_is_threshold", UNTRUNCATED_IS_THRESHOLD),
+        ]
+    else:
+        settings += [_set(f"{correction}.bypass_mode", True), _set(f"{correction}.rollout_is", None)]
+    settings += [_set(f"{correction}.rollout_rs", None)]
+
+    advantage = spec["advantage"]
+    estimator = "grpo" if advantage["estimator"] == "opob" else advantage["estimator"]
+    settings.append(_set("algorithm.adv_estimator", estimator))
+    if "norm_by_std" in advantage["params"]:
+        settings.append(_set("algorithm.norm_adv_by_std_in_grpo", advantage["params"]["norm_by_std"]))
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[spec["precision"]]
+    trainer_dtype = "float32" if advantage["estimator"] == "opob" else dtype  # see engine_overrides
+    settings += [_set(f"{actor}.fsdp_config.dtype", trainer_dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
+
+    beta = spec.get("kl_in_reward_beta")
+    settings.append(_set("algorithm.use_kl_in_reward", bool(beta)))
+    if beta:
+        settings += [_set("algorithm.kl_ctrl.type", "fixed"), _set("algorithm.kl_ctrl.kl_coef", beta)]
+    return settings + engine_overrides(run)
+
+
+def uses_engine(method: Method) -> bool:
+    """Whether the method's optimizer step needs ``vcpo.verl_plugin.engine`` (ESS step size or OPOB)."""
+    return method.spec["step_size"]["rule"] == "ess" or method.spec["advantage"]["estimator"] == "opob"
+
+
+def engine_overrides(run: Run) -> list[str]:
+    """The engine extension (``vcpo.verl_plugin.engine``) for methods with the ESS step size or OPOB.
+
+    It is an FSDP2 engine selected by model type. The task's ρ_on (0.55 multi-turn, Table 5) reaches the
+    ESS rule as ``policy_loss.rho_on``. OPOB's per-sequence gradients cannot run under torch.autocast, so
+    an OPOB method trains with fp32 parameters and compute on verl (the rollout keeps the preset's dtype).
+    """
+    spec, actor = run.method.spec, "actor_rollout_ref.actor"
+    if not uses_engine(run.method):
+        return []
+    settings = [
+        _set("+actor_rollout_ref.model.model_type", ENGINE_MODEL_TYPE),
+        _set(f"{actor}.strategy", "fsdp2"),
+        # every Ray worker imports the engine module inside `import verl`, on a cluster started by `ray start` too
+        _set(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}", ENGINE_MODULE),
+    ]
+    if spec["step_size"]["rule"] == "ess":
+        settings.append(_set(f"+{actor}.policy_loss.rho_on", run.task.paper["rho_on"]))
+    if spec["advantage"]["estimator"] == "opob":
+        fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+        settings.append(_set(f"+{actor}.fsdp_config.mixed_precision", fp32))
+    return settings
+
+
+def asynchrony_overrides(run: Run) -> list[str]:
+    """PipelineRL-k on verl 0.9.1's V1 trainers (README, "Asynchrony on verl").
+
+    k = 0: the synchronous trainer, rollout and training colocated on all the task's GPUs.
+    k >= 1: ``separate_async``: the sampler GPUs serve the rollout (vLLM), the trainer GPUs the FSDP
+    actor. One mini-batch per step (``parameter_sync_step`` = 1, ``ppo_epochs`` = 1), so a weight sync
+    follows every optimizer step and a sync is an optimizer step. Prompts are tagged with the step
+    that submitted them; the replay buffer drops a group whose tag is more than
+    ``max_off_policy_threshold`` − 1 syncs old (trainer/ppo/v1/replay_buffer.py), so threshold k + 1
+    bounds the lag of every consumed token by k. Partial rollouts continue across syncs (in-flight
+    updates: a sequence mixes versions, the rollout records each token's log-prob under the weights
+    that sampled it). ``num_warmup_batches`` = k fills the pipeline with k batches ahead.
+    """
+    paper, v1 = run.task.paper, "trainer.v1"
+    batch = paper["prompts_per_batch"]
+    common = [
+        _set("trainer.use_v1", True),
+        _set("actor_rollout_ref.actor.ppo_mini_batch_size", batch),
+        _set("actor_rollout_ref.actor.ppo_epochs", 1),
+        _set("trainer.nnodes", 1),
+    ]
+    if run.lag == 0:
+        return [
+            *common,
+            _set(f"{v1}.trainer_mode", "sync"),
+            _set("actor_rollout_ref.hybrid_engine", True),
+            _set("trainer.n_gpus_per_node", paper["sampler_gpus"] + paper["trainer_gpus"]),
+        ]
+    return [
+        *common,
+        _set(f"{v1}.trainer_mode", "separate_async"),
+        _set(f"{v1}.separate_async.parameter_sync_step", 1),
+        _set(f"{v1}.separate_async.num_warmup_batches", run.lag),
+        _set(f"{v1}.separate_async.hybrid_rollout.enable_switch", False),
+        _set(f"{v1}.sampler.max_off_policy_threshold", run.lag + 1),
+        _set(f"{v1}.sampler.max_off_policy_strategy", "drop"),
+        _set("actor_rollout_ref.hybrid_engine", False),
+        _set("actor_rollout_ref.rollout.checkpoint_engine.backend", "nccl"),
+        _set("trainer.n_gpus_per_node", paper["trainer_gpus"]),
+        _set("actor_rollout_ref.rollout.nnodes", 1),
+        _set("actor_rollout_ref.rollout.n_gpus_per_node", paper["sampler_gpus"]),
+    ]
+
+
+def trainer_overrides(run: Run) -> list[str]:
+    return [
+        _set("trainer.experiment_name", run.name),
+        _set("trainer.default_local_dir", run.run_dir / "checkpoints"),
+    ]
+
+
+def chosen_overrides(run: Run) -> list[str]:
+    """Values no paper states, each with its reason: ``recipes/verl.yaml``, then the task's own."""
+    shared = {key: entry["value"] for key, entry in read_yaml(recipes_dir() / "verl.yaml")["chosen"].items()}
+    return [_set(key, value) for key, value in {**shared, **run.task.chosen}.items()]
+
+
+def overrides(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every Hydra override of the run, in a stable order; ``extra`` (the user's) come last and win."""
+    return [
+        *model_and_data_overrides(run),
+        *rollout_overrides(run),
+        *optimizer_overrides(run),
+        *method_overrides(run),
+        *asynchrony_overrides(run),
+        *trainer_overrides(run),
+        *chosen_overrides(run),
+        *extra,
+    ]
+
+
+def run_environment(run: Run) -> dict[str, str]:
+    """Environment variables the run needs.
+
+    verl's file logger writes the run's metrics.jsonl. WARN logging: with ``hybrid_engine=false`` verl 0.9.1
+    calls ``logger.info(..., flush=True)`` (trainer_separate_async.py:181), which raises ``TypeError:
+    Logger._log() got an unexpected keyword argument 'flush'`` whenever INFO is enabled.
+    """
+    env = {"VERL_FILE_LOGGER_PATH": str(run.run_dir / "metrics.jsonl"), "VERL_LOGGING_LEVEL": "WARN"}
+    if uses_engine(run.method):
+        env[EXTERNAL_MODULES] = ENGINE_MODULE
+    return env
+
+
+def command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, *VERL_ENTRY, *overrides(run, extra)]
+
+
+def shell_command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> str:
+    """The exact command ``--dry-run`` prints, one override per line."""
+    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in run_environment(run).items())
+    python, *args = command(run, extra)
+    lines = [f"{env} {shlex.quote(Path(python).name)} {' '.join(args[:2])}"]
+    lines += [f"  {shlex.quote(arg)}" for arg in args[2:]]
+    return " \\\n".join(lines)
+
+
+def verl_config_dir() -> Path:
+    import verl
+
+    return Path(verl.__file__).parent / "trainer" / "config"
+
+
+def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
+    """The fully resolved verl config (an OmegaConf DictConfig) of the run, from verl's own Hydra config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+            return hydra_compose(config_name="ppo_trainer", overrides=overrides(run, extra))
+    except (HydraException, OmegaConfBaseException) as error:
+        raise LaunchError(f"verl's Hydra config rejects the overrides: {error}") from None
+
+
+def gpus_needed(config) -> int:
+    trainer = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    rollout = config.actor_rollout_ref.rollout
+    separate = config.trainer.v1.trainer_mode == "separate_async"
+    return trainer + (rollout.nnodes * rollout.n_gpus_per_node if separate else 0)
+
+
+def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True) -> None:
+    """Validate a composed config before launch; raise `LaunchError` naming the key at fault.
+
+    Checks: the GPU layout against ``available_gpus`` (when given), rollout tensor parallelism against
+    the rollout GPUs, batch divisibility (verl's own ``validate_config``), every config dataclass
+    instantiates, and (``check_paths``) that data files and a local model folder exist.
+    """
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    if not config.trainer.use_v1 and config.algorithm.rollout_correction.bypass_mode:
+        raise LaunchError(
+            "trainer.use_v1=false with algorithm.rollout_correction.bypass_mode=true: verl's legacy trainer replaces "
+            "actor.policy_loss.loss_mode by its own 'bypass_mode' loss, so the method's loss would not run"
+        )
+    rollout = config.actor_rollout_ref.rollout
+    separate = config.trainer.v1.trainer_mode == "separate_async"
+    rollout_gpus = rollout.n_gpus_per_node if separate else config.trainer.n_gpus_per_node
+    tp = rollout.tensor_model_parallel_size
+    if tp < 1 or tp > rollout_gpus or rollout_gpus % tp:
+        where = "actor_rollout_ref.rollout.n_gpus_per_node" if separate else "trainer.n_gpus_per_node"
+        raise LaunchError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the {rollout_gpus} rollout GPUs "
+            f"per node ({where})"
+        )
+    batch, mini_batch = config.data.train_batch_size, config.actor_rollout_ref.actor.ppo_mini_batch_size
+    if batch % mini_batch:
+        raise LaunchError(f"data.train_batch_size={batch} is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}")
+    trainer_gpus, n = config.trainer.nnodes * config.trainer.n_gpus_per_node, config.actor_rollout_ref.rollout.n
+    if (mini_batch * n) % trainer_gpus:
+        raise LaunchError(
+            f"a mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size x actor_rollout_ref.rollout.n = {mini_batch} x {n} "
+            f"sequences must be divisible by the {trainer_gpus} data-parallel trainer GPUs (trainer.nnodes x trainer.n_gpus_per_node)"
+        )
+    sync_step = config.trainer.v1.separate_async.parameter_sync_step
+    if separate and batch != sync_step * mini_batch:
+        raise LaunchError(
+            f"separate_async needs data.train_batch_size ({batch}) = trainer.v1.separate_async.parameter_sync_step "
+            f"({sync_step}) x actor_rollout_ref.actor.ppo_mini_batch_size ({mini_batch})"
+        )
+    if available_gpus is not None and gpus_needed(config) > available_gpus:
+        raise LaunchError(
+            f"the run needs {gpus_needed(config)} GPUs (trainer.nnodes x trainer.n_gpus_per_node"
+            f"{' + actor_rollout_ref.rollout.nnodes x n_gpus_per_node' if separate else ''}), {available_gpus} are visible"
+        )
+    try:
+        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Disabled critic")
+            validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        for key in ("actor_rollout_ref.actor", "actor_rollout_ref.rollout", "algorithm"):
+            omega_conf_to_dataclass(_select(config, key))
+    except (AssertionError, ValueError, TypeError) as error:
+        raise LaunchError(f"verl rejects the config: {error}") from None
+    except Exception as error:  # hydra's InstantiationException wraps the dataclass's own check
+        cause = error.__cause__ or error
+        raise LaunchError(f"verl rejects the config: {cause}") from None
+    if check_paths:
+        missing = [
+            f"{key}: {path}"
+            for key in ("data.train_files", "data.val_files")
+            for path in _select(config, key)
+            if not Path(path).exists()
+        ]
+        model = Path(os.path.expanduser(config.actor_rollout_ref.model.path))
+        if (model.is_absolute() or str(model).startswith(".")) and not model.exists():
+            missing.append(f"actor_rollout_ref.model.path: {model}")
+        if missing:
+            raise LaunchError(
+                "missing files (build data with `python -m vcpo.data build <task> --out DATA_DIR`): " + "; ".join(missing)
+            )
+
+
+def _select(config, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key)

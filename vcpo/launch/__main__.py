@@ -1,0 +1,86 @@
+"""``python -m vcpo.launch --task T --method M [--lag K] [--seed S] [--dry-run | --show-config] [overrides]``.
+
+Composes the run with verl's Hydra config, validates it (GPUs, tensor parallelism, batch divisibility,
+data and model paths, every config dataclass), then starts ``python -m verl.trainer.main_ppo``.
+``--dry-run`` prints the exact command instead; ``--show-config`` prints the resolved verl config as
+YAML under verl's own key paths. Trailing ``key=value`` arguments are Hydra overrides that win over
+the recipes (e.g. ``trainer.total_training_steps=10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from vcpo.launch import LaunchError, check, command, compose, load_tasks, make_run, run_environment, shell_command
+
+
+def visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a torch without CUDA support
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.list:
+        for task in load_tasks().values():
+            print(f"{task.name:<10} {task.spec['table']:<14} k={task.paper['max_lag']:<3} {task.spec['title']}")
+        return 0
+    if not (args.task and args.method):
+        print("error: --task and --method are required (or --list)", file=sys.stderr)
+        return 2
+    try:
+        run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
+        config = compose(run, args.overrides)
+        launching = not (args.dry_run or args.show_config)
+        gpus = args.gpus if args.gpus is not None else (visible_gpus() if launching else None)
+        check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths)
+    except LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.show_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(config, resolve=True), end="")
+        return 0
+    if args.dry_run:
+        print(shell_command(run, args.overrides))
+        return 0
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    provenance = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
+    (run.run_dir / "launch.json").write_text(
+        json.dumps({**provenance, "command": command(run, args.overrides), "env": run_environment(run)}, indent=2)
+    )
+    print(f"launching {run.name} -> {run.run_dir}", flush=True)
+    return subprocess.call(command(run, args.overrides), env={**os.environ, **run_environment(run)})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.launch", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--task", help="a recipes/tasks name (--list shows them)")
+    parser.add_argument("--method", help="a recipes/methods name (python -m vcpo.methods list)")
+    parser.add_argument("--lag", type=int, help="max policy lag k (default: the task's paper value)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default="data", help="folder of vcpo.data parquet files (<task>/<split>.parquet)")
+    parser.add_argument("--output-dir", default="results/verl", help="runs go to OUT/<task>/<method>/lag<k>/seed<s>")
+    parser.add_argument("--gpus", type=int, help="GPUs available (default: those torch sees)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the exact command, do not start verl")
+    mode.add_argument("--show-config", action="store_true", help="print the resolved verl config as YAML")
+    mode.add_argument("--list", action="store_true", help="list the tasks")
+    parser.add_argument(
+        "--check-paths", action="store_true", help="with --dry-run/--show-config: also require data and model files"
+    )
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (key=value), applied last")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Recipes as data: folders of YAML files, each validated by the folder's ``schema.yaml``.
+
+A recipe may ``extends`` another of its folder: every mapping it lists overrides the parent's field by
+field (one level deep), any other value replaces the parent's. ``default`` and ``extends`` are never
+inherited. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`vcpo.launch`) are read this way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+NOT_INHERITED = ("default", "extends")
+
+
+def recipes_dir() -> Path:
+    """``recipes/`` of the checkout, or the copy a wheel carries as ``vcpo/_recipes``."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parent / "_recipes", here.parents[1] / "recipes"):
+        if (candidate / "methods").is_dir():
+            return candidate
+    raise FileNotFoundError(f"no recipes/methods folder beside the vcpo package ({here.parents[1]})")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe must be a mapping")
+    return data
+
+
+def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    merged = {key: value for key, value in parent.items() if key not in NOT_INHERITED}
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _resolve(name: str, raw: dict[str, dict[str, Any]], chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    if name in chain:
+        raise ValueError(f"recipes extend each other in a cycle: {' -> '.join((*chain, name))}")
+    spec = raw[name]
+    parent = spec.get("extends")
+    if parent is None:
+        return spec
+    if parent not in raw:
+        raise ValueError(f"{name}.yaml extends unknown recipe {parent!r}")
+    return _merge(_resolve(parent, raw, (*chain, name)), spec)
+
+
+def validate(spec: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
+    """jsonschema validation with the failing key path in the message."""
+    try:
+        jsonschema.validate(spec, schema)
+    except jsonschema.ValidationError as error:
+        location = "/".join(str(part) for part in error.absolute_path) or "<top>"
+        raise ValueError(f"{path}: {location}: {error.message}") from None
+
+
+def load_folder(directory: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Every ``<name>.yaml`` of ``directory`` resolved and schema-checked: name -> (path, spec)."""
+    schema = read_yaml(directory / "schema.yaml")
+    paths = {path.stem: path for path in sorted(directory.glob("*.yaml")) if path.stem != "schema"}
+    raw = {stem: read_yaml(path) for stem, path in paths.items()}
+    resolved = {}
+    for stem, path in paths.items():
+        if raw[stem].get("name") != stem:
+            raise ValueError(f"{path}: name {raw[stem].get('name')!r} must equal the file name {stem!r}")
+        spec = _resolve(stem, raw)
+        validate(spec, schema, path)
+        resolved[stem] = (path, spec)
+    return resolved

@@ -1,0 +1,88 @@
+"""``python -m vcpo.verl_plugin.cpu --out DIR [--task T] [--method M] [--lag K] [--steps N] [--print] [-- OVERRIDES]``.
+
+Runs a ``vcpo.launch`` run (task x method x lag: its loss, engine keys, asynchrony mapping and optimizer)
+through verl 0.9.1's own trainer (``python -m verl.trainer.main_ppo``) on this CPU machine, with the tiny
+sizes of :mod:`vcpo.verl_plugin.cpu.recipe`: writes a ``vcpo.tiny`` model and short prompts under ``DIR``
+(unless ``--model`` / ``--train`` / ``--val`` are given), checks the composed config like ``vcpo.launch``
+does, then starts verl in a child process whose environment selects the CPU platform (:data:`recipe.ENV`;
+it must be set before ``import verl``, so verl's trainer is never imported here). Metrics go to
+``DIR/metrics.jsonl`` (verl's file logger), checkpoints to ``DIR/checkpoints``. Extra Hydra overrides after
+``--`` are appended last. ``--print`` prints the command and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from vcpo.launch import EXTERNAL_MODULES, LaunchError, check, command, compose, make_run, run_environment
+from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_data
+
+
+def build(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The checked command and environment of the CPU run (writes the tiny model and data if missing)."""
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = out / "model"
+        if not (model / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "vcpo.tiny", str(model)], check=True, stdout=subprocess.DEVNULL)
+    if args.train is None or args.val is None:
+        paths = write_data(out / "data")
+        train, val = args.train or paths["train"], args.val or paths["val"]
+    else:
+        train, val = args.train, args.val
+    try:  # without --lag: 1 (a few CPU steps would not reach the task's lag), or the lag the method fixes
+        run = make_run(args.task, args.method, args.lag if args.lag is not None else 1, args.seed, output_dir=out)
+    except LaunchError:
+        if args.lag is not None:
+            raise
+        run = make_run(args.task, args.method, None, args.seed, output_dir=out)
+    env = environment(out, run_environment(run))
+    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0)
+    overrides += [
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        # Ray workers get the driver's module list (CPU platform first), not the launcher's engine-only one
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='{env[EXTERNAL_MODULES]}'",
+        *extra,
+    ]
+    check(run, compose(run, overrides))
+    return command(run, overrides), env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m vcpo.verl_plugin.cpu", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--out", required=True, help="run folder (model, data, metrics.jsonl, checkpoints)")
+    parser.add_argument("--task", default="gsm8k", help="vcpo.launch task recipe")
+    parser.add_argument("--method", default="vcpo", help="method preset (vcpo: seq-TIS + OPOB + ESS step size)")
+    parser.add_argument("--lag", type=int, default=None, help="policy lag k (0: verl's sync trainer; k >= 1: separate_async); default 1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", default=None, help="a local model folder (default: a new vcpo.tiny model)")
+    parser.add_argument("--train", default=None)
+    parser.add_argument("--val", default=None)
+    parser.add_argument("--print", action="store_true", help="print the command and exit")
+    args = parser.parse_args(argv)
+    try:
+        cmd, env = build(args, extra)
+    except LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.print:
+        keys = (*ENV, "VERL_FILE_LOGGER_PATH", "VERL_LOGGING_LEVEL")
+        print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))
+        return 0
+    return subprocess.run(cmd, env=env, cwd=args.out).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

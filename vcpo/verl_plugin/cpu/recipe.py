@@ -1,0 +1,161 @@
+"""The tiny CPU recipe: data, reward and the exact Hydra overrides of ``verl.trainer.main_ppo``.
+
+Why it exists: one place that says how verl 0.9.1's real trainer is run on a 2-core CPU machine
+(a tiny ``vcpo.tiny`` model, 4 prompts x 2 responses, 16-token responses), so that the slow test, the
+launcher ``python -m vcpo.verl_plugin.cpu`` share one list. It is applied on top of a ``vcpo.launch`` run
+(task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout engine
+and device replaced. Every override is explained next to it in :func:`cpu_overrides`.
+
+Environment every verl process needs (see :data:`ENV`): ``VERL_PLATFORM=cpu`` selects the CPU
+platform, ``VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.cpu`` makes ``import verl`` register it (and the
+``hf`` rollout, the cpu engines and the ``ray`` checkpoint engine) in the driver and in every Ray worker.
+
+Reward: :func:`tiny_reward` is ``vcpo.rewards.compute_score`` plus a small dense term (the fraction of
+digit characters in the response). A randomly initialised model never answers correctly, so with the
+verifiable reward alone every GRPO advantage is 0 and the loss, the gradient and the weight update are
+exactly zero; the dense term makes the 2-3 optimizer steps of the smoke run move the policy.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_USE_EXTERNAL_MODULES": "vcpo.verl_plugin.cpu",
+    # one BLAS thread per process: the trainer, the rollout server and the reward worker share 2 cores
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+
+def tiny_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any):
+    """``vcpo.rewards.compute_score`` + 0.1 x (digit fraction of the response); keeps its extra keys."""
+    from vcpo.rewards import compute_score
+
+    result = dict(compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs))
+    digits = sum(ch.isdigit() for ch in solution_str)
+    result["dense"] = digits / max(1, len(solution_str))
+    result["score"] = float(result["score"]) + 0.1 * result["dense"]
+    return result
+
+
+def write_data(out_dir: str | os.PathLike, train_rows: int = 16, val_rows: int = 4, seed: int = 0) -> dict[str, Path]:
+    """Short GSM8K-schema prompts ("What is 3 + 4?") as verl parquet: ``train.parquet``, ``val.parquet``."""
+    import pandas as pd
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def rows(split: str, count: int, split_seed: int) -> pd.DataFrame:
+        rng = random.Random(split_seed)
+        records = []
+        for index in range(count):
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            records.append(
+                {
+                    "data_source": "gsm8k",
+                    "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                    "extra_info": {"split": split, "index": index},
+                }
+            )
+        return pd.DataFrame(records)
+
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    rows("train", train_rows, seed).to_parquet(paths["train"])
+    rows("val", val_rows, seed + 1).to_parquet(paths["val"])
+    return paths
+
+
+def cpu_overrides(
+    model: str | os.PathLike,
+    train_file: str | os.PathLike,
+    val_file: str | os.PathLike,
+    *,
+    steps: int = 3,
+    separate: bool = True,
+) -> list[str]:
+    """What a ``vcpo.launch`` run changes to fit one CPU: appended after the run's own overrides (they win).
+
+    The run keeps its method (loss, preset, bypass mode, engine keys), its asynchrony mapping (sync or
+    ``separate_async`` with the lag's warm-up batches and off-policy threshold) and Table 2's optimizer;
+    this replaces the model, data and sizes (4 prompts x 2 responses, 16-token responses), the rollout
+    (the ``hf`` server of :mod:`.rollout`), the device, the weight-sync transport and Ray's resources.
+    ``separate``: the run is ``separate_async`` (a second logical GPU slot for the rollout replica).
+    """
+    actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    overrides = [
+        # --- data: 4 prompts x 2 responses, 16-token responses
+        f"data.train_files=[{train_file}]",
+        f"data.val_files=[{val_file}]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "data.dataloader_num_workers=0",  # default 8 worker processes
+        # --- reward: vcpo.rewards (+ a dense term, see tiny_reward) in one reward worker (default 8)
+        "reward.custom_reward_function.path=pkg://vcpo.verl_plugin.cpu.recipe",
+        "reward.custom_reward_function.name=tiny_reward",
+        "reward.num_workers=1",
+        # --- model: FSDP2 in float32 with SDPA attention (no flash-attn, no torch.compile); verl's default
+        # remove-padding packing stays on (transformers' SDPA separates the packed sequences by position_ids)
+        f"actor_rollout_ref.model.path={model}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{actor}.strategy=fsdp2",
+        f"{actor}.fsdp_config.dtype=float32",
+        f"++{actor}.fsdp_config.mixed_precision={fp32}",
+        f"{actor}.fsdp_config.use_torch_compile=false",
+        f"{actor}.ppo_mini_batch_size=4",
+        f"{actor}.ppo_micro_batch_size_per_gpu=4",
+        # a random model needs a large step to move within 3 steps (so lagged steps see ratios != 1)
+        f"{actor}.optim.lr=1e-3",
+        f"{actor}.optim.lr_warmup_steps=0",
+        f"{actor}.optim.total_training_steps={steps}",
+        # --- rollout: the transformers server of vcpo.verl_plugin.cpu.rollout, with per-token log-probs
+        f"{rollout}.name=hf",
+        f"{rollout}.dtype=float32",
+        f"{rollout}.n=2",
+        f"{rollout}.tensor_model_parallel_size=1",
+        f"{rollout}.log_prob_micro_batch_size_per_gpu=4",
+        f"{rollout}.agent.num_workers=1",
+        # --- trainer: one CPU "GPU slot" for the trainer (and one for a separate rollout replica)
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.save_freq={steps}",
+        "trainer.project_name=vcpo_cpu",
+        # --- Ray and TransferQueue: logical CPUs are bookkeeping (placement groups reserve 3 per worker
+        # bundle; TransferQueue's controller and storage 1 each), one logical GPU slot per worker group
+        "ray_kwargs.ray_init.num_cpus=16",
+        f"+ray_kwargs.ray_init.num_gpus={2 if separate else 1}",
+        "+ray_kwargs.ray_init.object_store_memory=536870912",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+    if separate:
+        # weights reach the standalone replica through the object-store checkpoint engine (checkpoint.py)
+        overrides += [f"{rollout}.checkpoint_engine.backend=ray", f"{rollout}.n_gpus_per_node=1"]
+    return overrides
+
+
+def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The process environment of a CPU run: ``base`` (this process's), the run's (``vcpo.launch.run_environment``),
+    :data:`ENV`, with the modules of ``VERL_USE_EXTERNAL_MODULES`` joined and metrics under ``out_dir``."""
+    env = dict(os.environ if base is None else base)
+    modules: list[str] = []
+    for source in (ENV, env, run_env):  # the CPU platform first: the engine module asks verl for the device
+        modules += [m for m in source.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m not in modules]
+    env.update(run_env)
+    env.update(ENV)
+    env["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
+    env["VERL_FILE_LOGGER_PATH"] = str(Path(out_dir) / "metrics.jsonl")
+    return env

@@ -1,0 +1,423 @@
+"""A transformers-based rollout for verl, registered under the rollout name ``hf``.
+
+Why it exists: verl 0.9.1's trainer generates through rollout *replicas* (``verl.workers.rollout.replica``)
+that launch token-in-token-out servers (vLLM, SGLang, TensorRT-LLM); none of them runs without a GPU build,
+and neither vLLM nor SGLang is installed on CPU machines. This module plugs a plain ``transformers``
+sampler into verl's two rollout extension points, so that the real trainer, agent loop, load balancer,
+checkpoint manager and reward loop run unchanged on CPU:
+
+* ``RolloutReplicaRegistry.register("hf", ...)`` (``replica.py``): :class:`HFReplica` launches one
+  :class:`HFRolloutServer` Ray actor per replica, named ``hf_server_<replica>_0`` like verl's own servers.
+* ``verl.workers.rollout.base._ROLLOUT_REGISTRY[("hf", "async")]`` (the table ``get_rollout_class``
+  reads; verl has no register function for it): :class:`HFServerAdapter` is the rollout object that lives in
+  the hybrid actor worker. On ``update_weights`` it gathers the trainer's full tensors and ships them to its
+  replica's server, so rollouts after a sync use the new policy (verl's "naive" checkpoint backend).
+
+The server returns, with ``rollout.calculate_log_probs=true``, the log-probability of every sampled token
+under the *sampling* distribution (logits / temperature, before top-k/top-p truncation, as vLLM's
+``processed_logprobs``), which verl stores as ``rollout_log_probs``: bypass mode uses them as the behaviour
+log-probs. The server also honours verl's partial-rollout protocol (``abort_all_requests`` stops requests
+between tokens and returns them with ``stop_reason="aborted"``; ``resume_generation`` reopens admission),
+which the async trainers use around a weight sync, and tags every output with the weight version
+(``global_steps``) it was sampled from, which is how verl measures off-policy lag.
+
+Select it with ``actor_rollout_ref.rollout.name=hf`` (the CPU recipe sets it, see ``vcpo.verl_plugin.cpu``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import ray
+import torch
+from verl.workers.rollout import base as rollout_base
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+ROLLOUT_NAME = "hf"
+SERVER_PREFIX = f"{ROLLOUT_NAME}_"
+
+
+def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
+    """verl's server naming (``<rollout>_server_<replica>_<node>``), which ``ServerAdapter``s look up."""
+    return f"{SERVER_PREFIX}server_{replica_rank}_{node_rank}"
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    getter = getattr(config, "get", None)
+    if getter is not None:
+        try:
+            return getter(key, default)
+        except Exception:  # dataclass configs without .get for unknown keys
+            pass
+    return getattr(config, key, default)
+
+
+def _token_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list | tuple) else {int(value)}
+
+
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None = None
+) -> tuple[int, float]:
+    """Sample one token from a ``[vocab]`` logit row; returns (token, log-prob under logits / temperature).
+
+    ``temperature <= 0`` is greedy. The log-prob is taken before top-k / top-p truncation, like vLLM's
+    ``processed_logprobs``, which is what the trainer recomputes (it scales logits by the same temperature).
+    """
+    logits = logits.float()
+    if temperature is None or temperature <= 0:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+        return token, float(log_probs[token])
+    scaled = logits / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled.clone()
+    if top_k is not None and 0 < top_k < filtered.numel():
+        kth = torch.topk(filtered, top_k).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(filtered, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove = cumulative > top_p
+        remove[1:] = remove[:-1].clone()
+        remove[0] = False
+        filtered[sorted_idx[remove]] = float("-inf")
+    probs = torch.softmax(filtered, dim=-1)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(log_probs[token])
+
+
+class HFRolloutServer:
+    """Token-in-token-out sampler over a ``transformers`` causal LM, with verl's rollout-server methods.
+
+    One request at a time runs on the model (a lock; the CPU has few cores anyway); requests queue on the
+    actor's event loop. Each request decodes with the KV cache, one token per forward.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        rollout_mode: RolloutMode,
+        replica_rank: int = 0,
+        node_rank: int = 0,
+        **_: Any,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.rollout_mode = rollout_mode
+        self.replica_rank = replica_rank
+        self.node_rank = node_rank
+        self.global_steps: int | None = None
+        self.model = None
+        self.eos_token_ids: set[int] = set()
+        self._model_lock = threading.Lock()
+        self._abort_epoch = 0
+        self._submission_paused = False
+        self._rejecting = False
+        self._resume_event: asyncio.Event | None = None
+        self._in_flight = 0
+        self._weights_version = 0
+        seed = int(_get(config, "seed", 0) or 0) + replica_rank
+        self._generator = torch.Generator().manual_seed(seed)
+        torch.set_num_threads(max(1, int(os.environ.get("VCPO_HF_ROLLOUT_THREADS", "1"))))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _events(self) -> asyncio.Event:
+        if self._resume_event is None:
+            self._resume_event = asyncio.Event()
+            self._resume_event.set()
+        return self._resume_event
+
+    async def launch_server(self, **_: Any) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        path = _get(self.model_config, "local_path", None) or _get(self.model_config, "path")
+        trust_remote_code = bool(_get(self.model_config, "trust_remote_code", False))
+        dtype = str(_get(self.config, "dtype", "float32") or "float32")
+        torch_dtype = getattr(torch, dtype, torch.float32) if dtype != "auto" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
+        )
+        model.eval()
+        self.model = model
+        eos = _token_ids(getattr(model.config, "eos_token_id", None))
+        try:
+            eos |= _token_ids(GenerationConfig.from_pretrained(path).eos_token_id)
+        except OSError:  # no generation_config.json
+            pass
+        self.eos_token_ids = {int(t) for t in eos}
+        self._events()
+
+    def get_server_address(self) -> tuple[str, int]:
+        # The load balancer keys servers by address; nothing connects to it (generation goes by Ray handle).
+        return f"hf-replica-{self.replica_rank}", self.node_rank
+
+    # ------------------------------------------------------------------ generation
+    def _decode(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], epoch: int):
+        temperature = float(sampling.get("temperature", 1.0) if sampling.get("temperature") is not None else 1.0)
+        top_k = int(sampling.get("top_k", -1) if sampling.get("top_k") is not None else -1)
+        top_p = float(sampling.get("top_p", 1.0) if sampling.get("top_p") is not None else 1.0)
+        ignore_eos = bool(sampling.get("ignore_eos", False))
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        aborted = False
+        with self._model_lock, torch.inference_mode():
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+            past = None
+            for _ in range(max_tokens):
+                if self._abort_epoch != epoch:
+                    aborted = True
+                    break
+                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token, log_prob = sample_next_token(out.logits[0, -1], temperature, top_k, top_p, self._generator)
+                tokens.append(token)
+                log_probs.append(log_prob)
+                if token in self.eos_token_ids and not ignore_eos:
+                    break
+                input_ids = torch.tensor([[token]], dtype=torch.long)
+        return tokens, log_probs, aborted
+
+    def _max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
+        max_model_len = _get(self.config, "max_model_len", None) or (
+            int(_get(self.config, "prompt_length")) + int(_get(self.config, "response_length"))
+        )
+        room = int(max_model_len) - prompt_len
+        if room < 1:
+            raise ValueError(f"Prompt length ({prompt_len}) leaves no room to generate within {max_model_len} tokens")
+        if "max_tokens" in sampling_params:
+            wanted = sampling_params.pop("max_tokens")
+        elif "max_new_tokens" in sampling_params:
+            wanted = sampling_params.pop("max_new_tokens")
+        else:
+            response_length, prompt_length = (
+                int(_get(self.config, "response_length")),
+                int(_get(self.config, "prompt_length")),
+            )
+            wanted = min(response_length, prompt_length + response_length - prompt_len)
+        return max(1, min(int(wanted), room))
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Any = None,
+        video_data: Any = None,
+        **_: Any,
+    ) -> TokenOutput:
+        if image_data is not None or video_data is not None:
+            raise NotImplementedError("the hf CPU rollout is text-only")
+        sampling_params = dict(sampling_params)
+        want_log_probs = bool(sampling_params.pop("logprobs", False))
+        prompt_ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
+        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+
+        while self._submission_paused:
+            if self._rejecting:
+                return TokenOutput(
+                    token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
+                )
+            await self._events().wait()
+        self._in_flight += 1
+        try:
+            epoch, steps = self._abort_epoch, self.global_steps
+            tokens, log_probs, aborted = await asyncio.to_thread(
+                self._decode, prompt_ids, max_tokens, sampling_params, epoch
+            )
+        finally:
+            self._in_flight -= 1
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=log_probs if want_log_probs else None,
+            stop_reason="aborted" if aborted else "completed",
+            extra_fields={"global_steps": steps, "num_cached_tokens": 0},
+        )
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
+        """Load full tensors (HF parameter names) into the model; returns how many were loaded."""
+        # state_dict names include tied weights (lm_head.weight shares embed_tokens.weight).
+        targets = self.model.state_dict(keep_vars=True)
+        loaded = 0
+        with self._model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"hf rollout: the trainer sent weight {name!r}, which the rollout model lacks")
+                target.copy_(tensor.to(dtype=target.dtype))
+                loaded += 1
+        self._weights_version += 1
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return loaded
+
+    def weights_version(self) -> int:
+        return self._weights_version
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # ------------------------------------------------------------------ verl's server control surface
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        return None
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def start_profile(self, **_: Any) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def wait_for_requests_to_drain(self) -> None:
+        while self._in_flight > 0:
+            await asyncio.sleep(0.01)
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        self._submission_paused = True
+        self._rejecting = reject_request
+        self._events().clear()
+        aborted = self._in_flight
+        self._abort_epoch += 1
+        await self.wait_for_requests_to_drain()
+        return {"aborted_count": aborted, "request_ids": []}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        return {"aborted": False, "request_id": request_id}
+
+    async def resume_generation(self) -> None:
+        self._rejecting = False
+        self._submission_paused = False
+        self._events().set()
+
+    resume_engine_generation = resume_generation
+    open_submission_gate = resume_generation
+
+
+class HFReplica(RolloutReplica):
+    """Rollout replica whose server is one :class:`HFRolloutServer` actor (no GPU, no port)."""
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self) -> None:
+        if self.nnodes != 1:
+            raise NotImplementedError(f"the hf CPU rollout runs on one node, got nnodes={self.nnodes}")
+        if self.is_reward_model:
+            name = f"{SERVER_PREFIX}server_reward_{self.replica_rank}_0{self.name_suffix}"
+        elif self.is_teacher_model:
+            name = f"{SERVER_PREFIX}server_teacher_{self.replica_rank}_0{self.name_suffix}"
+        else:
+            name = server_actor_name(self.replica_rank) + self.name_suffix
+        server_cls = ray.remote(HFRolloutServer)
+        server = server_cls.options(
+            name=name,
+            num_cpus=0,
+            max_concurrency=self.max_concurrency,
+            runtime_env={"env_vars": {"VERL_PLATFORM": os.environ.get("VERL_PLATFORM", "cpu")}},
+        ).remote(
+            config=self.config,
+            model_config=self.model_config,
+            rollout_mode=self.rollout_mode,
+            replica_rank=self.replica_rank,
+            node_rank=0,
+        )
+        await server.launch_server.remote()
+        self.servers = [server]
+        address, port = await server.get_server_address.remote()
+        self._server_handle = server
+        self._server_address = f"{address}:{port}"
+
+
+class HFServerAdapter(BaseRollout):
+    """The rollout object in the hybrid actor worker: forwards weight syncs to the replica's server.
+
+    verl's naive weight sync (``ActorRolloutRefWorker.update_weights``) calls ``resume`` / ``update_weights``
+    here with the trainer's full per-tensor parameters (HF names). Rank 0 of each replica gathers them on the
+    host and sends one batch to ``hf_server_<replica>_0``; other ranks only drain the generator.
+    """
+
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, **_: Any) -> None:
+        super().__init__(config, model_config, device_mesh)
+        rank = int(os.environ.get("RANK", "0"))
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % rollout_world_size
+        self.server_handle = None
+
+    @property
+    def is_leader_rank(self) -> bool:
+        return self.rollout_rank == 0
+
+    def _server(self):
+        if self.rollout_rank != 0:
+            return None
+        if self.server_handle is None:
+            self.server_handle = ray.get_actor(server_actor_name(self.replica_rank))
+        return self.server_handle
+
+    async def resume(self, tags: list[str]) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    @torch.no_grad()
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None] | Iterable,
+        wire_format: str = "named_tensors",
+        global_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"the hf CPU rollout takes wire_format='named_tensors', got {wire_format!r}")
+        if kwargs.get("peft_config") is not None:
+            raise NotImplementedError("the hf CPU rollout does not take LoRA adapters (use model.lora.merge=true)")
+        named: list[tuple[str, torch.Tensor]] = []
+        async_iter = hasattr(weights, "__aiter__")
+        if async_iter:
+            async for name, tensor in weights:
+                named.append((name, _to_host(tensor)))
+        else:
+            for name, tensor in weights:
+                named.append((name, _to_host(tensor)))
+        server = self._server()
+        if server is not None:
+            await server.update_weights.remote(named, global_steps)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().to("cpu").clone()
+
+
+RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)
+rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"

@@ -1,0 +1,664 @@
+"""VCPO's ESS step size and single-backward OPOB update inside verl 0.9.1's FSDP training engine.
+
+The seam. verl builds the actor's (and reference's) engine with
+``EngineRegistry.new(model_type=actor_rollout_ref.model.model_type, backend=<actor strategy>)``
+(``verl/workers/engine_workers.py``), and ``HFModelConfig.model_type`` is an ordinary config field. This
+module registers ``VcpoFSDPEngineWithLMHead`` (a subclass of verl's ``FSDPEngineWithLMHead``) under the
+model type ``vcpo_language_model`` for the ``fsdp``/``fsdp2`` backends, so a run selects it with::
+
+    +actor_rollout_ref.model.model_type=vcpo_language_model
+    actor_rollout_ref.actor.policy_loss._target_=vcpo.verl_plugin.VcpoPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis
+    +actor_rollout_ref.actor.policy_loss.method=vcpo     # or tis_ess (ESS only) / tis_opob (OPOB only)
+    actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean   # the preset's aggregation (checked)
+
+(``+`` because verl's YAML has no ``model_type`` key). No verl file is edited. The module must be
+imported in every worker process before the engine is built: through the ``verl.plugins`` entry point
+(``vcpo.verl_plugin`` importing this module), or ``VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.engine``.
+The engine resets ``model_type`` to ``language_model`` on its model config so verl's model builder runs
+unchanged; the reference model (a deepcopy of the same model config) also gets this class, whose
+inference path is verl's. What the engine does per optimizer step comes from the method preset named
+by ``policy_loss.method``, which it reads from the loss function verl hands it
+(``functools.partial(ppo_loss, config=actor_config)``): the step-size rule ``ess`` turns on (1), the
+advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_batch`` untouched.
+
+(1) ESS step size (ALGORITHMS.md §2). s_i = Σ_t (l^θ − l^μ) with l^μ = ``old_log_probs`` (bypass
+    convention) and l^θ the learner's log-probs of this optimizer step's forward passes (the parameters
+    do not move before ``optimizer.step``, so these are the log-probs at the start of the step). The
+    s_i of every sequence of the mini-batch on every data-parallel rank are all-gathered, ρ_ess =
+    ``ess_ratio`` of them, and the optimizer's learning rate is multiplied by ``ess_step_scale(ρ_ess)``
+    (the preset's rho_on, or ``policy_loss.rho_on`` when set, form, clamp) for that ``optimizer.step()`` only (``scaled_learning_rate``
+    restores it; the LR scheduler is untouched). The loss stays verl's ``ppo_loss``.
+
+(2) OPOB (ALGORITHMS.md §3-4, VCPO App. C). Every micro-batch runs its forward and backward inside
+    ``PerSequenceGradients.micro_batch``: after the forward the coefficients c^S_i = −w^TIS_i/(σ_g N),
+    c^R_i = c^S_i R_i are set (w^TIS_i = min(w_i, c) from the learner's log-probs, σ_g the group's reward
+    std when ``norm_by_std``, N the global count of valid sequences, or of tokens for token-mean) and
+    the backward runs on Σ_i l_i (l_i the loss aggregation's per-sequence score). After the last
+    micro-batch the rewards, s_i and ||g_i||² of all ranks are all-gathered, b* = ``opob_baseline`` is
+    computed (per prompt group for scope "group", labels from ``uid``; groups may span micro-batches
+    and ranks), ``combine`` forms G_R − Σ_γ b_γ G_S^γ locally, and the combined gradient is summed over
+    data-parallel ranks with ONE all-reduce (one flat buffer). Then the ESS-scaled optimizer step.
+    R_i = Σ_t token_level_rewards (after the KL-in-reward penalty; verl's V1 trainer sends them to the actor
+    only when it applies one) or else Σ_t rm_scores (the verifiable reward). The advantages in the batch are not
+    used. Packed micro-batches (remove-padding, also with ``pad_to_length``) go to ``micro_batch`` with
+    ``cu_seqlens``; without that argument the engine runs the OPOB step on verl's padded micro-batches
+    (``use_remove_padding=False`` for that step). Dynamic batch sizes work. Not supported (clear
+    errors): Ulysses sequence parallelism, torch.autocast (bf16 mixed precision), top-K distillation.
+
+Metrics (one value per optimizer step, as one-element lists like verl's per-micro-batch metrics; the
+trainer prefixes keys that do not start with ``actor/``, so the ESS ratio is logged as
+``actor/rollout_corr/seq_ess_ratio``): ``rollout_corr/seq_ess_ratio``, ``actor/lr_scale``,
+``actor/effective_lr`` (both rules); ``actor/opob_baseline`` (mean b*), ``actor/seq_grad_norm_{mean,max,min}``
+(||g_i|| over all ranks), ``actor/pg_loss`` (Σ_i c^S_i (R_i − b_i) l_i, also verl's ``loss``),
+``actor/opob_packed`` (OPOB).
+
+FSDP. ``PerSequenceGradients`` replaces the forward of each Linear / Embedding / RMSNorm and writes
+per-sequence sums into ``module.weight.grad``. FSDP2 (``strategy=fsdp2``, verl's ``fully_shard``): for an
+OPOB step the engine unshards every FSDP module and turns FSDP2's gradient sync and resharding off
+(``set_requires_gradient_sync`` / ``set_reshard_after_forward`` / ``set_reshard_after_backward``, and
+verl's per-micro-batch no_sync toggling), so the handlers see the unsharded Parameters; after
+``combine`` and the one all-reduce of the full gradient, each sharded parameter gets its shard as a
+DTensor gradient (``distribute_tensor(..., src_data_rank=None)``: a local slice, no communication), the
+modules are resharded and the flags restored; verl's ``optimizer_step`` (FSDP2 grad clipping) follows.
+Cost: the whole model and its gradient are unsharded during an OPOB step (no ZeRO-3 saving in that
+step) and the reduction is an all-reduce rather than FSDP2's reduce-scatter (2x the bytes per rank);
+reduce-scatter would also be exact, since RS(G_R − b G_S) = RS(G_R) − b RS(G_S). FSDP1
+(``strategy=fsdp``): its modules hold views of a FlatParameter whose own ``.grad`` is what FSDP
+reduces, so the handlers' writes would be lost: OPOB raises a clear error (use fsdp2). bf16 mixed
+precision: verl runs the forward under ``torch.autocast``, which ``PerSequenceGradients`` does not
+support: OPOB raises unless ``mixed_precision.param_dtype`` is fp32
+(``+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'``). The ESS rule works with every
+strategy and precision (it touches only log-probs and the learning rate).
+Megatron: not supported; the ``megatron`` backend of this model type raises at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
+from verl.workers.engine.base import BaseEngine, EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.utils.padding import no_padding_2_padding
+
+from vcpo.core import (
+    PerSequenceGradients,
+    ess_ratio,
+    ess_step_scale,
+    importance_weights,
+    offpolicy_diagnostics,
+    opob_baseline,
+    scaled_learning_rate,
+    token_log_ratio,
+)
+from vcpo.core.baselines import group_reward_std
+from vcpo.core.registry import POLICY_LOSSES
+from vcpo.methods import get_method
+from vcpo.verl_plugin.shared import ENGINE_MODEL_TYPE, metrics_to_floats
+
+MODEL_TYPE = ENGINE_MODEL_TYPE
+# The overrides that select the engine and the full VCPO update (method vcpo: seq-TIS c = 8, OPOB, ESS).
+HYDRA_OVERRIDES = (
+    f"+actor_rollout_ref.model.model_type={MODEL_TYPE}",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.policy_loss._target_=vcpo.verl_plugin.VcpoPolicyLossConfig",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis",
+    "+actor_rollout_ref.actor.policy_loss.method=vcpo",
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+)
+DEVICES = ["cuda", "npu", "cpu"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The update rule, from the method preset named in the actor's policy-loss config.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """What the engine does around one optimizer step (from a ``vcpo.methods`` preset)."""
+
+    method: str
+    ess: bool = False
+    rho_on: float = 1.0
+    form: str = "sqrt"
+    clamp: bool = True
+    opob: bool = False
+    scope: str = "group"
+    variant: str = "paper"
+    norm_by_std: bool = True
+    loss_name: str = "seq_tis"
+    agg: str = "seq-mean-token-mean"
+    loss_params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.ess or self.opob
+
+
+def rule_from_method(name: str) -> UpdateRule:
+    method = get_method(name)
+    spec = method.spec
+    step = spec.get("step_size", {}) or {}
+    step_params = step.get("params", {}) or {}
+    advantage = spec.get("advantage", {}) or {}
+    adv_params = advantage.get("params", {}) or {}
+    rule = UpdateRule(
+        method=method.name,
+        ess=step.get("rule") == "ess",
+        rho_on=float(step_params.get("rho_on", 1.0)),
+        form=step_params.get("form", "sqrt"),
+        clamp=bool(step_params.get("clamp", True)),
+        opob=advantage.get("estimator") == "opob",
+        scope=adv_params.get("scope", "group"),
+        variant=adv_params.get("variant", "paper"),
+        norm_by_std=bool(adv_params.get("norm_by_std", True)),
+        loss_name=method.loss_name,
+        agg=spec["loss"].get("agg", "seq-mean-token-mean"),
+        loss_params=method.loss_params,
+    )
+    if rule.opob:
+        keywords = getattr(POLICY_LOSSES.get(rule.loss_name), "fn", None)
+        keywords = getattr(keywords, "keywords", {}) or {}
+        if "level" not in keywords or "bound" not in keywords:
+            raise ValueError(f"OPOB in the engine needs a ratio-bounding loss (seq_tis, ...); got {rule.loss_name!r}")
+    return rule
+
+
+def rule_from_loss_function(loss_function) -> UpdateRule | None:
+    """The rule of ``policy_loss.method`` in the actor config bound to verl's ``ppo_loss`` partial."""
+    config = (getattr(loss_function, "keywords", None) or {}).get("config")
+    if config is None:
+        return None
+    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
+    getter = getattr(policy_loss, "get", None)
+    name = getter("method", None) if getter else None
+    if not name:
+        return None
+    rule = rule_from_method(name)
+    rho_on = getter("rho_on", None)
+    if rho_on is not None:
+        rule = dataclasses.replace(rule, rho_on=float(rho_on))
+    if rule.active:
+        loss_mode = getter("loss_mode", None)
+        if loss_mode != rule.loss_name:
+            raise ValueError(f"policy_loss.method={name!r} is a preset of loss {rule.loss_name!r}, not {loss_mode!r}")
+        agg = config.get("loss_agg_mode", None) if hasattr(config, "get") else None
+        if agg is not None and agg != rule.agg:
+            raise ValueError(
+                f"actor.loss_agg_mode={agg!r} but method {name!r} uses {rule.agg!r}: set "
+                f"actor_rollout_ref.actor.loss_agg_mode={rule.agg}"
+            )
+    return rule
+
+
+def reward_key(data: TensorDict) -> str:
+    """The per-token reward field OPOB sums: verl's V1 trainer writes ``token_level_rewards`` back only with a
+    KL-in-reward penalty; otherwise they equal the reward loop's ``rm_scores``."""
+    for key in ("token_level_rewards", "rm_scores"):
+        if key in data.keys():
+            return key
+    raise KeyError(f"OPOB needs the per-token rewards (token_level_rewards or rm_scores); the batch has {sorted(data.keys())}")
+
+
+def check_strategy(method_name: str | None, strategy: str | None) -> None:
+    """Raise if a method whose step needs this engine (ESS step size or OPOB) runs with Megatron.
+
+    For verl's policy-loss function (the plugin), which is the only vcpo code a Megatron run calls:
+    there the engine is never built, so the ESS rule and OPOB would be silently skipped.
+    """
+    if not method_name or strategy != "megatron":
+        return
+    rule = rule_from_method(method_name)
+    if rule.active:
+        raise NotImplementedError(
+            f"method {method_name!r} needs the vcpo engine ({'ESS step size' if rule.ess else ''}"
+            f"{' + ' if rule.ess and rule.opob else ''}{'OPOB' if rule.opob else ''}), which exists for verl's "
+            "FSDP strategy only: the Megatron strategy is not supported. Use actor_rollout_ref.actor.strategy=fsdp2 "
+            f"with +actor_rollout_ref.model.model_type={MODEL_TYPE}, or a method without them (e.g. seq_tis_c8)"
+        )
+
+
+def check_opob_loss(loss_function) -> None:
+    """OPOB replaces verl's ppo_loss by its own per-sequence update: refuse what that would drop."""
+    from verl.workers.utils.losses import ppo_loss
+
+    if getattr(loss_function, "func", None) is not ppo_loss:
+        raise NotImplementedError(
+            f"OPOB in the vcpo engine replaces verl's ppo_loss; got loss function {loss_function!r}"
+        )
+    config = loss_function.keywords["config"]
+    if config.get("use_kl_loss", False) or config.get("entropy_coeff", 0.0):
+        raise NotImplementedError(
+            "OPOB in the vcpo engine forms the policy-gradient update only: set actor.use_kl_loss=False and "
+            "actor.entropy_coeff=0 (VCPO uses neither), or use a method without OPOB"
+        )
+
+
+def packed_opob_supported() -> bool:
+    """True once ``PerSequenceGradients.micro_batch`` takes ``cu_seqlens`` (packed rows)."""
+    return "cu_seqlens" in inspect.signature(PerSequenceGradients.micro_batch).parameters
+
+
+# ----------------------------------------------------------------------------------------------
+# Data-parallel helpers.
+# ----------------------------------------------------------------------------------------------
+
+
+def gather_objects(obj, group) -> list:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_reduce_gradients(params: list[torch.Tensor], group) -> None:
+    """Sum p.grad over the group with ONE all-reduce of a flat buffer (VCPO App. C)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def padded(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_padded_tensor(0.0) if getattr(tensor, "is_nested", False) else tensor
+
+
+def sequence_labels(data: TensorDict) -> list:
+    """Prompt-group label per sequence: verl's ``uid`` (non-tensor), or a ``uid`` tensor."""
+    if "uid" not in data.keys():
+        raise KeyError("OPOB with scope 'group' needs the prompt-group labels 'uid' in the actor's batch")
+    uid = data["uid"] if isinstance(data.get("uid"), torch.Tensor) else tu.get(data, "uid")
+    if isinstance(uid, torch.Tensor):
+        return uid.tolist()
+    if hasattr(uid, "tolist"):
+        return list(uid.tolist())
+    return list(uid)
+
+
+def response_log_probs(model_output: dict, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(l^θ with grad, l^μ, mask) on the response tokens, (B, R) padded, as verl's ppo_loss slices them."""
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    selected = data.select("response_mask", "old_log_probs").to_padded_tensor()
+    mask = selected["response_mask"].to(torch.bool)
+    return log_prob, selected["old_log_probs"], mask
+
+
+def sequence_log_weights(log_prob: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r = token_log_ratio(log_prob, behav, mask)
+    return (r * mask).sum(-1).to(torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-step state.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _StepState:
+    rule: UpdateRule
+    opob: bool
+    packed: bool = False
+    fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
+    normaliser: float = 1.0
+    stack: contextlib.ExitStack | None = None
+    seq_log_weights: list[torch.Tensor] = field(default_factory=list)
+    valid: list[torch.Tensor] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    coef_s: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+
+    def close_micro_batch(self) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            stack.close()
+
+    def abort(self) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            with contextlib.suppress(BaseException):
+                stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """verl's FSDP LM engine plus the ESS step size and the single-backward OPOB update (module doc)."""
+
+    def __init__(self, model_config, *args, **kwargs):
+        # Selected by model_type; build and run as verl's language model.
+        model_config.model_type = "language_model"
+        super().__init__(model_config, *args, **kwargs)
+        self._step: _StepState | None = None
+        self._per_sequence: PerSequenceGradients | None = None
+        self.opob_packed = packed_opob_supported()
+
+    # -- the optimizer step ------------------------------------------------------------------------
+    def train_batch(self, data: TensorDict, loss_function) -> Any:
+        rule = rule_from_loss_function(loss_function)
+        if rule is None or not rule.active:
+            return super().train_batch(data, loss_function)
+        if tu.get_non_tensor_data(data=data, key="distillation_use_topk", default=False):
+            raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
+        maybe_fix_3d_position_ids(data)
+        group = self.get_data_parallel_group()
+        state = _StepState(rule=rule, opob=rule.opob)
+        extra: dict[str, float] = {}
+        if rule.opob:
+            check_opob_loss(loss_function)
+        self.optimizer_zero_grad()
+        self._step = state
+        try:
+            with self._fsdp2_unsharded(state):
+                if rule.opob:
+                    self._prepare_opob(data, state, group)
+                loss = self._recording_loss(loss_function, state)
+                outputs = self.forward_backward_batch(data, loss, forward_only=False)
+                state.close_micro_batch()
+                seq_log_weights, valid = self._gathered_log_weights(state, group)
+                if rule.opob:
+                    extra.update(self._opob_combine(state, group))
+        except BaseException:
+            state.abort()
+            if self._per_sequence is not None:
+                self._per_sequence._discard()
+            self.optimizer_zero_grad()
+            raise
+        finally:
+            self._step = None
+        ratio = float(ess_ratio(seq_log_weights, valid))
+        scale = ess_step_scale(ratio, rule.rho_on, rule.form, rule.clamp) if rule.ess else 1.0
+        lr = self.optimizer.param_groups[0]["lr"]
+        with scaled_learning_rate(self.optimizer, scale):
+            grad_norm = self.optimizer_step()
+        if self.is_mp_src_rank_with_outputs():
+            metrics = outputs["metrics"]
+            assert "grad_norm" not in metrics
+            metrics["grad_norm"] = grad_norm
+            extra.update(
+                {"rollout_corr/seq_ess_ratio": ratio, "actor/lr_scale": scale, "actor/effective_lr": lr * scale}
+            )
+            if rule.opob:
+                # verl's "loss" (summed over micro-batches, averaged over ranks) would be Σ l_i here
+                outputs["loss"] = [extra["actor/pg_loss"]]
+            # one entry per step, as a list like verl's per-micro-batch metrics (the worker flattens lists)
+            metrics.update({name: [value] for name, value in extra.items()})
+        return outputs
+
+    def _gathered_log_weights(self, state: _StepState, group) -> tuple[torch.Tensor, torch.Tensor]:
+        local_s = (
+            torch.cat(state.seq_log_weights).cpu() if state.seq_log_weights else torch.zeros(0, dtype=torch.float64)
+        )
+        local_v = torch.cat(state.valid).cpu() if state.valid else torch.zeros(0, dtype=torch.bool)
+        parts = gather_objects((local_s, local_v), group)
+        return torch.cat([s for s, _ in parts]), torch.cat([v for _, v in parts])
+
+    def _recording_loss(self, loss_function, state: _StepState):
+        """verl's loss (or, for OPOB, the per-sequence scores) plus a record of s_i per micro-batch."""
+
+        def loss(model_output, data, dp_group=None):
+            log_prob, behav, mask = response_log_probs(model_output, data)
+            state.seq_log_weights.append(sequence_log_weights(log_prob, behav, mask))
+            state.valid.append(mask.any(-1))
+            if state.opob:
+                return self._opob_scores(state, data, log_prob, behav, mask)
+            return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+
+        loss.keywords = getattr(loss_function, "keywords", {})
+        return loss
+
+    # -- OPOB --------------------------------------------------------------------------------------
+    def _per_sequence_gradients(self, fsdp2: bool) -> PerSequenceGradients:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.module, FullyShardedDataParallel):
+            raise NotImplementedError(
+                "OPOB's per-sequence gradient hooks cannot write into FSDP1 flat-parameter gradients; use "
+                "actor_rollout_ref.actor.strategy=fsdp2 (supported), or a method without OPOB (e.g. tis_ess)"
+            )
+        if fsdp2:
+            # the unsharded Parameters of this step (FSDP2 may re-create them between steps)
+            self._per_sequence = PerSequenceGradients(self.module)
+        elif self._per_sequence is None:
+            self._per_sequence = PerSequenceGradients(self.module)
+        return self._per_sequence
+
+    def _fsdp2_modules(self) -> list:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return []
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def _fsdp2_unsharded(self, state: _StepState):
+        """FSDP2 + OPOB: hold every parameter unsharded for the step, then shard the combined gradient.
+
+        The per-sequence handlers write into the unsharded Parameters' ``.grad``; FSDP2's own gradient
+        reduction is off for the whole step (no reduce-scatter, no reshard after forward or backward).
+        `_opob_combine` combines and all-reduces those full gradients (one all-reduce, as in VCPO App. C);
+        here each sharded parameter then gets its shard of it as a DTensor gradient, the unsharded
+        gradients are dropped and the modules resharded. Memory: the whole model and its gradient
+        unsharded for the step (no ZeRO-3 saving during an OPOB step), plus the score buffers.
+        """
+        modules = self._fsdp2_modules() if state.opob else []
+        if not modules:
+            yield
+            return
+        precision = dict(getattr(self.engine_config, "mixed_precision", None) or {})
+        if precision.get("reduce_dtype", "fp32") != precision.get("param_dtype", "bf16"):
+            # FSDP2 would move each micro-batch's gradient into its private reduce-dtype accumulator
+            raise NotImplementedError(
+                "OPOB under FSDP2 needs mixed_precision.reduce_dtype == param_dtype (fp32), got "
+                f"{precision or 'the default bf16/fp32'}"
+            )
+        state.fsdp2 = modules
+        reshard_after_forward = getattr(self.engine_config, "reshard_after_forward", True)
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+        for module in modules:
+            module.unshard()
+        full_grads = None
+        try:
+            yield
+            full_grads = {name: p.grad for name, p in self.module.named_parameters() if p.grad is not None}
+        finally:
+            for p in self.module.parameters():
+                p.grad = None
+            for module in modules:
+                module.reshard()
+                module.set_requires_gradient_sync(True, recurse=False)
+                module.set_reshard_after_forward(reshard_after_forward, recurse=False)
+                module.set_reshard_after_backward(True, recurse=False)
+            self._per_sequence = None
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for name, param in self.module.named_parameters():
+            grad = full_grads.get(name)
+            if grad is None:
+                continue
+            if isinstance(param, DTensor):
+                grad = distribute_tensor(grad.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.grad = grad
+
+    def _prepare_opob(self, data: TensorDict, state: _StepState, group) -> None:
+        rule = state.rule
+        if self.use_ulysses_sp:
+            # each SP rank holds a slice of the packed row: per-sequence norms would need a cross-rank sum
+            raise NotImplementedError("OPOB in the vcpo engine does not support Ulysses sequence parallelism")
+        if getattr(self, "_autocast_dtype", torch.float32) != torch.float32:
+            # PerSequenceGradients runs its functions in the parameters' dtype and cannot run under autocast
+            raise NotImplementedError(
+                f"OPOB in the vcpo engine cannot run under torch.autocast ({self._autocast_dtype}); "
+                "run it in fp32: +actor_rollout_ref.actor.fsdp_config.mixed_precision="
+                "'{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'"
+            )
+        self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
+        remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
+        state.packed = bool(remove_padding) and self.opob_packed
+        if remove_padding and not state.packed:
+            tu.assign_non_tensor(data, use_remove_padding=False)  # padded rows: one sequence per row
+        mask = padded(data["response_mask"]).to(torch.bool)
+        rewards = padded(data[reward_key(data)]).to(torch.float64).sum(-1)
+        labels = sequence_labels(data) if rule.scope == "group" else [0] * len(data)
+        parts = gather_objects((rewards.cpu(), labels, mask.any(-1).cpu(), mask.sum().item()), group)
+        all_rewards = torch.cat([r for r, _, _, _ in parts])
+        all_labels = [label for _, ls, _, _ in parts for label in ls]
+        all_valid = torch.cat([v for _, _, v, _ in parts])
+        tokens = sum(t for _, _, _, t in parts)
+        ids = {label: i for i, label in enumerate(sorted(set(all_labels), key=str))}
+        global_groups = torch.tensor([ids[label] for label in all_labels], dtype=torch.long)
+        std = (
+            group_reward_std(all_rewards, global_groups)
+            if rule.norm_by_std
+            else torch.ones(all_rewards.shape[0], dtype=torch.float64)
+        )
+        rank = [len(ls) for _, ls, _, _ in parts]
+        start = sum(rank[: self._dp_rank_index(group)])
+        device = data["response_mask"].device
+        data["vcpo_reward"] = rewards.to(device)
+        data["vcpo_group"] = global_groups[start : start + len(data)].to(device)
+        data["vcpo_std"] = std[start : start + len(data)].to(device)
+        state.normaliser = float(max(1, tokens if rule.agg == "token-mean" else int(all_valid.sum())))
+
+    @staticmethod
+    def _dp_rank_index(group) -> int:
+        if not dist.is_initialized():
+            return 0
+        return dist.get_rank(group)
+
+    @contextlib.contextmanager
+    def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+        if self._step is not None and self._step.fsdp2:
+            yield  # FSDP2 gradient sync stays off for the whole OPOB step (see _fsdp2_unsharded)
+            return
+        with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):
+            yield
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        state = self._step
+        if state is None or not state.opob or forward_only:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        # The previous micro-batch's backward has run (verl calls backward right after forward_step).
+        state.close_micro_batch()
+        size = len(micro_batch)
+        zeros = torch.zeros(size, dtype=torch.float64)
+        groups = micro_batch["vcpo_group"].cpu() if state.rule.scope == "group" else None
+        kwargs = {}
+        if state.packed:
+            kwargs["cu_seqlens"] = micro_batch["input_ids"].offsets()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._per_sequence.micro_batch(zeros, zeros, groups=groups, **kwargs))
+        state.stack = stack
+        return super().forward_step(micro_batch, loss_function, forward_only)
+
+    def _opob_scores(self, state: _StepState, data: TensorDict, log_prob, behav, mask):
+        """Set c^R, c^S from this forward's log-probs; return Σ_i l_i for the backward."""
+        rule = state.rule
+        loss_fn = POLICY_LOSSES[rule.loss_name].fn
+        params = rule.loss_params
+        r = token_log_ratio(log_prob, behav, mask)
+        weights = importance_weights(
+            r,
+            mask,
+            level=loss_fn.keywords["level"],
+            bound=loss_fn.keywords["bound"],
+            lo=params["lo"],
+            hi=params["hi"],
+        )
+        weight = weights.weight.amax(-1).double()
+        rewards = data["vcpo_reward"].double()
+        coef_s = -weight / (data["vcpo_std"].double() * state.normaliser)
+        self._per_sequence.set_coefficients(coef_s * rewards, coef_s)
+        summed = (log_prob * mask).sum(-1)
+        scores = summed if rule.agg == "token-mean" else summed / mask.sum(-1).clamp_min(1)
+        state.rewards.append(rewards.detach().cpu())
+        state.coef_s.append(coef_s.detach().cpu())
+        state.scores.append(scores.detach().double().cpu())
+        # the loss's own diagnostics (ratio and KL statistics) under the names its verl loss logs; the step's
+        # global seq_ess_ratio replaces this micro-batch's
+        diagnostics = {**offpolicy_diagnostics(log_prob, behav, r, mask), **weights.metrics}
+        diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
+        diagnostics.pop("rollout_corr/seq_ess_ratio")
+        return scores.sum(), Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
+
+    def _opob_combine(self, state: _StepState, group) -> dict[str, float]:
+        """Baseline from the norms of every rank, combine locally, ONE all-reduce of the gradient."""
+        rule = state.rule
+        engine = self._per_sequence
+        sq_norms = engine.sq_norms.cpu()
+        local = (
+            sq_norms,
+            torch.cat(state.seq_log_weights).cpu(),
+            torch.cat(state.rewards),
+            engine.groups if rule.scope == "group" else None,
+            torch.cat(state.coef_s) * torch.cat(state.scores),
+        )
+        parts = gather_objects(local, group)
+        all_norms, all_s, all_rewards = (torch.cat([p[k] for p in parts]) for k in range(3))
+        all_groups = torch.cat([p[3] for p in parts]) if rule.scope == "group" else None
+        baseline = opob_baseline(
+            all_rewards, all_norms, all_s, all_groups, variant=rule.variant, tis_cap=rule.loss_params.get("hi")
+        )
+        start = sum(p[0].shape[0] for p in parts[: self._dp_rank_index(group)])
+        engine.combine(baseline[start : start + sq_norms.shape[0]])
+        all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
+        # The loss whose gradient this is: Σ_i c^S_i (R_i − b_i) l_i over all ranks.
+        pg_loss = float((torch.cat([p[4] for p in parts]) * (all_rewards - baseline)).sum())
+        norms = all_norms.sqrt()
+        return {
+            "actor/pg_loss": pg_loss,
+            "actor/opob_baseline": float(baseline.mean()),
+            "actor/seq_grad_norm_mean": float(norms.mean()),
+            "actor/seq_grad_norm_max": float(norms.max()),
+            "actor/seq_grad_norm_min": float(norms.min()),
+            "actor/opob_packed": float(state.packed),
+        }
+
+
+EngineRegistry.register(model_type=MODEL_TYPE, backend=["fsdp", "fsdp2"], device=DEVICES)(VcpoFSDPEngineWithLMHead)
+
+
+class VcpoMegatronUnsupported(BaseEngine):
+    """Placeholder so that selecting the vcpo engine with the Megatron strategy fails loudly."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"model_type={MODEL_TYPE!r} (VCPO's ESS step size and OPOB update) is implemented for verl's FSDP "
+            "engine only (actor_rollout_ref.actor.strategy=fsdp or fsdp2); the Megatron strategy is not supported. "
+            "Drop +actor_rollout_ref.model.model_type or switch the strategy to fsdp/fsdp2"
+        )
+
+
+EngineRegistry.register(model_type=MODEL_TYPE, backend="megatron", device=DEVICES)(VcpoMegatronUnsupported)
+
+
+__all__ = [
+    "HYDRA_OVERRIDES",
+    "check_strategy",
+    "MODEL_TYPE",
+    "UpdateRule",
+    "VcpoFSDPEngineWithLMHead",
+    "packed_opob_supported",
+    "rule_from_loss_function",
+    "rule_from_method",
+]
