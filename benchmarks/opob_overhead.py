@@ -16,6 +16,7 @@ step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live
 
     python benchmarks/opob_overhead.py --model 50m --threads 1
     python benchmarks/opob_overhead.py --model 0.5b --device cuda --dtype bfloat16 --seq-len 2048
+    python benchmarks/opob_overhead.py --json overhead.json   # also the ratios as JSON (vcpo.tables fig3)
 """
 
 from __future__ import annotations
@@ -329,6 +330,17 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
     print("final gradient vs opob (relative L2): " + ", ".join(f"{k} {v:.1e}" for k, v in timing["agreement"].items()))
 
 
+def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict) -> None:
+    """The measured times, peaks and their ratios to plain, for ``python -m vcpo.tables figure fig3``."""
+    ratios = {"step_time_ratio": {v: timing["step_s"][v] / timing["step_s"]["plain"] for v in args.variants}}
+    if memory:
+        ratios["memory_ratio"] = {v: memory[v] / memory["plain"] for v in args.variants}
+    setting = f"{args.model}, {args.device}/{args.dtype}, {args.batch_size} x {args.seq_len} tokens"
+    result = {"setting": setting, "args": vars(args), **timing, "peak_bytes": memory, "ratios": ratios}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="tiny")
@@ -356,6 +368,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="only measure the cost-model constant pass_cost on this machine and exit",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results and ratios to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -387,6 +400,8 @@ def main(argv=None) -> None:
             else:
                 memory[variant] = memory_in_subprocess(args, variant)
     print_table(args, timing, memory)
+    if args.json:
+        write_json(args.json, args, timing, memory)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_summary_rows_have_the_known_values(sweep):
 def test_seed_band_and_smoothing(sweep):
     from vcpo.sim.plots import read_metrics, run_dirs
 
-    runs = [read_metrics(d / "metrics.jsonl") for d in run_dirs(sweep, "countdown", "sync", 99)]
+    runs = [read_metrics(d) for d in run_dirs(sweep, "countdown", "sync", 99)]
     steps, mean, low, high = seed_band(runs, "val/accuracy", window=10)
     assert steps.tolist() == [0, 2, 4]
     assert mean.tolist() == pytest.approx([0.2, 0.35, 0.4]) and low.tolist() == [0.2, 0.3, 0.3]

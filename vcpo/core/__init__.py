@@ -5,6 +5,7 @@
 - ess: effective sample size and the ESS step-size rule (§2)
 - baselines: the off-policy optimal baseline OPOB (§3)
 - per_sequence_grads: exact per-sequence gradient norms and the single-backward two-buffer update (§4)
+- proxies: OTB's logit-energy proxy for per-sequence gradient norms (App. E, Figure 14)
 - losses, registry: every policy loss, by name (§1, §5-§10); aggregation: verl's loss_agg_mode
 """
 
@@ -22,6 +23,7 @@ from vcpo.core.losses import (
     vespo_loss,
 )
 from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.proxies import logit_energy_proxy
 from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, token_log_ratio
 from vcpo.core.registry import POLICY_LOSSES, get_policy_loss
 
@@ -37,6 +39,7 @@ __all__ = [
     "importance_weights",
     "kl_in_reward",
     "log_effective_sample_size",
+    "logit_energy_proxy",
     "m2po_loss",
     "offpolicy_diagnostics",
     "opob_baseline",

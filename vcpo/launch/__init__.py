@@ -32,7 +32,7 @@ from typing import Any
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method
 from vcpo.recipes import load_folder, read_yaml, recipes_dir
-from vcpo.verl_plugin.shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 # verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is

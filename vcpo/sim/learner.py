@@ -251,7 +251,7 @@ class Learner:
                 "actor/grad_norm": grad_norm,
                 "actor/grad_norm_finite": float(math.isfinite(grad_norm)),
                 "actor/lr": self.config.base_lr * lr_scale,
-                "actor/ess_lr_scale": scale,
+                "actor/lr_scale": scale,
                 "actor/effective_lr": self.config.base_lr * lr_scale * scale,
                 "critic/score/mean": float(batch.rewards.mean()),
                 "critic/advantages/mean": advantage_mean,
@@ -359,7 +359,7 @@ class Learner:
         _, metrics = self._call_loss(batch, log_prob, advantages, None)
         metrics = {name: float(value) for name, value in metrics.items()}
         metrics["_adv_mean"] = float(advantages[batch.mask].mean()) if batch.mask.any() else 0.0
-        metrics["actor/opob_baseline_mean"] = float(baseline.mean())
+        metrics["actor/opob_baseline"] = float(baseline.mean())
         metrics["actor/seq_grad_norm_mean"] = float(sq_norms.sqrt().mean())
         metrics["actor/seq_grad_norm_max"] = float(sq_norms.sqrt().max())
         return log_prob, metrics

@@ -41,7 +41,7 @@ from verl.workers.config import PolicyLossConfig
 
 from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
 from vcpo.methods import default_method, get_method
-from vcpo.verl_plugin.shared import metrics_to_floats
+from vcpo.verl_shared import metrics_to_floats
 
 
 @dataclass

@@ -104,7 +104,7 @@ from vcpo.core import (
 from vcpo.core.baselines import group_reward_std
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import get_method
-from vcpo.verl_plugin.shared import ENGINE_MODEL_TYPE, metrics_to_floats
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, metrics_to_floats
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 # The overrides that select the engine and the full VCPO update (method vcpo: seq-TIS c = 8, OPOB, ESS).

@@ -1,8 +1,8 @@
-"""What the plugin's modules and the launcher share, importable without importing verl.
+"""What verl_plugin's modules and the launcher share, importable without importing verl.
 
 The launcher reads these before any verl import, and the engine imports them while ``import verl`` is
 still loading its external modules (where ``vcpo.verl_plugin`` may be half imported), so this module
-imports nothing from verl or from its parent package.
+imports nothing from verl and lives outside ``vcpo.verl_plugin`` (importing it would import verl).
 """
 
 from __future__ import annotations

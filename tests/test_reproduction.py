@@ -1,0 +1,192 @@
+"""The reproduction workflow: its run plan per config, the checks at DAG construction, Snakemake's dry runs."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vcpo.methods import list_methods
+from vcpo.reproduction import ConfigError, PlannedRun, plan, provenance, sim_settings
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "workflows" / "config"
+
+
+@functools.cache
+def config(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+@functools.cache
+def planned(name: str):
+    return plan(config(name))
+
+
+def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
+    smoke = planned("smoke")
+    assert {run.method for run in smoke.runs} == {method.name for method in list_methods()}
+    assert {run.task for run in smoke.runs} == {"countdown"}
+    core = {(run.method, run.lag, run.seed) for run in smoke.runs if run.core}
+    assert core == {(m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 12), ("vcpo", 12)) for s in (0, 1, 2)}
+    sweep = {(run.method, run.lag) for run in smoke.figures["lag_sweep"].runs}
+    assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 40) for run in smoke.runs)
+    assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 4  # the sweep's lags 2, 4, 8, 24 at full length
+    # the paper's lag 10 trains at 12 at smoke scale; sync always at 0; the lag sweep keeps its lags
+    assert {run.lag for run in smoke.figures["fig8"].runs} == {12}
+    assert {run.lag for run in smoke.runs if run.method == "sync"} == {0}
+    assert {run.lag for run in smoke.figures["lag_sweep"].runs} == {0, 2, 4, 8, 12, 24}
+    assert len(smoke.runs) == len(set(smoke.runs)) == 43
+
+
+def test_ci_is_the_core_comparison_and_the_ablation_at_a_low_lag():
+    ci = planned("ci")
+    assert sorted((run.method, run.lag) for run in ci.runs) == [
+        ("seq_tis_c8", 4),
+        ("sync", 0),
+        ("tis_ess", 4),
+        ("tis_opob", 4),
+        ("vcpo", 4),
+    ]
+    assert [run.path for run in ci.table1] == ["countdown/sync/lag0/seed0", "countdown/vcpo/lag4/seed0"]
+    assert ci.figures["fig3"].runs == ()
+
+
+def test_paper_lists_every_training_run_of_the_paper():
+    paper = planned("paper")
+    paths = {run.path for run in paper.runs}
+    for path in (
+        "gsm8k/vcpo/lag12/seed0",  # Fig. 4
+        "gsm8k/geo_mis_c8/lag12/seed0",
+        "gsm8k/token_tis_c2/lag12/seed0",  # Fig. 10
+        "gsm8k/kl_in_reward/lag12/seed0",  # Fig. 12
+        "math/tis_ess/lag10/seed0",  # Fig. 8
+        "math/low_lr/lag10/seed0",  # Fig. 9
+        "math/otb/lag10/seed0",  # Fig. 13
+        "countdown/vcpo/lag10/seed0",  # Fig. 5, Table 1
+        "simpletir/vcpo/lag2/seed0",  # Fig. 1, Table 1
+        "simpletir/sync/lag0/seed0",
+        "gsm8k/seq_tis_c8/lag24/seed0",  # the lag sweep
+        "gsm8k/vespo/lag12/seed0",
+        "gsm8k/p3o_two_anchor/lag12/seed0",
+    ):
+        assert path in paths, path
+    assert len(paper.runs) == 46 and {run.task for run in paper.runs} == {"gsm8k", "math", "countdown", "simpletir"}
+
+
+def broken(name: str, **changes) -> dict:
+    broken_config = copy.deepcopy(config(name))
+    broken_config.update(changes)
+    return broken_config
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "message"),
+    [
+        ("ci", {"figures": ["fig5", "fig99"]}, "figures: unknown figure(s) ['fig99']"),
+        ("ci", {"tasks": {"math": "calculus", "countdown": "countdown"}}, "tasks.math: 'calculus' is not a task"),
+        ("ci", {"table1_tasks": ["gsm8k"]}, "table1_tasks: 'gsm8k' is not mapped"),
+        ("ci", {"core_figures": ["fig1"]}, "core_figures: ['fig1'] are not in figures"),
+        ("ci", {"sim": {"thread": 1}}, "sim: run countdown/seq_tis_c8/lag4/seed0: unknown config key 'thread'"),
+        ("ci", {"sim_methods": {}}, None),  # fp16 is not in the CI runs: nothing to complain about
+        ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag12/seed0: config key 'rollout_dtype'"),
+        ("paper", {"data": {"dir": "data", "source_dir": "/no/such/folder"}}, "data.source_dir: '/no/such/folder'"),
+        ("paper", {"tasks": {"gsm8k": "gsm8k", "math": "countdown_v2"}}, "tasks.math: 'countdown_v2' is not a task"),
+    ],
+)
+def test_a_broken_config_fails_when_the_plan_is_made_naming_the_key(name, changes, message):
+    if message is None:
+        plan(broken(name, **changes))
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan(broken(name, **changes))
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"), [({"lags": {"10": -1}}, "lags"), ({"backend": "megatron"}, "backend"), ({"steps": {"core": 0, "default": 1}}, "steps")]
+)
+def test_the_schema_refuses_bad_values(changes, key):
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    validate(copy.deepcopy(config("ci")), str(REPO / "workflows/schemas/config.schema.yaml"))
+    with pytest.raises(WorkflowError, match=key):
+        validate(broken("ci", **changes), str(REPO / "workflows/schemas/config.schema.yaml"))
+
+
+def test_method_settings_apply_to_that_method_only():
+    smoke = config("smoke")
+    assert sim_settings(smoke, "fp16")["rollout_dtype"] == "preset"
+    assert "rollout_dtype" not in sim_settings(smoke, "vcpo") and sim_settings(smoke, "vcpo")["threads"] == 1
+
+
+def test_run_paths_follow_the_sweep_and_launch_layout():
+    assert PlannedRun("countdown", "vcpo", 12, 2).path == "countdown/vcpo/lag12/seed2"
+
+
+def test_provenance_names_the_revision_the_versions_and_the_config(tmp_path):
+    text = provenance(config("ci"), REPO)
+    assert "git revision: `" in text and "| torch | 2." in text and "results: results/ci" in text
+    assert "not a git checkout" in provenance(config("ci"), tmp_path)
+
+
+def dry_run(config_name: str, results: Path) -> str:
+    """What Snakemake would run for a config, into an empty results folder."""
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "--quiet", "rules"]
+    command += ["--configfile", str(CONFIGS / f"{config_name}.yaml"), "--config", f"results={results}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def job_counts(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", output, re.MULTILINE)}
+
+
+def test_snakemake_builds_the_ci_dag(tmp_path):
+    counts = job_counts(dry_run("ci", tmp_path))
+    assert counts["train"] == 5 and counts["figure"] == 3 and counts["sft_base"] == 1 and counts["table1"] == 1
+
+
+@pytest.mark.slow
+def test_snakemake_lists_every_paper_run_and_its_evaluation(tmp_path):
+    counts = job_counts(dry_run("paper", tmp_path))
+    assert counts["train"] == 46
+    # every final checkpoint, plus the intermediate ones (100, 200, 300) of the 400-step runs and the
+    # checkpoint at step 100 of the 200-step SimpleTIR runs
+    assert counts["evaluate"] == 46 + 3 * (32 + 8 + 3) + 1 * 3
+    assert counts["figure"] == len(config("paper")["figures"])
+    # one parquet per split the tasks read: gsm8k train/test, math train + MATH-500 + MATH test, ...
+    assert counts["build_data"] == 10
+
+
+@pytest.mark.slow
+def test_the_ci_dag_runs_reruns_nothing_then_only_a_deleted_run_and_writes_the_report(tmp_path):
+    """CI's reduced DAG end to end (simulator runs, tables, figures, benchmark, provenance, report)."""
+    results = tmp_path / "results"
+    base = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "--configfile", str(CONFIGS / "ci.yaml")]
+    base += ["--config", f"results={results}", "--cores", "2"]
+
+    def snakemake(*args: str) -> str:
+        result = subprocess.run([*base, *args], cwd=REPO, capture_output=True, text=True, timeout=1200)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        return result.stdout + result.stderr
+
+    snakemake()
+    for name in ("fig3", "fig5", "fig8"):
+        assert (results / "figures" / f"{name}.png").stat().st_size > 10_000
+    assert "| Sync (k=0)" in (results / "tables" / "table1.md").read_text()
+    assert "Nothing to be done" in snakemake("-n")
+    (results / "runs/countdown/tis_ess/lag4/seed0/final/eval.json").unlink()  # fig8's run, not Table 1's
+    counts = job_counts(snakemake("-n", "--quiet", "rules"))
+    assert counts == {"train": 1, "figure": 1, "all": 1, "total": 3}
+    snakemake()  # the run resumes from its last checkpoint (vcpo.sim), then fig8 is redrawn
+    assert (results / "runs/countdown/tis_ess/lag4/seed0/final/eval.json").exists()
+    snakemake("--report", str(results / "report.html"))
+    assert (results / "report.html").stat().st_size > 100_000

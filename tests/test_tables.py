@@ -1,0 +1,227 @@
+"""vcpo.tables from hand-made run outputs of both backends, with answers computed by hand."""
+
+import json
+
+import pytest
+
+from vcpo.tables import figure_specs, read_metrics, runs_needed
+from vcpo.tables.__main__ import main
+from vcpo.tables.figures import draw_figure
+from vcpo.tables.specs import validate_spec
+from vcpo.tables.table1 import table1_data
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_lines(folder, lines):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None):
+    """A simulator run: flat lines, evaluation at steps 0 and 2, ``final/eval.json`` when ``final`` is given."""
+    folder = root / task / method / f"lag{lag}" / f"seed{seed}"
+    lines = []
+    for step in range(3):
+        line = {"step": step, "timing_s/step": step_seconds, "rollout_corr/seq_ess_ratio": 0.9, "actor/grad_norm": 1.0}
+        if step in accuracy:
+            line |= {"val/accuracy": accuracy[step], "timing_s/testing": 10.0}
+        lines.append(line)
+    write_lines(folder, lines)
+    if final is not None:
+        (folder / "final").mkdir()
+        (folder / "final" / "eval.json").write_text(json.dumps({"step": 3, "val/accuracy": final}))
+    return folder
+
+
+def verl_run(root, task, method, lag, seed):
+    folder = root / task / method / f"lag{lag}" / f"seed{seed}"
+    write_lines(
+        folder,
+        [
+            {"step": 0, "data": {"val-core/math500/acc/mean@4": 0.4}},
+            {"step": 1, "data": {"timing_s/step": 1800.0, "actor/grad_norm": 0.5}},
+            {"step": 2, "data": {"timing_s/step": 1800.0, "val-core/math500/acc/mean@4": 0.6}},
+        ],
+    )
+    (folder / "eval" / "global_step_2").mkdir(parents=True)
+    summary = {"results": {"math500": {"mean_at_n": 0.7}}}
+    (folder / "eval" / "global_step_2" / "summary.json").write_text(json.dumps(summary))
+    command = [
+        "python",
+        "trainer.nnodes=1",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=4",
+    ]
+    (folder / "launch.json").write_text(json.dumps({"task": task, "command": command}))
+    return folder
+
+
+def test_reader_flattens_both_formats(tmp_path):
+    sim = sim_run(tmp_path, "countdown", "vcpo", 2, 0, {0: 0.1, 2: 0.3}, 1.0)
+    assert read_metrics(sim)[0] == {
+        "step": 0,
+        "timing_s/step": 1.0,
+        "rollout_corr/seq_ess_ratio": 0.9,
+        "actor/grad_norm": 1.0,
+        "val/accuracy": 0.1,
+        "timing_s/testing": 10.0,
+    }
+    verl = read_metrics(verl_run(tmp_path, "math", "vcpo", 10, 0))
+    assert [line["step"] for line in verl] == [0, 1, 2]
+    assert verl[1] == {"step": 1, "timing_s/step": 1800.0, "actor/grad_norm": 0.5}
+    assert verl[2]["val/accuracy"] == 0.6 and verl[2]["val-core/math500/acc/mean@4"] == 0.6
+
+
+def test_table1_smoke_numbers(tmp_path):
+    sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 60.0, final=0.4)
+    sim_run(tmp_path, "countdown", "sync", 0, 1, {0: 0.2, 2: 0.3}, 120.0, final=0.6)
+    sim_run(tmp_path, "countdown", "vcpo", 4, 0, {0: 0.1, 2: 0.2}, 30.0)  # unfinished: last val/accuracy
+    data = table1_data(tmp_path, "smoke", {"countdown": "countdown"}, lag=4)
+    row = data["tasks"]["countdown"]
+    assert row["base"] == {"mean": pytest.approx(0.15), "min": 0.1, "max": 0.2, "n": 2}
+    assert row["sync"]["accuracy"] == {"mean": pytest.approx(0.5), "min": 0.4, "max": 0.6, "n": 2}
+    assert row["sync"]["steps"]["mean"] == 3 and row["async"]["steps"]["mean"] == 2
+    # CPU-hours: 3 steps x step seconds + 2 evaluations x 10 s, over 3600.
+    assert row["sync"]["hours"]["min"] == pytest.approx((3 * 60 + 20) / 3600)
+    assert row["sync"]["hours"]["max"] == pytest.approx((3 * 120 + 20) / 3600)
+    assert row["async"]["accuracy"]["mean"] == 0.2 and row["async"]["lag"] == 4
+    assert row["paper"]["sync"] == {"k": 0, "accuracy": 38.4, "steps": 400, "gpu_hours": 143.2}
+
+    out = tmp_path / "tables" / "table1.md"
+    main(
+        ["table1", "--runs", str(tmp_path), "--scale", "smoke", "--out", str(out), "--task", "countdown", "--lag", "4"]
+    )
+    text = out.read_text()
+    assert "smoke scale" in text and "CPU-hours" in text and "| Base | 15.0% (10.0-20.0) | 1.6% |" in text
+    assert "| Sync (k=0) [paper k=0] | 50.0% (40.0-60.0) | 38.4% | 3 | 400 |" in text
+    assert json.loads(out.with_suffix(".json").read_text())["tasks"]["countdown"]["sync"]["seeds"] == ["seed0", "seed1"]
+
+
+def test_table1_paper_scale_uses_evaluation_and_gpu_hours(tmp_path):
+    verl_run(tmp_path, "math", "vcpo", 10, 0)
+    row = table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]
+    assert row["async"]["accuracy"]["mean"] == 0.7  # eval/<latest checkpoint>/summary.json, benchmark math500
+    assert row["async"]["hours"]["mean"] == pytest.approx(1.0 * 8)  # one wall-clock hour on 4 + 4 GPUs
+    assert row["sync"]["accuracy"] is None and row["base"] is None  # no sync run: reported missing
+
+
+def test_hyperparameter_tables_come_from_the_recipes(tmp_path):
+    main(["hyperparams", "--out", str(tmp_path)])
+    table2, table3 = (tmp_path / "table2.md").read_text(), (tmp_path / "table3.md").read_text()
+    assert "VCPO Table 2" in table2 and "| Learning rate | 1e-06" in table2 and "| Weight decay | 0.1 |" in table2
+    assert "VCPO Table 3" in table3 and "| Number of prompts per batch | 8 |" in table3
+    assert "| Batch size (effective) (derived) | 64 |" in table3 and "| Max IS ratio (TIS c) | 2/8 |" in table3
+    table4 = (tmp_path / "table4.md").read_text()
+    assert "| Hyper-parameter | countdown | math |" in table4 and "| Response length | 4096 | 4096 |" in table4
+    assert "max_turns" not in table4 and "| Max assistant turns | 5 |" in (tmp_path / "table5.md").read_text()
+
+
+def test_runs_needed():
+    specs = figure_specs()
+    assert runs_needed(specs["fig5"]) == [
+        ("countdown", "sync", 0),
+        ("countdown", "seq_tis_c8", 10),
+        ("countdown", "vcpo", 10),
+        ("math", "sync", 0),
+        ("math", "seq_tis_c8", 10),
+        ("math", "vcpo", 10),
+    ]
+    assert runs_needed(specs["fig1"], task="arithmetic", lag=2) == [
+        ("arithmetic", "sync", 0),
+        ("arithmetic", "seq_tis_c8", 2),
+        ("arithmetic", "vcpo", 2),
+    ]
+    assert runs_needed(specs["fig5"], task=["countdown,arithmetic"], lag=3)[-1] == ("arithmetic", "vcpo", 3)
+    assert runs_needed(specs["lag_sweep"])[:2] == [("gsm8k", "sync", 0), ("gsm8k", "seq_tis_c8", 2)]
+    assert runs_needed(specs["fig3"]) == []
+
+
+def test_unknown_method_raises_naming_the_figure():
+    spec = {
+        "title": "t",
+        "paper": "p",
+        "kind": "curves",
+        "task": "gsm8k",
+        "lag": 2,
+        "methods": ["vcpo", "nope"],
+        "panels": ["val/accuracy"],
+    }
+    with pytest.raises(ValueError, match=r"figure figX: unknown method\(s\) \['nope'\]"):
+        validate_spec("figX", spec)
+
+
+def test_figure_with_missing_runs_names_them(tmp_path, monkeypatch):
+    sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 1.0)
+    sim_run(tmp_path, "countdown", "vcpo", 2, 0, {0: 0.1, 2: 0.2}, 1.0)
+    notes = []
+    import vcpo.tables.figures as figures
+
+    original = figures.label_figure
+    monkeypatch.setattr(figures, "label_figure", lambda fig, *args: notes.append(args) or original(fig, *args))
+    out = draw_figure("fig5", tmp_path, "smoke", tmp_path / "fig5.png", task="countdown", lag=2)
+    assert out.read_bytes()[:8] == PNG
+    title, paper, scale, missing = notes[0]
+    assert paper == "VCPO Figure 5" and scale == "smoke"
+    assert missing == ["Missing runs (not drawn): countdown/seq_tis_c8/lag2"]
+
+
+def test_figures_without_data_still_write_a_png(tmp_path):
+    for figure in ("fig4", "lag_sweep", "fig3", "fig14"):
+        out = draw_figure(figure, tmp_path / "empty", "paper", tmp_path / f"{figure}.png")
+        assert out.read_bytes()[:8] == PNG
+
+
+@pytest.fixture(scope="module")
+def fig14(tmp_path_factory):
+    """Figure 14 drawn from a sync run whose final checkpoint is a random tiny model, in float64."""
+    from vcpo.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("runs")
+    run = root / "countdown" / "sync" / "lag0" / "seed0"
+    write_lines(run, [{"step": 0}])
+    config = {"task": "countdown", "learner_dtype": "float64", "temperature": 1.0, "max_response_tokens": 8}
+    (run / "config.json").write_text(json.dumps(config))
+    save_tiny_model(run / "final", vocab_size=320, hidden_size=32, num_layers=1)
+    out = draw_figure("fig14", root, "smoke", root / "fig14.png", task="countdown")
+    return run, out, json.loads(out.with_suffix(".json").read_text())
+
+
+def test_fig14_writes_the_scatter_and_its_numbers(fig14):
+    _, out, result = fig14
+    assert out.read_bytes()[:8] == PNG
+    assert result["figure"] == "VCPO Figure 14" and result["scale"] == "smoke" and result["sequences"] == 32
+    for proxy in ("otb_proxy", "opo_length"):
+        assert all(-1 <= value <= 1 for value in result[proxy].values()), result[proxy]
+    assert all(value > 0 for value in result["exact_sq_norms"] + result["logit_energy_proxy"])
+
+
+def test_fig14_exact_norms_are_per_sequence_autograd_norms(fig14):
+    """The JSON's ||g_i||² equal one backward per sequence on the same (re-sampled, seeded) batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vcpo.core import logit_energy_proxy
+    from vcpo.sim.learner import response_log_probs
+    from vcpo.sim.tasks import get_sim_task
+    from vcpo.tables.figures import sample_responses
+
+    run, _, result = fig14
+    model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+    problems = get_sim_task("countdown").problems("validation")[:32]
+    batch = sample_responses(model, tokenizer, problems, 8, 1.0, seed=0)
+    assert batch.mask.sum(-1).tolist() == result["response_tokens"]
+    for row in range(3):
+        one = batch.rows(row, row + 1)
+        model.zero_grad()
+        response_log_probs(model, one, 1.0).sum().backward()
+        norm = sum(float((p.grad**2).sum()) for p in model.parameters())
+        assert norm == pytest.approx(result["exact_sq_norms"][row], rel=1e-6)
+        with torch.no_grad():
+            logits = model(input_ids=one.input_ids, attention_mask=one.attention_mask, position_ids=one.position_ids)
+            logits = logits.logits[:, one.prompt_width - 1 : -1]
+        proxy = float(logit_energy_proxy(logits, one.response_ids, one.mask))
+        assert proxy == pytest.approx(result["logit_energy_proxy"][row], rel=1e-6)

@@ -1,0 +1,246 @@
+"""The reproduction's plan: which trainings, evaluations, tables and figures a workflow config asks for.
+
+``workflows/Snakefile`` turns the plan into rules. It lives here, as plain Python, so that the whole
+run list is unit-tested and so that a broken config (an unknown figure, method or task, a lag the
+schema refuses, a missing data folder) fails when the DAG is built, with a message naming the
+config key, not hours into a run.
+
+A figure of ``vcpo/tables/figures.yaml`` names paper tasks and lags. The config maps each paper task to
+the task this scale trains on (``tasks``; smoke: a ``vcpo.sim`` task, paper: the ``recipes/tasks``
+name) and each paper lag to this scale's (``lags``). Runs are keyed by (task, method, lag, seed); a run
+that a ``core_figures`` figure needs gets the core seeds and step count, a run of a
+``full_length_figures`` figure the core step count, every other run the default ones (smoke: "every
+method briefly, the core study fully").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A workflow config that cannot run; the message starts with the config key at fault."""
+
+
+@dataclass(frozen=True, order=True)
+class PlannedRun:
+    task: str
+    method: str
+    lag: int
+    seed: int
+    core: bool = False  # core seeds and steps
+    full_length: bool = False  # core steps (default seeds)
+
+    @property
+    def path(self) -> str:
+        """The run folder below ``<results>/runs`` (the layout of vcpo.sim sweeps and vcpo.launch)."""
+        return f"{self.task}/{self.method}/lag{self.lag}/seed{self.seed}"
+
+
+@dataclass(frozen=True)
+class PlannedFigure:
+    name: str
+    kind: str
+    tasks: tuple[str, ...]
+    lag: int | None
+    runs: tuple[PlannedRun, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: dict[str, Any]
+    figures: dict[str, PlannedFigure]
+    runs: tuple[PlannedRun, ...]
+    table1: tuple[PlannedRun, ...]
+
+    def steps(self, run: PlannedRun) -> int:
+        return steps_of(self.config, run)
+
+    def find(self, task: str, method: str, lag: int, seed: int) -> PlannedRun:
+        for run in self.runs:
+            if (run.task, run.method, run.lag, run.seed) == (task, method, int(lag), int(seed)):
+                return run
+        raise KeyError(f"no planned run {task}/{method}/lag{lag}/seed{seed}")
+
+
+def _scale_lag(config: dict[str, Any], lag: int | None) -> int | None:
+    if lag is None:
+        return None
+    return int(config.get("lags", {}).get(str(lag), lag))
+
+
+def _scale_tasks(config: dict[str, Any], paper_tasks: list[str]) -> tuple[str, ...]:
+    mapped = [config["tasks"][task] for task in paper_tasks if task in config["tasks"]]
+    return tuple(dict.fromkeys(mapped))
+
+
+def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
+    """Figures, figure groups and tasks the config names exist (figure_specs checks the figures' methods)."""
+    unknown = sorted(set(config["figures"]) - set(specs))
+    if unknown:
+        raise ConfigError(f"figures: unknown figure(s) {unknown}; known: {sorted(specs)}")
+    for key in ("core_figures", "full_length_figures"):
+        unknown = sorted(set(config.get(key, [])) - set(config["figures"]))
+        if unknown:
+            raise ConfigError(f"{key}: {unknown} are not in figures")
+    known_tasks = _backend_tasks(config["backend"])
+    for paper_task, task in config["tasks"].items():
+        if task not in known_tasks:
+            raise ConfigError(
+                f"tasks.{paper_task}: {task!r} is not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
+            )
+
+
+def _backend_tasks(backend: str) -> set[str]:
+    if backend == "sim":
+        from vcpo.sim.tasks import SIM_TASKS
+
+        return set(SIM_TASKS)
+    from vcpo.launch import load_tasks
+
+    return set(load_tasks())
+
+
+def steps_of(config: dict[str, Any], run: PlannedRun) -> int:
+    return config["steps"]["core" if run.core or run.full_length else "default"]
+
+
+def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
+    """Each run through its backend's own validation (sim settings, lags, presets) before any job starts."""
+    for run in runs:
+        where = f"run {run.path}"
+        try:
+            if config["backend"] == "sim":
+                from vcpo.sim.config import SimConfig, apply_overrides, validate
+
+                settings = {key: str(value) for key, value in sim_settings(config, run.method).items()}
+                given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed}
+                given["steps"] = steps_of(config, run)
+                validate(apply_overrides(apply_overrides(SimConfig(), given), settings))
+            else:
+                from vcpo.launch import make_run
+
+                make_run(run.task, run.method, run.lag, run.seed)
+        except ValueError as error:
+            key = "sim" if config["backend"] == "sim" else "lags"
+            raise ConfigError(f"{key}: {where}: {error}") from None
+
+
+def sim_settings(config: dict[str, Any], method: str) -> dict[str, Any]:
+    """The ``vcpo.sim`` settings of a method's runs: ``sim``, then ``sim_methods.<method>``."""
+    return {**(config.get("sim") or {}), **(config.get("sim_methods") or {}).get(method, {})}
+
+
+def _check_data(config: dict[str, Any]) -> None:
+    source = (config.get("data") or {}).get("source_dir")
+    if source and not Path(source).is_dir():
+        raise ConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files, laid out as shared/data)")
+
+
+def plan(config: dict[str, Any]) -> Plan:
+    """Every figure's runs, merged; Table 1's runs; checked against the methods and the backend."""
+    from vcpo.tables import figure_specs, runs_needed
+
+    specs = figure_specs()
+    _check_known(config, specs)
+    _check_data(config)
+    core_figures = set(config.get("core_figures", []))
+    full_length_figures = set(config.get("full_length_figures", []))
+    wanted: dict[tuple[str, str, int], tuple[bool, bool]] = {}  # (core, full length)
+    figures: dict[str, list] = {}
+    for name in config["figures"]:
+        spec = specs[name]
+        paper_tasks = spec.get("tasks") or ([spec["task"]] if "task" in spec else [])
+        tasks = _scale_tasks(config, paper_tasks)
+        lag = _scale_lag(config, spec.get("lag"))
+        if paper_tasks and not tasks:
+            continue  # no task of this figure is trained at this scale
+        needed = []
+        lags = sorted({_scale_lag(config, k) for k in spec["lags"]}) if "lags" in spec else [lag]
+        for task in tasks:
+            for k in lags:
+                needed += [run for run in runs_needed(spec, task=task, lag=k) if run not in needed]
+        for key in needed:
+            core, full = wanted.get(key, (False, False))
+            wanted[key] = (core or name in core_figures, full or name in full_length_figures)
+        figures[name] = [spec["kind"], tasks, lag, needed]
+    table1 = []
+    for paper_task in config.get("table1_tasks", []):
+        if paper_task not in config["tasks"]:
+            raise ConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
+        task = config["tasks"][paper_task]
+        high_lag = _scale_lag(config, _paper_lag(paper_task))
+        for key in ((task, "sync", 0), (task, "vcpo", high_lag)):
+            wanted[key] = (True, True)  # Table 1 compares final accuracies: the core seeds and steps
+            table1.append(key)
+    runs = []
+    for (task, method, lag), (core, full) in sorted(wanted.items()):
+        for seed in config["seeds"]["core" if core else "default"]:
+            run = PlannedRun(task, method, lag, seed, core, full)
+            runs.append(run)
+    _check_runs(config, runs)
+    by_key = {}
+    for run in runs:
+        by_key.setdefault((run.task, run.method, run.lag), []).append(run)
+    planned = {}
+    for name, (kind, tasks, lag, needed) in figures.items():
+        figure_runs = tuple(run for key in dict.fromkeys(needed) for run in by_key[key])
+        planned[name] = PlannedFigure(name, kind, tasks, lag, figure_runs)
+    table1_runs = tuple(run for key in dict.fromkeys(table1) for run in by_key[key])
+    return Plan(config, planned, tuple(runs), table1_runs)
+
+
+def _paper_lag(paper_task: str) -> int:
+    from vcpo.launch import get_task
+
+    return int(get_task(paper_task).paper["max_lag"])
+
+
+@functools.cache
+def _git_revision(repo: str) -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "-C", repo, "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def provenance(config: dict[str, Any], repo: Path) -> str:
+    """The report's provenance section: config, git revision and package versions, as markdown."""
+    import platform
+    from importlib import metadata
+
+    import yaml
+
+    packages = ["vcpo", "torch", "transformers", "verl", "snakemake", "ray", "math-verify", "reasoning-gym"]
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"| {name} | {metadata.version(name)} |")
+        except metadata.PackageNotFoundError:
+            versions.append(f"| {name} | not installed |")
+    return "\n".join(
+        [
+            f"# Provenance ({config['scale']} scale)",
+            "",
+            f"- git revision: `{_git_revision(str(repo))}`",
+            f"- Python {platform.python_version()} on {platform.platform()}",
+            "",
+            "| package | version |",
+            "|---|---|",
+            *versions,
+            "",
+            "## Workflow configuration",
+            "",
+            "```yaml",
+            yaml.safe_dump(config, sort_keys=False).rstrip(),
+            "```",
+            "",
+        ]
+    )

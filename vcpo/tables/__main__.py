@@ -1,0 +1,70 @@
+"""python -m vcpo.tables {figure,table1,hyperparams} ...: write a table or figure, print its path.
+
+python -m vcpo.tables figure ID --runs RUNS --scale smoke|paper --out PNG [--task T]... [--lag K]
+                                [--seeds core|all] [--overhead-json JSON]
+python -m vcpo.tables table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
+python -m vcpo.tables hyperparams --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vcpo.tables.figures import SCALES, draw_figure
+from vcpo.tables.hyperparams import write_hyperparams
+from vcpo.tables.table1 import write_table1
+
+
+def task_map(entries: list[str] | None) -> dict[str, str] | None:
+    """``PAPER_TASK[=RUN_TASK]`` entries (also comma-separated) as paper task -> the task its runs used."""
+    if not entries:
+        return None
+    pairs = [entry.split("=", 1) for item in entries for entry in item.split(",") if entry]
+    return {pair[0]: pair[-1] for pair in pairs}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "figure":
+        print(
+            draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.overhead_json)
+        )
+    elif args.command == "table1":
+        print(write_table1(args.runs, args.scale, args.out, task_map(args.task), args.lag))
+    else:
+        for path in write_hyperparams(args.out):
+            print(path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.tables", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    figure = commands.add_parser("figure", help="draw a figure of vcpo/tables/figures.yaml")
+    figure.add_argument("id", help="figure id (fig1, fig5, lag_sweep, ...)")
+    table1 = commands.add_parser("table1", help="VCPO Table 1 as markdown + JSON")
+    for sub in (figure, table1):
+        sub.add_argument("--runs", type=Path, required=True, help="RUNS/<task>/<method>/lag<k>/seed<s>/")
+        sub.add_argument("--scale", choices=tuple(SCALES), required=True, help="label, and CPU- or GPU-hours")
+        sub.add_argument("--out", type=Path, required=True)
+        sub.add_argument("--lag", type=int, help="replace the paper lag (sync runs stay at lag 0)")
+    figure.add_argument("--task", action="append", help="replace the paper task(s); repeat or comma-separate")
+    figure.add_argument(
+        "--seeds",
+        choices=("core", "all"),
+        default="all",
+        help="core: only the seeds every drawn run has; all: every seed found",
+    )
+    figure.add_argument("--overhead-json", type=Path, help="kind overhead: benchmarks/opob_overhead.py --json output")
+    table1.add_argument(
+        "--task",
+        action="append",
+        help="PAPER_TASK[=RUN_TASK] rows to include (default: all three, runs under the same name)",
+    )
+    hyper = commands.add_parser("hyperparams", help="VCPO Tables 2-5 from the recipes")
+    hyper.add_argument("--out", type=Path, required=True, help="folder for table2.md ... table5.md")
+    return parser
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Reading run outputs of either backend into one shape, and the per-run numbers tables and figures use.
+
+Runs live at ``RUNS/<task>/<method>/lag<k>/seed<s>/``; a sync run is always read at lag 0. Two layouts:
+  simulator (``python -m vcpo.sim``): ``metrics.jsonl`` of flat objects, ``final/eval.json`` when finished;
+  verl (``python -m vcpo.launch``): ``metrics.jsonl`` of ``{"step", "data": {...}}`` objects from verl's
+  file logger, ``eval/<checkpoint>/summary.json`` from ``python -m eval``, ``launch.json`` (settings).
+Both become a list of flat dicts ``{"step": int, **metrics}``, so every consumer is backend-agnostic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+ACCURACY = "val/accuracy"
+# verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
+VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
+# The time one step costs: training plus the evaluation done at that step (both backends log these).
+TIME_KEYS = ("timing_s/step", "timing_s/testing")
+
+
+def _flat(record: dict) -> dict:
+    """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy."""
+    flat = {"step": int(record["step"]), **record.get("data", {})} if "data" in record else dict(record)
+    flat["step"] = int(flat["step"])
+    if ACCURACY not in flat:
+        accuracy = next((value for key, value in flat.items() if VERL_ACCURACY.match(key)), None)
+        if accuracy is not None:
+            flat[ACCURACY] = accuracy
+    return flat
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return [_flat(json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def run_dirs(root: Path, task: str, method: str, lag: int, seeds: set[int] | None = None) -> list[Path]:
+    """The seed folders holding metrics of one (task, method, lag); sync is read at lag 0 whatever ``lag``."""
+    lag = 0 if method == "sync" else lag
+    found = sorted(p.parent for p in (Path(root) / task / method / f"lag{lag}").glob("seed*/metrics.jsonl"))
+    return [d for d in found if seeds is None or seed_of(d) in seeds]
+
+
+def seed_of(run_dir: Path) -> int:
+    return int(Path(run_dir).name.removeprefix("seed"))
+
+
+def series(lines: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the lines carrying a number under ``key``."""
+    points = [(line["step"], line[key]) for line in lines if isinstance(line.get(key), int | float)]
+    if not points:
+        return np.empty(0), np.empty(0)
+    steps, values = zip(*points, strict=True)
+    return np.asarray(steps), np.asarray(values, dtype=float)
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (the first values are padded with the first one, so no lag at the start)."""
+    if window <= 1 or values.size < window:
+        return values
+    kernel = np.ones(window) / window
+    padded = np.concatenate([np.full(window - 1, values[0]), values])
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def elapsed_hours(lines: list[dict]) -> dict[int, float]:
+    """Step -> hours of training and evaluation spent before that step began (the wall-clock x axis)."""
+    per_step: dict[int, float] = {}
+    for line in lines:
+        per_step[line["step"]] = per_step.get(line["step"], 0.0) + sum(float(line.get(k, 0.0)) for k in TIME_KEYS)
+    elapsed, total = {}, 0.0
+    for step in sorted(per_step):
+        elapsed[step] = total / 3600
+        total += per_step[step]
+    return elapsed
+
+
+def seed_band(
+    runs: list[list[dict]], key: str, window: int = 1, wall_clock: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x at the steps common to all seeds, and the mean, min and max over seeds there.
+
+    Held-out accuracy is never smoothed (few points); train-side metrics use a ``window``-step average.
+    With ``wall_clock`` x is the mean over seeds of the hours spent before each step, else the step.
+    """
+    curves = [(lines, *series(lines, key)) for lines in runs]
+    curves = [(lines, s, v) for lines, s, v in curves if s.size]
+    if not curves:
+        return (np.empty(0),) * 4
+    common = sorted(set.intersection(*(set(s.tolist()) for _, s, _ in curves)))
+    stacked, hours = [], []
+    for lines, steps, values in curves:
+        values = values if key.startswith("val") else smooth(values, window)
+        lookup = dict(zip(steps.tolist(), values.tolist(), strict=True))
+        stacked.append([lookup[s] for s in common])
+        elapsed = elapsed_hours(lines)
+        hours.append([elapsed[s] for s in common])
+    stacked = np.asarray(stacked)
+    x = np.asarray(hours).mean(0) if wall_clock else np.asarray(common)
+    return x, stacked.mean(0), stacked.min(0), stacked.max(0)
+
+
+def summary_rows(root: Path, task: str, lag: int, methods: list[str], seeds: set[int] | None = None) -> list[dict]:
+    """Per method with runs: seeds, held-out accuracy at the start and the end (mean and min-max over
+    seeds), the best accuracy along the run, the mean train reward of the last 20 steps, the lowest
+    ESS ratio and the largest gradient norm seen (methods without runs are left out)."""
+    rows = []
+    for method in methods:
+        runs = [read_metrics(d) for d in run_dirs(root, task, method, lag, seeds)]
+        if not runs:
+            continue
+        accuracy = [a for a in (series(lines, ACCURACY)[1] for lines in runs) if a.size]
+        rewards = [series(lines, "critic/score/mean")[1] for lines in runs]
+        ess = [e for e in (series(lines, "rollout_corr/seq_ess_ratio")[1] for lines in runs) if e.size]
+        grad = [g for g in (series(lines, "actor/grad_norm")[1] for lines in runs) if g.size]
+        final = np.array([a[-1] for a in accuracy]) if accuracy else np.array([np.nan])
+        rows.append(
+            {
+                "method": method,
+                "lag": 0 if method == "sync" else lag,
+                "seeds": len(runs),
+                "steps": max(int(series(lines, "critic/score/mean")[0].max(initial=-1)) + 1 for lines in runs),
+                "acc_start": float(np.mean([a[0] for a in accuracy])) if accuracy else float("nan"),
+                "acc_end": float(final.mean()),
+                "acc_end_min": float(final.min()),
+                "acc_end_max": float(final.max()),
+                "acc_best": float(np.mean([a.max() for a in accuracy])) if accuracy else float("nan"),
+                "reward_last20": float(np.mean([r[-20:].mean() for r in rewards if r.size] or [np.nan])),
+                "ess_min": float(min(e.min() for e in ess)) if ess else float("nan"),
+                "ess_mean": float(np.mean([e.mean() for e in ess])) if ess else float("nan"),
+                "grad_norm_max": float(max(g.max() for g in grad)) if grad else float("nan"),
+            }
+        )
+    return rows
+
+
+def _checkpoint_order(path: Path) -> tuple[int, str]:
+    """Checkpoints by their step number; a name without one (``final``) sorts last."""
+    numbers = re.findall(r"\d+", path.parent.name)
+    return (int(numbers[-1]) if numbers else 1 << 62, path.parent.name)
+
+
+def evaluated_accuracy(run_dir: Path, benchmark: str | None) -> float | None:
+    """``mean_at_n`` of ``benchmark`` in the latest ``eval/<checkpoint>/summary.json`` (verl runs)."""
+    summaries = sorted((Path(run_dir) / "eval").glob("*/summary.json"), key=_checkpoint_order)
+    if benchmark is None or not summaries:
+        return None
+    result = json.loads(summaries[-1].read_text()).get("results", {}).get(benchmark)
+    return None if result is None else float(result["mean_at_n"])
+
+
+def final_accuracy(run_dir: Path, lines: list[dict], benchmark: str | None = None) -> float | None:
+    """Held-out accuracy at the end: the offline evaluation of ``benchmark`` if there is one, else the
+    simulator's ``final/eval.json``, else the last ``val/accuracy`` logged."""
+    evaluated = evaluated_accuracy(run_dir, benchmark)
+    if evaluated is not None:
+        return evaluated
+    final = Path(run_dir) / "final" / "eval.json"
+    if final.exists():
+        return float(json.loads(final.read_text())[ACCURACY])
+    values = series(lines, ACCURACY)[1]
+    return float(values[-1]) if values.size else None
+
+
+def start_accuracy(lines: list[dict]) -> float | None:
+    """The step-0 held-out accuracy: the base model's, evaluated before the first update."""
+    steps, values = series(lines, ACCURACY)
+    return float(values[0]) if steps.size and steps[0] == 0 else None
+
+
+def last_step(run_dir: Path, lines: list[dict]) -> int:
+    """Optimizer steps done: the step of ``final/eval.json`` when finished, else the last step logged."""
+    final = Path(run_dir) / "final" / "eval.json"
+    if final.exists():
+        return int(json.loads(final.read_text())["step"])
+    return max((line["step"] for line in lines), default=0)
+
+
+def compute_hours(lines: list[dict]) -> float:
+    """Hours of training and evaluation summed over the logged steps."""
+    return sum(float(line.get(k, 0.0)) for line in lines for k in TIME_KEYS) / 3600
+
+
+def _override(command: list[str], key: str) -> str | None:
+    values = [arg.split("=", 1)[1] for arg in command if arg.split("=", 1)[0].lstrip("+") == key]
+    return values[-1] if values else None
+
+
+def run_gpus(run_dir: Path) -> int | None:
+    """GPUs a verl run held: ``launch.json``'s ``gpus``, else derived from the Hydra overrides of its
+    ``command`` as `vcpo.launch.gpus_needed` does (trainer, plus separate rollout GPUs); None if unknown."""
+    path = Path(run_dir) / "launch.json"
+    if not path.exists():
+        return None
+    launch = json.loads(path.read_text())
+    if isinstance(launch.get("gpus"), int):
+        return launch["gpus"]
+    command = launch.get("command", [])
+    trainer = _override(command, "trainer.n_gpus_per_node")
+    if trainer is None:
+        return None
+    gpus = int(_override(command, "trainer.nnodes") or 1) * int(trainer)
+    if _override(command, "trainer.v1.trainer_mode") == "separate_async":
+        rollout = int(_override(command, "actor_rollout_ref.rollout.n_gpus_per_node") or 0)
+        gpus += int(_override(command, "actor_rollout_ref.rollout.nnodes") or 1) * rollout
+    return gpus

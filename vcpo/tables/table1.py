@@ -1,0 +1,146 @@
+"""VCPO Table 1 from run outputs: base, sync (k = 0) and async VCPO accuracy, steps and compute hours.
+
+Each number is the mean and min-max over seeds, beside the paper's published value
+(``paper_results.yaml``). Compute: at smoke scale CPU-hours = the logged ``timing_s/step`` +
+``timing_s/testing`` of one process / 3600 (not comparable to the paper's GPU-hours); at paper scale
+GPU-hours = those wall-clock hours x the GPUs of the run's ``launch.json`` (unknown if it does not say).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vcpo.tables.figures import SCALES
+from vcpo.tables.runs import compute_hours, final_accuracy, last_step, read_metrics, run_dirs, run_gpus, start_accuracy
+from vcpo.tables.specs import paper_results
+
+HOURS = {"smoke": "CPU-hours", "paper": "GPU-hours"}
+
+
+def spread(values: list[float | None]) -> dict[str, Any] | None:
+    """Mean, min, max and count of the known values; None when there are none."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return {"mean": float(np.mean(known)), "min": float(min(known)), "max": float(max(known)), "n": len(known)}
+
+
+def run_numbers(run_dir: Path, scale: str, benchmark: str | None) -> dict[str, float | None]:
+    """One run's base and final accuracy (fractions), steps and compute hours."""
+    lines = read_metrics(run_dir)
+    hours = compute_hours(lines)
+    if scale == "paper":
+        gpus = run_gpus(run_dir)
+        hours = None if gpus is None else hours * gpus
+    return {
+        "base": start_accuracy(lines),
+        "accuracy": final_accuracy(run_dir, lines, benchmark),
+        "steps": last_step(run_dir, lines),
+        "hours": hours,
+    }
+
+
+def row_numbers(root: Path, task: str, method: str, lag: int, scale: str, benchmark: str | None) -> dict[str, Any]:
+    """Per quantity the spread over the seeds of (task, method, lag), and the seeds read."""
+    dirs = run_dirs(root, task, method, lag)
+    per_run = [run_numbers(d, scale, benchmark) for d in dirs]
+    keys = ("base", "accuracy", "steps", "hours")
+    return {"task": task, "method": method, "lag": lag, "seeds": [d.name for d in dirs]} | {
+        key: spread([numbers[key] for numbers in per_run]) for key in keys
+    }
+
+
+def table1_data(root: Path, scale: str, tasks: dict[str, str] | None = None, lag: int | None = None) -> dict[str, Any]:
+    """Table 1 as data: paper task -> base, sync and async rows (ours) and the paper's row.
+
+    ``tasks`` maps each paper task to the task its runs were trained on (default: all paper tasks, same
+    name); ``lag`` replaces each task's published async lag (the smoke workflow may lower it).
+    """
+    published = paper_results()["table1"]
+    tasks = tasks or {name: name for name in published["tasks"]}
+    unknown = sorted(set(tasks) - set(published["tasks"]))
+    if unknown:
+        raise ValueError(f"Table 1 has no rows for {unknown}; its tasks: {sorted(published['tasks'])}")
+    data = {
+        "reference": published["reference"],
+        "scale": scale,
+        "scale_label": SCALES[scale],
+        "hours": HOURS[scale],
+        "tasks": {},
+    }
+    for paper_task, run_task in tasks.items():
+        paper = published["tasks"][paper_task]
+        k = paper["async"]["k"] if lag is None else lag
+        sync = row_numbers(root, run_task, "sync", 0, scale, paper["benchmark"])
+        data["tasks"][paper_task] = {
+            "label": paper["label"],
+            "run_task": run_task,
+            "paper": paper,
+            "base": sync["base"],
+            "sync": sync,
+            "async": row_numbers(root, run_task, "vcpo", k, scale, paper["benchmark"]),
+        }
+    return data
+
+
+def cell(value: dict | None, percent: bool = False, form: str = ".1f") -> str:
+    """``mean (min-max)`` over seeds, or "missing"."""
+    if value is None:
+        return "missing"
+    scale = 100 if percent else 1
+    unit = "%" if percent else ""
+    text = f"{value['mean'] * scale:{form}}{unit}"
+    if value["min"] != value["max"]:
+        text += f" ({value['min'] * scale:{form}}-{value['max'] * scale:{form}})"
+    return text
+
+
+def table1_markdown(data: dict[str, Any]) -> str:
+    """The paper's layout, one block per task, ours beside the published numbers."""
+    hours = data["hours"]
+    note = (
+        "CPU-hours: the wall-clock seconds the simulator logged (timing_s/step + timing_s/testing) / 3600 of one "
+        "CPU process; not comparable to the paper's GPU-hours."
+        if data["scale"] == "smoke"
+        else "GPU-hours: logged wall-clock hours (timing_s/step + timing_s/testing) x the run's GPUs (launch.json)."
+    )
+    lines = [
+        f"# {data['reference']}",
+        "",
+        f"**{data['scale_label']}.** Ours: mean (min-max) over seeds. {note}",
+        "",
+    ]
+    hours_form = ".1f" if data["scale"] == "paper" else ".3g"  # smoke runs take minutes: significant digits
+    for paper_task, row in data["tasks"].items():
+        paper = row["paper"]
+        lines += [
+            f"| Method ({paper_task} runs: {row['run_task']}) | {row['label']} (ours) | {row['label']} (paper) | "
+            f"Steps (ours) | Steps (paper) | {hours} (ours) | GPU hours (paper) | Seeds |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+            f"| Base | {cell(row['base'], percent=True)} | {paper['base']}% | | | | | {len(row['sync']['seeds'])} |",
+        ]
+        for key, name in (("sync", "Sync (k=0)"), ("async", f"Async VCPO (k={row['async']['lag']})")):
+            ours, theirs = row[key], paper[key]
+            lines.append(
+                f"| {name} [paper k={theirs['k']}] | {cell(ours['accuracy'], percent=True)} | {theirs['accuracy']}% | "
+                f"{cell(ours['steps'], form='.0f')} | {theirs['steps']} | {cell(ours['hours'], form=hours_form)} | "
+                f"{theirs['gpu_hours']} | {', '.join(ours['seeds']) or 'none'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_table1(
+    root: Path, scale: str, out: Path, tasks: dict[str, str] | None = None, lag: int | None = None
+) -> Path:
+    """Write the markdown to ``out`` and the same numbers as JSON beside it (``out`` with ``.json``)."""
+    data = table1_data(root, scale, tasks, lag)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table1_markdown(data))
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    return out

@@ -1,0 +1,98 @@
+# Tables, figures and the provenance, each marked for the report (snakemake --report).
+
+
+def figure_inputs(wildcards):
+    figure = PLAN.figures[wildcards.figure]
+    if figure.kind == "overhead":
+        return [f"{R}/benchmarks/opob_overhead.json"]
+    return run_outputs(figure.runs)
+
+
+def figure_args(wildcards):
+    figure = PLAN.figures[wildcards.figure]
+    args = [f"--task {task}" for task in figure.tasks]
+    if figure.lag is not None:
+        args.append(f"--lag {figure.lag}")
+    if figure.kind == "overhead":
+        args.append(f"--overhead-json {R}/benchmarks/opob_overhead.json")
+    return " ".join(args)
+
+
+rule figure:
+    input:
+        figure_inputs,
+    output:
+        report(
+            f"{R}/figures/{{figure}}.png",
+            caption="../report/figure.rst",
+            category="Figures",
+            labels={"figure": "{figure}", "scale": SCALE},
+        ),
+    params:
+        args=figure_args,
+    log:
+        f"{R}/logs/figures/{{figure}}.log",
+    shell:
+        "python -m vcpo.tables figure {wildcards.figure} --runs {R}/runs --scale {SCALE} {params.args}"
+        " --out {output} > {log} 2>&1"
+
+
+rule overhead_benchmark:
+    output:
+        f"{R}/benchmarks/opob_overhead.json",
+    params:
+        args=" ".join(config.get("benchmark", {}).get("overhead_args", [])),
+    log:
+        f"{R}/logs/benchmarks/opob_overhead.log",
+    threads: 2
+    shell:
+        "python benchmarks/opob_overhead.py {params.args} --json {output} > {log} 2>&1"
+
+
+def table1_args():
+    """Each paper task beside the task it trains on here, and this scale's lag when the config maps lags
+    (the async row is VCPO at that lag)."""
+    args = [f"--task {paper}={config['tasks'][paper]}" for paper in config.get("table1_tasks", [])]
+    lags = {run.lag for run in PLAN.table1 if run.method != "sync"}
+    if config.get("lags") and len(lags) == 1:
+        args.append(f"--lag {lags.pop()}")
+    return " ".join(args)
+
+
+rule table1:
+    input:
+        run_outputs(PLAN.table1),
+    output:
+        report(f"{R}/tables/table1.md", caption="../report/table1.rst", category="Tables", labels={"table": "1"}),
+    params:
+        args=table1_args(),
+    log:
+        f"{R}/logs/tables/table1.log",
+    shell:
+        "python -m vcpo.tables table1 --runs {R}/runs --scale {SCALE} {params.args} --out {output} > {log} 2>&1"
+
+
+rule hyperparameters:
+    input:
+        "recipes/optimizer.yaml",
+        expand("recipes/tasks/{task}.yaml", task=["gsm8k", "math", "countdown", "simpletir"]),
+    output:
+        report(
+            expand(f"{R}/tables/table{{number}}.md", number=[2, 3, 4, 5]),
+            caption="../report/hyperparameters.rst",
+            category="Tables",
+            labels={"table": "2-5"},
+        ),
+    log:
+        f"{R}/logs/tables/hyperparameters.log",
+    shell:
+        "python -m vcpo.tables hyperparams --out {R}/tables > {log} 2>&1"
+
+
+rule provenance:
+    output:
+        report(f"{R}/provenance.md", caption="../report/provenance.rst", category="Provenance"),
+    run:
+        from vcpo.reproduction import provenance
+
+        Path(output[0]).write_text(provenance(config, REPO))

@@ -1,0 +1,87 @@
+# Training. Smoke scale: python -m vcpo.sim from a cached tiny SFT base. Paper scale: data parquet files
+# built by python -m vcpo.data, then python -m vcpo.launch (stock verl). A run's only declared output is
+# its completion marker, so an interrupted run keeps its checkpoint and resumes from it when re-run
+# (Snakemake deletes the declared outputs of an incomplete job, nothing else).
+
+
+def run_dir(wildcards):
+    return f"{R}/runs/{wildcards.task}/{wildcards.method}/lag{wildcards.lag}/seed{wildcards.seed}"
+
+
+def planned(wildcards):
+    return PLAN.find(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed))
+
+
+if config["backend"] == "sim":
+
+    rule sft_base:
+        output:
+            f"{R}/bases/{{task}}.txt",
+        log:
+            f"{R}/logs/sft_base/{{task}}.log",
+        threads: 2
+        shell:
+            "python -m vcpo.sim.base --task {wildcards.task} --threads {threads} > {output} 2> {log}"
+
+    rule train:
+        input:
+            base=f"{R}/bases/{{task}}.txt",
+        output:
+            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/final/eval.json",
+        params:
+            out=run_dir,
+            steps=lambda wildcards: PLAN.steps(planned(wildcards)),
+            settings=lambda wildcards: " ".join(
+                f"{key}={value}" for key, value in sim_settings(config, wildcards.method).items()
+            ),
+        log:
+            f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
+        threads: 1
+        shell:
+            "python -m vcpo.sim train --task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag}"
+            " --seed {wildcards.seed} --steps {params.steps} --out {params.out}"
+            ' base="$(head -n 1 {input.base})" {params.settings} > {log} 2>&1'
+
+else:
+    from vcpo.launch import get_task
+
+    DATA = config["data"]["dir"]
+
+    def split_files(task_name):
+        spec = get_task(task_name).spec["data"]
+        return [f"{DATA}/{split}.parquet" for split in spec["train"] + spec["val"]]
+
+    rule build_data:
+        output:
+            f"{DATA}/{{dataset}}/{{split}}.parquet",
+        params:
+            source=lambda wildcards: (
+                f"--source {config['data']['source_dir']}" if config["data"].get("source_dir") else ""
+            ),
+            size=lambda wildcards: "--size 10000" if wildcards.dataset == "countdown" else "",
+        log:
+            f"{R}/logs/data/{{dataset}}-{{split}}.log",
+        shell:
+            "python -m vcpo.data build {wildcards.dataset} --out {DATA} --split {wildcards.split}"
+            " {params.source} {params.size} > {log} 2>&1"
+
+    def run_gpus(wildcards):
+        """Sync runs colocate on, and async runs split, the task's sampler + trainer GPUs (vcpo.launch)."""
+        paper = get_task(wildcards.task).paper
+        return paper["sampler_gpus"] + paper["trainer_gpus"]
+
+    rule train:
+        input:
+            lambda wildcards: split_files(wildcards.task),
+        output:
+            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/training.done",
+        params:
+            args=" ".join(config.get("launch", {}).get("args", [])),
+        resources:
+            gpu=run_gpus,
+        log:
+            f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
+        shell:
+            "python -m vcpo.launch --task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag}"
+            " --seed {wildcards.seed} --data-dir {DATA} --output-dir {R}/runs {params.args} > {log} 2>&1"
+            " && touch {output}"
