@@ -373,8 +373,8 @@ def command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
 def shell_command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> str:
     """The exact command ``--dry-run`` prints, one override per line."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in run_environment(run).items())
-    python, *args = command(run, extra)
-    lines = [f"{env} {shlex.quote(Path(python).name)} {' '.join(args[:2])}"]
+    _, *args = command(run, extra)  # printed as `python`: the interpreter's path differs between machines
+    lines = [f"{env} python {' '.join(args[:2])}"]
     lines += [f"  {shlex.quote(arg)}" for arg in args[2:]]
     return " \\\n".join(lines)
 

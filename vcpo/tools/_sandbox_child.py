@@ -3,11 +3,13 @@
 The parent (``vcpo.tools.sandbox``) passes this file's source with ``python -I -c`` and one JSON
 argument. It lowers the resource limits, installs an audit hook that refuses writes outside the work
 directory, subprocesses, signals to other processes and network access, and then executes
-``main.py`` from the work directory as ``__main__``.
+``main.py`` from the work directory as ``__main__``. Before the audit hook, and before any of the
+program's code, it loads a seccomp-bpf syscall filter (``install_syscall_filter``) that the kernel
+enforces on this process and everything it could start.
 
 The audit hook is defence in depth, not a security boundary: Python documents that audit hooks can be
 bypassed by native code (``ctypes``). The operating-system layers set up by the parent (namespaces,
-read-only mounts, resource limits) are what a determined program cannot undo.
+read-only mounts, resource limits) and the seccomp filter are what a determined program cannot undo.
 
 Importing this module has no side effects; the parent imports it only to read the constants below.
 """
@@ -23,6 +25,28 @@ import traceback
 
 # Exit status that tells the parent the program died of MemoryError under the address-space limit.
 MEMORY_ERROR_EXIT_CODE = 121
+# Exit status of a bootstrap that could not confine the program; the program did not run.
+SETUP_FAILED_EXIT_CODE = 122
+
+# seccomp-bpf policy: default ALLOW; these syscalls fail with EPERM (an OSError in Python, not a
+# killed process). New processes and program execution:
+_SECCOMP_PROCESS_SYSCALLS = ("execve", "execveat", "fork", "vfork")
+# Sockets: with no socket() there is no network (nor a host Unix socket) to reach. socketpair()
+# stays allowed: it connects two descriptors of this process only, and asyncio needs it.
+_SECCOMP_NETWORK_SYSCALLS = ("socket", "connect", "bind", "listen", "accept", "accept4")
+# Privilege, namespace, kernel-module, tracing and key-ring operations; io_uring, whose queued
+# operations (socket, connect, open) would not pass through this filter; signals sent by thread id.
+_SECCOMP_PRIVILEGED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
+    "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid",
+    "capset", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "personality",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "tkill", "pidfd_send_signal",
+)  # fmt: skip
+# Signals: these take the target process as their first argument; only this process is allowed.
+_SECCOMP_OWN_PID_SYSCALLS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+_CLONE_THREAD = 0x00010000
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _WRITABLE_DEVICES = frozenset({os.devnull})
@@ -70,6 +94,51 @@ def apply_rlimits(rlimits: dict) -> None:
     """Set each ``resource.RLIMIT_*`` named in ``rlimits`` to its ``[soft, hard]`` pair."""
     for name, (soft, hard) in rlimits.items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def load_pyseccomp(module_path: str, libraries: dict):
+    """Import the ``pyseccomp`` binding from its file (the program may run without site-packages).
+
+    ``libraries`` maps the names it looks up with ``ctypes.util.find_library`` to the sonames the
+    parent already found: on Linux that lookup runs ``ldconfig -p`` in a subprocess, on every start.
+    """
+    import ctypes.util
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pyseccomp", module_path)
+    module = importlib.util.module_from_spec(spec)
+    find_library = ctypes.util.find_library
+    ctypes.util.find_library = lambda name: libraries.get(name) or find_library(name)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        ctypes.util.find_library = find_library
+    return module
+
+
+def install_syscall_filter(seccomp) -> None:
+    """Load the seccomp-bpf filter into this process; it is inherited by every thread and child.
+
+    libseccomp sets ``no_new_privs`` first (the NNP attribute, on by default), which is what lets an
+    unprivileged process load a filter and what stops a set-uid binary from gaining privileges.
+    """
+    eperm = seccomp.ERRNO(errno.EPERM)
+    syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)
+    syscall_filter.set_attr(seccomp.Attr.CTL_NNP, 1)
+    syscall_filter.set_attr(seccomp.Attr.CTL_TSYNC, 1)
+    # A syscall of another ABI (int 0x80 on x86-64) would dodge the rules, which name native numbers.
+    syscall_filter.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    for name in _SECCOMP_PROCESS_SYSCALLS + _SECCOMP_NETWORK_SYSCALLS + _SECCOMP_PRIVILEGED_SYSCALLS:
+        syscall_filter.add_rule(eperm, name)
+    # clone() starts a thread when CLONE_THREAD is set (threading, OpenBLAS), a process otherwise.
+    # The flags are the first argument on x86-64 and aarch64 (not on s390x, which swaps the two).
+    syscall_filter.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
+    # clone3() passes its flags in memory, which seccomp cannot read. ENOSYS makes glibc fall back to
+    # clone(), which the rule above checks.
+    syscall_filter.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for name in _SECCOMP_OWN_PID_SYSCALLS:
+        syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, os.getpid()))
+    syscall_filter.load()
 
 
 def _fd_path(fd: int) -> str:
@@ -162,6 +231,12 @@ def main(config: dict) -> int:
     # Below the caller's priority, so that a program busy in all its tasks cannot starve the
     # caller, which has to enforce the wall-clock limit.
     os.nice(config["niceness"])
+    if config["seccomp"] is not None:
+        try:
+            install_syscall_filter(load_pyseccomp(config["seccomp"]["module"], config["seccomp"]["libraries"]))
+        except Exception as exc:  # noqa: BLE001 - fail closed: without the filter the program must not run
+            print(f"sandbox: cannot install the seccomp syscall filter: {exc!r}", file=sys.stderr)
+            return SETUP_FAILED_EXIT_CODE
     workdir = config["workdir"]
     sys.path.insert(0, workdir)
     sys.argv = [config["main"]]

@@ -15,29 +15,46 @@ wall time                  parent kills the process group /
                            the whole PID namespace
 memory                     RLIMIT_AS (allocation -> MemoryError)
 file sizes                 RLIMIT_FSIZE, output caps in parent
-processes (fork bombs)     RLIMIT_NPROC (1)                       fork/exec/spawn/subprocess refused
-network                    empty network namespace (2)            connect/bind/send/DNS refused
+processes (fork bombs)     seccomp-bpf (EPERM) (3),               fork/exec/spawn/subprocess refused
+                           RLIMIT_NPROC (1)
+network                    seccomp-bpf (EPERM) (3),               connect/bind/send/DNS refused
+                           empty network namespace (2)
 writes outside workdir     every mount read-only but workdir (2)  open-for-write, rename, remove,
                                                                   chmod, ... outside workdir refused
-signals to other procs     PID namespace (2)                      kill/killpg of other pids refused
+signals to other procs     seccomp-bpf (EPERM) (3),               kill/killpg of other pids refused
+                           PID namespace (2)
 =========================  =====================================  ================================
 
-(1) The kernel exempts real uid 0 from RLIMIT_NPROC, even inside a user namespace. Run as root, only
-    the hook refuses new processes (threads stay limited by RLIMIT_AS), and in ``namespaces`` mode
-    the PID namespace still takes every process down at the end.
+(1) The kernel exempts real uid 0 from RLIMIT_NPROC, even inside a user namespace. Run as root, the
+    seccomp filter and the hook still refuse new processes (threads stay limited by RLIMIT_AS), and
+    in ``namespaces`` mode the PID namespace still takes every process down at the end.
 (2) ``namespaces`` isolation only: ``unshare --user --map-root-user --mount --net --pid --ipc``,
     then a shell remounts every mount read-only except the work directory and ``setpriv`` drops all
     capabilities (so the program cannot remount) before starting the interpreter. This works as root
     and, where unprivileged user namespaces are allowed, as an ordinary user. Where they are not (some
-    hardened CI hosts), ``isolation="auto"`` falls back to ``hooks`` mode: resource limits and the audit
-    hook only, with a warning.
+    hardened CI hosts), ``isolation="auto"`` falls back to ``hooks`` mode: resource limits, the seccomp
+    filter and the audit hook only, with a warning.
+(3) Every mode: before the program's first line the child loads a seccomp-bpf filter, which the
+    kernel enforces on native code too. execve/execveat, fork/vfork, clone without CLONE_THREAD
+    (threads still work), socket/connect/bind/listen/accept (socketpair stays: asyncio needs it),
+    ptrace, mount/unshare/setns/chroot, set*id, capset, module loading, bpf, perf_event_open, key
+    rings, personality, process_vm_*, io_uring and signals to another process fail with EPERM
+    (clone3 with ENOSYS, so that glibc falls back to clone); a syscall of a foreign ABI kills the
+    process. If the filter cannot be loaded, the sandbox refuses to start (RuntimeError) unless the
+    caller passes ``syscall_filter=False`` or sets ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``.
+
+The filter is built with ``pyseccomp``, a pure-Python ctypes binding to the system's libseccomp2
+(packaged by default on Debian, Ubuntu and RHEL), so it installs as an ordinary Python dependency.
+Sandboxes such as nsjail or bubblewrap are separate binaries that pip cannot install and, for
+their full setup, need privileges or setuid; a seccomp filter needs none once ``no_new_privs`` is set.
 
 The audit hook also refuses ctypes foreign-function lookups and calls, but it is not a security
 boundary: Python documents that native code can bypass audit hooks, and private C entry points
 (``_posixsubprocess.fork_exec``, say) raise no event. It stops careless code; the OS layers stop
-hostile code. So in ``hooks`` mode a deliberately hostile program can still reach what the calling
-user can reach. Unix-domain socket files on the host stay reachable even in ``namespaces`` mode (a
-network namespace does not hide the filesystem); only the hook refuses connecting to them.
+hostile code. In ``hooks`` mode only rlimits and the seccomp filter remain against a deliberately
+hostile program: it cannot start processes, open sockets (Unix-domain sockets on the host
+included) or signal other processes, but it can still read and write whatever files the calling user
+can.
 """
 
 from __future__ import annotations
@@ -76,6 +93,7 @@ _DRAIN_AFTER_EXIT_S = 0.5
 # Tasks that exist in namespaces mode besides the program: the supervising shell and the interpreter.
 _SUPERVISOR_TASKS = 2
 _NICENESS = 10
+_ALLOW_NO_SECCOMP_ENV = "VCPO_SANDBOX_ALLOW_NO_SECCOMP"
 _CHILD_ENV_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 _NAMESPACE_COMMAND = (
@@ -156,6 +174,7 @@ def run_python(
     stdin: str = "",
     site_packages: bool = True,
     isolation: str = "auto",
+    syscall_filter: bool = True,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a confined interpreter and return what it printed.
 
@@ -173,6 +192,8 @@ def run_python(
             reasoning expects; False adds ``-S`` and leaves only the standard library.
         isolation: "namespaces" (required; RuntimeError if unavailable), "hooks" (no namespaces), or
             "auto" (namespaces when this machine allows them, else hooks with a one-time warning).
+        syscall_filter: load the seccomp-bpf filter in the child (required: RuntimeError where it
+            cannot be loaded, unless ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``); False runs without it.
     """
     cpu_time_s = cpu_time_s if cpu_time_s is not None else max(1, math.ceil(timeout_s))
     _check_limits(
@@ -185,6 +206,7 @@ def run_python(
         max_open_files=max_open_files,
     )
     use_namespaces = _use_namespaces(isolation)
+    seccomp = _seccomp_config(syscall_filter)
     rlimits = {
         "RLIMIT_CPU": [cpu_time_s, cpu_time_s + 1],
         "RLIMIT_AS": [memory_mb << 20] * 2,
@@ -195,7 +217,13 @@ def run_python(
     }
     with _private_workdir() as workdir, _stdin_file(stdin) as stdin_handle:
         (workdir / _MAIN_FILE).write_text(code, encoding="utf-8", errors="replace")
-        config = {"workdir": str(workdir), "main": _MAIN_FILE, "rlimits": rlimits, "niceness": _NICENESS}
+        config = {
+            "workdir": str(workdir),
+            "main": _MAIN_FILE,
+            "rlimits": rlimits,
+            "niceness": _NICENESS,
+            "seccomp": seccomp,
+        }
         command = _interpreter_command(config, site_packages)
         if use_namespaces:
             command = _in_namespaces(command, workdir)
@@ -260,6 +288,53 @@ def _probe_namespaces() -> bool:
     reason = completed.stderr.strip() if completed is not None else "timed out"
     logger.warning("sandbox: namespaces unavailable (%s); running untrusted code with hooks and rlimits only", reason)
     return False
+
+
+def _seccomp_config(requested: bool) -> dict | None:
+    """What the child needs to load the syscall filter, or None to run without it."""
+    if not requested:
+        return None
+    seccomp, reason = _probe_syscall_filter()
+    if seccomp is not None:
+        return seccomp
+    if os.environ.get(_ALLOW_NO_SECCOMP_ENV) == "1":
+        _warn_once(f"sandbox: running untrusted code without a seccomp syscall filter ({reason})")
+        return None
+    raise RuntimeError(
+        f"run_python: cannot confine the program with a seccomp syscall filter ({reason}). Install the "
+        f"system libseccomp2 and `pip install pyseccomp`, or opt out explicitly with syscall_filter=False "
+        f"or {_ALLOW_NO_SECCOMP_ENV}=1"
+    )
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_syscall_filter() -> tuple[dict | None, str]:
+    """Load the filter once in a throwaway child; cache (the child's seccomp config, or None, and why)."""
+    try:
+        import ctypes.util
+
+        import pyseccomp
+    except (ImportError, OSError, RuntimeError) as exc:  # pyseccomp raises RuntimeError without libseccomp
+        return None, f"pyseccomp unavailable: {exc!r}"
+    libraries = {name: ctypes.util.find_library(name) for name in ("c", "seccomp")}
+    seccomp = {"module": pyseccomp.__file__, "libraries": libraries}
+    config = {"main": _MAIN_FILE, "rlimits": {}, "niceness": 0, "seccomp": seccomp}
+    with _private_workdir() as workdir:
+        (workdir / _MAIN_FILE).write_text("print(open('/proc/self/status').read())", encoding="utf-8")
+        command = _interpreter_command({**config, "workdir": str(workdir)}, site_packages=False)
+        try:
+            completed = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return None, "the probe timed out"
+    # Seccomp mode 2: a filter is active.
+    if completed.returncode == 0 and "\nSeccomp:\t2\n" in completed.stdout:
+        return seccomp, ""
+    return None, completed.stderr.strip() or f"probe exited with {completed.returncode}"
 
 
 def _process_budget(max_processes: int, use_namespaces: bool) -> int:
