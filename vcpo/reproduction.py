@@ -37,7 +37,9 @@ class PlannedRun:
     @property
     def path(self) -> str:
         """The run folder below ``<results>/runs`` (the layout of vcpo.sim sweeps and vcpo.launch)."""
-        return f"{self.task}/{self.method}/lag{self.lag}/seed{self.seed}"
+        from vcpo.tables.runs import run_path
+
+        return str(run_path(self.task, self.method, self.lag, self.seed))
 
 
 @dataclass(frozen=True)

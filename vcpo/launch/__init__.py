@@ -32,6 +32,7 @@ from typing import Any
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method
 from vcpo.recipes import load_folder, read_yaml, recipes_dir
+from vcpo.tables.runs import run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
@@ -104,7 +105,7 @@ class Run:
 
     @property
     def run_dir(self) -> Path:
-        return self.output_dir / self.task.name / self.method.name / f"lag{self.lag}" / f"seed{self.seed}"
+        return self.output_dir / run_path(self.task.name, self.method.name, self.lag, self.seed)
 
     def data_files(self, which: str) -> list[Path]:
         return [self.data_dir / f"{split}.parquet" for split in self.task.spec["data"][which]]

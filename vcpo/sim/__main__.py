@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+from vcpo.tables.runs import run_path
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 
@@ -30,7 +31,7 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
-    return Path(root) / config.task / config.method / f"lag{config.lag}" / f"seed{config.seed}"
+    return Path(root) / run_path(config.task, config.method, config.lag, config.seed)
 
 
 def is_finished(out: Path) -> bool:

@@ -39,10 +39,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [_flat(json.loads(line)) for line in text.splitlines() if line.strip()]
 
 
+def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
+    """A run's folder below a runs root: the one layout of vcpo.sim sweeps, vcpo.launch and the workflow
+    (string arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard)."""
+    return Path(task) / method / f"lag{lag}" / f"seed{seed}"
+
+
 def run_dirs(root: Path, task: str, method: str, lag: int, seeds: set[int] | None = None) -> list[Path]:
     """The seed folders holding metrics of one (task, method, lag); sync is read at lag 0 whatever ``lag``."""
     lag = 0 if method == "sync" else lag
-    found = sorted(p.parent for p in (Path(root) / task / method / f"lag{lag}").glob("seed*/metrics.jsonl"))
+    found = sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/metrics.jsonl"))
     return [d for d in found if seeds is None or seed_of(d) in seeds]
 
 

@@ -18,9 +18,9 @@ if config["backend"] == "verl":
 
     rule evaluate:
         input:
-            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/training.done",
+            f"{RUN}/training.done",
         output:
-            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/eval/{{checkpoint}}/summary.json",
+            f"{RUN}/eval/{{checkpoint}}/summary.json",
         wildcard_constraints:
             checkpoint=r"final|step\d+",
         params:

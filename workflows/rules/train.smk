@@ -5,7 +5,7 @@
 
 
 def run_dir(wildcards):
-    return f"{R}/runs/{wildcards.task}/{wildcards.method}/lag{wildcards.lag}/seed{wildcards.seed}"
+    return RUN.format(**dict(wildcards.items()))
 
 
 def planned(wildcards):
@@ -27,7 +27,7 @@ if config["backend"] == "sim":
         input:
             base=f"{R}/bases/{{task}}.txt",
         output:
-            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/final/eval.json",
+            f"{RUN}/final/eval.json",
         params:
             out=run_dir,
             steps=lambda wildcards: PLAN.steps(planned(wildcards)),
@@ -74,7 +74,7 @@ else:
         input:
             lambda wildcards: split_files(wildcards.task),
         output:
-            f"{R}/runs/{{task}}/{{method}}/lag{{lag}}/seed{{seed}}/training.done",
+            f"{RUN}/training.done",
         params:
             args=" ".join(config.get("launch", {}).get("args", [])),
         resources:

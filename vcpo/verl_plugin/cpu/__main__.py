@@ -13,6 +13,7 @@ it must be set before ``import verl``, so verl's trainer is never imported here)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -36,12 +37,9 @@ def build(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[s
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
         train, val = args.train, args.val
-    try:  # without --lag: 1 (a few CPU steps would not reach the task's lag), or the lag the method fixes
-        run = make_run(args.task, args.method, args.lag if args.lag is not None else 1, args.seed, output_dir=out)
-    except LaunchError:
-        if args.lag is not None:
-            raise
-        run = make_run(args.task, args.method, None, args.seed, output_dir=out)
+    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out)
+    if args.lag is None and run.method.spec.get("max_lag") is None:
+        run = dataclasses.replace(run, lag=1)  # a few CPU steps would not reach the task's lag
     env = environment(out, run_environment(run))
     overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0)
     overrides += [
