@@ -1,11 +1,11 @@
 """The Python sandbox stops hostile or broken programs without harming the calling process."""
 
+import ast
 import asyncio
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -22,28 +22,13 @@ OVERHEAD_S = 3.0
 IS_ROOT = os.geteuid() == 0
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of processes still running a sandbox (their command line names the sandbox directory)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"vcpo-sandbox-" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-def sandbox_dirs() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("vcpo-sandbox-")}
-
-
 @pytest.fixture(params=ISOLATIONS)
 def isolation(request):
-    dirs_before = sandbox_dirs()
+    _, dirs_before = sandbox.leftover_sandboxes()
     yield request.param
-    assert sandbox_processes() == [], "a sandboxed process outlived run_python"
-    assert sandbox_dirs() == dirs_before, "run_python left its working directory behind"
+    pids, dirs_after = sandbox.leftover_sandboxes()
+    assert pids == [], "a sandboxed process outlived run_python"
+    assert dirs_after == dirs_before, "run_python left its working directory behind"
 
 
 def run_timed(code: str, **kwargs):
@@ -230,7 +215,7 @@ def test_invalid_limits_name_the_argument():
 
 
 def test_auto_falls_back_to_hooks_with_a_warning_where_namespaces_are_missing(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool, path=None: None)
     sandbox._probe_namespaces.cache_clear()
     try:
         assert run_python("print('ran')").isolation == "hooks"
@@ -247,25 +232,32 @@ needs_namespaces = pytest.mark.skipif("namespaces" not in ISOLATIONS, reason="na
 
 
 def run_without_hooks(code: str) -> subprocess.CompletedProcess:
-    with sandbox._private_workdir() as workdir:
-        command = sandbox._in_namespaces([sys.executable, "-I", "-c", textwrap.dedent(code)], workdir)
+    with sandbox._private_dirs() as (workdir, root):
+        command = sandbox._in_namespaces([sys.executable, "-I", "-c", textwrap.dedent(code)], workdir, root)
         return subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=30)
 
 
 @needs_namespaces
-def test_namespaces_make_everything_but_the_workdir_read_only(tmp_path):
+def test_namespaces_show_only_a_read_only_minimal_root(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     code = f"""
-        import errno
+        import errno, os, sys
         open("inside.txt", "w").write("ok")
-        try:
-            open({str(victim)!r}, "w")
-        except OSError as error:
-            print(errno.errorcode[error.errno])
+        print(sorted(os.listdir("/")))
+        print(os.listdir("/etc"))
+        for path in ({str(victim)!r}, "/etc/passwd", sys.prefix + "/new.txt"):
+            try:
+                open(path, "w")
+            except OSError as error:
+                print(errno.errorcode[error.errno])
     """
     completed = run_without_hooks(code)
-    assert completed.stdout == "EROFS\n", completed.stderr
+    lines = completed.stdout.splitlines()
+    system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "usr", "proc", "tmp", "nix"}
+    prefixes = {Path(prefix).parts[1] for prefix in (sys.prefix, sys.base_prefix)}
+    assert set(ast.literal_eval(lines[0])) <= system | prefixes, completed.stderr
+    assert lines[1:] == ["['ld.so.cache']", "ENOENT", "EROFS", "EROFS"]
     assert victim.read_text() == "precious"
 
 

@@ -4,21 +4,25 @@ The parent (``vcpo.tools.sandbox``) passes this file's source with ``python -I -
 argument. It lowers the resource limits, installs an audit hook that refuses writes outside the work
 directory, subprocesses, signals to other processes and network access, and then executes
 ``main.py`` from the work directory as ``__main__``. Before the audit hook, and before any of the
-program's code, it loads a seccomp-bpf syscall filter (``install_syscall_filter``) that the kernel
-enforces on this process and everything it could start.
+program's code, it loads a seccomp-bpf syscall filter (``install_syscall_filter``) and Landlock file
+access rules (``install_landlock``) that the kernel enforces on this process and everything it could
+start.
 
 The audit hook is defence in depth, not a security boundary: Python documents that audit hooks can be
 bypassed by native code (``ctypes``). The operating-system layers set up by the parent (namespaces,
-read-only mounts, resource limits) and the seccomp filter are what a determined program cannot undo.
+a minimal read-only root, resource limits), the seccomp filter and the Landlock rules are what a
+determined program cannot undo.
 
 Importing this module has no side effects; the parent imports it only to read the constants below.
 """
 
 import builtins
+import ctypes
 import errno
 import json
 import os
 import resource
+import stat
 import sys
 import threading
 import traceback
@@ -43,10 +47,39 @@ _SECCOMP_PRIVILEGED_SYSCALLS = (
     "capset", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "personality",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "tkill", "pidfd_send_signal",
+    "open_tree", "open_tree_attr", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
 )  # fmt: skip
+# File metadata, which Landlock does not govern: without these rules a program in hooks mode could
+# chmod, chown, touch or tag any file the calling user owns.
+_SECCOMP_METADATA_SYSCALLS = (
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
+    "utime", "utimes", "futimesat", "utimensat",
+    "setxattr", "lsetxattr", "fsetxattr", "setxattrat", "removexattr", "lremovexattr", "fremovexattr", "removexattrat",
+)  # fmt: skip
+# Syscalls newer than some libseccomp releases know, by their number in the unified syscall table
+# (the same on every architecture).
+_UNIFIED_SYSCALL_NUMBERS = {"fchmodat2": 452, "setxattrat": 463, "removexattrat": 466, "open_tree_attr": 467}
 # Signals: these take the target process as their first argument; only this process is allowed.
 _SECCOMP_OWN_PID_SYSCALLS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 _CLONE_THREAD = 0x00010000
+
+# Landlock (Linux >= 5.13): unprivileged, stackable file-access rules that hold for this process and
+# its descendants, whoever owns the files. The three syscalls have the same numbers on every
+# architecture that has them (the unified syscall table).
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # Landlock ABI 2 and 3
+_FS_ABI1 = (1 << 13) - 1  # execute ... make_sym: every right of the first ABI
+# Rights that apply to a file, as opposed to a directory's entries.
+_FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+LANDLOCK_READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+LANDLOCK_READ_WRITE = _FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE
+LANDLOCK_ALL = -1  # every right the running kernel handles
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _WRITABLE_DEVICES = frozenset({os.devnull})
@@ -128,8 +161,17 @@ def install_syscall_filter(seccomp) -> None:
     syscall_filter.set_attr(seccomp.Attr.CTL_TSYNC, 1)
     # A syscall of another ABI (int 0x80 on x86-64) would dodge the rules, which name native numbers.
     syscall_filter.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in _SECCOMP_PROCESS_SYSCALLS + _SECCOMP_NETWORK_SYSCALLS + _SECCOMP_PRIVILEGED_SYSCALLS:
-        syscall_filter.add_rule(eperm, name)
+    refused = (
+        _SECCOMP_PROCESS_SYSCALLS
+        + _SECCOMP_NETWORK_SYSCALLS
+        + _SECCOMP_PRIVILEGED_SYSCALLS
+        + _SECCOMP_METADATA_SYSCALLS
+    )
+    for name in refused:
+        number = seccomp.resolve_syscall(seccomp.Arch.NATIVE, name)
+        number = number if number >= 0 else _UNIFIED_SYSCALL_NUMBERS.get(name, -1)
+        if number >= 0:  # else: no such syscall on this architecture (fork on aarch64, say)
+            syscall_filter.add_rule(eperm, number)
     # clone() starts a thread when CLONE_THREAD is set (threading, OpenBLAS), a process otherwise.
     # The flags are the first argument on x86-64 and aarch64 (not on s390x, which swaps the two).
     syscall_filter.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
@@ -139,6 +181,101 @@ def install_syscall_filter(seccomp) -> None:
     for name in _SECCOMP_OWN_PID_SYSCALLS:
         syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, os.getpid()))
     syscall_filter.load()
+
+
+class _LandlockRulesetAttr(ctypes.Structure):
+    # struct landlock_ruleset_attr; older kernels accept it whole as long as the fields they do not
+    # know are zero.
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _LandlockPathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # struct landlock_path_beneath_attr is __packed
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version of the running kernel; 0 where Landlock is missing or disabled."""
+    version = _libc().syscall(
+        _LANDLOCK_CREATE_RULESET,
+        ctypes.c_void_p(None),
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
+    )
+    return max(int(version), 0)
+
+
+def _checked(result: int, what: str) -> int:
+    if result < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"{what}: {os.strerror(error)}")
+    return result
+
+
+def install_landlock(rules: list) -> None:
+    """Restrict this process (and its descendants) to the files in ``rules``, irrevocably.
+
+    ``rules`` holds ``[path, rights]`` pairs: the rights (``LANDLOCK_READ``, ``LANDLOCK_READ_WRITE``,
+    ``LANDLOCK_ALL``) hold for ``path`` and everything beneath it; anything not beneath a rule path
+    cannot be read, listed, written, created or executed. Missing paths are skipped. Where the
+    kernel's ABI allows it, TCP bind/connect, connections to abstract Unix sockets and signals to
+    processes outside this sandbox are refused as well.
+    """
+    abi = landlock_abi()
+    if abi < 1:
+        raise OSError(errno.EOPNOTSUPP, "Landlock is not available in this kernel")
+    libc = _libc()
+    handled_fs = _FS_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    attr = _LandlockRulesetAttr(
+        handled_access_fs=handled_fs,
+        handled_access_net=(_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0,
+        scoped=(_SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL) if abi >= 6 else 0,
+    )
+    ruleset = _checked(
+        libc.syscall(
+            _LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)), ctypes.c_uint32(0)
+        ),
+        "landlock_create_ruleset",
+    )
+    try:
+        for path, rights in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                allowed = handled_fs & rights
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    allowed &= _FS_FILE_RIGHTS
+                rule = _LandlockPathBeneathAttr(allowed_access=allowed, parent_fd=fd)
+                _checked(
+                    libc.syscall(
+                        _LANDLOCK_ADD_RULE,
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule({path!r})",
+                )
+            finally:
+                os.close(fd)
+        _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _checked(
+            libc.syscall(_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self"
+        )
+    finally:
+        os.close(ruleset)
 
 
 def _fd_path(fd: int) -> str:
@@ -231,12 +368,17 @@ def main(config: dict) -> int:
     # Below the caller's priority, so that a program busy in all its tasks cannot starve the
     # caller, which has to enforce the wall-clock limit.
     os.nice(config["niceness"])
-    if config["seccomp"] is not None:
-        try:
+    layer = None
+    try:
+        if config["seccomp"] is not None:
+            layer = "the seccomp syscall filter"
             install_syscall_filter(load_pyseccomp(config["seccomp"]["module"], config["seccomp"]["libraries"]))
-        except Exception as exc:  # noqa: BLE001 - fail closed: without the filter the program must not run
-            print(f"sandbox: cannot install the seccomp syscall filter: {exc!r}", file=sys.stderr)
-            return SETUP_FAILED_EXIT_CODE
+        if config["landlock"] is not None:
+            layer = "the Landlock file rules"
+            install_landlock(config["landlock"])
+    except Exception as exc:  # noqa: BLE001 - fail closed: unconfined, the program must not run
+        print(f"sandbox: cannot install {layer}: {exc!r}", file=sys.stderr)
+        return SETUP_FAILED_EXIT_CODE
     workdir = config["workdir"]
     sys.path.insert(0, workdir)
     sys.argv = [config["main"]]

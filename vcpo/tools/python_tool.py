@@ -31,6 +31,8 @@ _LIMIT_KEYS = frozenset(
         "max_open_files",
         "site_packages",
         "isolation",
+        "syscall_filter",
+        "hide_host_files",
     }
 )
 _TOOL_KEYS = frozenset({"type", "max_concurrency"})
@@ -93,6 +95,9 @@ class PythonSandboxTool(BaseTool):
         super().__init__(config, tool_schema)
         self._limits = {key: value for key, value in config.items() if key in _LIMIT_KEYS}
         self._slots = threading.BoundedSemaphore(int(config.get("max_concurrency") or os.cpu_count() or 1))
+        # Fail when verl builds the tool, before any rollout, where the machine cannot confine programs
+        # as configured (RuntimeError naming the missing layer and its opt-out).
+        run_python("pass", **self._limits)
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return getattr(self, "tool_schema", None) or DEFAULT_TOOL_SCHEMA

@@ -7,59 +7,75 @@ anything the program does, and it returns within ``timeout_s`` plus a fraction o
 
 What confines the program, and who enforces it:
 
-=========================  =====================================  ================================
-concern                    operating system                       audit hook in the child
-=========================  =====================================  ================================
+=========================  ======================================  ===============================
+concern                    operating system                        audit hook in the child
+=========================  ======================================  ===============================
 CPU time                   RLIMIT_CPU (SIGXCPU, then SIGKILL)
 wall time                  parent kills the process group /
                            the whole PID namespace
 memory                     RLIMIT_AS (allocation -> MemoryError)
 file sizes                 RLIMIT_FSIZE, output caps in parent
-processes (fork bombs)     seccomp-bpf (EPERM) (3),               fork/exec/spawn/subprocess refused
+processes (fork bombs)     seccomp-bpf (EPERM) (3),                fork/exec/spawn/subprocess refused
                            RLIMIT_NPROC (1)
-network                    seccomp-bpf (EPERM) (3),               connect/bind/send/DNS refused
+network                    seccomp-bpf (EPERM) (3), Landlock (4),  connect/bind/send/DNS refused
                            empty network namespace (2)
-writes outside workdir     every mount read-only but workdir (2)  open-for-write, rename, remove,
-                                                                  chmod, ... outside workdir refused
-signals to other procs     seccomp-bpf (EPERM) (3),               kill/killpg of other pids refused
+reading host files,        minimal root (2), Landlock (4)
+other processes' /proc
+writes outside workdir     read-only minimal root (2),             open-for-write, rename, remove,
+                           Landlock (4); metadata: seccomp (3)     chmod, ... outside workdir refused
+signals to other procs     seccomp-bpf (EPERM) (3), Landlock (4),  kill/killpg of other pids refused
                            PID namespace (2)
-=========================  =====================================  ================================
+the caller's environment   not inherited (``-I``, fresh env),
+                           its /proc entry unreachable (2, 4)
+=========================  ======================================  ===============================
 
 (1) The kernel exempts real uid 0 from RLIMIT_NPROC, even inside a user namespace. Run as root, the
     seccomp filter and the hook still refuse new processes (threads stay limited by RLIMIT_AS), and
     in ``namespaces`` mode the PID namespace still takes every process down at the end.
 (2) ``namespaces`` isolation only: ``unshare --user --map-root-user --mount --net --pid --ipc``,
-    then a shell remounts every mount read-only except the work directory and ``setpriv`` drops all
-    capabilities (so the program cannot remount) before starting the interpreter. This works as root
-    and, where unprivileged user namespaces are allowed, as an ordinary user. Where they are not (some
-    hardened CI hosts), ``isolation="auto"`` falls back to ``hooks`` mode: resource limits, the seccomp
-    filter and the audit hook only, with a warning.
+    then a shell builds the program's root from read-only bind mounts of what Python needs (the
+    system's programs and libraries under /usr, /bin, /lib*, ``/etc/ld.so.cache``; this interpreter's
+    prefixes, standard library and site-packages; /dev/null, zero, random, urandom), the writable
+    work directory and a /proc of the new PID namespace, switches to it with ``pivot_root`` and
+    detaches the host's tree; ``setpriv`` drops all capabilities (so the program cannot remount)
+    before starting the interpreter. Home directories, /etc, /tmp, /run, /sys and other processes do
+    not exist there. This works as root and, where unprivileged user namespaces are allowed, as an
+    ordinary user. Where they are not (some hardened CI hosts and clusters), ``isolation="auto"``
+    falls back to ``hooks`` mode with a warning.
 (3) Every mode: before the program's first line the child loads a seccomp-bpf filter, which the
     kernel enforces on native code too. execve/execveat, fork/vfork, clone without CLONE_THREAD
     (threads still work), socket/connect/bind/listen/accept (socketpair stays: asyncio needs it),
-    ptrace, mount/unshare/setns/chroot, set*id, capset, module loading, bpf, perf_event_open, key
-    rings, personality, process_vm_*, io_uring and signals to another process fail with EPERM
-    (clone3 with ENOSYS, so that glibc falls back to clone); a syscall of a foreign ABI kills the
-    process. If the filter cannot be loaded, the sandbox refuses to start (RuntimeError) unless the
-    caller passes ``syscall_filter=False`` or sets ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``.
+    ptrace, mount and the new mount API, unshare/setns/chroot, set*id, capset, module loading, bpf,
+    perf_event_open, key rings, personality, process_vm_*, io_uring, signals to another process and
+    file-metadata changes (chmod, chown, utime, xattrs; Landlock does not govern these) fail with
+    EPERM (clone3 with ENOSYS, so that glibc falls back to clone); a syscall of a foreign ABI kills
+    the process. If the filter cannot be loaded, the sandbox refuses to start (RuntimeError) unless
+    the caller passes ``syscall_filter=False`` or sets ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``.
+(4) Every mode where the kernel has Landlock (Linux >= 5.13, enabled in most distributions' kernels):
+    the child restricts itself, irrevocably and without privileges, to reading the same host paths
+    as (2), reading its own /proc entry and using its work directory; every other path, whoever owns
+    it (root's /etc/shadow included), fails with EACCES. From Landlock ABI 4 TCP bind/connect is
+    refused too, from ABI 6 signals and abstract Unix sockets outside the sandbox. In ``hooks`` mode
+    this is the only layer between the program and the caller's files, so without Landlock the
+    sandbox refuses to start (RuntimeError) unless the caller passes ``hide_host_files=False`` or
+    sets ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``; ``namespaces`` mode hides them with its root alone.
 
 The filter is built with ``pyseccomp``, a pure-Python ctypes binding to the system's libseccomp2
-(packaged by default on Debian, Ubuntu and RHEL), so it installs as an ordinary Python dependency.
-Sandboxes such as nsjail or bubblewrap are separate binaries that pip cannot install and, for
-their full setup, need privileges or setuid; a seccomp filter needs none once ``no_new_privs`` is set.
+(packaged by default on Debian, Ubuntu and RHEL), and Landlock is three syscalls made with ctypes, so
+both install as ordinary Python dependencies. Sandboxes such as nsjail or bubblewrap are separate
+binaries that pip cannot install and, for their full setup, need privileges or setuid; a seccomp
+filter and Landlock rules need none once ``no_new_privs`` is set.
 
 The audit hook also refuses ctypes foreign-function lookups and calls, but it is not a security
-boundary: Python documents that native code can bypass audit hooks, and private C entry points
-(``_posixsubprocess.fork_exec``, say) raise no event. It stops careless code; the OS layers stop
-hostile code. In ``hooks`` mode only rlimits and the seccomp filter remain against a deliberately
-hostile program: it cannot start processes, open sockets (Unix-domain sockets on the host
-included) or signal other processes, but it can still read and write whatever files the calling user
-can.
+boundary: Python documents that native code can bypass audit hooks, private C entry points
+(``_posixsubprocess.fork_exec``, say) raise no event, and the hook can be switched off from inside the
+program. It stops careless code and gives clear error messages; the kernel layers stop hostile code.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import functools
 import json
 import logging
@@ -68,9 +84,11 @@ import os
 import selectors
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -85,6 +103,7 @@ logger = logging.getLogger(__name__)
 
 ISOLATION_MODES = ("auto", "namespaces", "hooks")
 _MAIN_FILE = "main.py"
+_TEMP_PREFIX = "vcpo-sandbox-"
 _CHILD_SOURCE = Path(_sandbox_child.__file__).read_text(encoding="utf-8")
 _READ_CHUNK = 64 * 1024
 _POLL_S = 0.02
@@ -94,8 +113,27 @@ _DRAIN_AFTER_EXIT_S = 0.5
 _SUPERVISOR_TASKS = 2
 _NICENESS = 10
 _ALLOW_NO_SECCOMP_ENV = "VCPO_SANDBOX_ALLOW_NO_SECCOMP"
+_ALLOW_HOST_FILES_ENV = "VCPO_SANDBOX_ALLOW_HOST_FILES"
+# What the program sees of the host, read-only, besides its interpreter: the system's programs and
+# shared libraries (the dynamic loader needs its cache), and a few devices. Nothing else of /etc,
+# /home, /root, /tmp, /proc (other than its own), /sys or /run.
+_SYSTEM_PATHS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+_DEVICE_PATHS = (
+    "/dev/null",
+    "/dev/zero",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/fd",
+    "/dev/stdin",
+    "/dev/stdout",
+    "/dev/stderr",
+)
+_WRITABLE_DEVICES = ("/dev/null",)
+_SYSCONFIG_PATHS = ("stdlib", "platstdlib", "purelib", "platlib")
+_NIX_STORE = "/nix/store"
 _CHILD_ENV_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
+_NAMESPACE_TOOLS = ("unshare", "setpriv", "mount", "umount", "pivot_root")
 _NAMESPACE_COMMAND = (
     "unshare",
     "--user",
@@ -107,21 +145,32 @@ _NAMESPACE_COMMAND = (
     "--fork",
     "--kill-child",
 )
-# Runs as root of the new user namespace, before the interpreter. The bind mount makes the work
-# directory its own (writable) mount; `cd` moves onto it, as the inherited cwd still points below it.
-# Mount points in mountinfo escape spaces as octal (\040); printf %b decodes them. The private mount
-# propagation of `unshare --mount` keeps all of this invisible outside. `set +e` before the program:
-# its failure is the result to report, and `exit $?` (not exec) keeps the shell as PID 1 so that the
-# interpreter receives SIGXCPU like any process and its death by signal becomes status 128+N.
+# Runs as root of the new user namespace, before the interpreter. The parent has laid out in the
+# root directory the program's file system: directories, symlinks and empty mount points for the
+# listed host paths (``_root_skeleton``). This binds the host paths read-only onto them (util-linux
+# >= 2.27 applies ro to a bind in one call), the work directory writable and a /proc of the new PID
+# namespace, makes it the root with pivot_root and detaches the old one, so that nothing else of the
+# host can be reached by any path. (A /proc mount can be refused where the host's own /proc is partly
+# masked, as in containers: the program then has an empty /proc.) The private mount propagation of
+# `unshare --mount` keeps all of this invisible outside. `set +e` before the program: its failure is
+# the result to report, and `exit $?` (not exec) keeps the shell as PID 1 so that the interpreter
+# receives SIGXCPU like any process and its death by signal becomes status 128+N.
 _NAMESPACE_SETUP_SCRIPT = r"""
 set -eu
-workdir=$1; shift
-mount --bind "$workdir" "$workdir"
+root=$1; workdir=$2; shift 2
+mount --bind "$root" "$root"
+while [ "$1" != -- ]; do
+  mount --bind -o ro "$1" "$root$1"
+  shift
+done
+shift
+mount --bind "$workdir" "$root$workdir"
+mount -t proc -o nosuid,nodev,noexec proc "$root/proc" 2>/dev/null || :
+cd "$root"
+PATH=/usr/sbin:/sbin:$PATH pivot_root . .
+umount -l .
+mount -o remount,bind,ro /
 cd "$workdir"
-while read -r _id _parent _dev _root mountpoint _rest; do
-  mountpoint=$(printf '%b' "$mountpoint")
-  [ "$mountpoint" = "$workdir" ] || mount -o remount,bind,ro "$mountpoint"
-done < /proc/self/mountinfo
 set +e
 setpriv --no-new-privs --bounding-set=-all --inh-caps=-all -- "$@"
 exit $?
@@ -175,6 +224,7 @@ def run_python(
     site_packages: bool = True,
     isolation: str = "auto",
     syscall_filter: bool = True,
+    hide_host_files: bool = True,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a confined interpreter and return what it printed.
 
@@ -194,6 +244,10 @@ def run_python(
             "auto" (namespaces when this machine allows them, else hooks with a one-time warning).
         syscall_filter: load the seccomp-bpf filter in the child (required: RuntimeError where it
             cannot be loaded, unless ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``); False runs without it.
+        hide_host_files: show the program only its interpreter, libraries and directory (required:
+            RuntimeError in hooks mode on a kernel without Landlock, unless
+            ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``); False loads no Landlock rules (namespaces mode
+            still builds its minimal root).
     """
     cpu_time_s = cpu_time_s if cpu_time_s is not None else max(1, math.ceil(timeout_s))
     _check_limits(
@@ -207,6 +261,7 @@ def run_python(
     )
     use_namespaces = _use_namespaces(isolation)
     seccomp = _seccomp_config(syscall_filter)
+    confine_files = _landlock_wanted(hide_host_files, use_namespaces)
     rlimits = {
         "RLIMIT_CPU": [cpu_time_s, cpu_time_s + 1],
         "RLIMIT_AS": [memory_mb << 20] * 2,
@@ -215,7 +270,7 @@ def run_python(
         "RLIMIT_NOFILE": [max_open_files] * 2,
         "RLIMIT_CORE": [0, 0],
     }
-    with _private_workdir() as workdir, _stdin_file(stdin) as stdin_handle:
+    with _private_dirs() as (workdir, root), _stdin_file(stdin) as stdin_handle:
         (workdir / _MAIN_FILE).write_text(code, encoding="utf-8", errors="replace")
         config = {
             "workdir": str(workdir),
@@ -223,10 +278,11 @@ def run_python(
             "rlimits": rlimits,
             "niceness": _NICENESS,
             "seccomp": seccomp,
+            "landlock": _landlock_rules(workdir) if confine_files else None,
         }
         command = _interpreter_command(config, site_packages)
         if use_namespaces:
-            command = _in_namespaces(command, workdir)
+            command = _in_namespaces(command, workdir, root)
         started = time.monotonic()
         process = subprocess.Popen(
             command,
@@ -248,6 +304,20 @@ def run_python(
 def namespaces_available() -> bool:
     """Whether this machine lets the sandbox run in its own user, mount, network and PID namespaces."""
     return _probe_namespaces()
+
+
+def leftover_sandboxes() -> tuple[list[int], list[str]]:
+    """Pids of processes still running a sandbox program and sandbox directories still in the temporary
+    directory; both are empty whenever no ``run_python`` call is in progress."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and _TEMP_PREFIX.encode() in Path(entry.path, "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # the process ended while we looked
+            continue
+    directories = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(_TEMP_PREFIX))
+    return pids, directories
 
 
 def _check_limits(**limits: float) -> None:
@@ -273,12 +343,13 @@ def _use_namespaces(isolation: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _probe_namespaces() -> bool:
     """Run the namespace setup once with a trivial program; cache whether it worked."""
-    missing = [tool for tool in ("unshare", "setpriv", "mount") if shutil.which(tool) is None]
+    search_path = f"/usr/sbin:/sbin:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    missing = [tool for tool in _NAMESPACE_TOOLS if shutil.which(tool, path=search_path) is None]
     if missing:
         logger.warning("sandbox: %s not found; running untrusted code with hooks and rlimits only", missing)
         return False
-    with _private_workdir() as workdir:
-        probe = _in_namespaces([sys.executable, "-I", "-S", "-c", "pass"], workdir)
+    with _private_dirs() as (workdir, root):
+        probe = _in_namespaces([sys.executable, "-I", "-S", "-c", "pass"], workdir, root)
         try:
             completed = subprocess.run(probe, cwd=workdir, capture_output=True, text=True, timeout=30)
         except subprocess.TimeoutExpired:
@@ -323,8 +394,8 @@ def _probe_syscall_filter() -> tuple[dict | None, str]:
         return None, f"pyseccomp unavailable: {exc!r}"
     libraries = {name: ctypes.util.find_library(name) for name in ("c", "seccomp")}
     seccomp = {"module": pyseccomp.__file__, "libraries": libraries}
-    config = {"main": _MAIN_FILE, "rlimits": {}, "niceness": 0, "seccomp": seccomp}
-    with _private_workdir() as workdir:
+    config = {"main": _MAIN_FILE, "rlimits": {}, "niceness": 0, "seccomp": seccomp, "landlock": None}
+    with _private_dirs() as (workdir, _root):
         (workdir / _MAIN_FILE).write_text("print(open('/proc/self/status').read())", encoding="utf-8")
         command = _interpreter_command({**config, "workdir": str(workdir)}, site_packages=False)
         try:
@@ -362,12 +433,16 @@ def _count_tasks_of_user(uid: int) -> int:
 
 
 @contextmanager
-def _private_workdir() -> Iterator[Path]:
-    workdir = Path(tempfile.mkdtemp(prefix="vcpo-sandbox-")).resolve()
+def _private_dirs() -> Iterator[tuple[Path, Path]]:
+    """A fresh temporary directory with the program's work directory and an empty mount point, on
+    which namespaces mode builds the program's root; deleted afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX)).resolve()
     try:
-        yield workdir
+        (base / "work").mkdir()
+        (base / "root").mkdir()
+        yield base / "work", base / "root"
     finally:
-        _remove_tree(workdir)
+        _remove_tree(base)
 
 
 def _remove_tree(path: Path) -> None:
@@ -400,8 +475,121 @@ def _interpreter_command(config: dict, site_packages: bool) -> list[str]:
     return [sys.executable, *flags, "-c", _CHILD_SOURCE, json.dumps(config)]
 
 
-def _in_namespaces(command: list[str], workdir: Path) -> list[str]:
-    return [*_NAMESPACE_COMMAND, "sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(workdir), *command]
+def _in_namespaces(command: list[str], workdir: Path, root: Path) -> list[str]:
+    """``command`` run in new namespaces with ``root`` as its file system (laid out here)."""
+    binds = _root_skeleton(root, workdir)
+    setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir)]
+    return [*_NAMESPACE_COMMAND, *setup, *binds, "--", *command]
+
+
+def _root_skeleton(root: Path, workdir: Path) -> list[str]:
+    """Lay out in ``root`` the program's file system: the visible host paths as symlinks (copied) or
+    as empty mount points, plus mount points for the work directory and /proc. Returns the host paths
+    to bind onto their mount points."""
+    binds = []
+    for path in _visible_paths():
+        inside = root / path.lstrip("/")
+        inside.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(path):
+            inside.symlink_to(os.readlink(path))
+            continue
+        if os.path.isdir(path):
+            inside.mkdir()
+        else:
+            inside.touch()
+        binds.append(path)
+    (root / str(workdir).lstrip("/")).mkdir(parents=True)
+    (root / "proc").mkdir()
+    return binds
+
+
+def _landlock_wanted(hide_host_files: bool, use_namespaces: bool) -> bool:
+    """Whether the child loads Landlock rules; RuntimeError where host files would stay visible."""
+    if not hide_host_files:
+        return False
+    if _landlock_abi() >= 1:
+        return True
+    if use_namespaces:  # the namespace root alone holds only the visible paths
+        return False
+    if os.environ.get(_ALLOW_HOST_FILES_ENV) == "1":
+        _warn_once("sandbox: the program can read every file the calling user can (no Landlock, no namespaces)")
+        return False
+    raise RuntimeError(
+        "run_python: in hooks mode only Landlock can keep the program away from the host's files (home "
+        "directories, credentials, other processes' /proc entries, the caller's environment), and this "
+        "kernel does not provide it (Linux >= 5.13 with landlock in the lsm= list). Use namespaces "
+        "isolation, or opt in explicitly with hide_host_files=False or "
+        f"{_ALLOW_HOST_FILES_ENV}=1"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _landlock_abi() -> int:
+    return _sandbox_child.landlock_abi()
+
+
+def _landlock_rules(workdir: Path) -> list:
+    """The child's Landlock rules: the visible host paths read-only, its own /proc entry, the work
+    directory with every right."""
+    read = [[path, _sandbox_child.LANDLOCK_READ] for path in _visible_paths() if not os.path.islink(path)]
+    devices = [[path, _sandbox_child.LANDLOCK_READ_WRITE] for path in _WRITABLE_DEVICES]
+    own = [["/proc/self", _sandbox_child.LANDLOCK_READ], [str(workdir), _sandbox_child.LANDLOCK_ALL]]
+    return read + devices + own
+
+
+@functools.lru_cache(maxsize=1)
+def _visible_paths() -> tuple[str, ...]:
+    """Host paths the program may read: system programs and libraries, this interpreter (prefixes,
+    standard library, site-packages) and a few devices, with every symlink met on the way to them
+    (so that the interpreter's own paths resolve in the namespace root). Sorted; nothing listed lies
+    under a listed directory."""
+    interpreter = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)}
+    interpreter.update(site.getsitepackages())
+    interpreter.update(sysconfig.get_paths()[name] for name in _SYSCONFIG_PATHS)
+    # A Nix interpreter links its libraries from other store paths; the store is world-readable by design.
+    if any(path.startswith(_NIX_STORE + "/") for path in interpreter):
+        interpreter.add(_NIX_STORE)
+    # Devices are taken as they are: /dev/fd and /dev/std* link to /proc/self, which is the program's own.
+    listed = {path for path in _DEVICE_PATHS if os.path.lexists(path)}
+    for path in (*_SYSTEM_PATHS, *sorted(interpreter)):
+        if os.path.lexists(path):
+            listed.update(_resolution_chain(path))
+    home = os.path.realpath(os.path.expanduser("~"))
+    visible, directories = [], []
+    for path in sorted(listed):
+        if any(path.startswith(directory + "/") for directory in directories):
+            continue
+        if path == "/" or home == path or home.startswith(path + "/"):
+            raise RuntimeError(
+                f"run_python: the interpreter's files lie in {path!r}, which contains the home directory "
+                f"{home!r}; the sandbox cannot show one without the other. Install Python elsewhere."
+            )
+        visible.append(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            directories.append(path)
+    return tuple(visible)
+
+
+def _resolution_chain(path: str) -> list[str]:
+    """``path`` resolved one component at a time: each symlink met (at its resolved location), then
+    the real path it leads to."""
+    links, resolved, pending = [], "/", [part for part in path.split("/") if part]
+    while pending:
+        part = pending.pop(0)
+        if part in (".", ".."):
+            resolved = resolved if part == "." else os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, part)
+        if not os.path.islink(candidate):
+            resolved = candidate
+            continue
+        if len(links) >= 40:  # the kernel's limit (ELOOP)
+            raise OSError(errno.ELOOP, "too many symbolic links", path)
+        links.append(candidate)
+        target = os.readlink(candidate)
+        resolved = "/" if target.startswith("/") else resolved
+        pending[:0] = [part for part in target.split("/") if part]
+    return [*links, resolved]
 
 
 def _child_env(workdir: Path) -> dict[str, str]:
