@@ -170,4 +170,38 @@ def test_a_filter_that_fails_to_load_stops_the_program_before_it_runs(isolation,
     monkeypatch.setattr(sandbox, "_probe_syscall_filter", lambda: (broken, ""))
     result = run_python("print('ran')", isolation=isolation)
     assert result.stdout == "" and result.exit_code == sandbox._sandbox_child.SETUP_FAILED_EXIT_CODE
-    assert "cannot install the seccomp syscall filter" in result.stderr
+    assert "installing the seccomp syscall filter" in result.stderr
+
+
+def test_the_program_holds_no_capabilities_even_as_root(isolation):
+    # Run as root without namespaces, it would otherwise raise its own limits, renice below the caller,
+    # make device nodes or change the host name. (Only harmless attempts here: they act on the sandbox.)
+    code = """
+        import os
+        status = dict(line.split(":\\t") for line in open("/proc/self/status").read().splitlines() if ":\\t" in line)
+        print(*(int(status[name], 16) for name in ("CapInh", "CapPrm", "CapEff", "CapAmb", "CapBnd")))
+        for attempt in (lambda: os.setpriority(os.PRIO_PROCESS, 0, -5),
+                        lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1)),
+                        lambda: os.mknod("disk", 0o600 | 0o060000, os.makedev(8, 0))):
+            try:
+                attempt()
+                print("allowed")
+            except OSError as error:
+                print(error.errno)
+    """
+    result = run_unhooked(code, isolation)
+    lines = result.stdout.splitlines()
+    inheritable, permitted, effective, ambient, bounding = map(int, lines[0].split())
+    assert (inheritable, permitted, effective, ambient) == (0, 0, 0, 0), result.stderr
+    assert bounding == 0 or os.geteuid() != 0  # only a process with CAP_SETPCAP can empty it
+    assert lines[1:] == [str(errno.EACCES), str(errno.EPERM), str(errno.EPERM)], result.stderr
+
+
+def test_the_callers_file_descriptors_cannot_be_taken_through_a_pidfd(isolation):
+    code = f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.syscall(434, {os.getpid()}, 0), ctypes.get_errno())  # pidfd_open (same number everywhere)
+    """
+    result = run_unhooked(code, isolation)
+    assert result.stdout == f"-1 {errno.EPERM}\n", result.stderr

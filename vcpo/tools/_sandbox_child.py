@@ -48,6 +48,9 @@ _SECCOMP_PRIVILEGED_SYSCALLS = (
     "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "personality",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "tkill", "pidfd_send_signal",
     "open_tree", "open_tree_attr", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # Reaching into another process of the same user needs no capability: file descriptors through a
+    # pidfd, memory placement, kernel-object comparison. userfaultfd mostly serves kernel exploits.
+    "pidfd_open", "pidfd_getfd", "process_madvise", "kcmp", "move_pages", "migrate_pages", "userfaultfd",
 )  # fmt: skip
 # File metadata, which Landlock does not govern: without these rules a program in hooks mode could
 # chmod, chown, touch or tag any file the calling user owns.
@@ -70,6 +73,9 @@ _LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _LANDLOCK_RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+_CAP_SETPCAP = 8
 _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # Landlock ABI 2 and 3
 _FS_ABI1 = (1 << 13) - 1  # execute ... make_sym: every right of the first ABI
@@ -181,6 +187,34 @@ def install_syscall_filter(seccomp) -> None:
     for name in _SECCOMP_OWN_PID_SYSCALLS:
         syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, os.getpid()))
     syscall_filter.load()
+
+
+class _CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapabilityData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """Give up every capability for good (a no-op for an ordinary user).
+
+    Run as root without namespaces, the program would otherwise keep root's powers that no file rule
+    covers: raising its own resource limits, real-time scheduling, renicing below the caller, device
+    nodes, the host name, the kernel log, opening files by handle. Without capabilities, uid 0 is an
+    ordinary owner of files, and Landlock decides which of them it can reach.
+    """
+    libc = _libc()
+    header = _CapabilityHeader(version=_CAPABILITY_VERSION_3, pid=0)
+    current = (_CapabilityData * 2)()
+    _checked(libc.capget(ctypes.byref(header), current), "capget")
+    if current[0].effective & (1 << _CAP_SETPCAP):  # empty the bounding set too: nothing to regain on exec
+        capability = 0
+        while libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) == 0:
+            capability += 1
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none then
+    _checked(libc.capset(ctypes.byref(header), (_CapabilityData * 2)()), "capset")
 
 
 class _LandlockRulesetAttr(ctypes.Structure):
@@ -368,16 +402,17 @@ def main(config: dict) -> int:
     # Below the caller's priority, so that a program busy in all its tasks cannot starve the
     # caller, which has to enforce the wall-clock limit.
     os.nice(config["niceness"])
-    layer = None
+    layer = "dropping capabilities"
     try:
+        drop_capabilities()  # before the filter, which refuses capset
         if config["seccomp"] is not None:
-            layer = "the seccomp syscall filter"
+            layer = "installing the seccomp syscall filter"
             install_syscall_filter(load_pyseccomp(config["seccomp"]["module"], config["seccomp"]["libraries"]))
         if config["landlock"] is not None:
-            layer = "the Landlock file rules"
+            layer = "installing the Landlock file rules"
             install_landlock(config["landlock"])
     except Exception as exc:  # noqa: BLE001 - fail closed: unconfined, the program must not run
-        print(f"sandbox: cannot install {layer}: {exc!r}", file=sys.stderr)
+        print(f"sandbox: cannot confine the program ({layer}): {exc!r}", file=sys.stderr)
         return SETUP_FAILED_EXIT_CODE
     workdir = config["workdir"]
     sys.path.insert(0, workdir)

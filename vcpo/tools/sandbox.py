@@ -27,6 +27,7 @@ signals to other procs     seccomp-bpf (EPERM) (3), Landlock (4),  kill/killpg o
                            PID namespace (2)
 the caller's environment   not inherited (``-I``, fresh env),
                            its /proc entry unreachable (2, 4)
+root's powers (uid 0)      every capability dropped (5)
 =========================  ======================================  ===============================
 
 (1) The kernel exempts real uid 0 from RLIMIT_NPROC, even inside a user namespace. Run as root, the
@@ -59,6 +60,11 @@ the caller's environment   not inherited (``-I``, fresh env),
     this is the only layer between the program and the caller's files, so without Landlock the
     sandbox refuses to start (RuntimeError) unless the caller passes ``hide_host_files=False`` or
     sets ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``; ``namespaces`` mode hides them with its root alone.
+(5) Every mode: the child empties its capability sets (and, as root, its bounding set) before the
+    filter, so a program run as root cannot raise its resource limits, renice below the caller,
+    schedule itself in real time, make device nodes, change the host name or read the kernel log.
+    pidfd_open/pidfd_getfd, process_madvise, kcmp, move_pages/migrate_pages and userfaultfd, which
+    reach other processes of the same user without any capability, are in the seccomp filter.
 
 The filter is built with ``pyseccomp``, a pure-Python ctypes binding to the system's libseccomp2
 (packaged by default on Debian, Ubuntu and RHEL), and Landlock is three syscalls made with ctypes, so
