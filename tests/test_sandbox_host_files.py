@@ -20,6 +20,7 @@ from vcpo.tools import sandbox
 from vcpo.tools.sandbox import SandboxStatus, run_python
 
 isolation = test_sandbox.isolation
+listener = test_sandbox.listener
 SECRET = "machine hub.example password hunter2"
 REFUSED = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EXDEV, errno.EROFS}
 needs_landlock = pytest.mark.skipif(sandbox._landlock_abi() < 1, reason="the kernel has no Landlock")
@@ -236,3 +237,26 @@ def test_the_verl_tool_and_the_multi_turn_simulator_use_the_hardened_sandbox(pla
         patch.setattr(sandbox, "_landlock_abi", lambda: 0)
         patch.delenv("VCPO_SANDBOX_ALLOW_HOST_FILES", raising=False)
         PythonSandboxTool({"type": "native", "isolation": "hooks"}, None)  # refused when verl builds it
+
+
+@pytest.mark.skipif(sandbox._landlock_abi() < 6, reason="TCP rules need Landlock ABI 4, signal scoping ABI 6")
+def test_landlock_alone_refuses_tcp_and_signals_to_the_caller(listener):
+    # Without the seccomp filter and with the audit hook off, only Landlock stands in hooks mode.
+    port, accepted = listener
+    code = f"""
+        import os, signal, socket
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2)
+            print("connected")
+        except OSError as error:
+            print(error.errno)
+        try:
+            os.kill({os.getpid()}, signal.SIGCONT)  # harmless if it got through: the caller is not stopped
+            print("signalled")
+        except OSError as error:
+            print(error.errno)
+    """
+    result = run_unhooked(code, "hooks", syscall_filter=False)
+    assert result.stdout == f"{errno.EACCES}\n{errno.EPERM}\n" and accepted == [], result.stderr
+    unconfined = run_unhooked(code, "hooks", syscall_filter=False, hide_host_files=False)
+    assert unconfined.stdout == "connected\nsignalled\n"  # what Landlock stopped
