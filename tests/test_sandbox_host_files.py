@@ -243,19 +243,17 @@ def test_the_verl_tool_and_the_multi_turn_simulator_use_the_hardened_sandbox(pla
 def test_landlock_alone_refuses_tcp_and_signals_to_the_caller(listener):
     # Without the seccomp filter and with the audit hook off, only Landlock stands in hooks mode.
     port, accepted = listener
-    code = f"""
-        import os, signal, socket
-        try:
-            socket.create_connection(("127.0.0.1", {port}), timeout=2)
-            print("connected")
-        except OSError as error:
-            print(error.errno)
+    code = (
+        test_sandbox.tcp_connect_program(port)
+        + f"""
+        import os, signal
         try:
             os.kill({os.getpid()}, signal.SIGCONT)  # harmless if it got through: the caller is not stopped
             print("signalled")
         except OSError as error:
             print(error.errno)
     """
+    )
     result = run_unhooked(code, "hooks", syscall_filter=False)
     assert result.stdout == f"{errno.EACCES}\n{errno.EPERM}\n" and accepted == [], result.stderr
     unconfined = run_unhooked(code, "hooks", syscall_filter=False, hide_host_files=False)
