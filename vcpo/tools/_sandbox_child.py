@@ -16,6 +16,7 @@ determined program cannot undo.
 Importing this module has no side effects; the parent imports it only to read the constants below.
 """
 
+import base64
 import builtins
 import ctypes
 import errno
@@ -73,6 +74,11 @@ _LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _LANDLOCK_RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_BPF_INSTRUCTION_BYTES = 8
+# Stands for the child's pid in the compiled filter: above PID_MAX_LIMIT (2**22), so never a real pid,
+# and unlike any syscall number, architecture, errno or flag constant of the program.
+PID_PLACEHOLDER = 0x5EC05EC0
 _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _CAPABILITY_VERSION_3 = 0x20080522
 _CAP_SETPCAP = 8
@@ -135,31 +141,12 @@ def apply_rlimits(rlimits: dict) -> None:
         resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
-def load_pyseccomp(module_path: str, libraries: dict):
-    """Import the ``pyseccomp`` binding from its file (the program may run without site-packages).
+def build_syscall_filter(seccomp, own_pid: int):
+    """The seccomp-bpf filter as a ``pyseccomp.SyscallFilter`` (not loaded) for the process ``own_pid``.
 
-    ``libraries`` maps the names it looks up with ``ctypes.util.find_library`` to the sonames the
-    parent already found: on Linux that lookup runs ``ldconfig -p`` in a subprocess, on every start.
-    """
-    import ctypes.util
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pyseccomp", module_path)
-    module = importlib.util.module_from_spec(spec)
-    find_library = ctypes.util.find_library
-    ctypes.util.find_library = lambda name: libraries.get(name) or find_library(name)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        ctypes.util.find_library = find_library
-    return module
-
-
-def install_syscall_filter(seccomp) -> None:
-    """Load the seccomp-bpf filter into this process; it is inherited by every thread and child.
-
-    libseccomp sets ``no_new_privs`` first (the NNP attribute, on by default), which is what lets an
-    unprivileged process load a filter and what stops a set-uid binary from gaining privileges.
+    The parent builds it once with ``PID_PLACEHOLDER`` (``compile_syscall_filter``); the child only
+    patches in its pid and loads the program (``install_syscall_filter``), so that it needs neither
+    pyseccomp nor libseccomp.
     """
     eperm = seccomp.ERRNO(errno.EPERM)
     syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)
@@ -185,8 +172,42 @@ def install_syscall_filter(seccomp) -> None:
     # clone(), which the rule above checks.
     syscall_filter.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for name in _SECCOMP_OWN_PID_SYSCALLS:
-        syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, os.getpid()))
-    syscall_filter.load()
+        syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, own_pid))
+    return syscall_filter
+
+
+def compile_syscall_filter(seccomp) -> bytes:
+    """The filter's BPF program (``struct sock_filter`` array, native byte order) with ``PID_PLACEHOLDER``."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as handle:
+        build_syscall_filter(seccomp, PID_PLACEHOLDER).export_bpf(handle)
+        handle.seek(0)
+        return handle.read()
+
+
+def install_syscall_filter(program: bytes) -> None:
+    """Load a program of ``compile_syscall_filter`` into this process, with its own pid patched in.
+
+    ``no_new_privs`` first: it is what lets an unprivileged process load a filter, and it stops a
+    set-uid binary from gaining privileges. The filter holds for every thread started afterwards
+    (this runs before the program starts any) and every child.
+    """
+    instructions = bytearray(program)
+    placeholder = PID_PLACEHOLDER.to_bytes(4, sys.byteorder)
+    for offset in range(0, len(instructions), _BPF_INSTRUCTION_BYTES):
+        constant = slice(offset + 4, offset + 8)  # struct sock_filter {u16 code; u8 jt, jf; u32 k}
+        if instructions[constant] == placeholder:
+            instructions[constant] = os.getpid().to_bytes(4, sys.byteorder)
+    buffer = (ctypes.c_char * len(instructions)).from_buffer(instructions)
+    fprog = _SockFprog(len(instructions) // _BPF_INSTRUCTION_BYTES, ctypes.cast(buffer, ctypes.c_void_p))
+    libc = _libc()
+    _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _checked(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 class _CapabilityHeader(ctypes.Structure):
@@ -407,7 +428,7 @@ def main(config: dict) -> int:
         drop_capabilities()  # before the filter, which refuses capset
         if config["seccomp"] is not None:
             layer = "installing the seccomp syscall filter"
-            install_syscall_filter(load_pyseccomp(config["seccomp"]["module"], config["seccomp"]["libraries"]))
+            install_syscall_filter(base64.b64decode(config["seccomp"]["program"]))
         if config["landlock"] is not None:
             layer = "installing the Landlock file rules"
             install_landlock(config["landlock"])

@@ -66,8 +66,9 @@ root's powers (uid 0)      every capability dropped (5)
     pidfd_open/pidfd_getfd, process_madvise, kcmp, move_pages/migrate_pages and userfaultfd, which
     reach other processes of the same user without any capability, are in the seccomp filter.
 
-The filter is built with ``pyseccomp``, a pure-Python ctypes binding to the system's libseccomp2
-(packaged by default on Debian, Ubuntu and RHEL), and Landlock is three syscalls made with ctypes, so
+The filter is compiled once, in the calling process, with ``pyseccomp``, a pure-Python ctypes binding
+to the system's libseccomp2 (packaged by default on Debian, Ubuntu and RHEL); each child patches its
+pid into the BPF program and loads it with one prctl. Landlock is three syscalls made with ctypes. So
 both install as ordinary Python dependencies. Sandboxes such as nsjail or bubblewrap are separate
 binaries that pip cannot install and, for their full setup, need privileges or setuid; a seccomp
 filter and Landlock rules need none once ``no_new_privs`` is set.
@@ -80,6 +81,7 @@ program. It stops careless code and gives clear error messages; the kernel layer
 
 from __future__ import annotations
 
+import base64
 import enum
 import errno
 import functools
@@ -391,15 +393,15 @@ def _warn_once(message: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _probe_syscall_filter() -> tuple[dict | None, str]:
-    """Load the filter once in a throwaway child; cache (the child's seccomp config, or None, and why)."""
+    """Compile the filter here, load it once in a throwaway child; cache (the child's seccomp config, or
+    None, and why)."""
     try:
-        import ctypes.util
-
         import pyseccomp
+
+        program = _sandbox_child.compile_syscall_filter(pyseccomp)
     except (ImportError, OSError, RuntimeError) as exc:  # pyseccomp raises RuntimeError without libseccomp
         return None, f"pyseccomp unavailable: {exc!r}"
-    libraries = {name: ctypes.util.find_library(name) for name in ("c", "seccomp")}
-    seccomp = {"module": pyseccomp.__file__, "libraries": libraries}
+    seccomp = {"program": base64.b64encode(program).decode("ascii")}
     config = {"main": _MAIN_FILE, "rlimits": {}, "niceness": 0, "seccomp": seccomp, "landlock": None}
     with _private_dirs() as (workdir, _root):
         (workdir / _MAIN_FILE).write_text("print(open('/proc/self/status').read())", encoding="utf-8")
