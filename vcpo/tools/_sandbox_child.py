@@ -94,7 +94,8 @@ LANDLOCK_READ_WRITE = _FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE
 LANDLOCK_ALL = -1  # every right the running kernel handles
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_WRITABLE_DEVICES = frozenset({os.devnull})
+# Devices the program may open for writing, outside its work directory.
+WRITABLE_DEVICES = frozenset({os.devnull})
 
 _PROCESS_EVENTS = frozenset(
     {"os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn"}
@@ -141,17 +142,17 @@ def apply_rlimits(rlimits: dict) -> None:
         resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
-def build_syscall_filter(seccomp, own_pid: int):
-    """The seccomp-bpf filter as a ``pyseccomp.SyscallFilter`` (not loaded) for the process ``own_pid``.
+def compile_syscall_filter(seccomp) -> bytes:
+    """The seccomp-bpf filter's BPF program (``struct sock_filter`` array, native byte order).
 
-    The parent builds it once with ``PID_PLACEHOLDER`` (``compile_syscall_filter``); the child only
-    patches in its pid and loads the program (``install_syscall_filter``), so that it needs neither
-    pyseccomp nor libseccomp.
+    Built once in the parent with ``pyseccomp``, with ``PID_PLACEHOLDER`` in the own-process rules;
+    the child only patches in its pid and loads it (``install_syscall_filter``), so that it needs
+    neither pyseccomp nor libseccomp.
     """
+    import tempfile
+
     eperm = seccomp.ERRNO(errno.EPERM)
     syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)
-    syscall_filter.set_attr(seccomp.Attr.CTL_NNP, 1)
-    syscall_filter.set_attr(seccomp.Attr.CTL_TSYNC, 1)
     # A syscall of another ABI (int 0x80 on x86-64) would dodge the rules, which name native numbers.
     syscall_filter.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     refused = (
@@ -172,16 +173,9 @@ def build_syscall_filter(seccomp, own_pid: int):
     # clone(), which the rule above checks.
     syscall_filter.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for name in _SECCOMP_OWN_PID_SYSCALLS:
-        syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, own_pid))
-    return syscall_filter
-
-
-def compile_syscall_filter(seccomp) -> bytes:
-    """The filter's BPF program (``struct sock_filter`` array, native byte order) with ``PID_PLACEHOLDER``."""
-    import tempfile
-
+        syscall_filter.add_rule(eperm, name, seccomp.Arg(0, seccomp.NE, PID_PLACEHOLDER))
     with tempfile.TemporaryFile() as handle:
-        build_syscall_filter(seccomp, PID_PLACEHOLDER).export_bpf(handle)
+        syscall_filter.export_bpf(handle)
         handle.seek(0)
         return handle.read()
 
@@ -357,7 +351,7 @@ def make_audit_hook(workdir: str):
             resolved = resolve_event_path(path, dir_fd)
         except (OSError, ValueError):  # fail closed on a path that cannot be resolved
             return False
-        return resolved in _WRITABLE_DEVICES or os.path.commonpath([resolved, workdir]) == workdir
+        return resolved in WRITABLE_DEVICES or os.path.commonpath([resolved, workdir]) == workdir
 
     def refuse(what: str):
         raise PermissionError(errno.EACCES, f"sandbox: {what} is not allowed")

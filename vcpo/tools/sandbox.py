@@ -136,7 +136,6 @@ _DEVICE_PATHS = (
     "/dev/stdout",
     "/dev/stderr",
 )
-_WRITABLE_DEVICES = ("/dev/null",)
 _SYSCONFIG_PATHS = ("stdlib", "platstdlib", "purelib", "platlib")
 _NIX_STORE = "/nix/store"
 _CHILD_ENV_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -540,7 +539,7 @@ def _landlock_rules(workdir: Path) -> list:
     """The child's Landlock rules: the visible host paths read-only, its own /proc entry, the work
     directory with every right."""
     read = [[path, _sandbox_child.LANDLOCK_READ] for path in _visible_paths() if not os.path.islink(path)]
-    devices = [[path, _sandbox_child.LANDLOCK_READ_WRITE] for path in _WRITABLE_DEVICES]
+    devices = [[path, _sandbox_child.LANDLOCK_READ_WRITE] for path in sorted(_sandbox_child.WRITABLE_DEVICES)]
     own = [["/proc/self", _sandbox_child.LANDLOCK_READ], [str(workdir), _sandbox_child.LANDLOCK_ALL]]
     return read + devices + own
 
