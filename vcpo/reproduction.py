@@ -160,11 +160,7 @@ def plan(config: dict[str, Any]) -> Plan:
         lag = _scale_lag(config, spec.get("lag"))
         if paper_tasks and not tasks:
             continue  # no task of this figure is trained at this scale
-        needed = []
-        lags = sorted({_scale_lag(config, k) for k in spec["lags"]}) if "lags" in spec else [lag]
-        for task in tasks:
-            for k in lags:
-                needed += [run for run in runs_needed(spec, task=task, lag=k) if run not in needed]
+        needed = list(dict.fromkeys(run for task in tasks for run in runs_needed(spec, task=task, lag=lag)))
         for key in needed:
             core, full = wanted.get(key, (False, False))
             wanted[key] = (core or name in core_figures, full or name in full_length_figures)
@@ -189,7 +185,7 @@ def plan(config: dict[str, Any]) -> Plan:
         by_key.setdefault((run.task, run.method, run.lag), []).append(run)
     planned = {}
     for name, (kind, tasks, lag, needed) in figures.items():
-        figure_runs = tuple(run for key in dict.fromkeys(needed) for run in by_key[key])
+        figure_runs = tuple(run for key in needed for run in by_key[key])
         planned[name] = PlannedFigure(name, kind, tasks, lag, figure_runs)
     table1_runs = tuple(run for key in dict.fromkeys(table1) for run in by_key[key])
     return Plan(config, planned, tuple(runs), table1_runs)

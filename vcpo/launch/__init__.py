@@ -147,8 +147,6 @@ def _value(value: Any) -> str:
         return "[" + ",".join(_value(item) for item in value) + "]"
     if isinstance(value, dict):
         return "{" + ",".join(f"{key}:{_value(item)}" for key, item in value.items()) + "}"
-    if isinstance(value, Path):
-        return str(value)
     return str(value)
 
 

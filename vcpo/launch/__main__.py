@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run.run_dir.mkdir(parents=True, exist_ok=True)
     provenance = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
+    verl_command, environment = command(run, args.overrides), run_environment(run)
     (run.run_dir / "launch.json").write_text(
-        json.dumps({**provenance, "command": command(run, args.overrides), "env": run_environment(run)}, indent=2)
+        json.dumps({**provenance, "command": verl_command, "env": environment}, indent=2)
     )
     print(f"launching {run.name} -> {run.run_dir}", flush=True)
-    return subprocess.call(command(run, args.overrides), env={**os.environ, **run_environment(run)})
+    return subprocess.call(verl_command, env={**os.environ, **environment})
 
 
 def _parser() -> argparse.ArgumentParser:

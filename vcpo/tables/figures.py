@@ -169,11 +169,11 @@ def draw_lag_sweep_axes(left, right, rows: list[dict], method: str) -> None:
         ax.legend(fontsize=8)
 
 
-def lag_sweep_rows(root: Path, task: str, method: str, lags: list[int], seeds: set[int] | None = None) -> list[dict]:
+def lag_sweep_rows(root: Path, task: str, method: str, lags: list[int]) -> list[dict]:
     """One summary row per lag that has runs; lag 0 is read from the sync runs."""
     rows = []
     for lag in lags:
-        found = summary_rows(root, task, lag, ["sync" if lag == 0 else method], seeds)
+        found = summary_rows(root, task, lag, ["sync" if lag == 0 else method])
         rows.extend({**row, "lag": lag} for row in found)
     return rows
 

@@ -45,11 +45,10 @@ def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
     return Path(task) / method / f"lag{lag}" / f"seed{seed}"
 
 
-def run_dirs(root: Path, task: str, method: str, lag: int, seeds: set[int] | None = None) -> list[Path]:
+def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:
     """The seed folders holding metrics of one (task, method, lag); sync is read at lag 0 whatever ``lag``."""
     lag = 0 if method == "sync" else lag
-    found = sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/metrics.jsonl"))
-    return [d for d in found if seeds is None or seed_of(d) in seeds]
+    return sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/metrics.jsonl"))
 
 
 def seed_of(run_dir: Path) -> int:
@@ -104,20 +103,21 @@ def seed_band(
         values = values if key.startswith("val") else smooth(values, window)
         lookup = dict(zip(steps.tolist(), values.tolist(), strict=True))
         stacked.append([lookup[s] for s in common])
-        elapsed = elapsed_hours(lines)
-        hours.append([elapsed[s] for s in common])
+        if wall_clock:
+            elapsed = elapsed_hours(lines)
+            hours.append([elapsed[s] for s in common])
     stacked = np.asarray(stacked)
     x = np.asarray(hours).mean(0) if wall_clock else np.asarray(common)
     return x, stacked.mean(0), stacked.min(0), stacked.max(0)
 
 
-def summary_rows(root: Path, task: str, lag: int, methods: list[str], seeds: set[int] | None = None) -> list[dict]:
+def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[dict]:
     """Per method with runs: seeds, held-out accuracy at the start and the end (mean and min-max over
     seeds), the best accuracy along the run, the mean train reward of the last 20 steps, the lowest
     ESS ratio and the largest gradient norm seen (methods without runs are left out)."""
     rows = []
     for method in methods:
-        runs = [read_metrics(d) for d in run_dirs(root, task, method, lag, seeds)]
+        runs = [read_metrics(d) for d in run_dirs(root, task, method, lag)]
         if not runs:
             continue
         accuracy = [a for a in (series(lines, ACCURACY)[1] for lines in runs) if a.size]
