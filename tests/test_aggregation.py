@@ -4,7 +4,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss
 
-from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_sequence_scores
 
 
 def random_loss(seed, B=5, T=7):
@@ -43,3 +43,24 @@ def test_distributed_modes_require_global_counts():
         LossAggregation("seq-mean-token-mean", dp_size=2)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         LossAggregation("mean")
+
+
+@pytest.mark.parametrize("mode", OPOB_AGG_MODES)
+def test_opob_scores_over_the_batch_normaliser_are_verls_aggregated_loss(mode):
+    # The single-backward OPOB loss Σ_i c_i l_i with c_i = 1/N must be verl's aggregation of the
+    # token matrix: N = the valid tokens (token-mean) or the valid sequences (seq-mean-token-mean).
+    loss_mat, mask = random_loss(seed=3)
+    mask[2, 0] = True  # every sequence has a token
+    normaliser = mask.sum() if mode == "token-mean" else mask.any(-1).sum()
+    ours = opob_sequence_scores(loss_mat, mask, mode).sum() / normaliser
+    theirs = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=mode)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-12, atol=0)
+
+
+def test_opob_scores_by_hand_and_unsupported_modes():
+    log_prob = torch.tensor([[-1.0, -2.0, 5.0], [-4.0, 7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert opob_sequence_scores(log_prob, mask, "token-mean").tolist() == [-3.0, -4.0]
+    assert opob_sequence_scores(log_prob, mask, "seq-mean-token-mean").tolist() == [-1.5, -4.0]
+    with pytest.raises(ValueError, match="OPOB supports"):
+        opob_sequence_scores(log_prob, mask, "token-sum")

@@ -109,6 +109,14 @@ ONE_PER_LOSS = {
         ({**BASE, "optimizer": {"lr": 1e-6, "betas": [0.9, 0.99]}}, "optimizer"),
         ({**BASE, "extends": "missing"}, "extends unknown recipe 'missing'"),
         ({**BASE, "name": "other"}, "must equal the file name"),
+        (
+            {
+                **BASE,
+                "loss": {**BASE["loss"], "agg": "token-sum"},
+                "advantage": {"estimator": "opob", "params": {"scope": "group", "variant": "paper", "norm_by_std": True}},
+            },
+            r"OPOB supports the loss aggregations .* got agg 'token-sum'",
+        ),
     ],
 )
 def test_invalid_presets_raise_naming_the_file_and_key(tmp_path, preset, match):

@@ -9,7 +9,7 @@
 - losses, registry: every policy loss, by name (§1, §5-§10); aggregation: verl's loss_agg_mode
 """
 
-from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_sequence_scores
 from vcpo.core.baselines import baseline_advantages, opob_baseline
 from vcpo.core.ess import ess_ratio, ess_step_scale, log_effective_sample_size, scaled_learning_rate
 from vcpo.core.losses import (
@@ -31,6 +31,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "LossAggregation",
+    "OPOB_AGG_MODES",
     "PerSequenceGradients",
     "baseline_advantages",
     "ess_ratio",
@@ -43,6 +44,7 @@ __all__ = [
     "m2po_loss",
     "offpolicy_diagnostics",
     "opob_baseline",
+    "opob_sequence_scores",
     "p3o_loss",
     "p3o_two_anchor_loss",
     "reinforce_is_loss",

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Aggregations the single-backward OPOB update supports: the loss is Σ_i c_i l_i with one batch-wide
+# normaliser (the valid tokens for token-mean, the valid sequences for seq-mean-token-mean) inside c_i.
+OPOB_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -29,6 +32,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of each row over its ``mask``, shape (B,); 0 for a row without valid entries."""
     return masked_sum(values, mask, dim=-1) / mask.sum(-1).clamp_min(1)
+
+
+def opob_sequence_scores(log_prob: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """l_i = Σ_t u_{i,t} l^θ_{i,t}, the per-sequence log-likelihood whose gradient OPOB weighs: token
+    weights u = 1 under token-mean, 1/T_i under seq-mean-token-mean (the batch normaliser is applied
+    through the coefficients). Shape (B,)."""
+    if agg == "token-mean":
+        return masked_sum(log_prob, mask, dim=-1)
+    if agg == "seq-mean-token-mean":
+        return masked_row_mean(log_prob, mask)
+    raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGG_MODES}, got {agg!r}")
 
 
 def masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce) -> torch.Tensor:

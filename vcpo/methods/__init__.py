@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vcpo.core.aggregation import OPOB_AGG_MODES
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
 
@@ -86,6 +87,8 @@ def _check_method(spec: dict[str, Any], path: Path) -> None:
     _check_params(f"{path}: loss {loss['name']}", loss["params"], info.params)
     advantage = spec["advantage"]
     _check_params(f"{path}: advantage {advantage['estimator']}", advantage["params"], ADVANTAGE_PARAMS[advantage["estimator"]])
+    if advantage["estimator"] == "opob" and loss["agg"] not in OPOB_AGG_MODES:
+        raise ValueError(f"{path}: OPOB supports the loss aggregations {OPOB_AGG_MODES}, got agg {loss['agg']!r}")
 
 
 def load_methods(directory: Path | None = None) -> dict[str, Method]:

@@ -34,6 +34,7 @@ from vcpo.core import (
     kl_in_reward,
     offpolicy_diagnostics,
     opob_baseline,
+    opob_sequence_scores,
     scaled_learning_rate,
     token_log_ratio,
 )
@@ -301,13 +302,6 @@ class Learner:
             loss_agg_mode=self.agg, config=self.actor_config,
         )
 
-    def _sequence_scores(self, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """l_i = Σ_t u_{i,t} l^θ_{i,t} with the loss aggregation's per-token weights u."""
-        summed = (log_prob * mask).sum(-1)
-        if self.agg == "seq-mean-token-mean":
-            return summed / mask.sum(-1).clamp_min(1)
-        return summed
-
     def _opob_backward(self, batch: Batch, rewards: torch.Tensor, timings):
         """OPOB with one backward: G_R and G_S accumulate per micro-batch, the baseline comes after."""
         loss_fn = POLICY_LOSSES[self.loss_name].fn
@@ -331,7 +325,7 @@ class Learner:
                 weight = importance_weights(r, mb.mask, level=level, bound=bound, lo=lo, hi=hi).weight.amax(-1).double()
                 coef_s = -weight / (std[start:stop] * normaliser)
                 self.opob.set_coefficients(coef_s * rewards[start:stop].double(), coef_s)
-                scores = self._sequence_scores(log_prob, mb.mask)
+                scores = opob_sequence_scores(log_prob, mb.mask, self.agg)
                 forward += time.perf_counter() - started
                 started = time.perf_counter()
                 scores.sum().backward()

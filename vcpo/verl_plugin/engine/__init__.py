@@ -98,6 +98,7 @@ from vcpo.core import (
     importance_weights,
     offpolicy_diagnostics,
     opob_baseline,
+    opob_sequence_scores,
     scaled_learning_rate,
     token_log_ratio,
 )
@@ -589,8 +590,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         rewards = data["vcpo_reward"].double()
         coef_s = -weight / (data["vcpo_std"].double() * state.normaliser)
         self._per_sequence.set_coefficients(coef_s * rewards, coef_s)
-        summed = (log_prob * mask).sum(-1)
-        scores = summed if rule.agg == "token-mean" else summed / mask.sum(-1).clamp_min(1)
+        scores = opob_sequence_scores(log_prob, mask, rule.agg)
         state.rewards.append(rewards.detach().cpu())
         state.coef_s.append(coef_s.detach().cpu())
         state.scores.append(scores.detach().double().cpu())
