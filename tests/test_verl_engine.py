@@ -217,31 +217,20 @@ def flat(values) -> list[float]:
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
 def test_opob_gradient_matches_core_and_loop(process_group, model_dir, cpu_verl, remove_padding):
-    if remove_padding and not vcpo_engine.packed_opob_supported():
-        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
     check_opob_step(cpu.build_engine(model_dir, remove_padding), remove_padding, packed=remove_padding)
 
 
 def test_opob_dynamic_batch_size(process_group, model_dir, cpu_verl):
     """use_dynamic_bsz: verl re-sorts the sequences into token-budget micro-batches of varying size."""
-    engine = cpu.build_engine(model_dir, remove_padding=vcpo_engine.packed_opob_supported())
-    check_opob_step(engine, remove_padding=engine.opob_packed, packed=engine.opob_packed, max_tokens=30)
+    engine = cpu.build_engine(model_dir, remove_padding=True)
+    check_opob_step(engine, remove_padding=True, packed=True, max_tokens=30)
 
 
 def test_opob_packed_with_static_pad(process_group, model_dir, cpu_verl):
     """pad_to_length: verl pads the packed row to a bucket; the tail belongs to no sequence."""
-    if not vcpo_engine.packed_opob_supported():
-        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
     engine = cpu.build_engine(model_dir, remove_padding=True)
     engine.pad_to_length, engine.pad_to_length_bucket = True, 64
     check_opob_step(engine, remove_padding=True, packed=True)
-
-
-def test_opob_falls_back_to_padded_rows(process_group, model_dir, cpu_verl):
-    """Without packed support in vcpo.core, a remove-padding run does its OPOB steps on padded rows."""
-    engine = cpu.build_engine(model_dir, remove_padding=True)
-    engine.opob_packed = False
-    check_opob_step(engine, remove_padding=True, packed=False)
 
 
 def test_metrics_pass_through_the_training_worker(process_group, model_dir, cpu_verl):
@@ -291,8 +280,6 @@ def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
     from torch.distributed.tensor import DTensor
     from transformers import Qwen2ForCausalLM
 
-    if remove_padding and not vcpo_engine.packed_opob_supported():
-        pytest.skip("PerSequenceGradients.micro_batch does not take cu_seqlens yet")
     reference = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
     engine = fsdp2_engine(model_dir, remove_padding)
     td, raw = make_batch(remove_padding)
@@ -419,8 +406,7 @@ def test_opob_two_data_parallel_ranks(model_dir, tmp_path):
             assert_gradients_close(result["grads"], loop)
             assert result["metrics"]["actor/opob_baseline"] == pytest.approx(float(baseline.mean()), rel=1e-6)
             assert result["metrics"]["actor/lr_scale"] == pytest.approx(expected_scale, rel=1e-9)
-            packed = remove_padding and vcpo_engine.packed_opob_supported()
-            assert result["metrics"]["actor/opob_packed"] == float(packed)
+            assert result["metrics"]["actor/opob_packed"] == float(remove_padding)
 
 
 def test_opob_sums_the_kl_penalised_rewards_when_verl_sends_them():

@@ -65,9 +65,17 @@ def _mailbox():
     return _MAILBOX
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return full.detach().to("cpu").clone()
+async def host_named_tensors(weights: Iterable | AsyncGenerator) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a sync or async weight iterator, each tensor whole (DTensors gathered),
+    detached and copied to host memory."""
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        return full.detach().to("cpu").clone()
+
+    if hasattr(weights, "__aiter__"):
+        return [(name, host(tensor)) async for name, tensor in weights]
+    return [(name, host(tensor)) for name, tensor in weights]
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -101,13 +109,7 @@ class RayObjectStoreCheckpointEngine(CheckpointEngine):
         return None
 
     async def send_weights(self, weights: Iterable | AsyncGenerator, global_steps: int | None = None):
-        named: list[tuple[str, torch.Tensor]] = []
-        if hasattr(weights, "__aiter__"):
-            async for name, tensor in weights:
-                named.append((name, _host(tensor)))
-        else:
-            for name, tensor in weights:
-                named.append((name, _host(tensor)))
+        named = await host_named_tensors(weights)
         if self.is_master:
             await _mailbox().put.remote([ray.put(named)], global_steps)
         return {}

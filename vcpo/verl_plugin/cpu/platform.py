@@ -245,8 +245,3 @@ def init_gloo_process_group() -> None:
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         init_method=os.environ.get("DIST_INIT_METHOD", None),
     )
-
-
-def selected() -> bool:
-    """Whether this process asked verl for the CPU platform."""
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME

@@ -39,6 +39,8 @@ from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
+from vcpo.verl_plugin.cpu.checkpoint import host_named_tensors
+
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
@@ -401,22 +403,10 @@ class HFServerAdapter(BaseRollout):
             raise NotImplementedError(f"the hf CPU rollout takes wire_format='named_tensors', got {wire_format!r}")
         if kwargs.get("peft_config") is not None:
             raise NotImplementedError("the hf CPU rollout does not take LoRA adapters (use model.lora.merge=true)")
-        named: list[tuple[str, torch.Tensor]] = []
-        async_iter = hasattr(weights, "__aiter__")
-        if async_iter:
-            async for name, tensor in weights:
-                named.append((name, _to_host(tensor)))
-        else:
-            for name, tensor in weights:
-                named.append((name, _to_host(tensor)))
+        named = await host_named_tensors(weights)
         server = self._server()
         if server is not None:
             await server.update_weights.remote(named, global_steps)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return full.detach().to("cpu").clone()
 
 
 RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)

@@ -42,8 +42,8 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     R_i = Σ_t token_level_rewards (after the KL-in-reward penalty; verl's V1 trainer sends them to the actor
     only when it applies one) or else Σ_t rm_scores (the verifiable reward). The advantages in the batch are not
     used. Packed micro-batches (remove-padding, also with ``pad_to_length``) go to ``micro_batch`` with
-    ``cu_seqlens``; without that argument the engine runs the OPOB step on verl's padded micro-batches
-    (``use_remove_padding=False`` for that step). Dynamic batch sizes work. Not supported (clear
+    ``cu_seqlens``; padded micro-batches (``use_remove_padding=False``) one sequence per row. Dynamic
+    batch sizes work. Not supported (clear
     errors): Ulysses sequence parallelism, torch.autocast (bf16 mixed precision), top-K distillation.
 
 Metrics (one value per optimizer step, as one-element lists like verl's per-micro-batch metrics; the
@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,11 +246,6 @@ def check_opob_loss(loss_function) -> None:
         )
 
 
-def packed_opob_supported() -> bool:
-    """True once ``PerSequenceGradients.micro_batch`` takes ``cu_seqlens`` (packed rows)."""
-    return "cu_seqlens" in inspect.signature(PerSequenceGradients.micro_batch).parameters
-
-
 # ----------------------------------------------------------------------------------------------
 # Data-parallel helpers.
 # ----------------------------------------------------------------------------------------------
@@ -349,7 +343,6 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         super().__init__(model_config, *args, **kwargs)
         self._step: _StepState | None = None
         self._per_sequence: PerSequenceGradients | None = None
-        self.opob_packed = packed_opob_supported()
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:
@@ -515,9 +508,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             )
         self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
         remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
-        state.packed = bool(remove_padding) and self.opob_packed
-        if remove_padding and not state.packed:
-            tu.assign_non_tensor(data, use_remove_padding=False)  # padded rows: one sequence per row
+        state.packed = bool(remove_padding)
         mask = padded(data["response_mask"]).to(torch.bool)
         rewards = padded(data[reward_key(data)]).to(torch.float64).sum(-1)
         labels = sequence_labels(data) if rule.scope == "group" else [0] * len(data)
@@ -658,7 +649,6 @@ __all__ = [
     "MODEL_TYPE",
     "UpdateRule",
     "VcpoFSDPEngineWithLMHead",
-    "packed_opob_supported",
     "rule_from_loss_function",
     "rule_from_method",
 ]
