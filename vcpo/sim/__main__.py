@@ -2,10 +2,13 @@
 
     python -m vcpo.sim train --task countdown --method vcpo --lag 12 --seed 0 --steps 200 --out runs/x [key=value ...]
     python -m vcpo.sim sweep --task countdown --methods sync,seq_tis_c8,vcpo --lags 12 --seeds 0,1,2 --out runs [--jobs 2]
+    python -m vcpo.sim train --config recipes/sim/regime.yaml --method vcpo --seed 0 --out runs/x [key=value ...]
     python -m vcpo.sim keys        # every configuration key with its default
 
 Trailing ``key=value`` arguments set any field of ``vcpo.sim.config.SimConfig`` (``lag_model=fixed``,
-``max_turns=3``, ``rollout_dtype=preset``, ...). Every configuration is checked before any work starts.
+``max_turns=3``, ``rollout_dtype=preset``, ...). ``--config FILE`` reads a YAML mapping of the same keys
+first; flags and ``key=value`` arguments override it, and the run's ``config.json`` records the file
+(``config_file``). Every configuration is checked before any work starts.
 A sweep writes each run to ``OUT/<task>/<method>/lag<k>/seed<s>/`` and skips runs that finished.
 """
 
@@ -19,15 +22,20 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, load_config_file, validate
 from vcpo.tables.runs import run_path
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 
 
+def _start(args: argparse.Namespace) -> SimConfig:
+    """The defaults, or the ``--config`` file's settings over them."""
+    return load_config_file(args.config) if args.config else SimConfig()
+
+
 def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     given = {key: getattr(args, key) for key in COMMON if getattr(args, key, None) is not None}
-    return validate(apply_overrides(apply_overrides(SimConfig(), given), overrides))
+    return validate(apply_overrides(apply_overrides(_start(args), given), overrides))
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
@@ -43,14 +51,13 @@ def _csv(kind):
 
 
 def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimConfig]:
-    base = apply_overrides(SimConfig(), overrides)
+    base = apply_overrides(_start(args), overrides)
     configs = []
     for method in args.methods:
         for lag in args.lags:
             for seed in args.seeds:
-                changes = {"task": args.task, "method": method, "lag": lag, "seed": seed, "lag_model": args.lag_model}
-                if args.steps is not None:
-                    changes["steps"] = args.steps
+                changes = {"method": method, "lag": lag, "seed": seed}
+                changes |= {key: getattr(args, key) for key in ("task", "lag_model", "steps") if getattr(args, key) is not None}
                 config = dataclasses.replace(base, **changes)
                 config = dataclasses.replace(config, out=str(run_dir(args.out, config)))
                 configs.append(validate(config))
@@ -58,19 +65,13 @@ def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimCon
 
 
 def _run_subprocess(config: SimConfig, threads: int) -> int:
-    overrides = [f"{field.name}={_format(getattr(config, field.name))}" for field in dataclasses.fields(config)
+    overrides = [f"{field.name}={as_override_text(getattr(config, field.name))}" for field in dataclasses.fields(config)
                  if field.name not in ("extra",) and getattr(config, field.name) != getattr(SimConfig(), field.name)]
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vcpo.sim", "train", *overrides, f"threads={threads}", "progress=false"]
     with open(out / "train.log", "a") as log:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}).returncode
-
-
-def _format(value) -> str:
-    if isinstance(value, tuple):
-        return ",".join(str(item) for item in value)
-    return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seed", type=int)
     train.add_argument("--steps", type=int)
     train.add_argument("--out")
+    train.add_argument("--config", help="YAML file of configuration keys (flags and key=value override it)")
     sweep = commands.add_parser("sweep", help="methods x lags x seeds")
-    sweep.add_argument("--task", default=SimConfig.task)
+    sweep.add_argument("--config", help="YAML file of configuration keys (flags and key=value override it)")
+    sweep.add_argument("--task")
     sweep.add_argument("--methods", type=_csv(str), required=True)
     sweep.add_argument("--lags", type=_csv(int), required=True)
     sweep.add_argument("--seeds", type=_csv(int), default=[0])
-    sweep.add_argument("--lag-model", dest="lag_model", default=SimConfig.lag_model)
+    sweep.add_argument("--lag-model", dest="lag_model")
     sweep.add_argument("--steps", type=int)
     sweep.add_argument("--out", type=Path, required=True)
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel, one torch thread each")

@@ -76,6 +76,7 @@ class SimConfig:
     wandb: bool = False  # through verl's Tracking; WANDB_MODE defaults to offline
     progress: bool = True
     out: str | None = None
+    config_file: str | None = None  # the YAML file the settings were read from (recorded, not re-read)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes copied into config.json
 
     @property
@@ -144,6 +145,34 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
             raise ConfigError(f"unknown config key {key!r}{hint}; keys: {', '.join(sorted(FIELD_TYPES))}")
         changes[key] = _parse_value(key, value) if isinstance(value, str) else value
     return dataclasses.replace(config, **changes)
+
+
+def load_config_file(path: str | Path, config: SimConfig | None = None) -> SimConfig:
+    """``config`` (default: the defaults) with the keys of a YAML mapping file applied, the file recorded
+    in ``config_file``; an unknown key or a value of the wrong type is an error naming the file and key."""
+    import yaml
+
+    path = Path(path)
+    try:
+        settings = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it ({error})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping of configuration keys, got {type(settings).__name__}")
+    if "config_file" in settings:
+        raise ConfigError(f"config file {str(path)!r}: key 'config_file' cannot be set inside a config file")
+    try:
+        config = apply_overrides(config or SimConfig(), {str(key): as_override_text(value) for key, value in settings.items()})
+    except ConfigError as error:
+        raise ConfigError(f"config file {str(path)!r}: {error}") from None
+    return dataclasses.replace(config, config_file=str(path))
+
+
+def as_override_text(value: Any) -> str:
+    """A YAML value as the text a command-line override would give (so both are parsed the same way)."""
+    if isinstance(value, list | tuple):
+        return ",".join(str(item) for item in value)
+    return "null" if value is None else str(value)
 
 
 def _split(item: str) -> tuple[str, str]:

@@ -1,0 +1,102 @@
+"""The regime as a file (``--config``) and the pre-registered hold / collapse criteria."""
+
+import json
+
+import pytest
+
+from vcpo.sim.__main__ import main as sim_main
+from vcpo.sim.config import ConfigError, SimConfig, load_config_file
+from vcpo.sim.stability import outcome
+from vcpo.tiny import save_tiny_model
+
+SHORT = [
+    "prompts_per_step=2", "responses_per_prompt=2", "micro_batch_size=4", "max_response_tokens=8",
+    "update_tokens=4", "eval_every=0", "warmup_steps=0", "checkpoint_every=1", "progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+
+
+def test_config_file_values_then_flags_then_key_values(base, tmp_path):
+    regime = tmp_path / "regime.yaml"
+    regime.write_text("lr: 2.5e-4  # the file's value\nsteps: 7\nlag: 3\nbetas: [0.8, 0.99]\nrho_on: null\n")
+    out = tmp_path / "run"
+    code = sim_main(["train", "--config", str(regime), "--method", "seq_tis_c8", "--steps", "2", "--out", str(out),
+                     f"base={base}", "lag=1", *SHORT])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["config_file"] == str(regime)
+    assert config["lr"] == 2.5e-4 and config["betas"] == [0.8, 0.99]  # from the file
+    assert config["steps"] == 2 and config["lag"] == 1  # the flag and the key=value win over the file
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_sweep_reads_the_config_file_and_records_it(base, tmp_path):
+    regime = tmp_path / "regime.yaml"
+    regime.write_text("lr: 3.0e-4\nlag: 2\n")
+    code = sim_main(["sweep", "--config", str(regime), "--methods", "seq_tis_c8", "--lags", "2", "--steps", "1",
+                     "--out", str(tmp_path / "runs"), f"base={base}", *SHORT])
+    assert code == 0
+    config = json.loads((tmp_path / "runs/countdown/seq_tis_c8/lag2/seed0/config.json").read_text())
+    assert config["config_file"] == str(regime) and config["lr"] == 3.0e-4
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr: 1e-4\nlag_modle: fixed\n", "unknown config key 'lag_modle' (did you mean 'lag_model'?)"),
+        ("steps: many\n", "config key 'steps': cannot read 'many'"),
+        ("- lr\n", "expected a mapping"),
+        ("config_file: other.yaml\n", "'config_file' cannot be set"),
+    ],
+)
+def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, capsys, text, message):
+    regime = tmp_path / "bad.yaml"
+    regime.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config_file(regime)
+    assert str(regime) in str(error.value) and message in str(error.value)
+    assert sim_main(["train", "--config", str(regime), "--out", str(tmp_path / "run")]) == 2
+    assert str(regime) in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nothing.yaml.*cannot read"):
+        load_config_file(tmp_path / "nothing.yaml", SimConfig())
+
+
+def _run(accuracy: dict[int, float], ess: list[float]) -> list[dict]:
+    """Metrics lines as vcpo.sim writes them: a line per step, the final evaluation as a last line."""
+    last = max(accuracy)
+    lines = [{"step": step, "rollout_corr/seq_ess_ratio": value} for step, value in enumerate(ess)]
+    for line in lines:
+        if line["step"] in accuracy:
+            line["val/accuracy"] = accuracy[line["step"]]
+    return [*lines, {"step": last, "val/accuracy": accuracy[last]}]
+
+
+def test_a_collapse_needs_both_the_fall_and_the_ess_alarm():
+    ess = [1.0] * 30 + [0.09] + [0.5] * 69  # the alarm at step 30
+    collapsed = outcome(_run({0: 0.2, 25: 0.3, 50: 0.32, 75: 0.15, 100: 0.16}, ess))
+    assert collapsed.best == 0.32 and collapsed.best_step == 50 and collapsed.end == 0.16
+    assert collapsed.collapsed and not collapsed.holds  # 0.16 <= 0.5 x 0.32
+    assert collapsed.ess_alarm_step == 30 and collapsed.fall_step == 75 and collapsed.ess_lead == 45
+    just_above_half = outcome(_run({0: 0.2, 50: 0.32, 100: 0.161}, ess))
+    assert not just_above_half.collapsed and just_above_half.fall_step is None
+    no_alarm = outcome(_run({0: 0.2, 50: 0.32, 100: 0.1}, [0.11] * 100))
+    assert not no_alarm.collapsed and no_alarm.ess_alarm_step is None and no_alarm.ess_lead is None
+
+
+def test_sync_holds_needs_the_gain_and_the_level():
+    ones = [1.0] * 101
+    assert outcome(_run({0: 0.20, 50: 0.30, 100: 0.25}, ones)).holds  # +5 points, 0.25 >= 0.8 x 0.30
+    assert not outcome(_run({0: 0.20, 50: 0.24, 100: 0.249}, ones)).holds  # +4.9 points only
+    assert not outcome(_run({0: 0.20, 50: 0.40, 100: 0.31}, ones)).holds  # 0.31 < 0.8 x 0.40
+
+
+def test_a_run_without_a_base_evaluation_cannot_be_judged():
+    with pytest.raises(ValueError, match="step-0"):
+        outcome([{"step": 3, "val/accuracy": 0.2}])
