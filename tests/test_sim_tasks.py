@@ -85,6 +85,9 @@ def test_prompts_fit_the_token_budget(name):
         for p in task.problems("validation")
     ]
     assert max(lengths) <= task.max_prompt_tokens
+    # every SFT solution, with its closing end-of-turn token, fits the generation budget
+    solutions = [len(tokenizer.encode(p.solution, add_special_tokens=False)) + 1 for p in task.problems("validation")]
+    assert max(solutions) <= task.max_response_tokens
     prompt = render_prompt(tokenizer, task.problems("train")[0])
     assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
@@ -124,7 +127,7 @@ def test_sft_base_writes_a_loadable_model_once(tmp_path, monkeypatch):
 
 
 def test_unknown_task_or_size_is_named():
-    with pytest.raises(ValueError, match="nonesuch.*known: arithmetic, countdown"):
+    with pytest.raises(ValueError, match="nonesuch.*known: arithmetic, arithmetic_long, countdown"):
         get_sim_task("nonesuch")
     with pytest.raises(ValueError, match="nonesuch"):
         base.sft_base("nonesuch")

@@ -116,12 +116,12 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
         where = f"run {run.path}"
         try:
             if config["backend"] == "sim":
-                from vcpo.sim.config import SimConfig, apply_overrides, validate
+                from vcpo.sim.config import apply_overrides, validate
 
                 settings = {key: str(value) for key, value in sim_settings(config, run.method).items()}
                 given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed}
                 given["steps"] = steps_of(config, run)
-                validate(apply_overrides(apply_overrides(SimConfig(), given), settings))
+                validate(apply_overrides(apply_overrides(sim_start(config), given), settings))
             else:
                 from vcpo.launch import make_run
 
@@ -129,6 +129,18 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
         except ValueError as error:
             key = "sim" if config["backend"] == "sim" else "lags"
             raise ConfigError(f"{key}: {where}: {error}") from None
+
+
+def sim_start(config: dict[str, Any]):
+    """The ``vcpo.sim`` configuration every run starts from: the ``sim_config`` file, else the defaults."""
+    from vcpo.sim.config import SimConfig, load_config_file
+
+    return load_config_file(config["sim_config"]) if config.get("sim_config") else SimConfig()
+
+
+def sim_base_size(config: dict[str, Any]) -> str:
+    """The model size of the runs' SFT base (the file's, unless ``sim`` sets another)."""
+    return str((config.get("sim") or {}).get("model_size", sim_start(config).model_size))
 
 
 def sim_settings(config: dict[str, Any], method: str) -> dict[str, Any]:

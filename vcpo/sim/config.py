@@ -48,7 +48,7 @@ class SimConfig:
     # batch and sampling (shape of VCPO Table 3: 8 prompts x 8 completions)
     prompts_per_step: int = 8
     responses_per_prompt: int = 8
-    max_response_tokens: int = 48
+    max_response_tokens: int | None = None  # None: the task's budget (vcpo.sim.tasks.SimTask.max_response_tokens)
     temperature: float = 1.0  # VCPO Tables 3-5
     max_turns: int = 0  # >0: multi-turn with the sandboxed Python tool, at most this many tool calls
     tool_timeout_s: float = 5.0
@@ -89,6 +89,15 @@ class SimConfig:
         return self.lag if forced is None else min(self.lag, forced)
 
     @property
+    def response_budget(self) -> int:
+        """Most tokens a response may have (rollouts and held-out evaluation)."""
+        if self.max_response_tokens is not None:
+            return self.max_response_tokens
+        from vcpo.sim.tasks import get_sim_task
+
+        return get_sim_task(self.task).max_response_tokens
+
+    @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.responses_per_prompt
 
@@ -116,6 +125,8 @@ def _parse_value(key: str, text: str) -> Any:
             return int(text)
         if kind == "float":
             return float(text)
+        if kind == "int | None":
+            return None if text.lower() in ("none", "null") else int(text)
         if kind == "float | None":
             return None if text.lower() in ("none", "null") else float(text)
         if kind == "str | None":
@@ -198,7 +209,9 @@ def validate(config: SimConfig) -> SimConfig:
         fail("method", str(error))
     if config.lag_model not in LAG_MODELS:
         fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
-    for key in ("steps", "prompts_per_step", "responses_per_prompt", "max_response_tokens", "update_tokens"):
+    if config.max_response_tokens is not None and config.max_response_tokens < 1:
+        fail("max_response_tokens", f"must be >= 1, got {config.max_response_tokens}")
+    for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):
         if getattr(config, key) < 1:
             fail(key, f"must be >= 1, got {getattr(config, key)}")
     for key in ("lag", "max_turns", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "threads"):

@@ -10,8 +10,6 @@ import torch
 from vcpo.rewards import score_batch
 from vcpo.sim.tasks import Problem, SimTask, render_prompt
 
-DEFAULT_MAX_NEW_TOKENS = 48  # vcpo.sim.config's max_response_tokens
-
 
 @torch.no_grad()
 def heldout_accuracy(
@@ -21,12 +19,13 @@ def heldout_accuracy(
     problems: Sequence[Problem],
     *,
     temperature: float = 1.0,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = None,
     batch_size: int = 64,
     samples: int = 1,
     seed: int = 0,
 ) -> dict:
-    """Accuracy of ``model`` on ``problems``, ``samples`` responses each (temperature 0: greedy).
+    """Accuracy of ``model`` on ``problems``, ``samples`` responses each (temperature 0: greedy), at most
+    ``max_new_tokens`` generated tokens each (default: the task's ``max_response_tokens``).
 
     Returns ``accuracy`` (mean over problems and samples), ``pass_at_k`` (the fraction of problems
     with at least one of its ``samples`` responses correct), ``mean_response_tokens`` (generated
@@ -39,6 +38,8 @@ def heldout_accuracy(
         raise ValueError(f"heldout_accuracy: samples and batch_size must be >= 1, got {samples}, {batch_size}")
     if not problems:
         raise ValueError("heldout_accuracy: no problems")
+    if max_new_tokens is None:
+        max_new_tokens = task.max_response_tokens
     greedy = temperature == 0
     if greedy:
         samples = 1  # every sample would be the same

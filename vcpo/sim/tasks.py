@@ -41,6 +41,13 @@ accuracy rose from 6% to 61% between 250 and 400 SFT steps, and RL at the simula
 added only 2-4 points at most: the remaining errors were slips in confident steps, which a policy
 gradient corrects slowly. The 2-3 term, 1-2 digit version behaved the same (28% at T=1, no gain
 from RL in 200 steps).
+
+``arithmetic_long``: the same generator with 9-10 terms and the running sums only, so every response
+works the sum out over 8-9 steps: 57-82 tokens (mean 68) in the SFT solutions, 39-42 tokens of prompt,
+about 5x Countdown's response length at the same per-token difficulty. It is the long-response task of
+the stability map (the sequence log-ratio sums over ~5x more tokens). Measured with the tiny base of
+seed 0 (T=1, 200 held-out problems): 4.0% after 400 SFT steps, 24.5% after 500 (greedy 54.5%, 69
+response tokens), 67% after 600; hence 500 steps (``vcpo.sim.base.SFT_STEPS``).
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class SimTask:
     validation_size: int = 200
     seed: int = 0
     max_prompt_tokens: int = 40  # budget of a rendered prompt, chat markup included (checked by the tests)
+    max_response_tokens: int = 48  # generation budget of a response (rollouts and evaluation, unless a run sets another)
 
     def __post_init__(self) -> None:
         if self.data_source not in REWARD_BY_DATA_SOURCE:
@@ -104,7 +112,7 @@ class SimTask:
         import reasoning_gym
 
         settings = asdict(self)
-        del settings["description"], settings["max_prompt_tokens"]
+        del settings["description"], settings["max_prompt_tokens"], settings["max_response_tokens"]
         settings["generator_config"] = self.config
         settings["format_version"] = PROBLEM_FORMAT_VERSION
         settings["reasoning_gym"] = reasoning_gym.__version__
@@ -234,6 +242,20 @@ SIM_TASKS: dict[str, SimTask] = {
             generator_config=(("min_terms", 4), ("max_terms", 5), ("min_digits", 1), ("max_digits", 1)),
             prompt_template="{expression} = ? Answer after ####.",
             solution_templates=("{steps} #### {answer}", "#### {answer}"),
+        ),
+        SimTask(
+            name="arithmetic_long",
+            data_source="gsm8k",
+            description=(
+                "Reasoning Gym chain_sum, 9-10 single-digit terms with + and -, every running sum written out, answer "
+                "after ####: responses of ~69 tokens (about 5x Countdown's), each step a chance to slip"
+            ),
+            generator="chain_sum",
+            generator_config=(("min_terms", 9), ("max_terms", 10), ("min_digits", 1), ("max_digits", 1)),
+            prompt_template="{expression} = ? Answer after ####.",
+            solution_templates=("{steps} #### {answer}",),
+            max_prompt_tokens=44,
+            max_response_tokens=128,
         ),
     ]
 }

@@ -75,7 +75,7 @@ class Trainer:
         eos = self.model.generation_config.eos_token_id
         eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
         sampling = Sampling(
-            max_response_tokens=config.max_response_tokens,
+            max_response_tokens=config.response_budget,
             temperature=config.temperature,
             eos_token_ids=eos,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -183,7 +183,7 @@ class Trainer:
             self.task,
             self.eval_problems,
             temperature=self.config.eval_temperature,
-            max_new_tokens=self.config.max_response_tokens,
+            max_new_tokens=self.config.response_budget,
             samples=self.config.eval_samples,
             seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
         )
@@ -254,6 +254,7 @@ class Trainer:
             self._keep_snapshots()
         resolved = {
             **self.config.to_dict(),
+            "max_response_tokens": self.config.response_budget,
             "base": str(self.base),
             "effective_lag": self.lag,
             "base_lr": self.config.base_lr,

@@ -21,15 +21,18 @@ if config["backend"] == "sim":
             f"{R}/logs/sft_base/{{task}}.log",
         threads: 2
         shell:
-            "python -m vcpo.sim.base --task {wildcards.task} --threads {threads} > {output} 2> {log}"
+            f"python -m vcpo.sim.base --task {{wildcards.task}} --size {sim_base_size(config)} --threads {{threads}}"
+            " > {output} 2> {log}"
 
     rule train:
         input:
             base=f"{R}/bases/{{task}}.txt",
+            sim_config=config.get("sim_config", []),
         output:
             f"{RUN}/final/eval.json",
         params:
             out=run_dir,
+            sim_config=lambda wildcards, input: f'--config "{input.sim_config}"' if input.sim_config else "",
             steps=lambda wildcards: PLAN.steps(planned(wildcards)),
             settings=lambda wildcards: " ".join(
                 f"{key}={value}" for key, value in sim_settings(config, wildcards.method).items()
@@ -38,8 +41,8 @@ if config["backend"] == "sim":
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
         threads: 1
         shell:
-            "python -m vcpo.sim train --task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag}"
-            " --seed {wildcards.seed} --steps {params.steps} --out {params.out}"
+            "python -m vcpo.sim train {params.sim_config} --task {wildcards.task} --method {wildcards.method}"
+            " --lag {wildcards.lag} --seed {wildcards.seed} --steps {params.steps} --out {params.out}"
             ' base="$(head -n 1 {input.base})" {params.settings} > {log} 2>&1'
 
 else:
