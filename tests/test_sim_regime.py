@@ -1,6 +1,7 @@
 """The regime as a file (``--config``) and the pre-registered hold / collapse criteria."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,22 @@ def test_sync_holds_needs_the_gain_and_the_level():
 def test_a_run_without_a_base_evaluation_cannot_be_judged():
     with pytest.raises(ValueError, match="step-0"):
         outcome([{"step": 3, "val/accuracy": 0.2}])
+
+
+REGIME = Path(__file__).parent.parent / "recipes" / "sim" / "regime.yaml"
+
+
+@pytest.mark.parametrize("method", ["sync", "seq_tis_c8", "vcpo"])
+def test_the_regime_file_runs_the_core_methods(base, tmp_path, method):
+    """A few steps of the committed regime, shortened by key=value, for the three methods of its core comparison."""
+    out = tmp_path / method
+    regime = load_config_file(REGIME)
+    lag = 0 if method == "sync" else regime.lag
+    code = sim_main(["train", "--config", str(REGIME), "--method", method, "--lag", str(lag), "--steps", "3",
+                     "--out", str(out), f"base={base}", *SHORT])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["config_file"] == str(REGIME) and config["lr"] == regime.lr and config["task"] == regime.task
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert max(line["async/lag_max"] for line in lines) <= lag

@@ -77,9 +77,11 @@ def style_panel(ax, key: str, xlabel: str, log: bool = False) -> None:
         ax.set_yscale("log")
 
 
-def label_figure(fig, title: str, paper: str, scale: str, notes: list[str]) -> None:
-    """Title with the paper reference and the scale; ``notes`` (missing runs, ...) along the bottom."""
-    fig.suptitle(f"{title}\n{paper}  |  {SCALES[scale]}", fontsize=11)
+def label_figure(fig, title: str, paper: str, scale: str, notes: list[str], sources: list[str] = ()) -> None:
+    """Title with the paper reference, the scale and the config files the runs came from; ``notes``
+    (missing runs, ...) along the bottom."""
+    source = f"  |  runs from {', '.join(sources)}" if sources else ""
+    fig.suptitle(f"{title}\n{paper}  |  {SCALES[scale]}{source}", fontsize=11)
     if notes:
         text = "\n".join(textwrap.fill(note, 150) for note in notes)
         fig.text(0.01, 0.0, text, fontsize=8, va="top", ha="left", color="firebrick")
@@ -105,6 +107,17 @@ def missing_note(missing: list[tuple[str, str, int]]) -> list[str]:
     if not missing:
         return []
     return ["Missing runs (not drawn): " + ", ".join(f"{t}/{m}/lag{k}" for t, m, k in missing)]
+
+
+def config_files(root: Path, needed: list[tuple[str, str, int]]) -> list[str]:
+    """The ``--config`` files (``config_file`` of each run's config.json) the needed runs were started from."""
+    files = set()
+    for run in needed:
+        for folder in run_dirs(root, *run):
+            config = Path(folder) / "config.json"
+            if config.exists():
+                files.add(json.loads(config.read_text()).get("config_file"))
+    return sorted(files - {None})
 
 
 def load_runs(
@@ -149,7 +162,7 @@ def draw_curves(
         row[0].set_ylabel(f"{name}, k = {k}")
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(len(handles), 4), fontsize=8)
-    label_figure(fig, spec["title"], spec["paper"], scale, missing_note(missing))
+    label_figure(fig, spec["title"], spec["paper"], scale, missing_note(missing), config_files(root, needed))
     return save(fig, out)
 
 
@@ -188,7 +201,8 @@ def draw_lag_sweep(spec, root: Path, scale: str, out: Path, task=None) -> Path:
         return message_figure(out, spec, scale, "No data: none of the runs exist. " + missing_note(missing)[0])
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4), layout="constrained")
     draw_lag_sweep_axes(left, right, rows, method)
-    label_figure(fig, spec["title"], spec["paper"], scale, [f"task {name}"] + missing_note(missing))
+    needed = runs_needed(spec, name)
+    label_figure(fig, spec["title"], spec["paper"], scale, [f"task {name}"] + missing_note(missing), config_files(root, needed))
     return save(fig, out)
 
 
