@@ -159,28 +159,27 @@ def test_opob_update_equals_the_registry_loss_gradient(tokenizer):
 
 
 class ScriptedModel:
-    """A 'policy' that writes fixed turns through the generate interface: turn j after the j-th tool output."""
+    """A 'policy' that writes fixed turns, turn j after the j-th tool output, one token per forward. Its
+    KV cache holds the ids of the tokens it has read (keys = ids), so it sees its context only through
+    the simulator's own cache handling (batching, padding, cutting after a tool call)."""
 
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns = tokenizer, turns
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, **_):
-        rows = []
+    def __call__(self, input_ids, attention_mask, past_key_values, **_):
+        ids = input_ids.double()[:, None, :, None]
+        keys, _ = past_key_values.update(ids, ids, 0)
+        logits = torch.zeros(input_ids.shape[0], 1, len(self.tokenizer))
         for row in range(input_ids.shape[0]):
-            text = self.tokenizer.decode(input_ids[row][attention_mask[row].bool()].tolist(), skip_special_tokens=False)
-            response = text.split("<|im_start|>assistant\n")[-1]
+            context = keys[row, 0, :, 0].long()[attention_mask[row].bool()].tolist()
+            response = self.tokenizer.decode(context, skip_special_tokens=False).split("<|im_start|>assistant\n")[-1]
             turn = response.count("</output>")
             written = response.rsplit("</output>", 1)[-1]
-            assert self.turns[turn].startswith(written)
-            rest = self.turns[turn][len(written) :]
-            ends = rest.endswith(END)
-            ids = self.tokenizer.encode(rest.removesuffix(END), add_special_tokens=False)
-            ids += [self.tokenizer.convert_tokens_to_ids(END)] if ends else []
-            rows.append(ids[:max_new_tokens])
-        width = max(len(r) for r in rows)
-        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        scores = torch.zeros(input_ids.shape[0], width, len(self.tokenizer))
-        return type("Out", (), {"sequences": torch.cat([input_ids, new], 1), "scores": tuple(scores.unbind(1))})
+            rest = self.turns[turn][len(written) :] if turn < len(self.turns) else ""
+            assert not rest or self.turns[turn].startswith(written)
+            ids = self.tokenizer.encode(rest.removesuffix(END), add_special_tokens=False) or [0]
+            logits[row, 0, self.tokenizer.convert_tokens_to_ids(END) if rest == END else ids[0]] = 100.0
+        return type("Out", (), {"logits": logits})
 
     def load_state_dict(self, state):
         pass
@@ -242,3 +241,86 @@ def test_the_multi_turn_tool_runs_code_in_the_sandbox():
     run = sandbox_tool(timeout_s=10.0)
     assert run("print(6 * 7)") == "42\n"
     assert run("1 / 0").endswith("ZeroDivisionError: division by zero")
+
+
+def _trajectories(tokenizer, count=6):
+    from vcpo.sim.rollout import Trajectory
+
+    return [Trajectory(group=i, problem=i, prompt_ids=ids, admitted_at=0) for i, ids in enumerate(prompts(tokenizer, count))]
+
+
+@pytest.fixture(scope="module")
+def sampler_model(tokenizer):
+    torch.manual_seed(3)
+    return build_tiny_model(tokenizer, hidden_size=32, num_layers=2).eval()
+
+
+def test_sampling_draws_what_generate_draws(tokenizer, sampler_model):
+    """The simulator's KV-cached sampler against transformers' generate from the same seed (prompts of
+    unequal length, so rows are left-padded): the same tokens, the same log-probs."""
+    sampling = Sampling(max_response_tokens=12, temperature=0.7, eos_token_ids=(0, 2), pad_token_id=0)
+    trajectories = _trajectories(tokenizer)
+    Generator(tokenizer, sampling).extend(sampler_model, 0, trajectories, 12, seed=5)
+
+    from vcpo.sim.rollout import left_padded, sampling_log_probs
+
+    ids, mask = left_padded([t.prompt_ids for t in _trajectories(tokenizer)], 0)
+    torch.manual_seed(5)
+    out = sampler_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
+        eos_token_id=[0, 2], pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+    )
+    new = out.sequences[:, ids.shape[1] :]
+    log_probs, _ = sampling_log_probs(torch.stack(out.scores, dim=1), new)
+    for row, t in enumerate(trajectories):
+        assert t.response_ids == new[row, : len(t.response_ids)].tolist()
+        assert t.finished and t.truncated == (t.response_ids[-1] not in (0, 2))
+        assert torch.allclose(torch.tensor(t.behav_log_probs), log_probs[row, : len(t.response_ids)], atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache", ["recompute", "keep"])
+def test_a_kept_cache_gives_what_a_full_prefill_gives(tokenizer, sampler_model, kv_cache):
+    """Rounds of 3 tokens with the same weights: the cache carried between rounds changes nothing."""
+    sampling = Sampling(max_response_tokens=12, temperature=1.0, eos_token_ids=(0, 2), pad_token_id=0, kv_cache=kv_cache)
+    cached, fresh = _trajectories(tokenizer), _trajectories(tokenizer)
+    generator = Generator(tokenizer, sampling)
+    for round_ in range(4):
+        generator.extend(sampler_model, 0, cached, 3, seed=round_)
+        for t in fresh:
+            t.kv = None  # a full prefill every round
+        generator.extend(sampler_model, 0, fresh, 3, seed=round_)
+    for a, b in zip(cached, fresh, strict=True):
+        assert a.response_ids == b.response_ids
+        assert torch.allclose(torch.tensor(a.behav_log_probs), torch.tensor(b.behav_log_probs), atol=1e-5)
+    assert sum(len(t.response_ids) for t in cached) > 3 * len(cached), "no response spans two rounds"
+
+
+def test_keep_samples_the_new_weights_over_the_old_cache(tokenizer, sampler_model):
+    """kv_cache=keep: after a weight update the first new token's l^μ is that of the new weights reading
+    the keys and values the old weights wrote; recompute gives log π_new of a fresh prefill."""
+    from transformers.cache_utils import DynamicCache
+
+    newer = copy.deepcopy(sampler_model)
+    with torch.no_grad():
+        for parameter in newer.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    runs = {}
+    for mode in ("keep", "recompute"):
+        sampling = Sampling(max_response_tokens=20, temperature=1.0, eos_token_ids=(), pad_token_id=0, kv_cache=mode)
+        trajectories = _trajectories(tokenizer, 2)
+        generator = Generator(tokenizer, sampling)
+        generator.extend(sampler_model, 0, trajectories, 4, seed=0)
+        generator.extend(newer, 1, trajectories, 1, seed=1)
+        runs[mode] = trajectories
+    assert [t.response_ids[:4] for t in runs["keep"]] == [t.response_ids[:4] for t in runs["recompute"]]
+    for keep, recompute in zip(runs["keep"], runs["recompute"], strict=True):
+        context = keep.prompt_ids + keep.response_ids[:4]
+        with torch.no_grad():
+            cache = DynamicCache()
+            sampler_model(input_ids=torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+            stale = newer(input_ids=torch.tensor([context[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            exact = newer(input_ids=torch.tensor([context])).logits[0, -1]
+        assert keep.behav_log_probs[4] == pytest.approx(float(torch.log_softmax(stale, -1)[keep.response_ids[4]]), abs=1e-5)
+        assert recompute.behav_log_probs[4] == pytest.approx(float(torch.log_softmax(exact, -1)[recompute.response_ids[4]]), abs=1e-5)
+        assert abs(float(torch.log_softmax(stale, -1)[keep.response_ids[4]] - torch.log_softmax(exact, -1)[keep.response_ids[4]])) > 1e-4
+        assert keep.versions == [0] * 4 + [1]

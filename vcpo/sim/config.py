@@ -45,6 +45,7 @@ class SimConfig:
     lag_model: str = "pipeline"
     lag: int = 0  # max policy lag k in optimizer steps (0: synchronous oracle)
     update_tokens: int = 8  # pipeline: tokens every in-flight sequence generates between two weight updates
+    kv_cache: str = "recompute"  # after a weight update mid-response: "recompute" the cache (exact l^μ of each version) or "keep" it (PipelineRL, vLLM)
     # batch and sampling (shape of VCPO Table 3: 8 prompts x 8 completions)
     prompts_per_step: int = 8
     responses_per_prompt: int = 8
@@ -196,6 +197,7 @@ def _split(item: str) -> tuple[str, str]:
 def validate(config: SimConfig) -> SimConfig:
     """Raise ConfigError naming the key of the first problem; return ``config`` unchanged."""
     from vcpo.sim.base import MODEL_SIZES
+    from vcpo.sim.rollout import KV_CACHE_MODES
     from vcpo.sim.tasks import SIM_TASKS
 
     def fail(key: str, message: str) -> None:
@@ -207,6 +209,8 @@ def validate(config: SimConfig) -> SimConfig:
         method = config.method_preset
     except ValueError as error:
         fail("method", str(error))
+    if config.kv_cache not in KV_CACHE_MODES:
+        fail("kv_cache", f"must be one of {KV_CACHE_MODES}, got {config.kv_cache!r}")
     if config.lag_model not in LAG_MODELS:
         fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
     if config.max_response_tokens is not None and config.max_response_tokens < 1:

@@ -81,6 +81,7 @@ class Trainer:
             pad_token_id=self.tokenizer.pad_token_id,
             max_turns=config.max_turns,
             tool_timeout_s=config.tool_timeout_s,
+            kv_cache=config.kv_cache,
         )
         self.generator = Generator(self.tokenizer, sampling, sandbox_tool(config.tool_timeout_s) if config.max_turns else None)
         self.snapshots: dict[int, dict] = {}
