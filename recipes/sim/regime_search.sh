@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The regime search (recipes/sim/regime_search.md): sync and sequence TIS (c = 8) alone, over learning
-# rate x policy lag on the tiny Countdown base, 200 steps. Seed 0 of every cell first (it is also the
+# rate x policy lag on a tiny base (TASK, default countdown), 200 steps. Seed 0 of every cell first (it is also the
 # short-response stability map of seq-TIS), then seeds 1 and 2 of the candidates, in the registered order.
 #   recipes/sim/regime_search.sh [RUNS_DIR] [seed0|seeds12 LR LAG]
 # Runs land in RUNS_DIR/lr<lr>/<task>/<method>/lag<k>/seed<s>/; finished runs are skipped.
@@ -10,7 +10,8 @@ STAGE=${2:-seed0}
 LRS=${LRS:-1e-4 1.5e-4 2e-4 3e-4}
 LAGS=${LAGS:-12,24,48}
 JOBS=${JOBS:-2}
-COMMON=(--task countdown --steps 200 --jobs "$JOBS")
+TASK=${TASK:-countdown}
+COMMON=(--task "$TASK" --steps 200 --jobs "$JOBS")
 
 if [ "$STAGE" = seed0 ]; then
   for lr in $LRS; do

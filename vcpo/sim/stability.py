@@ -12,6 +12,10 @@ steps from the first ESS ratio at or below ``ESS_ALARM`` to the first evaluation
 at or below half the best accuracy (positive: the alarm came first).
 
     python -m vcpo.sim.stability RUNS_ROOT [--task countdown]      # one markdown row per run below the root
+    python -m vcpo.sim.stability RUNS_ROOT --map OUT.png --task countdown --method seq_tis_c8 [--mark LR,K]
+
+``--map`` draws the stability map of one method: final held-out accuracy over learning rate x lag (sync
+as the lag-0 row), each cell marked with the criterion it meets (collapsed, or held for sync).
 """
 
 from __future__ import annotations
@@ -118,14 +122,62 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def map_cells(rows: list[dict], method: str, seed: int = 0) -> dict[tuple[float, int], Outcome]:
+    """(lr, lag) -> outcome of ``method``'s runs of ``seed``, with the sync runs as lag 0."""
+    return {(row["lr"], row["lag"]): row["outcome"] for row in rows
+            if row["seed"] == seed and (row["method"] == method or row["method"] == "sync")}
+
+
+def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[float, int] | None = None) -> Path:
+    """Heat map of the final held-out accuracy over learning rate (x) and lag (y), one seed per cell."""
+    from vcpo.tables.figures import pyplot, save
+
+    cells = map_cells(rows, method)
+    lrs, lags = sorted({lr for lr, _ in cells}), sorted({lag for _, lag in cells})
+    grid = [[cells[(lr, lag)].end if (lr, lag) in cells else float("nan") for lr in lrs] for lag in lags]
+    fig, ax = pyplot().subplots(figsize=(1.6 * len(lrs) + 2.5, 1.0 * len(lags) + 1.8), layout="constrained")
+    image = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto", vmin=0.0)
+    for y, lag in enumerate(lags):
+        for x, lr in enumerate(lrs):
+            result = cells.get((lr, lag))
+            if result is None:
+                ax.text(x, y, "not run", ha="center", va="center", color="grey", fontsize=8)
+                continue
+            verdict = ("holds" if result.holds else "does not hold") if lag == 0 else ("COLLAPSED" if result.collapsed else "stable")
+            ax.text(x, y, f"{result.end:.2f} (best {result.best:.2f})\n{verdict}\nESS min {result.ess_min:.2f}",
+                    ha="center", va="center", fontsize=7, color="white" if result.end < 0.6 * max(map(max, grid)) else "black")
+    if mark in cells:
+        ax.add_patch(pyplot().Rectangle((lrs.index(mark[0]) - 0.5, lags.index(mark[1]) - 0.5), 1, 1, fill=False,
+                                        edgecolor="red", linewidth=2.5))
+    ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+    ax.set_yticks(range(len(lags)), [f"{lag}" + (" (sync)" if lag == 0 else "") for lag in lags])
+    ax.set_xlabel("learning rate (vcpo.sim lr)")
+    ax.set_ylabel("max policy lag k")
+    fig.colorbar(image, ax=ax, label="final held-out accuracy")
+    ax.set_title(title, fontsize=10)
+    return save(fig, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vcpo.sim.stability", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--task")
+    parser.add_argument("--map", type=Path, help="draw the stability map of --method into this PNG")
+    parser.add_argument("--method", default="seq_tis_c8")
+    parser.add_argument("--mark", help="LR,K: the cell to outline (the regime)")
+    parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
     rows = judge_root(args.root, args.task)
     if not rows:
         parser.error(f"no finished run below {args.root}")
+    if args.map:
+        mark = None
+        if args.mark:
+            lr, lag = args.mark.split(",")
+            mark = (float(lr), int(lag))
+        title = args.title or f"stability map: {args.method} on {args.task or 'every task'}, one seed per cell"
+        print(draw_map(rows, args.method, args.map, title, mark))
+        return
     print(markdown(rows), end="")
 
 
