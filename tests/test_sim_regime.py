@@ -1,7 +1,6 @@
 """The regime as a file (``--config``) and the pre-registered hold / collapse criteria."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -103,20 +102,35 @@ def test_a_run_without_a_base_evaluation_cannot_be_judged():
         outcome([{"step": 3, "val/accuracy": 0.2}])
 
 
-REGIME = Path(__file__).parent.parent / "recipes" / "sim" / "regime.yaml"
+
+def _row(method, lag, seed, lr, accuracy, ess):
+    return {"task": "countdown", "method": method, "lag": lag, "seed": seed, "lr": lr, "outcome": outcome(_run(accuracy, ess))}
 
 
-@pytest.mark.parametrize("method", ["sync", "seq_tis_c8", "vcpo"])
-def test_the_regime_file_runs_the_core_methods(base, tmp_path, method):
-    """A few steps of the committed regime, shortened by key=value, for the three methods of its core comparison."""
-    out = tmp_path / method
-    regime = load_config_file(REGIME)
-    lag = 0 if method == "sync" else regime.lag
-    code = sim_main(["train", "--config", str(REGIME), "--method", method, "--lag", str(lag), "--steps", "3",
-                     "--out", str(out), f"base={base}", *SHORT])
-    assert code == 0
-    config = json.loads((out / "config.json").read_text())
-    assert config["config_file"] == str(REGIME) and config["lr"] == regime.lr and config["task"] == regime.task
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1, 2]
-    assert max(line["async/lag_max"] for line in lines) <= lag
+def test_the_ess_predictor_counts_leads_and_false_alarms():
+    from vcpo.sim.regime_report import ess_predictor
+
+    alarm_at_10 = [1.0] * 10 + [0.05] + [0.5] * 89
+    rows = [
+        _row("seq_tis_c8", 24, 0, 1e-4, {0: 0.2, 50: 0.3, 75: 0.1, 100: 0.1}, alarm_at_10),  # collapsed, lead 65
+        _row("seq_tis_c8", 24, 1, 1e-4, {0: 0.2, 50: 0.3, 100: 0.3}, alarm_at_10),  # held despite the alarm
+        _row("vcpo", 24, 0, 1e-4, {0: 0.2, 50: 0.3, 100: 0.3}, [0.5] * 100),  # held, no alarm
+        _row("sync", 0, 0, 1e-4, {0: 0.2, 50: 0.3, 100: 0.3}, [1.0] * 100),  # sync: neither
+    ]
+    result = ess_predictor(rows)
+    assert [(r["method"], r["seed"], r["lead_steps"]) for r in result["collapsed"]] == [("seq_tis_c8", 0, 65)]
+    assert result["not_collapsed_async_runs"] == 2 and result["false_alarms"] == 1
+
+
+def test_the_stability_map_puts_sync_on_the_lag_zero_row():
+    from vcpo.sim.stability import map_cells
+
+    ones = [1.0] * 100
+    rows = [
+        _row("sync", 0, 0, 1e-4, {0: 0.2, 100: 0.3}, ones),
+        _row("sync", 0, 1, 1e-4, {0: 0.2, 100: 0.9}, ones),  # another seed: not in the seed-0 map
+        _row("seq_tis_c8", 12, 0, 1e-4, {0: 0.2, 100: 0.25}, ones),
+        _row("vcpo", 12, 0, 1e-4, {0: 0.2, 100: 0.31}, ones),  # another method: not in seq-TIS's map
+    ]
+    cells = map_cells(rows, "seq_tis_c8")
+    assert {key: cell.end for key, cell in cells.items()} == {(1e-4, 0): 0.3, (1e-4, 12): 0.25}

@@ -153,9 +153,13 @@ def test_unknown_method_raises_naming_the_figure():
         validate_spec("figX", spec)
 
 
-def test_figure_with_missing_runs_names_them(tmp_path, monkeypatch):
-    sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 1.0)
-    sim_run(tmp_path, "countdown", "vcpo", 2, 0, {0: 0.1, 2: 0.2}, 1.0)
+def test_figure_with_missing_runs_names_them_and_the_config_file_of_the_drawn_ones(tmp_path, monkeypatch):
+    sync = sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 1.0)
+    vcpo = sim_run(tmp_path, "countdown", "vcpo", 2, 0, {0: 0.1, 2: 0.2}, 1.0)
+    sim_run(tmp_path, "countdown", "gspo", 2, 0, {0: 0.1, 2: 0.2}, 1.0)  # not in Figure 5: its file is not named
+    (sync / "config.json").write_text(json.dumps({"config_file": "recipes/sim/regime.yaml"}))
+    (vcpo / "config.json").write_text(json.dumps({"config_file": None}))
+    (tmp_path / "countdown/gspo/lag2/seed0/config.json").write_text(json.dumps({"config_file": "other.yaml"}))
     notes = []
     import vcpo.tables.figures as figures
 
@@ -163,9 +167,10 @@ def test_figure_with_missing_runs_names_them(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "label_figure", lambda fig, *args: notes.append(args) or original(fig, *args))
     out = draw_figure("fig5", tmp_path, "smoke", tmp_path / "fig5.png", task="countdown", lag=2)
     assert out.read_bytes()[:8] == PNG
-    title, paper, scale, missing = notes[0]
+    title, paper, scale, missing, sources = notes[0]
     assert paper == "VCPO Figure 5" and scale == "smoke"
     assert missing == ["Missing runs (not drawn): countdown/seq_tis_c8/lag2"]
+    assert sources == ["recipes/sim/regime.yaml"]
 
 
 def test_figures_without_data_still_write_a_png(tmp_path):
