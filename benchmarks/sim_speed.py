@@ -11,9 +11,10 @@ spent in generation, reward scoring, learner forward, learner backward, optimize
 evaluation, and the step time and generation time relative to the first variant. Variants:
 
 - ``generate``: the simulator's generation before the KV-cached sampler, kept here as the baseline:
-  transformers' ``generate`` from a full prefill of the context in every generation round;
-- ``recompute``: the simulator's sampler, ``kv_cache=recompute`` (the same samples: the cache is
-  reused only while the weights are unchanged);
+  transformers' ``generate`` and SDPA attention from a full prefill of the context in every round;
+- ``recompute``: the simulator's sampler (a preallocated cache, key/value heads shared inside the
+  attention kernel), ``kv_cache=recompute`` (the same samples: the cache is reused only while the
+  weights are unchanged);
 - ``keep``: ``kv_cache=keep`` (the cache survives weight updates, as in PipelineRL and vLLM).
 """
 
@@ -87,6 +88,8 @@ def run(method: str, variant: str, args, overrides: list[str], folder: Path) -> 
     out = folder / f"{method}-{variant}"
     config = apply_overrides(apply_overrides(start, changes), [*overrides, f"out={out}"])
     trainer = Trainer(config)  # loads (or builds and caches) the SFT base before the clock starts
+    if variant == "generate":
+        trainer.rollout_model.set_attn_implementation("sdpa")  # transformers' own attention, as before
     started = time.perf_counter()
     with generation_variant(variant):
         trainer.run()

@@ -255,12 +255,20 @@ def sampler_model(tokenizer):
     return build_tiny_model(tokenizer, hidden_size=32, num_layers=2).eval()
 
 
-def test_sampling_draws_what_generate_draws(tokenizer, sampler_model):
+@pytest.mark.parametrize("attention", ["sdpa", "grouped_query"])
+def test_sampling_draws_what_generate_draws(tokenizer, sampler_model, attention):
     """The simulator's KV-cached sampler against transformers' generate from the same seed (prompts of
-    unequal length, so rows are left-padded): the same tokens, the same log-probs."""
+    unequal length, so rows are left-padded; 4 query heads on 2 key/value heads): the same tokens, the
+    same log-probs, with transformers' SDPA attention or the simulator's grouped-query one."""
+    from vcpo.sim.rollout import use_grouped_query_sdpa
+
     sampling = Sampling(max_response_tokens=12, temperature=0.7, eos_token_ids=(0, 2), pad_token_id=0)
     trajectories = _trajectories(tokenizer)
-    Generator(tokenizer, sampling).extend(sampler_model, 0, trajectories, 12, seed=5)
+    rollout_model = copy.deepcopy(sampler_model)
+    if attention == "grouped_query":
+        use_grouped_query_sdpa(rollout_model)
+    assert sampler_model.config.num_key_value_heads < sampler_model.config.num_attention_heads
+    Generator(tokenizer, sampling).extend(rollout_model, 0, trajectories, 12, seed=5)
 
     from vcpo.sim.rollout import left_padded, sampling_log_probs
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from vcpo.sim.config import SimConfig, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
-from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool
+from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool, use_grouped_query_sdpa
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -63,6 +63,7 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.base, dtype=learner_dtype)
         self.model.train()
         self.rollout_model = copy.deepcopy(self.model).to(DTYPES[config.resolved_rollout_dtype]).eval()
+        use_grouped_query_sdpa(self.rollout_model)
         method = config.method_preset
         ref_model = None
         if method.spec.get("kl_in_reward_beta"):
