@@ -120,6 +120,26 @@ def test_the_schema_refuses_bad_values(changes, key):
         validate(broken("ci", **changes), str(REPO / "workflows/schemas/config.schema.yaml"))
 
 
+def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
+    """The workflow's sim_config: its values reach every run's validation, its model size the SFT base,
+    a bad key in it names the file and the run, and the workflow's own sim settings win over it."""
+    from vcpo.reproduction import sim_base_size, sim_start
+
+    regime = tmp_path / "regime.yaml"
+    regime.write_text("lr: 1.5e-4\nmodel_size: small\n")
+    with_file = broken("ci", sim_config=str(regime))
+    assert sim_start(with_file).lr == 1.5e-4 and sim_base_size(with_file) == "small"
+    assert sim_base_size(broken("ci", sim_config=str(regime), sim={"model_size": "tiny"})) == "tiny"
+    assert sim_base_size(config("ci")) == "tiny"
+    plan(with_file)
+    regime.write_text("lr: 1.5e-4\nlag_modle: fixed\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {str(regime)!r}: unknown config key 'lag_modle'")):
+        plan(with_file)
+    regime.write_text("warmup_steps: 50\n")  # more than the CI runs' 12-20 steps
+    with pytest.raises(ConfigError, match="sim: run countdown/.*warmup_steps"):
+        plan(with_file)
+
+
 def test_method_settings_apply_to_that_method_only():
     smoke = config("smoke")
     assert sim_settings(smoke, "fp16")["rollout_dtype"] == "preset"
