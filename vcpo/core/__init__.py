@@ -1,7 +1,7 @@
 """The math of every method, as pure PyTorch functions (no framework import).
 
 - ratios: log-space token / sequence / geometric ratios, TIS / MIS bounds, DeepSeek-V3.2 masking,
-  off-policy diagnostics (ALGORITHMS.md §1)
+  off-policy diagnostics (docs/ALGORITHMS.md §1)
 - ess: effective sample size and the ESS step-size rule (§2)
 - baselines: the off-policy optimal baseline OPOB (§3)
 - per_sequence_grads: exact per-sequence gradient norms and the single-backward two-buffer update (§4)

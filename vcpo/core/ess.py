@@ -68,7 +68,7 @@ def scaled_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> Iter
     """Multiply every param group's learning rate by ``scale`` inside the block, then restore it.
 
     The ESS rule changes the step size, not the loss: Adam-type optimizers normalise the gradient,
-    so scaling the loss would cancel out (ALGORITHMS.md §2). Use around ``optimizer.step()``.
+    so scaling the loss would cancel out (docs/ALGORITHMS.md §2). Use around ``optimizer.step()``.
     """
     if not (math.isfinite(scale) and scale >= 0):
         raise ValueError(f"scale must be a finite non-negative number, got {scale}")

@@ -1,4 +1,4 @@
-"""Policy losses of every off-policy correction, as pure functions (ALGORITHMS.md §1, §5-§10).
+"""Policy losses of every off-policy correction, as pure functions (docs/ALGORITHMS.md §1, §5-§10).
 
 Each loss takes the learner log-probs ``log_prob`` (with grad), the behaviour log-probs
 ``behav_log_prob`` recorded at generation (l^μ; in verl's bypass mode this is ``old_log_prob``),

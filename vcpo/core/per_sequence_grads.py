@@ -8,7 +8,7 @@ and score gradients g_i = ∇_θ l_i. From ONE backward pass of Σ_i l_i this mo
     G_R   = Σ_i c^R_i g_i                   accumulated into p.grad,
     G_S^γ = Σ_{i in group γ} c^S_i g_i      one score buffer per baseline group γ,
 
-and then forms the OPOB update  Ĝ = G_R − Σ_γ b_γ G_S^γ  (ALGORITHMS.md §4) in p.grad. The caller
+and then forms the OPOB update  Ĝ = G_R − Σ_γ b_γ G_S^γ  (docs/ALGORITHMS.md §4) in p.grad. The caller
 chooses the coefficients, e.g. c^R_i = w^TIS_i R_i / B and c^S_i = w^TIS_i / B, and takes b from
 `vcpo.core.baselines.opob_baseline` applied to `sq_norms`.
 

@@ -1,6 +1,6 @@
 """Importance ratios in log space, their truncation (TIS) and masking (MIS), and off-policy diagnostics.
 
-ALGORITHMS.md §1 (VCPO §2.2-2.3, App. E.2; ROLLOUT-CORR §3.3-3.5, §4). Notation, per sequence i and
+docs/ALGORITHMS.md §1 (VCPO §2.2-2.3, App. E.2; ROLLOUT-CORR §3.3-3.5, §4). Notation, per sequence i and
 valid token t: token log-ratio r_{i,t} = l^θ − l^μ, sequence log-ratio s_i = Σ_t r_{i,t}, geometric
 log-ratio a_i = s_i / T_i. A ratio is only exponentiated once it is bounded: truncation and masking
 compare log-ratios with log-bounds first, so a sequence log-ratio of ±1e4 is harmless.

@@ -4,7 +4,7 @@ The math is not here. Losses come from verl's registry (``get_policy_loss_fn``: 
 losses and verl's own vanilla / GSPO / CISPO / SAPO), called with ``old_log_prob`` = the behaviour
 log-probs (verl's bypass semantics); GRPO and OTB advantages are verl's estimators; OPOB, the ESS
 rule, KL-in-reward and the off-policy diagnostics are ``vcpo.core`` functions. OPOB presets form
-their gradient with ``vcpo.core.PerSequenceGradients`` in one backward pass (ALGORITHMS.md §4):
+their gradient with ``vcpo.core.PerSequenceGradients`` in one backward pass (docs/ALGORITHMS.md §4):
 
     loss gradient = −(1/B) Σ_i w_i (R_i − b_g(i)) / σ_g(i) · ∇ l_i,   b from VCPO Eq. 7 on ||∇ l_i||²
 

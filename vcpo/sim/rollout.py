@@ -1,4 +1,4 @@
-"""Rollouts under simulated asynchrony: which policy version generated every token (ALGORITHMS.md §6).
+"""Rollouts under simulated asynchrony: which policy version generated every token (docs/ALGORITHMS.md §6).
 
 Three lag models decide, for optimizer step n (the learner holds version θ_n), which versions
 generate the batch it trains on:

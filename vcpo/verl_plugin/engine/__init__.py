@@ -22,7 +22,7 @@ by ``policy_loss.method``, which it reads from the loss function verl hands it
 (``functools.partial(ppo_loss, config=actor_config)``): the step-size rule ``ess`` turns on (1), the
 advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_batch`` untouched.
 
-(1) ESS step size (ALGORITHMS.md §2). s_i = Σ_t (l^θ − l^μ) with l^μ = ``old_log_probs`` (bypass
+(1) ESS step size (docs/ALGORITHMS.md §2). s_i = Σ_t (l^θ − l^μ) with l^μ = ``old_log_probs`` (bypass
     convention) and l^θ the learner's log-probs of this optimizer step's forward passes (the parameters
     do not move before ``optimizer.step``, so these are the log-probs at the start of the step). The
     s_i of every sequence of the mini-batch on every data-parallel rank are all-gathered, ρ_ess =
@@ -30,7 +30,7 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     (the preset's rho_on, or ``policy_loss.rho_on`` when set, form, clamp) for that ``optimizer.step()`` only (``scaled_learning_rate``
     restores it; the LR scheduler is untouched). The loss stays verl's ``ppo_loss``.
 
-(2) OPOB (ALGORITHMS.md §3-4, VCPO App. C). Every micro-batch runs its forward and backward inside
+(2) OPOB (docs/ALGORITHMS.md §3-4, VCPO App. C). Every micro-batch runs its forward and backward inside
     ``PerSequenceGradients.micro_batch``: after the forward the coefficients c^S_i = −w^TIS_i/(σ_g N),
     c^R_i = c^S_i R_i are set (w^TIS_i = min(w_i, c) from the learner's log-probs, σ_g the group's reward
     std when ``norm_by_std``, N the global count of valid sequences, or of tokens for token-mean) and
