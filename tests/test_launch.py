@@ -14,7 +14,6 @@ from vcpo.launch import (
     compose,
     load_tasks,
     make_run,
-    optimizer_table,
     overrides,
     run_environment,
 )
@@ -206,8 +205,17 @@ def test_show_config_is_verls_resolved_yaml(capsys):
     assert config.trainer.default_local_dir == "results/verl/countdown/seq_tis_c2/lag10/seed0/checkpoints"
 
 
-def test_table_2_is_read_from_the_recipe():
-    assert optimizer_table()["weight_decay"] == 0.1 and optimizer_table()["grad_clip"] == 1.0
+def test_both_backends_train_with_the_same_table_2():
+    """The verl run's composed optimizer settings and the simulator's defaults are the same values."""
+    from vcpo.sim.config import SimConfig
+
+    optim = dict(item.split("=", 1) for item in overrides(make_run("gsm8k", "vcpo")) if "actor.optim." in item)
+    prefix = "actor_rollout_ref.actor.optim."
+    sim = SimConfig()
+    assert float(optim[prefix + "weight_decay"]) == sim.weight_decay == 0.1
+    assert [float(b) for b in optim[prefix + "betas"].strip("[]").split(",")] == list(sim.betas) == [0.9, 0.999]
+    assert float(optim[prefix + "clip_grad"]) == sim.grad_clip == 1.0
+    assert float(optim[prefix + "override_optimizer_config"].split(":")[1].strip(" }")) == sim.eps == 1e-8
 
 
 def test_a_wsd_decay_phase_is_refused(monkeypatch):

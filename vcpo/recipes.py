@@ -7,6 +7,7 @@ inherited. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`vcpo.lau
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe must be a mapping")
     return data
+
+
+@functools.cache
+def optimizer_table() -> dict[str, Any]:
+    """VCPO Table 2 (``recipes/optimizer.yaml``): the optimizer settings both backends train with."""
+    return read_yaml(recipes_dir() / "optimizer.yaml")
 
 
 def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:

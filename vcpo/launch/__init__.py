@@ -31,7 +31,7 @@ from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method
-from vcpo.recipes import load_folder, read_yaml, recipes_dir
+from vcpo.recipes import load_folder, optimizer_table, read_yaml, recipes_dir
 from vcpo.tables.runs import run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
 
@@ -80,12 +80,6 @@ def get_task(name: str) -> Task:
     if name not in tasks:
         raise LaunchError(f"unknown task {name!r} (--task); known: {sorted(tasks)}")
     return tasks[name]
-
-
-@functools.cache
-def optimizer_table() -> dict[str, Any]:
-    """VCPO Table 2 (``recipes/optimizer.yaml``)."""
-    return read_yaml(recipes_dir() / "optimizer.yaml")
 
 
 @dataclass(frozen=True)

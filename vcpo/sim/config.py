@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.methods import Method, get_method
+from vcpo.recipes import optimizer_table
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -25,6 +26,9 @@ PAPER_REFERENCE_LR = 1.0e-6
 # Advantage scopes the single-backward OPOB engine can assemble (vcpo.core.PerSequenceGradients).
 OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean")
 OPOB_LEVELS = ("sequence", "geometric")
+
+
+TABLE_2 = optimizer_table()
 
 
 class ConfigError(ValueError):
@@ -53,12 +57,12 @@ class SimConfig:
     temperature: float = 1.0  # VCPO Tables 3-5
     max_turns: int = 0  # >0: multi-turn with the sandboxed Python tool, at most this many tool calls
     tool_timeout_s: float = 5.0
-    # optimizer (VCPO Table 2: AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0.1, gradient clip 1.0)
+    # optimizer: AdamW with VCPO Table 2's settings (recipes/optimizer.yaml, as the verl launcher uses them)
     lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, README); presets scale it by lr / 1e-6
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1.0e-8
-    grad_clip: float = 1.0
+    weight_decay: float = TABLE_2["weight_decay"]
+    betas: tuple[float, float] = tuple(TABLE_2["betas"])
+    eps: float = TABLE_2["eps"]
+    grad_clip: float = TABLE_2["grad_clip"]
     warmup_steps: int = 5  # warmup-stable-decay (VCPO Table 3)
     decay_steps: int = 0
     micro_batch_size: int = 64  # sequences per learner forward/backward (whole groups)
