@@ -230,3 +230,21 @@ def test_fig14_exact_norms_are_per_sequence_autograd_norms(fig14):
             logits = logits.logits[:, one.prompt_width - 1 : -1]
         proxy = float(logit_energy_proxy(logits, one.response_ids, one.mask))
         assert proxy == pytest.approx(result["logit_energy_proxy"][row], rel=1e-6)
+
+
+def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path, monkeypatch):
+    """A copy of the sync preset under another name is read at lag 0 and labelled k = 0, like sync."""
+    import dataclasses
+
+    import vcpo.methods as methods
+    from vcpo.tables.figures import method_label
+    from vcpo.tables.runs import run_dirs
+
+    presets = dict(methods._methods())
+    presets["oracle"] = dataclasses.replace(presets["sync"], name="oracle")
+    monkeypatch.setattr(methods, "_methods", lambda: presets)
+    folder = sim_run(tmp_path, "countdown", "oracle", 0, 0, {0: 0.1, 2: 0.3}, 1.0)
+    sim_run(tmp_path, "countdown", "seq_tis_c8", 0, 0, {0: 0.1, 2: 0.3}, 1.0)
+    assert run_dirs(tmp_path, "countdown", "oracle", 12) == [folder]
+    assert run_dirs(tmp_path, "countdown", "seq_tis_c8", 12) == []  # a lagged preset is read at the lag asked for
+    assert method_label("oracle", 3) == "oracle (k=0), 3 seeds" and method_label("seq_tis_c8", 1) == "seq_tis_c8, 1 seed"

@@ -121,6 +121,18 @@ def get_method(name: str) -> Method:
     return methods[name]
 
 
+def filed_lag(method: str, lag: int) -> int:
+    """The policy lag a run of ``method`` has and is filed under: the one its preset fixes (``max_lag``:
+    0 for the synchronous preset), else ``lag``."""
+    fixed = get_method(method).spec.get("max_lag")
+    return lag if fixed is None else fixed
+
+
+def is_synchronous(method: str) -> bool:
+    """A preset that fixes the policy lag to 0 (the synchronous oracle), whatever its name."""
+    return get_method(method).spec.get("max_lag") == 0
+
+
 def default_method(loss_name: str) -> Method:
     """The preset whose values a loss uses when the config names no method."""
     for method in _methods().values():

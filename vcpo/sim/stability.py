@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from vcpo.methods import is_synchronous
 from vcpo.tables.runs import ACCURACY, read_metrics, series
 
 SYNC_MIN_GAIN = 0.05
@@ -125,7 +126,7 @@ def markdown(rows: list[dict]) -> str:
 def map_cells(rows: list[dict], method: str, seed: int = 0) -> dict[tuple[float, int], Outcome]:
     """(lr, lag) -> outcome of ``method``'s runs of ``seed``, with the sync runs as lag 0."""
     return {(row["lr"], row["lag"]): row["outcome"] for row in rows
-            if row["seed"] == seed and (row["method"] == method or row["method"] == "sync")}
+            if row["seed"] == seed and (row["method"] == method or is_synchronous(row["method"]))}
 
 
 def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[float, int] | None = None) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from vcpo.methods import is_synchronous
 from vcpo.tables.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
 from vcpo.tables.specs import figure_specs, paper_results, runs_needed, spec_tasks
 
@@ -41,7 +42,7 @@ def pyplot():
 
 
 def method_label(method: str, seeds: int) -> str:
-    lag = " (k=0)" if method == "sync" else ""
+    lag = " (k=0)" if is_synchronous(method) else ""
     return f"{method}{lag}, {seeds} seed{'s' if seeds != 1 else ''}"
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vcpo.methods import filed_lag
+
 ACCURACY = "val/accuracy"
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
 VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
@@ -46,8 +48,9 @@ def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
 
 
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:
-    """The seed folders holding metrics of one (task, method, lag); sync is read at lag 0 whatever ``lag``."""
-    lag = 0 if method == "sync" else lag
+    """The seed folders holding metrics of one (task, method, lag); a preset that fixes its lag (sync: 0)
+    is read at that lag whatever ``lag``."""
+    lag = filed_lag(method, lag)
     return sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/metrics.jsonl"))
 
 
@@ -128,7 +131,7 @@ def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[di
         rows.append(
             {
                 "method": method,
-                "lag": 0 if method == "sync" else lag,
+                "lag": filed_lag(method, lag),
                 "seeds": len(runs),
                 "steps": max(int(series(lines, "critic/score/mean")[0].max(initial=-1)) + 1 for lines in runs),
                 "acc_start": float(np.mean([a[0] for a in accuracy])) if accuracy else float("nan"),

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from vcpo.methods import filed_lag
+
 HERE = Path(__file__).resolve().parent
 KINDS = ("curves", "lag_sweep", "overhead", "grad_norm_proxy")
 # Keys a kind needs; the rest (title, paper, kind) every figure needs.
@@ -94,7 +96,7 @@ def runs_needed(
     for name in spec_tasks(spec, task):
         for k in spec_lags(spec, lag):
             for method in spec["methods"]:
-                run = (name, "sync", 0) if method == "sync" or k == 0 else (name, method, k)
+                run = (name, "sync", 0) if k == 0 else (name, method, filed_lag(method, k))
                 if run not in needed:
                     needed.append(run)
     return needed

@@ -53,7 +53,7 @@ def table1_args():
     """Each paper task beside the task it trains on here, and this scale's lag when the config maps lags
     (the async row is VCPO at that lag)."""
     args = [f"--task {paper}={config['tasks'][paper]}" for paper in config.get("table1_tasks", [])]
-    lags = {run.lag for run in PLAN.table1 if run.method != "sync"}
+    lags = {run.lag for run in PLAN.table1 if not is_synchronous(run.method)}
     if config.get("lags") and len(lags) == 1:
         args.append(f"--lag {lags.pop()}")
     return " ".join(args)
