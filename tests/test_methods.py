@@ -142,8 +142,9 @@ def test_cycles_raise(tmp_path):
 
 def test_cli_lists_every_method():
     out = subprocess.run([sys.executable, "-m", "vcpo.methods", "list"], capture_output=True, text=True, check=True).stdout
-    names = {line.split()[0] for line in out.splitlines()[2:]}
-    assert names == set(load_methods())
+    names = {line.split()[0] for line in out.splitlines()[2:] if not line.startswith("alias:")}
+    assert names == {name for name, method in load_methods().items() if method.name == name}
+    assert "alias: opob_only = tis_opob" in out.splitlines()
     vcpo_line = next(line for line in out.splitlines() if line.startswith("vcpo "))
     for fragment in ("seq_tis", "lo=0.0, hi=8.0", "opob", "ESS form=sqrt", "1e-06", "VCPO §3.5"):
         assert fragment in vcpo_line
@@ -152,3 +153,29 @@ def test_cli_lists_every_method():
 def test_cli_show_prints_the_resolved_preset():
     out = subprocess.run([sys.executable, "-m", "vcpo.methods", "show", "opob_only"], capture_output=True, text=True, check=True).stdout
     assert yaml.safe_load(out)["advantage"]["estimator"] == "opob"
+
+
+def test_opob_only_is_an_alias_of_tis_opob_so_one_run_serves_both():
+    from vcpo.methods import aliases, list_methods
+    from vcpo.reproduction import plan
+
+    assert get_method("opob_only") is get_method("tis_opob") and get_method("opob_only").name == "tis_opob"
+    assert aliases() == {"opob_only": "tis_opob"}
+    assert "opob_only" not in {method.name for method in list_methods()}
+    paper = yaml.safe_load((recipes_dir().parent / "workflows" / "config" / "paper.yaml").read_text())
+    runs = plan(paper).runs
+    opob_runs = [run for run in runs if run.method in ("tis_opob", "opob_only")]
+    assert len({(run.task, run.lag, run.seed) for run in opob_runs}) == len(opob_runs)
+
+
+def test_an_alias_holds_only_its_target_and_labels(tmp_path):
+    import shutil
+
+    directory = tmp_path / "methods"
+    shutil.copytree(recipes_dir() / "methods", directory)
+    (directory / "opob_only.yaml").write_text("name: opob_only\ntitle: t\nsource: s\nalias_of: tis_opob\nloss: {agg: token-mean}\n")
+    with pytest.raises(ValueError, match="an alias holds only"):
+        load_methods(directory)
+    (directory / "opob_only.yaml").write_text("name: opob_only\ntitle: t\nsource: s\nalias_of: nothing\n")
+    with pytest.raises(ValueError, match="alias_of 'nothing' is not a recipe"):
+        load_methods(directory)

@@ -42,7 +42,7 @@ def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     assert {run.lag for run in smoke.figures["fig8"].runs} == {12}
     assert {run.lag for run in smoke.runs if run.method == "sync"} == {0}
     assert {run.lag for run in smoke.figures["lag_sweep"].runs} == {0, 2, 4, 8, 12, 24}
-    assert len(smoke.runs) == len(set(smoke.runs)) == 43
+    assert len(smoke.runs) == len(set(smoke.runs)) == 42
 
 
 def test_ci_is_the_core_comparison_and_the_ablation_at_a_low_lag():
@@ -77,7 +77,7 @@ def test_paper_lists_every_training_run_of_the_paper():
         "gsm8k/p3o_two_anchor/lag12/seed0",
     ):
         assert path in paths, path
-    assert len(paper.runs) == 46 and {run.task for run in paper.runs} == {"gsm8k", "math", "countdown", "simpletir"}
+    assert len(paper.runs) == 45 and {run.task for run in paper.runs} == {"gsm8k", "math", "countdown", "simpletir"}
 
 
 def broken(name: str, **changes) -> dict:
@@ -177,10 +177,10 @@ def test_snakemake_builds_the_ci_dag(tmp_path):
 @pytest.mark.slow
 def test_snakemake_lists_every_paper_run_and_its_evaluation(tmp_path):
     counts = job_counts(dry_run("paper", tmp_path))
-    assert counts["train"] == 46
+    assert counts["train"] == 45
     # every final checkpoint, plus the intermediate ones (100, 200, 300) of the 400-step runs and the
     # checkpoint at step 100 of the 200-step SimpleTIR runs
-    assert counts["evaluate"] == 46 + 3 * (32 + 8 + 3) + 1 * 3
+    assert counts["evaluate"] == 45 + 3 * (32 + 7 + 3) + 1 * 3
     assert counts["figure"] == len(config("paper")["figures"])
     # one parquet per split the tasks read: gsm8k train/test, math train + MATH-500 + MATH test, ...
     assert counts["build_data"] == 10

@@ -2,7 +2,8 @@
 
 A recipe may ``extends`` another of its folder: every mapping it lists overrides the parent's field by
 field (one level deep), any other value replaces the parent's. ``default`` and ``extends`` are never
-inherited. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`vcpo.launch`) are read this way.
+inherited. A recipe with ``alias_of`` (and only ``name``, ``title``, ``source`` beside it) is another
+name for a recipe of its folder: it resolves to that recipe, under that recipe's name. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`vcpo.launch`) are read this way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jsonschema
 import yaml
 
 NOT_INHERITED = ("default", "extends")
+ALIAS_KEYS = {"name", "alias_of", "title", "source"}
 
 
 def recipes_dir() -> Path:
@@ -80,7 +82,18 @@ def load_folder(directory: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     for stem, path in paths.items():
         if raw[stem].get("name") != stem:
             raise ValueError(f"{path}: name {raw[stem].get('name')!r} must equal the file name {stem!r}")
+        if "alias_of" in raw[stem]:
+            continue
         spec = _resolve(stem, raw)
         validate(spec, schema, path)
         resolved[stem] = (path, spec)
+    for stem, path in paths.items():
+        target = raw[stem].get("alias_of")
+        if target is None:
+            continue
+        if set(raw[stem]) - ALIAS_KEYS:
+            raise ValueError(f"{path}: an alias holds only {sorted(ALIAS_KEYS)}, not {sorted(set(raw[stem]) - ALIAS_KEYS)}")
+        if target not in resolved:
+            raise ValueError(f"{path}: alias_of {target!r} is not a recipe of {directory} (nor may it be an alias)")
+        resolved[stem] = resolved[target]
     return resolved

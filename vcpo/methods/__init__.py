@@ -94,12 +94,20 @@ def _check_method(spec: dict[str, Any], path: Path) -> None:
 def load_methods(directory: Path | None = None) -> dict[str, Method]:
     """Read, resolve and validate every preset in ``directory`` (default: ``recipes/methods``)."""
     directory = Path(directory) if directory is not None else recipes_dir() / "methods"
-    methods = {}
-    for name, (path, spec) in load_folder(directory).items():
-        _check_method(spec, path)
-        methods[name] = Method(name, spec)
+    methods: dict[str, Method] = {}
+    folder = load_folder(directory)
+    for name, (path, spec) in folder.items():
+        if spec["name"] == name:
+            _check_method(spec, path)
+            methods[name] = Method(name, spec)
     _check_defaults(methods)
-    return methods
+    # an alias (alias_of) names the same Method: the same runs, whichever name trains them
+    return {name: methods[spec["name"]] for name, (_, spec) in folder.items()}
+
+
+def aliases() -> dict[str, str]:
+    """Alias name -> the preset it names."""
+    return {name: method.name for name, method in _methods().items() if name != method.name}
 
 
 def _check_defaults(methods: dict[str, Method]) -> None:
@@ -142,4 +150,5 @@ def default_method(loss_name: str) -> Method:
 
 
 def list_methods() -> list[Method]:
-    return list(_methods().values())
+    """Every preset once (aliases not repeated)."""
+    return [method for name, method in _methods().items() if name == method.name]

@@ -7,7 +7,7 @@ import sys
 
 import yaml
 
-from vcpo.methods import get_method, list_methods, loss_info
+from vcpo.methods import aliases, get_method, list_methods, loss_info
 
 
 def _format_params(params: dict) -> str:
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         header = ["method", "loss", "weight / mask", "loss params", "baseline", "step size", "lr", "setting", "source"]
         print_table(_rows(), header)
+        for alias, target in aliases().items():
+            print(f"alias: {alias} = {target}")
     else:
         yaml.safe_dump(get_method(args.name).spec, sys.stdout, sort_keys=False, allow_unicode=True)
     return 0
