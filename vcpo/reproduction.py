@@ -177,12 +177,14 @@ def plan(config: dict[str, Any]) -> Plan:
             core, full = wanted.get(key, (False, False))
             wanted[key] = (core or name in core_figures, full or name in full_length_figures)
         figures[name] = [spec["kind"], tasks, lag, needed]
+    from vcpo.launch import paper_lag
+
     table1 = []
     for paper_task in config.get("table1_tasks", []):
         if paper_task not in config["tasks"]:
             raise ConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
         task = config["tasks"][paper_task]
-        high_lag = _scale_lag(config, _paper_lag(paper_task))
+        high_lag = _scale_lag(config, paper_lag(paper_task))
         for key in ((task, "sync", 0), (task, "vcpo", high_lag)):
             wanted[key] = (True, True)  # Table 1 compares final accuracies: the core seeds and steps
             table1.append(key)
@@ -201,12 +203,6 @@ def plan(config: dict[str, Any]) -> Plan:
         planned[name] = PlannedFigure(name, kind, tasks, lag, figure_runs)
     table1_runs = tuple(run for key in dict.fromkeys(table1) for run in by_key[key])
     return Plan(config, planned, tuple(runs), table1_runs)
-
-
-def _paper_lag(paper_task: str) -> int:
-    from vcpo.launch import get_task
-
-    return int(get_task(paper_task).paper["max_lag"])
 
 
 @functools.cache

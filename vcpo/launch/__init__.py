@@ -82,6 +82,11 @@ def get_task(name: str) -> Task:
     return tasks[name]
 
 
+def paper_lag(task: str) -> int:
+    """The paper's policy lag k of a task (its recipe's ``paper.max_lag``: Tables 3-5, Table 1's async row)."""
+    return int(get_task(task).paper["max_lag"])
+
+
 @dataclass(frozen=True)
 class Run:
     """One training run: what `overrides` composes."""

@@ -60,6 +60,8 @@ def table1_data(root: Path, scale: str, tasks: dict[str, str] | None = None, lag
     ``tasks`` maps each paper task to the task its runs were trained on (default: all paper tasks, same
     name); ``lag`` replaces each task's published async lag (the smoke workflow may lower it).
     """
+    from vcpo.launch import paper_lag  # the lag lives in the task recipes (the launcher imports this package)
+
     published = paper_results()["table1"]
     tasks = tasks or {name: name for name in published["tasks"]}
     unknown = sorted(set(tasks) - set(published["tasks"]))
@@ -74,12 +76,13 @@ def table1_data(root: Path, scale: str, tasks: dict[str, str] | None = None, lag
     }
     for paper_task, run_task in tasks.items():
         paper = published["tasks"][paper_task]
-        k = paper["async"]["k"] if lag is None else lag
+        k = paper_lag(paper_task) if lag is None else lag
         sync = row_numbers(root, run_task, "sync", 0, scale, paper["benchmark"])
         data["tasks"][paper_task] = {
             "label": paper["label"],
             "run_task": run_task,
             "paper": paper,
+            "paper_lag": paper_lag(paper_task),
             "base": sync["base"],
             "sync": sync,
             "async": row_numbers(root, run_task, "vcpo", k, scale, paper["benchmark"]),
@@ -123,10 +126,10 @@ def table1_markdown(data: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---|",
             f"| Base | {cell(row['base'], percent=True)} | {paper['base']}% | | | | | {len(row['sync']['seeds'])} |",
         ]
-        for key, name in (("sync", "Sync (k=0)"), ("async", f"Async VCPO (k={row['async']['lag']})")):
+        for key, name, their_lag in (("sync", "Sync (k=0)", 0), ("async", f"Async VCPO (k={row['async']['lag']})", row["paper_lag"])):
             ours, theirs = row[key], paper[key]
             lines.append(
-                f"| {name} [paper k={theirs['k']}] | {cell(ours['accuracy'], percent=True)} | {theirs['accuracy']}% | "
+                f"| {name} [paper k={their_lag}] | {cell(ours['accuracy'], percent=True)} | {theirs['accuracy']}% | "
                 f"{cell(ours['steps'], form='.0f')} | {theirs['steps']} | {cell(ours['hours'], form=hours_form)} | "
                 f"{theirs['gpu_hours']} | {', '.join(ours['seeds']) or 'none'} |"
             )
