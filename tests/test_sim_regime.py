@@ -134,3 +134,44 @@ def test_the_stability_map_puts_sync_on_the_lag_zero_row():
     ]
     cells = map_cells(rows, "seq_tis_c8")
     assert {key: cell.end for key, cell in cells.items()} == {(1e-4, 0): 0.3, (1e-4, 12): 0.25}
+
+
+def _write_run(root, method, lag, seed, accuracy, ess, lr=1.5e-4):
+    """A finished simulator run as vcpo.sim writes it: config.json, metrics.jsonl, final/eval.json."""
+    folder = root / "countdown" / method / f"lag{lag}" / f"seed{seed}"
+    (folder / "final").mkdir(parents=True)
+    lines = _run(accuracy, ess)
+    for line in lines[:-1]:
+        line |= {"critic/score/mean": 0.2, "actor/grad_norm": 0.5, "rollout_corr/kl": 0.01}
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "final" / "eval.json").write_text(json.dumps(lines[-1]))
+    (folder / "config.json").write_text(json.dumps({
+        "task": "countdown", "method": method, "effective_lag": lag, "seed": seed, "lr": lr, "model_size": "tiny",
+        "steps": max(accuracy), "config_file": "regime.yaml",
+    }))
+
+
+def test_the_regime_report_judges_every_run_and_names_the_regime(tmp_path):
+    from vcpo.sim.regime_report import report
+
+    regime = tmp_path / "regime.yaml"
+    regime.write_text("task: countdown\nlag: 24\nlr: 1.5e-4\n")
+    runs = tmp_path / "runs"
+    alarm = [1.0] * 10 + [0.05] * 90
+    for seed in (0, 1, 2):
+        _write_run(runs, "sync", 0, seed, {0: 0.2, 50: 0.3, 100: 0.3}, [1.0] * 100)
+        _write_run(runs, "seq_tis_c8", 24, seed, {0: 0.2, 50: 0.3, 75: 0.1, 100: 0.05 + seed / 100}, alarm)
+        _write_run(runs, "vcpo", 24, seed, {0: 0.2, 50: 0.3, 100: 0.28}, alarm)
+    _write_run(runs, "seq_tis_c8", 8, 0, {0: 0.2, 100: 0.3}, [0.5] * 100)  # the lag sweep
+    written = report(runs, regime, tmp_path / "out")
+    outcomes = json.loads((tmp_path / "out" / "outcomes.json").read_text())
+    verdicts = {(r["method"], r["lag"], r["seed"]): (r["holds"], r["collapsed"]) for r in outcomes["runs"]}
+    assert verdicts[("sync", 0, 1)] == (True, False) and verdicts[("seq_tis_c8", 24, 2)] == (False, True)
+    assert verdicts[("vcpo", 24, 0)] == (True, False) and verdicts[("seq_tis_c8", 8, 0)] == (True, False)
+    predictor = outcomes["ess_predictor_at_regime_lag"]
+    assert [(r["seed"], r["lead_steps"]) for r in predictor["collapsed"]] == [(0, 65), (1, 65), (2, 65)]
+    assert predictor["not_collapsed_async_runs"] == 3 and predictor["false_alarms"] == 3  # VCPO: alarm, no fall
+    assert outcomes["regime"] == str(regime)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"`{regime}`" in summary and "| vcpo | 24 | 3 | 0.200 | 0.280 (0.280-0.280)" in summary
+    assert {path.name for path in written} >= {"core.png", "ablation.png", "methods.png", "lag_sweep.png"}
