@@ -11,7 +11,8 @@ LRS=${LRS:-1e-4 1.5e-4 2e-4 3e-4}
 LAGS=${LAGS:-12,24,48}
 JOBS=${JOBS:-2}
 TASK=${TASK:-countdown}
-COMMON=(--task "$TASK" --steps 200 --jobs "$JOBS")
+read -r -a EXTRA <<< "${SEARCH_OVERRIDES:-}"  # key=value settings of the family, e.g. model_size=small
+COMMON=(--task "$TASK" --steps 200 --jobs "$JOBS" "${EXTRA[@]}")
 
 if [ "$STAGE" = seed0 ]; then
   for lr in $LRS; do
