@@ -142,7 +142,7 @@ def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[f
         for x, lr in enumerate(lrs):
             result = cells.get((lr, lag))
             if result is None:
-                ax.text(x, y, "not run", ha="center", va="center", color="grey", fontsize=8)
+                ax.text(x, y, "no finished run", ha="center", va="center", color="grey", fontsize=8)
                 continue
             verdict = ("holds" if result.holds else "does not hold") if lag == 0 else ("COLLAPSED" if result.collapsed else "stable")
             ax.text(x, y, f"{result.end:.2f} (best {result.best:.2f})\n{verdict}\nESS min {result.ess_min:.2f}",
