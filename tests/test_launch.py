@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,25 @@ def test_launch_refuses_more_gpus_than_visible_and_missing_data(tmp_path, capsys
     err = capsys.readouterr().err
     assert f"data.train_files: {tmp_path}/math/train.parquet" in err and "math500/test.parquet" in err
     assert not (tmp_path / "math").exists()  # nothing written before the checks pass
+
+
+@pytest.mark.parametrize(("method", "overrides", "gpus"), [("vcpo", [], 8), ("sync", [], 8), ("vcpo", ["trainer.n_gpus_per_node=2"], 6)])
+def test_a_launch_records_the_gpus_of_the_config_it_started(tmp_path, monkeypatch, method, overrides, gpus):
+    """launch.json's ``gpus`` (what the tables cost runs by) is the launched config's layout, user
+    overrides included; the workflow's resource is the recipe's layout."""
+    import vcpo.launch.__main__ as launcher
+
+    for split in ("math/train", "math500/test", "math/test"):
+        (tmp_path / split).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"{split}.parquet").write_bytes(b"")
+    started = []
+    monkeypatch.setattr(launcher.subprocess, "call", lambda command, env: started.append(command) or 0)
+    argv = ["--task", "math", "--method", method, "--gpus", "8", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path)]
+    assert main([*argv, "--", *overrides] if overrides else argv) == 0 and len(started) == 1
+    lag = 0 if method == "sync" else 10
+    launch = json.loads((tmp_path / "math" / method / f"lag{lag}" / "seed0" / "launch.json").read_text())
+    assert launch["gpus"] == gpus and launch["command"] == started[0]
+    assert make_run("math", method).gpus == 8
 
 
 def test_dry_run_prints_the_exact_command(capsys):

@@ -55,7 +55,7 @@ def verl_run(root, task, method, lag, seed):
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=4",
     ]
-    (folder / "launch.json").write_text(json.dumps({"task": task, "command": command}))
+    (folder / "launch.json").write_text(json.dumps({"task": task, "gpus": 8, "command": command}))
     return folder
 
 

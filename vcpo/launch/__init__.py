@@ -109,6 +109,12 @@ class Run:
     def data_files(self, which: str) -> list[Path]:
         return [self.data_dir / f"{split}.parquet" for split in self.task.spec["data"][which]]
 
+    @property
+    def gpus(self) -> int:
+        """GPUs of the recipe's layout: the sync trainer colocates on, and separate_async splits, the
+        task's sampler + trainer GPUs (what ``gpus_needed`` finds in the composed config)."""
+        return self.task.paper["sampler_gpus"] + self.task.paper["trainer_gpus"]
+
 
 def make_run(
     task: str,

@@ -15,7 +15,9 @@ import os
 import subprocess
 import sys
 
-from vcpo.launch import LaunchError, check, command, compose, load_tasks, make_run, run_environment, shell_command
+from vcpo.launch import (
+    LaunchError, check, command, compose, gpus_needed, load_tasks, make_run, run_environment, shell_command,
+)
 
 
 def visible_gpus() -> int:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
     verl_command, environment = command(run, args.overrides), run_environment(run)
     (run.run_dir / "launch.json").write_text(
-        json.dumps({**provenance, "command": verl_command, "env": environment}, indent=2)
+        json.dumps({**provenance, "gpus": gpus_needed(config), "command": verl_command, "env": environment}, indent=2)
     )
     print(f"launching {run.name} -> {run.run_dir}", flush=True)
     return subprocess.call(verl_command, env={**os.environ, **environment})

@@ -195,26 +195,9 @@ def compute_hours(lines: list[dict]) -> float:
     return sum(float(line.get(k, 0.0)) for line in lines for k in TIME_KEYS) / 3600
 
 
-def _override(command: list[str], key: str) -> str | None:
-    values = [arg.split("=", 1)[1] for arg in command if arg.split("=", 1)[0].lstrip("+") == key]
-    return values[-1] if values else None
-
-
 def run_gpus(run_dir: Path) -> int | None:
-    """GPUs a verl run held: ``launch.json``'s ``gpus``, else derived from the Hydra overrides of its
-    ``command`` as `vcpo.launch.gpus_needed` does (trainer, plus separate rollout GPUs); None if unknown."""
+    """GPUs a verl run held: the ``gpus`` ``vcpo.launch`` wrote into its ``launch.json`` (computed from
+    the composed config it launched); None for a run without one."""
     path = Path(run_dir) / "launch.json"
-    if not path.exists():
-        return None
-    launch = json.loads(path.read_text())
-    if isinstance(launch.get("gpus"), int):
-        return launch["gpus"]
-    command = launch.get("command", [])
-    trainer = _override(command, "trainer.n_gpus_per_node")
-    if trainer is None:
-        return None
-    gpus = int(_override(command, "trainer.nnodes") or 1) * int(trainer)
-    if _override(command, "trainer.v1.trainer_mode") == "separate_async":
-        rollout = int(_override(command, "actor_rollout_ref.rollout.n_gpus_per_node") or 0)
-        gpus += int(_override(command, "actor_rollout_ref.rollout.nnodes") or 1) * rollout
-    return gpus
+    gpus = json.loads(path.read_text()).get("gpus") if path.exists() else None
+    return gpus if isinstance(gpus, int) else None

@@ -46,7 +46,7 @@ if config["backend"] == "sim":
             ' base="$(head -n 1 {input.base})" {params.settings} > {log} 2>&1'
 
 else:
-    from vcpo.launch import get_task
+    from vcpo.launch import get_task, make_run
 
     DATA = config["data"]["dir"]
 
@@ -69,9 +69,8 @@ else:
             " {params.source} {params.size} > {log} 2>&1"
 
     def run_gpus(wildcards):
-        """Sync runs colocate on, and async runs split, the task's sampler + trainer GPUs (vcpo.launch)."""
-        paper = get_task(wildcards.task).paper
-        return paper["sampler_gpus"] + paper["trainer_gpus"]
+        """The GPUs the launcher's run needs (vcpo.launch.Run.gpus)."""
+        return make_run(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed)).gpus
 
     rule train:
         input:
