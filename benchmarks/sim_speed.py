@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vcpo.sim.config import SimConfig, apply_overrides, load_config_file
 from vcpo.sim import rollout
+from vcpo.sim.config import apply_overrides, start_config
 from vcpo.sim.rollout import Generator, left_padded, sampling_log_probs
 from vcpo.sim.train import METRICS, Trainer
 
@@ -79,7 +79,7 @@ def generation_variant(variant: str):
 
 
 def run(method: str, variant: str, args, overrides: list[str], folder: Path) -> dict:
-    start = load_config_file(args.config) if args.config else SimConfig()
+    start = start_config(args.config)
     changes = {"method": method, "steps": args.steps, "progress": True}
     if args.lag is not None:
         changes["lag"] = args.lag

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from vcpo.sim.__main__ import main as sim_main
-from vcpo.sim.config import ConfigError, SimConfig, load_config_file
+from vcpo.sim.config import ConfigError, load_config_file
 from vcpo.sim.stability import outcome
 from vcpo.tiny import save_tiny_model
 
@@ -65,7 +65,7 @@ def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, capsys, text, me
 
 def test_a_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nothing.yaml.*cannot read"):
-        load_config_file(tmp_path / "nothing.yaml", SimConfig())
+        load_config_file(tmp_path / "nothing.yaml")
 
 
 def _run(accuracy: dict[int, float], ess: list[float]) -> list[dict]:

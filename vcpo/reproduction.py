@@ -133,9 +133,9 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
 
 def sim_start(config: dict[str, Any]):
     """The ``vcpo.sim`` configuration every run starts from: the ``sim_config`` file, else the defaults."""
-    from vcpo.sim.config import SimConfig, load_config_file
+    from vcpo.sim.config import start_config
 
-    return load_config_file(config["sim_config"]) if config.get("sim_config") else SimConfig()
+    return start_config(config.get("sim_config"))
 
 
 def sim_base_size(config: dict[str, Any]) -> str:

@@ -16,7 +16,15 @@ import subprocess
 import sys
 
 from vcpo.launch import (
-    LaunchError, check, command, compose, gpus_needed, load_tasks, make_run, run_environment, shell_command,
+    LaunchError,
+    check,
+    command,
+    compose,
+    gpus_needed,
+    load_tasks,
+    make_run,
+    run_environment,
+    shell_command,
 )
 
 

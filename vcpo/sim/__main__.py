@@ -22,20 +22,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, load_config_file, validate
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, start_config, validate
 from vcpo.tables.runs import run_path
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 
 
-def _start(args: argparse.Namespace) -> SimConfig:
-    """The defaults, or the ``--config`` file's settings over them."""
-    return load_config_file(args.config) if args.config else SimConfig()
-
-
 def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     given = {key: getattr(args, key) for key in COMMON if getattr(args, key, None) is not None}
-    return validate(apply_overrides(apply_overrides(_start(args), given), overrides))
+    return validate(apply_overrides(apply_overrides(start_config(args.config), given), overrides))
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
@@ -51,7 +46,7 @@ def _csv(kind):
 
 
 def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimConfig]:
-    base = apply_overrides(_start(args), overrides)
+    base = apply_overrides(start_config(args.config), overrides)
     configs = []
     for method in args.methods:
         for lag in args.lags:

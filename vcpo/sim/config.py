@@ -163,9 +163,14 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
     return dataclasses.replace(config, **changes)
 
 
-def load_config_file(path: str | Path, config: SimConfig | None = None) -> SimConfig:
-    """``config`` (default: the defaults) with the keys of a YAML mapping file applied, the file recorded
-    in ``config_file``; an unknown key or a value of the wrong type is an error naming the file and key."""
+def start_config(path: str | Path | None) -> SimConfig:
+    """What a run starts from: the ``--config`` file's settings over the defaults, or the defaults."""
+    return load_config_file(path) if path else SimConfig()
+
+
+def load_config_file(path: str | Path) -> SimConfig:
+    """The defaults with the keys of a YAML mapping file applied, the file recorded in ``config_file``;
+    an unknown key or a value of the wrong type is an error naming the file and key."""
     import yaml
 
     path = Path(path)
@@ -178,7 +183,7 @@ def load_config_file(path: str | Path, config: SimConfig | None = None) -> SimCo
     if "config_file" in settings:
         raise ConfigError(f"config file {str(path)!r}: key 'config_file' cannot be set inside a config file")
     try:
-        config = apply_overrides(config or SimConfig(), {str(key): as_override_text(value) for key, value in settings.items()})
+        config = apply_overrides(SimConfig(), {str(key): as_override_text(value) for key, value in settings.items()})
     except ConfigError as error:
         raise ConfigError(f"config file {str(path)!r}: {error}") from None
     return dataclasses.replace(config, config_file=str(path))

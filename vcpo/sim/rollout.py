@@ -157,7 +157,8 @@ class Generator:
                 del trajectory.sum_pi_squared[s.max_response_tokens :]
                 del trajectory.versions[s.max_response_tokens :]
                 trajectory.finished = trajectory.truncated = True
-            trajectory.kv = None if trajectory.finished else _row_cache(cache, row, fed[row], fed_ids, trajectory, version)
+            trajectory.kv = None if trajectory.finished else _row_cache(cache, row, fed[row], fed_ids, trajectory)
+            trajectory.kv_version = version
 
     def _sample(self, model, todo: list[Trajectory], contexts: list[list[int]], steps: int):
         """``steps`` sampled tokens per row, their log-probs and Σπ², the batch's cache and its fed-columns mask.
@@ -299,7 +300,7 @@ def use_grouped_query_sdpa(model) -> None:
     model.set_attn_implementation(GROUPED_QUERY_SDPA)
 
 
-def _row_cache(cache, row: int, fed: torch.Tensor, fed_ids: list[int], trajectory: Trajectory, version: int):
+def _row_cache(cache, row: int, fed: torch.Tensor, fed_ids: list[int], trajectory: Trajectory):
     """Row ``row``'s own cache out of the batch's: the fed columns whose tokens still begin the context
     (a tool call may have cut the response after sampling), at most all but its last token."""
     context = trajectory.prompt_ids + trajectory.response_ids
@@ -307,7 +308,6 @@ def _row_cache(cache, row: int, fed: torch.Tensor, fed_ids: list[int], trajector
     while valid < min(len(fed_ids), len(context) - 1) and fed_ids[valid] == context[valid]:
         valid += 1
     columns = fed.nonzero().squeeze(1)[:valid]
-    trajectory.kv_version = version
     return [(layer.keys[row][:, columns].clone(), layer.values[row][:, columns].clone()) for layer in cache.layers]
 
 
