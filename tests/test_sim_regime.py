@@ -103,8 +103,30 @@ def test_a_run_without_a_base_evaluation_cannot_be_judged():
 
 
 
-def _row(method, lag, seed, lr, accuracy, ess):
-    return {"task": "countdown", "method": method, "lag": lag, "seed": seed, "lr": lr, "outcome": outcome(_run(accuracy, ess))}
+def _row(method, lag, seed, lr, accuracy, ess, size="tiny"):
+    return {"task": "countdown", "method": method, "lag": lag, "seed": seed, "lr": lr, "model_size": size,
+            "outcome": outcome(_run(accuracy, ess))}
+
+
+def test_the_closest_candidate_rule_counts_collapses_then_depth_and_needs_sync_to_hold():
+    from vcpo.sim.stability import rank_candidates
+
+    alarm = [0.05] * 100
+    held = {0: 0.2, 50: 0.35, 100: 0.3}
+    fell = lambda end: {0: 0.2, 50: 0.3, 100: end}  # noqa: E731  (end / best = end / 0.3)
+    rows = [_row("sync", 0, seed, lr, held, [1.0] * 100) for seed in (0, 1, 2) for lr in (1e-4, 2e-4)]
+    rows.append(_row("sync", 0, 1, 3e-4, {0: 0.2, 100: 0.21}, [1.0] * 100))  # sync fails in seed 1 at 3e-4
+    rows += [_row("sync", 0, seed, 3e-4, held, [1.0] * 100) for seed in (0, 2)]
+    ends = {(1e-4, 24): (0.03, 0.3, 0.3), (1e-4, 48): (0.12, 0.06, 0.3), (2e-4, 48): (0.03, 0.06, 0.3),
+            (3e-4, 12): (0.0, 0.0, 0.0)}
+    rows += [_row("seq_tis_c8", lag, seed, lr, fell(end), alarm) for (lr, lag), seed_ends in ends.items()
+             for seed, end in enumerate(seed_ends)]
+    rows.append(_row("seq_tis_c8", 12, 0, 1e-4, fell(0.0), alarm))  # seed 0 only: not eligible
+    ranked = rank_candidates(rows)
+    # two collapses each at (1e-4, 48) and (2e-4, 48): the deeper mean fall (0.1 + 0.2 + 1) / 3 wins over
+    # (0.4 + 0.2 + 1) / 3; one collapse at (1e-4, 24); (3e-4, 12) is out because sync fails in seed 1
+    assert [(c.lr, c.lag, c.collapses) for c in ranked] == [(2e-4, 48, 2), (1e-4, 48, 2), (1e-4, 24, 1)]
+    assert ranked[0].mean_end_over_best == pytest.approx((0.1 + 0.2 + 1.0) / 3)
 
 
 def test_the_ess_predictor_counts_leads_and_false_alarms():

@@ -2,7 +2,8 @@
 # The regime search (recipes/sim/regime_search.md): sync and sequence TIS (c = 8) alone, over learning
 # rate x policy lag on a tiny base (TASK, default countdown), 200 steps. Seed 0 of every cell first (it is also the
 # short-response stability map of seq-TIS), then seeds 1 and 2 of the candidates, in the registered order.
-#   recipes/sim/regime_search.sh [RUNS_DIR] [seed0|seeds12 LR LAG]
+#   recipes/sim/regime_search.sh [RUNS_DIR] [seed0|sync0|seeds12 LR LAG]
+# sync0 runs only sync's seed 0 at every lr (the small family's pruning: a cell can pass only where it holds).
 # Runs land in RUNS_DIR/lr<lr>/<task>/<method>/lag<k>/seed<s>/; finished runs are skipped.
 set -euo pipefail
 RUNS=${1:-results/regime_search}
@@ -18,6 +19,10 @@ if [ "$STAGE" = seed0 ]; then
   for lr in $LRS; do
     python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
     python -m vcpo.sim sweep "${COMMON[@]}" --methods seq_tis_c8 --lags "$LAGS" --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
+  done
+elif [ "$STAGE" = sync0 ]; then
+  for lr in $LRS; do
+    python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
   done
 else
   lr=$3 lag=$4

@@ -13,6 +13,7 @@ at or below half the best accuracy (positive: the alarm came first).
 
     python -m vcpo.sim.stability RUNS_ROOT [--task countdown]      # one markdown row per run below the root
     python -m vcpo.sim.stability RUNS_ROOT --map OUT.png --task countdown --method seq_tis_c8 [--mark LR,K]
+    python -m vcpo.sim.stability RUNS_ROOT [RUNS_ROOT ...] --candidates    # the closest-candidate ranking
 
 ``--map`` draws the stability map of one method: final held-out accuracy over learning rate x lag (sync
 as the lag-0 row), each cell marked with the criterion it meets (collapsed, or held for sync).
@@ -107,6 +108,45 @@ def judge_root(root: Path, task: str | None = None) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class Candidate:
+    task: str
+    model_size: str
+    lr: float
+    lag: int
+    collapses: int  # seeds (of 3) in which seq-TIS collapsed
+    mean_end_over_best: float  # seq-TIS end / best, averaged over the 3 seeds
+
+
+CANDIDATE_SEEDS = (0, 1, 2)
+
+
+def rank_candidates(rows: list[dict], method: str = "seq_tis_c8") -> list[Candidate]:
+    """The registered closest-candidate rule (recipes/sim/regime_search.md), for when no cell meets the
+    criteria in all three seeds. A cell (task, size, lr, lag) is eligible when ``method`` finished all
+    three seeds there (the search ran seeds 1-2 only where seed 0 met both criteria) and sync at the same
+    task, size and lr holds in all three seeds. Eligible cells rank by the number of seeds in which
+    ``method`` collapsed (more first), then by its mean end / best accuracy (lower first), then lr and lag
+    ascending (the registered order)."""
+    by_cell: dict[tuple, dict[int, Outcome]] = {}
+    sync: dict[tuple, dict[int, Outcome]] = {}
+    for row in rows:
+        family = (row["task"], row["model_size"], row["lr"])
+        if is_synchronous(row["method"]):
+            sync.setdefault(family, {})[row["seed"]] = row["outcome"]
+        elif row["method"] == method:
+            by_cell.setdefault((*family, row["lag"]), {})[row["seed"]] = row["outcome"]
+    candidates = []
+    for (task, size, lr, lag), seeds in by_cell.items():
+        references = sync.get((task, size, lr), {})
+        if not all(seed in seeds and seed in references and references[seed].holds for seed in CANDIDATE_SEEDS):
+            continue
+        results = [seeds[seed] for seed in CANDIDATE_SEEDS]
+        candidates.append(Candidate(task, size, lr, lag, sum(r.collapsed for r in results),
+                                    sum(r.end / r.best for r in results) / len(results)))
+    return sorted(candidates, key=lambda c: (-c.collapses, c.mean_end_over_best, c.lr, c.lag))
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| task | method | lag | lr | size | seed | base | best (step) | end | ESS min | ESS <= 0.1 at | sync holds | collapsed |",
@@ -161,16 +201,22 @@ def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[f
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vcpo.sim.stability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("root", type=Path)
+    parser.add_argument("roots", type=Path, nargs="+")
     parser.add_argument("--task")
     parser.add_argument("--map", type=Path, help="draw the stability map of --method into this PNG")
     parser.add_argument("--method", default="seq_tis_c8")
     parser.add_argument("--mark", help="LR,K: the cell to outline (the regime)")
     parser.add_argument("--title", default="")
+    parser.add_argument("--candidates", action="store_true", help="rank the cells by the closest-candidate rule")
     args = parser.parse_args(argv)
-    rows = judge_root(args.root, args.task)
+    rows = [row for root in args.roots for row in judge_root(root, args.task)]
     if not rows:
-        parser.error(f"no finished run below {args.root}")
+        parser.error(f"no finished run below {' '.join(map(str, args.roots))}")
+    if args.candidates:
+        print("| rank | task | size | lr | lag | seq-TIS collapses (of 3) | mean end / best |\n|---:|---|---|---:|---:|---:|---:|")
+        for rank, c in enumerate(rank_candidates(rows, args.method), 1):
+            print(f"| {rank} | {c.task} | {c.model_size} | {c.lr:g} | {c.lag} | {c.collapses} | {c.mean_end_over_best:.2f} |")
+        return
     if args.map:
         mark = None
         if args.mark:
