@@ -44,6 +44,20 @@ def test_sweep_reads_the_config_file_and_records_it(base, tmp_path):
     assert config["config_file"] == str(regime) and config["lr"] == 3.0e-4
 
 
+@pytest.mark.parametrize("method", ["sync", "seq_tis_c8", "vcpo"])
+def test_the_committed_regime_runs_a_few_steps(base, tmp_path, method):
+    from vcpo.methods import is_synchronous
+
+    out = tmp_path / method
+    assert sim_main(["train", "--config", "recipes/sim/regime.yaml", "--method", method, "--steps", "3",
+                     "--out", str(out), f"base={base}", *SHORT]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["config_file"] == "recipes/sim/regime.yaml" and config["lr"] == 2.0e-4
+    assert config["effective_lag"] == (0 if is_synchronous(method) else 48)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
