@@ -160,3 +160,25 @@ def test_permutation_invariance_within_groups():
     for perm in itertools.islice(itertools.permutations(range(6)), 0, 720, 97):
         p = torch.tensor(perm)
         torch.testing.assert_close(opob_baseline(rewards[p], norms[p], s[p], groups[p]), reference[p])
+
+
+def test_opob_coefficients_by_hand():
+    """Two sequences, truncated sequence weights: c^S_i = -min(e^{s_i}, c) / (σ_i N), c^R_i = c^S_i R_i."""
+    from vcpo.core import opob_coefficients, opob_normaliser
+
+    log_prob = torch.tensor([[-0.5, -1.0, 0.0], [-2.0, -0.1, -0.3]], dtype=torch.float64)
+    behav = torch.tensor([[-1.0, -1.5, 0.0], [-0.1, -0.1, -0.2]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    std = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    normaliser = opob_normaliser("seq-mean-token-mean", valid_tokens=5, valid_sequences=2)
+    assert normaliser == 2.0 and opob_normaliser("token-mean", 5, 2) == 5.0 and opob_normaliser("token-mean", 0, 0) == 1.0
+    c = opob_coefficients(log_prob, behav, mask, rewards, std, normaliser, level="sequence", bound="truncate", lo=0.0, hi=2.0)
+    # s_1 = 0.5 + 0.5 = 1 -> min(e, 2) = 2; s_2 = -1.9 + 0 - 0.1 = -2 -> e^-2
+    expected_score = torch.tensor([-2.0 / (0.5 * 2.0), -math.exp(-2.0) / (2.0 * 2.0)], dtype=torch.float64)
+    assert torch.allclose(c.score, expected_score, rtol=1e-12)
+    assert torch.allclose(c.reward, torch.tensor([expected_score[0], 0.0], dtype=torch.float64), rtol=1e-12)
+    masked = opob_coefficients(log_prob, behav, mask, rewards, std, normaliser, level="sequence", bound="mask", lo=0.0, hi=2.0)
+    assert masked.score[0] == 0.0 and masked.score[1] == expected_score[1]  # e^1 > 2: masked, not truncated
+    with pytest.raises(ValueError, match="one weight per sequence"):
+        opob_coefficients(log_prob, behav, mask, rewards, std, normaliser, level="token", bound="truncate", lo=0.0, hi=2.0)

@@ -117,6 +117,18 @@ ONE_PER_LOSS = {
             },
             r"OPOB supports the loss aggregations .* got agg 'token-sum'",
         ),
+        (
+            {
+                **BASE,
+                "loss": {"name": "token_tis", "params": {"lo": 0.0, "hi": 2.0}, "agg": "token-mean"},
+                "advantage": {"estimator": "opob", "params": {"scope": "group", "variant": "paper", "norm_by_std": True}},
+            },
+            r"loss 'token_tis' does not give one. OPOB losses: \['geo_mis', 'geo_tis', 'seq_mis', 'seq_tis'\]",
+        ),
+        (
+            {**BASE, "advantage": {"estimator": "opob", "params": {"scope": "prompt", "variant": "paper", "norm_by_std": True}}},
+            r"OPOB scope must be one of \('group', 'batch'\), got 'prompt'",
+        ),
     ],
 )
 def test_invalid_presets_raise_naming_the_file_and_key(tmp_path, preset, match):
@@ -179,3 +191,14 @@ def test_an_alias_holds_only_its_target_and_labels(tmp_path):
     (directory / "opob_only.yaml").write_text("name: opob_only\ntitle: t\nsource: s\nalias_of: nothing\n")
     with pytest.raises(ValueError, match="alias_of 'nothing' is not a recipe"):
         load_methods(directory)
+
+
+def test_the_step_rule_is_read_from_the_preset_once():
+    from vcpo.methods import step_rule
+
+    vcpo = step_rule("vcpo")
+    assert (vcpo.ess, vcpo.opob, vcpo.rho_on, vcpo.form, vcpo.clamp) == (True, True, 1.0, "sqrt", True)
+    assert vcpo.with_rho_on(None) is vcpo and vcpo.with_rho_on(0.55).rho_on == 0.55
+    # ρ_ess = 0.25 under the sqrt rule with ρ_on = 1: the step shrinks to sqrt(0.25) = 0.5 (VCPO Eq. 5)
+    assert vcpo.lr_scale(0.25) == pytest.approx(0.5) and step_rule("tis_opob").lr_scale(0.25) == 1.0
+    assert not step_rule("seq_tis_c8").active and step_rule("opob_only") == step_rule("tis_opob")

@@ -303,40 +303,39 @@ def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
 
 
 def test_rules_from_presets_and_loss_function():
-    vcpo = vcpo_engine.rule_from_method("vcpo")
+    from vcpo.methods import step_rule
+
+    vcpo = step_rule("vcpo")
     assert vcpo.ess and vcpo.opob and vcpo.scope == "group" and vcpo.loss_params["hi"] == TIS_CAP
-    assert not vcpo_engine.rule_from_method("seq_tis_c8").active
-    tis_ess = vcpo_engine.rule_from_method("tis_ess")
+    assert not step_rule("seq_tis_c8").active
+    tis_ess = step_rule("tis_ess")
     assert tis_ess.ess and not tis_ess.opob
-    assert vcpo_engine.rule_from_loss_function(ppo_loss_for("vcpo")).opob
+    assert vcpo_engine.rule_from_loss_function(ppo_loss_for("vcpo")) == vcpo
     assert vcpo_engine.rule_from_loss_function(lambda **kw: None) is None
 
 
 def test_registry_selects_the_engine_by_model_type():
     for backend in ("fsdp", "fsdp2"):
         assert EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, backend) is vcpo_engine.VcpoFSDPEngineWithLMHead
-    assert f"+actor_rollout_ref.model.model_type={vcpo_engine.MODEL_TYPE}" in vcpo_engine.HYDRA_OVERRIDES
 
 
-def test_hydra_overrides_compose_with_verls_config(model_dir):
-    """vcpo_engine.HYDRA_OVERRIDES on verl's ppo_trainer.yaml give the configs the engine reads."""
-    import os
-
-    import verl
-    from hydra import compose, initialize_config_dir
+@pytest.mark.parametrize("task, rho_on", [("math", 1.0), ("simpletir", 0.55)])
+def test_the_launchers_overrides_give_the_engine_its_rule(model_dir, task, rho_on):
+    """vcpo.launch's own composed config of a VCPO run, read as verl's workers read it: the engine by model
+    type, the FSDP2 strategy, and the loss function whose rule is the preset's with the task's ρ_on."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    overrides = [*vcpo_engine.HYDRA_OVERRIDES, f"actor_rollout_ref.model.path={model_dir}"]
-    overrides.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
+    from vcpo.launch import compose, make_run
+    from vcpo.methods import step_rule
+
+    run = make_run(task, "vcpo", 1, 0)
+    config = compose(run, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.tokenizer_path=null"])
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
     assert model.model_type == vcpo_engine.MODEL_TYPE and actor.engine.strategy == "fsdp2"
-    assert actor.engine.mixed_precision["param_dtype"] == "fp32"
+    assert EngineRegistry.get_engine_cls(model.model_type, actor.engine.strategy) is vcpo_engine.VcpoFSDPEngineWithLMHead
     rule = vcpo_engine.rule_from_loss_function(functools.partial(ppo_loss, config=actor))
-    assert rule.ess and rule.opob
+    assert rule == step_rule("vcpo").with_rho_on(rho_on)
 
 
 def test_opob_refuses_losses_it_would_drop():
@@ -418,3 +417,74 @@ def test_opob_sums_the_kl_penalised_rewards_when_verl_sends_them():
     assert vcpo_engine.reward_key(both) == "token_level_rewards"
     with pytest.raises(KeyError, match="per-token rewards"):
         vcpo_engine.reward_key(TensorDict({"advantages": scores}, batch_size=[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# One step rule for both backends
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["vcpo", "tis_ess", "tis_opob"])
+def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_dir, cpu_verl, monkeypatch, method):
+    """One batch through the simulator's learner and through the verl engine: the same OPOB coefficients
+    (c^R, c^S per sequence), the same baseline, the same ESS learning-rate scale and the same gradient."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from vcpo.methods import get_method
+    from vcpo.sim.learner import Batch, Learner
+
+    seen: dict[str, list] = {"engine": [], "sim": []}
+    backend = ["engine"]
+    original = PerSequenceGradients.set_coefficients
+
+    def recording(self, reward_coef, score_coef):
+        seen[backend[0]].append((reward_coef.detach().clone(), score_coef.detach().clone()))
+        return original(self, reward_coef, score_coef)
+
+    monkeypatch.setattr(PerSequenceGradients, "set_coefficients", recording)
+
+    engine = cpu.build_engine(model_dir, remove_padding=False, lr=BASE_LR)
+    td, raw = make_batch(remove_padding=False)
+    engine_lr = record_lr(engine)
+    engine_metrics = engine.train_batch(td, ppo_loss_for(method))["metrics"]
+    engine_grads = [p.grad.clone() for p in engine.module.parameters() if p.requires_grad]
+
+    backend[0] = "sim"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
+    config = SimpleNamespace(
+        base_lr=BASE_LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1e9, rho_on=None, temperature=1.0,
+        responses_per_prompt=GROUP, prompts_per_step=B // GROUP, micro_batch_size=GROUP,
+    )
+    learner = Learner(model, get_method(method), config)
+    sim_grads, sim_lr = [], []
+
+    def step(*args, **kwargs):
+        sim_grads.extend(p.grad.clone() for p in learner.params)
+        sim_lr.append(learner.optimizer.param_groups[0]["lr"])
+
+    learner.optimizer.step = step
+    versions = torch.where(raw.response_mask, 0, -2)
+    batch = Batch(
+        input_ids=raw.input_ids, attention_mask=raw.attention, position_ids=raw.position_ids,
+        prompt_width=raw.prompt_width, response_ids=raw.input_ids[:, raw.prompt_width:], mask=raw.response_mask,
+        behav_log_prob=raw.old, sum_pi_squared=torch.zeros_like(raw.old), versions=versions, rewards=raw.rewards,
+        groups=raw.groups,
+    )
+    sim_metrics = learner.update(batch, lr_scale=1.0)
+
+    assert sim_lr == [pytest.approx(lr, rel=1e-9) for lr in engine_lr]
+    assert sim_metrics["actor/lr_scale"] == pytest.approx(scalar(engine_metrics, "actor/lr_scale"), rel=1e-9)
+    if method == "tis_ess":
+        # the loss's own backward on both sides (verl's trainer hands the engine its advantages, the batch here
+        # has none, so only the step size is compared): no coefficients, and an ESS scale that acts
+        assert seen == {"engine": [], "sim": []} and scalar(engine_metrics, "actor/lr_scale") < 0.99
+        return
+    for k in range(2):
+        engine_side = torch.cat([pair[k] for pair in seen["engine"]])
+        sim_side = torch.cat([pair[k] for pair in seen["sim"]])
+        assert torch.allclose(sim_side, engine_side, rtol=1e-9, atol=0), k
+    baseline = scalar(engine_metrics, "actor/opob_baseline")
+    assert sim_metrics["actor/opob_baseline"] == pytest.approx(baseline, rel=1e-9)
+    assert_gradients_close(sim_grads, engine_grads)

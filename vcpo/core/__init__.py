@@ -9,8 +9,14 @@
 - losses, registry: every policy loss, by name (§1, §5-§10); aggregation: verl's loss_agg_mode
 """
 
-from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_sequence_scores
-from vcpo.core.baselines import baseline_advantages, opob_baseline
+from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_normaliser, opob_sequence_scores
+from vcpo.core.baselines import (
+    OpobCoefficients,
+    baseline_advantages,
+    group_reward_std,
+    opob_baseline,
+    opob_coefficients,
+)
 from vcpo.core.ess import ess_ratio, ess_step_scale, log_effective_sample_size, scaled_learning_rate
 from vcpo.core.losses import (
     kl_in_reward,
@@ -32,11 +38,13 @@ __all__ = [
     "POLICY_LOSSES",
     "LossAggregation",
     "OPOB_AGG_MODES",
+    "OpobCoefficients",
     "PerSequenceGradients",
     "baseline_advantages",
     "ess_ratio",
     "ess_step_scale",
     "get_policy_loss",
+    "group_reward_std",
     "importance_weights",
     "kl_in_reward",
     "log_effective_sample_size",
@@ -44,6 +52,8 @@ __all__ = [
     "m2po_loss",
     "offpolicy_diagnostics",
     "opob_baseline",
+    "opob_coefficients",
+    "opob_normaliser",
     "opob_sequence_scores",
     "p3o_loss",
     "p3o_two_anchor_loss",

@@ -45,6 +45,14 @@ def opob_sequence_scores(log_prob: torch.Tensor, mask: torch.Tensor, agg: str) -
     raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGG_MODES}, got {agg!r}")
 
 
+def opob_normaliser(agg: str, valid_tokens: int, valid_sequences: int) -> float:
+    """N, the batch-wide normaliser OPOB's coefficients carry: the valid tokens under token-mean, the
+    valid sequences under seq-mean-token-mean; at least 1 (an all-masked batch has zero coefficients)."""
+    if agg not in OPOB_AGG_MODES:
+        raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGG_MODES}, got {agg!r}")
+    return float(max(1, valid_tokens if agg == "token-mean" else valid_sequences))
+
+
 def masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce) -> torch.Tensor:
     """``reduce`` (torch.amax / torch.amin) over ``mask``; 0 when the mask is empty."""
     selected = values[mask.expand_as(values)]

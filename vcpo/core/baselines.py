@@ -12,8 +12,11 @@ and w ≡ 1 the same formula is OPO's length-weighted baseline b = Σ L_i R_i / 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from vcpo.core.ratios import ImportanceWeights, importance_weights, token_log_ratio
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 OPOB_VARIANTS = ("paper", "official")
@@ -124,3 +127,41 @@ def group_reward_std(rewards: torch.Tensor, groups: torch.Tensor | None = None, 
     var = torch.zeros_like(counts).index_add(0, index, (r - mean[index]) ** 2) / counts
     std = var.sqrt()[index]
     return torch.where(std > eps, std, torch.ones_like(std))
+
+
+@dataclass(frozen=True)
+class OpobCoefficients:
+    """The per-sequence coefficients of the single-backward OPOB update (docs/ALGORITHMS.md §4), float64."""
+
+    reward: torch.Tensor  # c^R_i = c^S_i R_i, the coefficient of g_i in the buffer G_R
+    score: torch.Tensor  # c^S_i = -w_i / (σ_i N), the coefficient of g_i in the buffer G_S
+    weights: ImportanceWeights  # the loss's bounded weights (w_i = their per-sequence value)
+    log_ratio: torch.Tensor  # r_{i,t} = l^θ - l^μ, 0 at padding
+
+
+def opob_coefficients(
+    log_prob: torch.Tensor,
+    behav_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    reward_std: torch.Tensor,
+    normaliser: float,
+    *,
+    level: str,
+    bound: str,
+    lo: float,
+    hi: float,
+) -> OpobCoefficients:
+    """c^R and c^S such that Σ_i (c^R_i - b_i c^S_i) ∇l_i = -(1/N) Σ_i w_i (R_i - b_i)/σ_i ∇l_i, the
+    gradient of the bounded-IS loss with A_i = (R_i - b_i)/σ_i (docs/ALGORITHMS.md §3-§4).
+
+    w_i is the loss's one weight per sequence (``level`` "sequence" or "geometric", truncated or
+    masked to [lo, hi]); σ_i the reward scale of i's group (1 without norm_by_std); N the aggregation's
+    normaliser (``vcpo.core.aggregation.opob_normaliser``). Shapes: log-probs and mask (B, T), the rest (B,).
+    """
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"OPOB needs one weight per sequence (level sequence or geometric), got level {level!r}")
+    r = token_log_ratio(log_prob, behav_log_prob, mask)
+    weights = importance_weights(r, mask, level=level, bound=bound, lo=lo, hi=hi)
+    score = -weights.weight.amax(-1).detach().double() / (reward_std.double() * normaliser)
+    return OpobCoefficients(reward=score * rewards.double(), score=score, weights=weights, log_ratio=r)

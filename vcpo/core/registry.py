@@ -23,15 +23,21 @@ class PolicyLoss:
     # The loss also takes the proximal log-probs l^prox (keyword ``prox_log_prob``, (B, T)): the policy
     # at the start of the optimizer epoch. verl passes them as ``old_log_prob`` (see vcpo.verl_plugin).
     needs_prox: bool = False
+    # An importance-sampling loss whose whole weight is ``importance_weights(level, bound, lo, hi)``
+    # (the plain TIS / MIS losses; None for every other loss): what OPOB's coefficients reuse.
+    level: str | None = None
+    bound: str | None = None
 
 
-def _is_loss(name: str, level: str, bound: str, ratio: str, extra_params: tuple[str, ...] = (), **fixed) -> PolicyLoss:
+def _is_loss(name: str, level: str, bound: str, ratio: str) -> PolicyLoss:
     verb = "truncated to" if bound == "truncate" else "masked outside"
     return PolicyLoss(
         name=name,
-        fn=partial(losses.reinforce_is_loss, level=level, bound=bound, **fixed),
-        params=("lo", "hi", *extra_params),
+        fn=partial(losses.reinforce_is_loss, level=level, bound=bound),
+        params=("lo", "hi"),
         weight=f"{ratio} {verb} [lo, hi]",
+        level=level,
+        bound=bound,
     )
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method
+from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, step_rule
 from vcpo.recipes import load_folder, optimizer_table, read_yaml, recipes_dir
 from vcpo.tables.runs import run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
@@ -240,14 +240,14 @@ def method_overrides(run: Run) -> list[str]:
         settings += [_set(f"{correction}.bypass_mode", True), _set(f"{correction}.rollout_is", None)]
     settings += [_set(f"{correction}.rollout_rs", None)]
 
-    advantage = spec["advantage"]
-    estimator = "grpo" if advantage["estimator"] == "opob" else advantage["estimator"]
+    advantage, rule = spec["advantage"], step_rule(run.method)
+    estimator = "grpo" if rule.opob else advantage["estimator"]
     settings.append(_set("algorithm.adv_estimator", estimator))
     if "norm_by_std" in advantage["params"]:
         settings.append(_set("algorithm.norm_adv_by_std_in_grpo", advantage["params"]["norm_by_std"]))
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[spec["precision"]]
-    trainer_dtype = "float32" if advantage["estimator"] == "opob" else dtype  # see engine_overrides
+    trainer_dtype = "float32" if rule.opob else dtype  # see engine_overrides
     settings += [_set(f"{actor}.fsdp_config.dtype", trainer_dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
 
     beta = spec.get("kl_in_reward_beta")
@@ -257,11 +257,6 @@ def method_overrides(run: Run) -> list[str]:
     return settings + engine_overrides(run)
 
 
-def uses_engine(method: Method) -> bool:
-    """Whether the method's optimizer step needs ``vcpo.verl_plugin.engine`` (ESS step size or OPOB)."""
-    return method.spec["step_size"]["rule"] == "ess" or method.spec["advantage"]["estimator"] == "opob"
-
-
 def engine_overrides(run: Run) -> list[str]:
     """The engine extension (``vcpo.verl_plugin.engine``) for methods with the ESS step size or OPOB.
 
@@ -269,8 +264,8 @@ def engine_overrides(run: Run) -> list[str]:
     ESS rule as ``policy_loss.rho_on``. OPOB's per-sequence gradients cannot run under torch.autocast, so
     an OPOB method trains with fp32 parameters and compute on verl (the rollout keeps the preset's dtype).
     """
-    spec, actor = run.method.spec, "actor_rollout_ref.actor"
-    if not uses_engine(run.method):
+    rule, actor = step_rule(run.method), "actor_rollout_ref.actor"
+    if not rule.active:
         return []
     settings = [
         _set("+actor_rollout_ref.model.model_type", ENGINE_MODEL_TYPE),
@@ -278,9 +273,9 @@ def engine_overrides(run: Run) -> list[str]:
         # every Ray worker imports the engine module inside `import verl`, on a cluster started by `ray start` too
         _set(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}", ENGINE_MODULE),
     ]
-    if spec["step_size"]["rule"] == "ess":
+    if rule.ess:
         settings.append(_set(f"+{actor}.policy_loss.rho_on", run.task.paper["rho_on"]))
-    if spec["advantage"]["estimator"] == "opob":
+    if rule.opob:
         fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
         settings.append(_set(f"+{actor}.fsdp_config.mixed_precision", fp32))
     return settings
@@ -365,7 +360,7 @@ def run_environment(run: Run) -> dict[str, str]:
     Logger._log() got an unexpected keyword argument 'flush'`` whenever INFO is enabled.
     """
     env = {"VERL_FILE_LOGGER_PATH": str(run.run_dir / "metrics.jsonl"), "VERL_LOGGING_LEVEL": "WARN"}
-    if uses_engine(run.method):
+    if step_rule(run.method).active:
         env[EXTERNAL_MODULES] = ENGINE_MODULE
     return env
 

@@ -11,11 +11,15 @@ inherited: it marks the one preset verl uses for a loss when the config names no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from vcpo.core import OpobCoefficients, ess_step_scale, group_reward_std, opob_baseline, opob_coefficients
 from vcpo.core.aggregation import OPOB_AGG_MODES
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
@@ -87,8 +91,29 @@ def _check_method(spec: dict[str, Any], path: Path) -> None:
     _check_params(f"{path}: loss {loss['name']}", loss["params"], info.params)
     advantage = spec["advantage"]
     _check_params(f"{path}: advantage {advantage['estimator']}", advantage["params"], ADVANTAGE_PARAMS[advantage["estimator"]])
-    if advantage["estimator"] == "opob" and loss["agg"] not in OPOB_AGG_MODES:
+    if advantage["estimator"] == "opob":
+        _check_opob(spec, path)
+
+
+OPOB_WEIGHT_LEVELS = ("sequence", "geometric")
+OPOB_SCOPES = ("group", "batch")
+
+
+def _check_opob(spec: dict[str, Any], path: Path) -> None:
+    """What the single-backward OPOB update can form (docs/ALGORITHMS.md §4): Σ_i c_i ∇l_i needs one weight
+    per sequence from a plain TIS / MIS loss and a loss aggregation with one batch-wide normaliser."""
+    loss, scope = spec["loss"], spec["advantage"]["params"]["scope"]
+    registered = POLICY_LOSSES.get(loss["name"])
+    if registered is None or registered.level not in OPOB_WEIGHT_LEVELS:
+        admitted = sorted(name for name, entry in POLICY_LOSSES.items() if entry.level in OPOB_WEIGHT_LEVELS)
+        raise ValueError(
+            f"{path}: OPOB combines per-sequence gradients with one weight per sequence; loss {loss['name']!r} "
+            f"does not give one. OPOB losses: {admitted}"
+        )
+    if loss["agg"] not in OPOB_AGG_MODES:
         raise ValueError(f"{path}: OPOB supports the loss aggregations {OPOB_AGG_MODES}, got agg {loss['agg']!r}")
+    if scope not in OPOB_SCOPES:
+        raise ValueError(f"{path}: OPOB scope must be one of {OPOB_SCOPES}, got {scope!r}")
 
 
 def load_methods(directory: Path | None = None) -> dict[str, Method]:
@@ -139,6 +164,82 @@ def filed_lag(method: str, lag: int) -> int:
 def is_synchronous(method: str) -> bool:
     """A preset that fixes the policy lag to 0 (the synchronous oracle), whatever its name."""
     return get_method(method).spec.get("max_lag") == 0
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """What a preset's optimizer step needs beyond ``loss.backward()``, for every backend: the ESS step
+    size (docs/ALGORITHMS.md §2) and the single-backward OPOB update (§3-§4). Derived from the preset
+    only (``step_rule``); a backend calls these methods and keeps its own plumbing."""
+
+    method: str
+    loss_name: str
+    agg: str
+    loss_params: dict[str, Any]
+    ess: bool = False
+    rho_on: float = 1.0
+    form: str = "sqrt"
+    clamp: bool = True
+    opob: bool = False
+    scope: str = "group"
+    variant: str = "paper"
+    norm_by_std: bool = True
+
+    @property
+    def active(self) -> bool:
+        """The step differs from a plain optimizer step on the loss's gradient."""
+        return self.ess or self.opob
+
+    def with_rho_on(self, rho_on: float | None) -> StepRule:
+        """The rule with a task's ρ_on (multi-turn tasks set their own, VCPO Table 5); None keeps the preset's."""
+        return self if rho_on is None else dataclasses.replace(self, rho_on=float(rho_on))
+
+    def lr_scale(self, ess_ratio: float) -> float:
+        """The learning-rate multiplier of this step: the ESS rule's, 1 for a constant step size."""
+        return ess_step_scale(ess_ratio, self.rho_on, self.form, self.clamp) if self.ess else 1.0
+
+    def reward_std(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """σ_i dividing R_i - b_i: the group's reward std under norm_by_std, else 1 (float64)."""
+        if self.norm_by_std:
+            return group_reward_std(rewards, groups)
+        return torch.ones(rewards.shape[0], dtype=torch.float64, device=rewards.device)
+
+    def coefficients(self, log_prob, behav_log_prob, mask, rewards, reward_std, normaliser: float) -> OpobCoefficients:
+        """OPOB's c^R and c^S for these sequences, with the loss's own weight (``vcpo.core.opob_coefficients``)."""
+        loss = POLICY_LOSSES[self.loss_name]
+        return opob_coefficients(
+            log_prob, behav_log_prob, mask, rewards, reward_std, normaliser,
+            level=loss.level, bound=loss.bound, lo=self.loss_params["lo"], hi=self.loss_params["hi"],
+        )
+
+    def baseline(self, rewards, grad_sq_norms, seq_log_weights, groups) -> torch.Tensor:
+        """b* (VCPO Eq. 7) per group (scope group: pass the labels) or over the batch (groups None)."""
+        return opob_baseline(
+            rewards.double(), grad_sq_norms, seq_log_weights.double(), groups,
+            variant=self.variant, tis_cap=self.loss_params.get("hi"),
+        )
+
+
+def step_rule(method: Method | str) -> StepRule:
+    """The optimizer-step rule a preset asks for (its OPOB admissibility is checked when presets load)."""
+    method = get_method(method) if isinstance(method, str) else method
+    spec = method.spec
+    step, advantage = spec["step_size"], spec["advantage"]
+    step_params, adv_params = step.get("params", {}) or {}, advantage["params"]
+    return StepRule(
+        method=method.name,
+        loss_name=method.loss_name,
+        agg=spec["loss"]["agg"],
+        loss_params=method.loss_params,
+        ess=step["rule"] == "ess",
+        rho_on=float(step_params.get("rho_on", 1.0)),
+        form=step_params.get("form", "sqrt"),
+        clamp=bool(step_params.get("clamp", True)),
+        opob=advantage["estimator"] == "opob",
+        scope=adv_params.get("scope", "group"),
+        variant=adv_params.get("variant", "paper"),
+        norm_by_std=bool(adv_params.get("norm_by_std", True)),
+    )
 
 
 def default_method(loss_name: str) -> Method:

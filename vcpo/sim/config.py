@@ -23,9 +23,6 @@ PRESET_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
 # factor applied to the simulator's own reference learning rate (low_lr: 1e-7 -> x0.1).
 PAPER_REFERENCE_LR = 1.0e-6
-# Advantage scopes the single-backward OPOB engine can assemble (vcpo.core.PerSequenceGradients).
-OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean")
-OPOB_LEVELS = ("sequence", "geometric")
 
 
 TABLE_2 = optimizer_table()
@@ -260,29 +257,4 @@ def validate(config: SimConfig) -> SimConfig:
         fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
     if config.rho_on is not None and not config.rho_on > 0:
         fail("rho_on", "must be positive")
-    _check_method_support(config, method)
     return config
-
-
-def _check_method_support(config: SimConfig, method: Method) -> None:
-    """A preset the simulator cannot run as written is an error that says why."""
-    from vcpo.core.registry import POLICY_LOSSES
-
-    advantage = method.spec["advantage"]
-    if advantage["estimator"] == "opob":
-        loss = method.loss_name
-        level = getattr(POLICY_LOSSES.get(loss), "fn", None)
-        level = getattr(level, "keywords", {}).get("level")
-        if level not in OPOB_LEVELS:
-            raise ConfigError(
-                f"config key 'method': {method.name!r} combines OPOB with loss {loss!r}; the single-backward OPOB "
-                f"update needs one weight per sequence (a loss of level {OPOB_LEVELS}), since it forms "
-                "sum_i c_i g_i from per-sequence gradients"
-            )
-        if method.spec["loss"]["agg"] not in OPOB_AGGREGATIONS:
-            raise ConfigError(
-                f"config key 'method': OPOB with loss_agg_mode {method.spec['loss']['agg']!r} is not supported; "
-                f"supported: {OPOB_AGGREGATIONS}"
-            )
-        if advantage["params"].get("scope") not in ("group", "batch"):
-            raise ConfigError(f"config key 'method': OPOB scope {advantage['params'].get('scope')!r} is not group or batch")

@@ -29,18 +29,15 @@ from verl.workers.config.actor import FSDPActorConfig
 from vcpo.core import (
     PerSequenceGradients,
     ess_ratio,
-    ess_step_scale,
-    importance_weights,
     kl_in_reward,
     offpolicy_diagnostics,
-    opob_baseline,
+    opob_normaliser,
     opob_sequence_scores,
     scaled_learning_rate,
     token_log_ratio,
 )
-from vcpo.core.baselines import group_reward_std
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import VERL_POLICY_LOSSES, Method
+from vcpo.methods import VERL_POLICY_LOSSES, Method, step_rule
 from vcpo.sim.rollout import TOOL_TOKEN, Trajectory
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 
@@ -148,7 +145,7 @@ class Learner:
         spec = method.spec
         self.loss_name, self.agg = method.loss_name, spec["loss"]["agg"]
         self.estimator, self.adv_params = spec["advantage"]["estimator"], spec["advantage"]["params"]
-        self.step_rule = spec["step_size"]
+        self.rule = step_rule(method).with_rho_on(config.rho_on)
         self.kl_beta = spec.get("kl_in_reward_beta")
         self.policy_loss = get_policy_loss_fn(self.loss_name)
         self.needs_prox = getattr(POLICY_LOSSES.get(self.loss_name), "needs_prox", False)
@@ -157,7 +154,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.base_lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
-        self.opob = PerSequenceGradients(model) if self.estimator == "opob" else None
+        self.opob = PerSequenceGradients(model) if self.rule.opob else None
 
     def _actor_config(self) -> FSDPActorConfig:
         if self.loss_name in VERL_POLICY_LOSSES:
@@ -193,7 +190,7 @@ class Learner:
 
     def advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor | None:
         """Token-level advantages from verl's estimator; None for OPOB (formed during the backward)."""
-        if self.estimator == "opob":
+        if self.rule.opob:
             return None
         token_rewards = last_token_rewards(rewards, batch.mask)
         index = np.array(batch.groups.tolist())
@@ -228,11 +225,7 @@ class Learner:
         r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
         seq_log_weights = (r * batch.mask).sum(-1)
         ess = float(ess_ratio(seq_log_weights, valid_rows))
-        scale = 1.0
-        if self.step_rule["rule"] == "ess":
-            params = self.step_rule.get("params", {})
-            rho_on = self.config.rho_on if self.config.rho_on is not None else params.get("rho_on", 1.0)
-            scale = ess_step_scale(ess, rho_on, params.get("form", "sqrt"), params.get("clamp", True))
+        scale = self.rule.lr_scale(ess)
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.base_lr * lr_scale
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
@@ -304,46 +297,40 @@ class Learner:
 
     def _opob_backward(self, batch: Batch, rewards: torch.Tensor, timings):
         """OPOB with one backward: G_R and G_S accumulate per micro-batch, the baseline comes after."""
-        loss_fn = POLICY_LOSSES[self.loss_name].fn
-        level, bound = loss_fn.keywords["level"], loss_fn.keywords["bound"]
-        lo, hi = self.method.loss_params["lo"], self.method.loss_params["hi"]
-        scope_group = self.adv_params["scope"] == "group"
-        normaliser = batch.mask.sum() if self.agg == "token-mean" else batch.mask.any(-1).sum()
-        normaliser = float(normaliser.clamp_min(1))
-        ones = torch.ones(batch.size, dtype=torch.float64)
-        # Dividing both coefficients by σ_g divides R_i − b_g by it (norm_by_std).
-        std = group_reward_std(rewards, batch.groups) if self.adv_params["norm_by_std"] else ones
+        rule = self.rule
+        scope_group = rule.scope == "group"
+        normaliser = opob_normaliser(rule.agg, int(batch.mask.sum()), int(batch.mask.any(-1).sum()))
+        std = rule.reward_std(rewards, batch.groups)
         forward = backward = 0.0
-        log_probs, norms, weights_all, baselines = [], [], [], []
+        log_probs, norms, baselines = [], [], []
         for start, mb in self._micro_batches(batch):
             stop = start + mb.size
             zeros = torch.zeros(mb.size, dtype=torch.float64)
             with self.opob.micro_batch(zeros, zeros, groups=mb.groups if scope_group else None):
                 started = time.perf_counter()
                 log_prob = response_log_probs(self.model, mb, self.config.temperature)
-                r = token_log_ratio(log_prob, mb.behav_log_prob, mb.mask)
-                weight = importance_weights(r, mb.mask, level=level, bound=bound, lo=lo, hi=hi).weight.amax(-1).double()
-                coef_s = -weight / (std[start:stop] * normaliser)
-                self.opob.set_coefficients(coef_s * rewards[start:stop].double(), coef_s)
+                coefficients = rule.coefficients(
+                    log_prob, mb.behav_log_prob, mb.mask, rewards[start:stop], std[start:stop], normaliser
+                )
+                self.opob.set_coefficients(coefficients.reward, coefficients.score)
                 scores = opob_sequence_scores(log_prob, mb.mask, self.agg)
                 forward += time.perf_counter() - started
                 started = time.perf_counter()
                 scores.sum().backward()
                 backward += time.perf_counter() - started
             sq_norms = self.opob.sq_norms
-            seq_log_weights = (r * mb.mask).sum(-1)
             if scope_group:
-                baseline = self._baseline(rewards[start:stop], sq_norms, seq_log_weights, mb.groups, hi)
+                seq_log_weights = (coefficients.log_ratio * mb.mask).sum(-1)
+                baseline = rule.baseline(rewards[start:stop], sq_norms, seq_log_weights, mb.groups)
                 self.opob.combine(baseline)
                 baselines.append(baseline)
             log_probs.append(log_prob.detach())
             norms.append(sq_norms)
-            weights_all.append(weight)
         log_prob = torch.cat(log_probs)
         sq_norms = torch.cat(norms)
         if not scope_group:
             r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
-            baseline = self._baseline(rewards, sq_norms, (r * batch.mask).sum(-1), None, hi)
+            baseline = rule.baseline(rewards, sq_norms, (r * batch.mask).sum(-1), None)
             self.opob.combine(baseline)
             baselines.append(baseline)
         baseline = torch.cat(baselines)
@@ -357,12 +344,6 @@ class Learner:
         metrics["actor/seq_grad_norm_mean"] = float(sq_norms.sqrt().mean())
         metrics["actor/seq_grad_norm_max"] = float(sq_norms.sqrt().max())
         return log_prob, metrics
-
-    def _baseline(self, rewards, sq_norms, seq_log_weights, groups, hi):
-        return opob_baseline(
-            rewards.double(), sq_norms, seq_log_weights.double(), groups,
-            variant=self.adv_params["variant"], tis_cap=hi,
-        )
 
 
 def token_lags(batch: Batch, step: int) -> torch.Tensor:

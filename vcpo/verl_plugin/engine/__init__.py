@@ -76,7 +76,6 @@ Megatron: not supported; the ``megatron`` backend of this model type raises at c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,30 +92,16 @@ from verl.workers.utils.padding import no_padding_2_padding
 from vcpo.core import (
     PerSequenceGradients,
     ess_ratio,
-    ess_step_scale,
-    importance_weights,
     offpolicy_diagnostics,
-    opob_baseline,
+    opob_normaliser,
     opob_sequence_scores,
     scaled_learning_rate,
     token_log_ratio,
 )
-from vcpo.core.baselines import group_reward_std
-from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import get_method
+from vcpo.methods import StepRule, step_rule
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, metrics_to_floats
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
-# The overrides that select the engine and the full VCPO update (method vcpo: seq-TIS c = 8, OPOB, ESS).
-HYDRA_OVERRIDES = (
-    f"+actor_rollout_ref.model.model_type={MODEL_TYPE}",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.actor.policy_loss._target_=vcpo.verl_plugin.VcpoPolicyLossConfig",
-    "actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis",
-    "+actor_rollout_ref.actor.policy_loss.method=vcpo",
-    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-)
 DEVICES = ["cuda", "npu", "cpu"]
 
 
@@ -125,58 +110,7 @@ DEVICES = ["cuda", "npu", "cpu"]
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class UpdateRule:
-    """What the engine does around one optimizer step (from a ``vcpo.methods`` preset)."""
-
-    method: str
-    ess: bool = False
-    rho_on: float = 1.0
-    form: str = "sqrt"
-    clamp: bool = True
-    opob: bool = False
-    scope: str = "group"
-    variant: str = "paper"
-    norm_by_std: bool = True
-    loss_name: str = "seq_tis"
-    agg: str = "seq-mean-token-mean"
-    loss_params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def active(self) -> bool:
-        return self.ess or self.opob
-
-
-def rule_from_method(name: str) -> UpdateRule:
-    method = get_method(name)
-    spec = method.spec
-    step = spec.get("step_size", {}) or {}
-    step_params = step.get("params", {}) or {}
-    advantage = spec.get("advantage", {}) or {}
-    adv_params = advantage.get("params", {}) or {}
-    rule = UpdateRule(
-        method=method.name,
-        ess=step.get("rule") == "ess",
-        rho_on=float(step_params.get("rho_on", 1.0)),
-        form=step_params.get("form", "sqrt"),
-        clamp=bool(step_params.get("clamp", True)),
-        opob=advantage.get("estimator") == "opob",
-        scope=adv_params.get("scope", "group"),
-        variant=adv_params.get("variant", "paper"),
-        norm_by_std=bool(adv_params.get("norm_by_std", True)),
-        loss_name=method.loss_name,
-        agg=spec["loss"].get("agg", "seq-mean-token-mean"),
-        loss_params=method.loss_params,
-    )
-    if rule.opob:
-        keywords = getattr(POLICY_LOSSES.get(rule.loss_name), "fn", None)
-        keywords = getattr(keywords, "keywords", {}) or {}
-        if "level" not in keywords or "bound" not in keywords:
-            raise ValueError(f"OPOB in the engine needs a ratio-bounding loss (seq_tis, ...); got {rule.loss_name!r}")
-    return rule
-
-
-def rule_from_loss_function(loss_function) -> UpdateRule | None:
+def rule_from_loss_function(loss_function) -> StepRule | None:
     """The rule of ``policy_loss.method`` in the actor config bound to verl's ``ppo_loss`` partial."""
     config = (getattr(loss_function, "keywords", None) or {}).get("config")
     if config is None:
@@ -186,10 +120,7 @@ def rule_from_loss_function(loss_function) -> UpdateRule | None:
     name = getter("method", None) if getter else None
     if not name:
         return None
-    rule = rule_from_method(name)
-    rho_on = getter("rho_on", None)
-    if rho_on is not None:
-        rule = dataclasses.replace(rule, rho_on=float(rho_on))
+    rule = step_rule(name).with_rho_on(getter("rho_on", None))
     if rule.active:
         loss_mode = getter("loss_mode", None)
         if loss_mode != rule.loss_name:
@@ -220,7 +151,7 @@ def check_strategy(method_name: str | None, strategy: str | None) -> None:
     """
     if not method_name or strategy != "megatron":
         return
-    rule = rule_from_method(method_name)
+    rule = step_rule(method_name)
     if rule.active:
         raise NotImplementedError(
             f"method {method_name!r} needs the vcpo engine ({'ESS step size' if rule.ess else ''}"
@@ -310,7 +241,7 @@ def sequence_log_weights(log_prob: torch.Tensor, behav: torch.Tensor, mask: torc
 
 @dataclass
 class _StepState:
-    rule: UpdateRule
+    rule: StepRule
     opob: bool
     packed: bool = False
     fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
@@ -378,7 +309,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         finally:
             self._step = None
         ratio = float(ess_ratio(seq_log_weights, valid))
-        scale = ess_step_scale(ratio, rule.rho_on, rule.form, rule.clamp) if rule.ess else 1.0
+        scale = rule.lr_scale(ratio)
         lr = self.optimizer.param_groups[0]["lr"]
         with scaled_learning_rate(self.optimizer, scale):
             grad_norm = self.optimizer_step()
@@ -519,18 +450,14 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         tokens = sum(t for _, _, _, t in parts)
         ids = {label: i for i, label in enumerate(sorted(set(all_labels), key=str))}
         global_groups = torch.tensor([ids[label] for label in all_labels], dtype=torch.long)
-        std = (
-            group_reward_std(all_rewards, global_groups)
-            if rule.norm_by_std
-            else torch.ones(all_rewards.shape[0], dtype=torch.float64)
-        )
+        std = rule.reward_std(all_rewards, global_groups)
         rank = [len(ls) for _, ls, _, _ in parts]
         start = sum(rank[: self._dp_rank_index(group)])
         device = data["response_mask"].device
         data["vcpo_reward"] = rewards.to(device)
         data["vcpo_group"] = global_groups[start : start + len(data)].to(device)
         data["vcpo_std"] = std[start : start + len(data)].to(device)
-        state.normaliser = float(max(1, tokens if rule.agg == "token-mean" else int(all_valid.sum())))
+        state.normaliser = opob_normaliser(rule.agg, tokens, int(all_valid.sum()))
 
     @staticmethod
     def _dp_rank_index(group) -> int:
@@ -566,24 +493,13 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _opob_scores(self, state: _StepState, data: TensorDict, log_prob, behav, mask):
         """Set c^R, c^S from this forward's log-probs; return Σ_i l_i for the backward."""
         rule = state.rule
-        loss_fn = POLICY_LOSSES[rule.loss_name].fn
-        params = rule.loss_params
-        r = token_log_ratio(log_prob, behav, mask)
-        weights = importance_weights(
-            r,
-            mask,
-            level=loss_fn.keywords["level"],
-            bound=loss_fn.keywords["bound"],
-            lo=params["lo"],
-            hi=params["hi"],
-        )
-        weight = weights.weight.amax(-1).double()
         rewards = data["vcpo_reward"].double()
-        coef_s = -weight / (data["vcpo_std"].double() * state.normaliser)
-        self._per_sequence.set_coefficients(coef_s * rewards, coef_s)
+        coefficients = rule.coefficients(log_prob, behav, mask, rewards, data["vcpo_std"], state.normaliser)
+        self._per_sequence.set_coefficients(coefficients.reward, coefficients.score)
         scores = opob_sequence_scores(log_prob, mask, rule.agg)
+        r, weights = coefficients.log_ratio, coefficients.weights
         state.rewards.append(rewards.detach().cpu())
-        state.coef_s.append(coef_s.detach().cpu())
+        state.coef_s.append(coefficients.score.detach().cpu())
         state.scores.append(scores.detach().double().cpu())
         # the loss's own diagnostics (ratio and KL statistics) under the names its verl loss logs; the step's
         # global seq_ess_ratio replaces this micro-batch's
@@ -607,9 +523,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         parts = gather_objects(local, group)
         all_norms, all_s, all_rewards = (torch.cat([p[k] for p in parts]) for k in range(3))
         all_groups = torch.cat([p[3] for p in parts]) if rule.scope == "group" else None
-        baseline = opob_baseline(
-            all_rewards, all_norms, all_s, all_groups, variant=rule.variant, tis_cap=rule.loss_params.get("hi")
-        )
+        baseline = rule.baseline(all_rewards, all_norms, all_s, all_groups)
         start = sum(p[0].shape[0] for p in parts[: self._dp_rank_index(group)])
         engine.combine(baseline[start : start + sq_norms.shape[0]])
         all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
@@ -643,12 +557,4 @@ class VcpoMegatronUnsupported(BaseEngine):
 EngineRegistry.register(model_type=MODEL_TYPE, backend="megatron", device=DEVICES)(VcpoMegatronUnsupported)
 
 
-__all__ = [
-    "HYDRA_OVERRIDES",
-    "check_strategy",
-    "MODEL_TYPE",
-    "UpdateRule",
-    "VcpoFSDPEngineWithLMHead",
-    "rule_from_loss_function",
-    "rule_from_method",
-]
+__all__ = ["MODEL_TYPE", "VcpoFSDPEngineWithLMHead", "check_strategy", "rule_from_loss_function"]
