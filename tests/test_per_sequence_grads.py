@@ -22,6 +22,7 @@ from vcpo.core.per_sequence_grads import (
     rows_at_ids,
     sparse_rows_sq_norms,
 )
+from vcpo.tiny import tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,8 +44,8 @@ def tiny_model(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0, **o
         max_position_embeddings=64,
     )
     if kind in ("qwen2", "qwen2_tied"):
-        config = transformers.Qwen2Config(**{**shapes, "tie_word_embeddings": kind == "qwen2_tied", **overrides})
-        model = transformers.Qwen2ForCausalLM(config)
+        model = tiny_qwen2(VOCAB, hidden_size=32, intermediate_size=48, max_positions=64, seed=seed,
+                           tie_word_embeddings=kind == "qwen2_tied", **overrides)
     elif kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shapes, **overrides}))
     elif kind == "gpt2":

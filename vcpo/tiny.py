@@ -97,8 +97,8 @@ def build_tiny_tokenizer(
     )
 
 
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast,
+def tiny_qwen2(
+    vocab_size: int,
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -107,32 +107,39 @@ def build_tiny_model(
     max_positions: int = 4096,
     seed: int = 0,
     intermediate_size: int | None = None,
+    tie_word_embeddings: bool = True,
+    **token_ids: int | None,
 ) -> Qwen2ForCausalLM:
-    """Randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer``; same seed, same weights.
-
-    ``intermediate_size`` (the MLP width) defaults to twice ``hidden_size``.
-    """
+    """Randomly initialised ``Qwen2ForCausalLM`` (grouped-query attention, tied embeddings by default);
+    same arguments and seed, same weights. ``intermediate_size`` (the MLP width) defaults to twice
+    ``hidden_size``; ``token_ids``: bos/eos/pad_token_id."""
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+        **token_ids,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    # Stop at the end of an assistant turn as well as at end-of-text, as Qwen chat models do.
+    return Qwen2ForCausalLM(config).eval()
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **shape) -> Qwen2ForCausalLM:
+    """``tiny_qwen2`` sized for ``tokenizer``, stopping at the end of an assistant turn as well as at
+    end-of-text, as Qwen chat models do."""
+    model = tiny_qwen2(
+        len(tokenizer), seed=seed, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **shape,
+    )
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)],
         pad_token_id=tokenizer.pad_token_id,
     )
-    return model.eval()
+    return model
 
 
 def save_tiny_model(output_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, **model_kwargs) -> Path:

@@ -32,6 +32,7 @@ from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp import transformer_impl
 from verl.workers.utils.padding import left_right_2_no_padding
 
+from vcpo.tiny import tiny_qwen2
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
 
@@ -62,22 +63,12 @@ def cpu_patches() -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def save_tiny_qwen2(path: str | Path, seed: int = 0, **shape) -> Path:
-    """A random-init tied-embedding Qwen2 (hidden 32 by default) saved for ``from_pretrained``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    config.update(shape)
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(Qwen2Config(attn_implementation="sdpa", **config)).save_pretrained(path)
+def save_tiny_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **shape) -> Path:
+    """``vcpo.tiny.tiny_qwen2`` (hidden 32 and MLP 64 unless ``shape`` says otherwise) saved for
+    ``from_pretrained`` with SDPA attention."""
+    model = tiny_qwen2(vocab_size, seed=seed, **{"hidden_size": 32, "intermediate_size": 64, **shape})
+    model.config._attn_implementation = "sdpa"
+    model.save_pretrained(path)
     return Path(path)
 
 
