@@ -33,7 +33,13 @@ from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, step_rule
 from vcpo.recipes import load_folder, optimizer_table, read_yaml, recipes_dir
 from vcpo.tables.runs import run_path
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE
+from vcpo.verl_shared import (
+    ENGINE_MODEL_TYPE,
+    ENGINE_MODULE,
+    EXTERNAL_MODULES,
+    FP32_MIXED_PRECISION,
+    MIXED_PRECISION_KEY,
+)
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 # verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is
@@ -42,7 +48,6 @@ SUPPORTED_DECAY_STEPS = 0
 # Above e^20: only verl's ±20 log-ratio safety clamp applies to the untruncated decoupled-mode weights.
 UNTRUNCATED_IS_THRESHOLD = 1.0e9
 # verl imports the modules named in this variable inside `import verl`, in the driver and every worker.
-EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 
 
 class LaunchError(ValueError):
@@ -276,8 +281,7 @@ def engine_overrides(run: Run) -> list[str]:
     if rule.ess:
         settings.append(_set(f"+{actor}.policy_loss.rho_on", run.task.paper["rho_on"]))
     if rule.opob:
-        fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-        settings.append(_set(f"+{actor}.fsdp_config.mixed_precision", fp32))
+        settings.append(_set(f"+{MIXED_PRECISION_KEY}", FP32_MIXED_PRECISION))
     return settings
 
 

@@ -23,9 +23,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from vcpo.verl_shared import CPU_PLATFORM_MODULE, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
+
 ENV = {
     "VERL_PLATFORM": "cpu",
-    "VERL_USE_EXTERNAL_MODULES": "vcpo.verl_plugin.cpu",
+    EXTERNAL_MODULES: CPU_PLATFORM_MODULE,
     # one BLAS thread per process: the trainer, the rollout server and the reward worker share 2 cores
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -91,7 +93,6 @@ def cpu_overrides(
     ``separate``: the run is ``separate_async`` (a second logical GPU slot for the rollout replica).
     """
     actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     overrides = [
         # --- data: 4 prompts x 2 responses, 16-token responses
         f"data.train_files=[{train_file}]",
@@ -110,7 +111,7 @@ def cpu_overrides(
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"{actor}.strategy=fsdp2",
         f"{actor}.fsdp_config.dtype=float32",
-        f"++{actor}.fsdp_config.mixed_precision={fp32}",
+        f"++{MIXED_PRECISION_KEY}={FP32_MIXED_PRECISION_HYDRA}",
         f"{actor}.fsdp_config.use_torch_compile=false",
         f"{actor}.ppo_mini_batch_size=4",
         f"{actor}.ppo_micro_batch_size_per_gpu=4",
@@ -153,9 +154,9 @@ def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[
     env = dict(os.environ if base is None else base)
     modules: list[str] = []
     for source in (ENV, env, run_env):  # the CPU platform first: the engine module asks verl for the device
-        modules += [m for m in source.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m not in modules]
+        modules += [m for m in source.get(EXTERNAL_MODULES, "").split(",") if m and m not in modules]
     env.update(run_env)
     env.update(ENV)
-    env["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
+    env[EXTERNAL_MODULES] = ",".join(modules)
     env["VERL_FILE_LOGGER_PATH"] = str(Path(out_dir) / "metrics.jsonl")
     return env

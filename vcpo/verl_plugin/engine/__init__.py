@@ -99,7 +99,7 @@ from vcpo.core import (
     token_log_ratio,
 )
 from vcpo.methods import StepRule, step_rule
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, metrics_to_floats
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY, metrics_to_floats
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
@@ -434,8 +434,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             # PerSequenceGradients runs its functions in the parameters' dtype and cannot run under autocast
             raise NotImplementedError(
                 f"OPOB in the vcpo engine cannot run under torch.autocast ({self._autocast_dtype}); "
-                "run it in fp32: +actor_rollout_ref.actor.fsdp_config.mixed_precision="
-                "'{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'"
+                f"run it in fp32: +{MIXED_PRECISION_KEY}='{FP32_MIXED_PRECISION_HYDRA}'"
             )
         self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
         remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)

@@ -35,6 +35,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from vcpo.tiny import tiny_qwen2
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
+from vcpo.verl_shared import FP32_MIXED_PRECISION
 
 
 def _unwrapped(self, module):
@@ -91,7 +92,7 @@ def build_engine(
             strategy="fsdp2",
             model_dtype="fp32",
             use_torch_compile=False,
-            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            mixed_precision=FP32_MIXED_PRECISION,
         ),
         optimizer_config=FSDPOptimizerConfig(lr=lr, clip_grad=1e9, weight_decay=0.0),
         checkpoint_config=CheckpointConfig(),
