@@ -11,8 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vcpo import __version__
-from vcpo.data.countdown import DEFAULT_SIZE as COUNTDOWN_DEFAULT_SIZE
-from vcpo.data.countdown import countdown_split
+from vcpo.data.countdown import countdown_split, default_size
 from vcpo.data.fields import gold_of, original_answer_of, question_of
 from vcpo.data.sources import read_hub, read_local
 from vcpo.data.tasks import Task, check_split, get_task
@@ -128,7 +127,7 @@ def _describe_source(spec: Task, split: str, source, size: int | None, seed: int
     if spec.hub_id is None:
         import reasoning_gym
 
-        total = size or COUNTDOWN_DEFAULT_SIZE
+        total = size or default_size()
         return {"source": f"reasoning_gym {reasoning_gym.__version__} countdown, {total} puzzles, seed {seed}"}
     subset = {"subset": {"size": size, "seed": seed}} if size is not None else {}
     if source is None:

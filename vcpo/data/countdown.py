@@ -18,7 +18,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-DEFAULT_SIZE = 10_000
 VALIDATION_FRACTION = 0.1
 # Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
 _MAX_DRAWS_PER_PUZZLE = 4
@@ -27,9 +26,17 @@ _MAX_DRAWS_PER_PUZZLE = 4
 _CHUNK = 500
 
 
+def default_size() -> int:
+    """The puzzles of the Countdown task's recipe (``data.size`` in recipes/tasks/countdown.yaml)."""
+    from vcpo.recipes import load_folder, recipes_dir
+
+    return int(load_folder(recipes_dir() / "tasks")["countdown"][1]["data"]["size"])
+
+
 def countdown_split(split: str, size: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """The Reasoning Gym entries of ``split`` ("train" or "validation") of the ``size``-puzzle set."""
-    train, validation = _train_and_validation(size or DEFAULT_SIZE, seed)
+    """The Reasoning Gym entries of ``split`` ("train" or "validation") of the ``size``-puzzle set
+    (default: the recipe's ``default_size()``)."""
+    train, validation = _train_and_validation(size or default_size(), seed)
     return list({"train": train, "validation": validation}[split])
 
 

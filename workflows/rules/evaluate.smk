@@ -5,6 +5,7 @@
 # settings (eval/benchmarks.yaml), for the benchmarks the config lists per task.
 
 if config["backend"] == "verl":
+    from vcpo.launch import get_task
 
     def paper_task(scale_task):
         return next(paper for paper, task in config["tasks"].items() if task == scale_task)

@@ -46,13 +46,9 @@ if config["backend"] == "sim":
             ' base="$(head -n 1 {input.base})" {params.settings} > {log} 2>&1'
 
 else:
-    from vcpo.launch import get_task, make_run
+    from vcpo.launch import make_run
 
     DATA = config["data"]["dir"]
-
-    def split_files(task_name):
-        spec = get_task(task_name).spec["data"]
-        return [f"{DATA}/{split}.parquet" for split in spec["train"] + spec["val"]]
 
     rule build_data:
         output:
@@ -61,26 +57,25 @@ else:
             source=lambda wildcards: (
                 f"--source {config['data']['source_dir']}" if config["data"].get("source_dir") else ""
             ),
-            size=lambda wildcards: "--size 10000" if wildcards.dataset == "countdown" else "",
         log:
             f"{R}/logs/data/{{dataset}}-{{split}}.log",
         shell:
             "python -m vcpo.data build {wildcards.dataset} --out {DATA} --split {wildcards.split}"
-            " {params.source} {params.size} > {log} 2>&1"
+            " {params.source} > {log} 2>&1"
 
-    def run_gpus(wildcards):
-        """The GPUs the launcher's run needs (vcpo.launch.Run.gpus)."""
-        return make_run(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed)).gpus
+    def launcher_run(wildcards):
+        """The run as vcpo.launch composes it: its data files and GPUs come from there."""
+        return make_run(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed), data_dir=DATA)
 
     rule train:
         input:
-            lambda wildcards: split_files(wildcards.task),
+            lambda wildcards: [str(path) for which in ("train", "val") for path in launcher_run(wildcards).data_files(which)],
         output:
             f"{RUN}/training.done",
         params:
             args=" ".join(config.get("launch", {}).get("args", [])),
         resources:
-            gpu=run_gpus,
+            gpu=lambda wildcards: launcher_run(wildcards).gpus,
         log:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
         shell:
