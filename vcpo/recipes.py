@@ -3,12 +3,14 @@
 A recipe may ``extends`` another of its folder: every mapping it lists overrides the parent's field by
 field (one level deep), any other value replaces the parent's. ``default`` and ``extends`` are never
 inherited. A recipe with ``alias_of`` (and only ``name``, ``title``, ``source`` beside it) is another
-name for a recipe of its folder: it resolves to that recipe, under that recipe's name. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`vcpo.launch`) are read this way.
+name for a recipe of its folder: it resolves to that recipe, under that recipe's name. ``recipes/methods`` (`vcpo.methods`) and ``recipes/tasks`` (`load_tasks`, read by the launcher, the
+data builder and the workflow) are read this way. ``run_path`` is the one layout of run folders.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +99,36 @@ def load_folder(directory: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
             raise ValueError(f"{path}: alias_of {target!r} is not a recipe of {directory} (nor may it be an alias)")
         resolved[stem] = resolved[target]
     return resolved
+
+
+@dataclass(frozen=True)
+class Task:
+    """A resolved, schema-checked task recipe (``spec`` is the merged YAML mapping)."""
+
+    name: str
+    path: Path
+    spec: dict[str, Any]
+
+    @property
+    def paper(self) -> dict[str, Any]:
+        return self.spec["paper"]
+
+    @property
+    def chosen(self) -> dict[str, Any]:
+        return {key: entry["value"] for key, entry in self.spec["chosen"].items()}
+
+    @property
+    def multi_turn(self) -> bool:
+        return "max_turns" in self.paper
+
+
+@functools.cache
+def load_tasks() -> dict[str, Task]:
+    """Every task recipe of ``recipes/tasks``, by name."""
+    return {name: Task(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
+
+
+def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
+    """A run's folder below a runs root: the one layout of vcpo.sim sweeps, vcpo.launch and the workflow
+    (string arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard)."""
+    return Path(task) / method / f"lag{lag}" / f"seed{seed}"

@@ -37,7 +37,7 @@ class PlannedRun:
     @property
     def path(self) -> str:
         """The run folder below ``<results>/runs`` (the layout of vcpo.sim sweeps and vcpo.launch)."""
-        from vcpo.tables.runs import run_path
+        from vcpo.recipes import run_path
 
         return str(run_path(self.task, self.method, self.lag, self.seed))
 
@@ -101,7 +101,7 @@ def _backend_tasks(backend: str) -> set[str]:
         from vcpo.sim.tasks import SIM_TASKS
 
         return set(SIM_TASKS)
-    from vcpo.launch import load_tasks
+    from vcpo.recipes import load_tasks
 
     return set(load_tasks())
 

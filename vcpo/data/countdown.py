@@ -28,9 +28,9 @@ _CHUNK = 500
 
 def default_size() -> int:
     """The puzzles of the Countdown task's recipe (``data.size`` in recipes/tasks/countdown.yaml)."""
-    from vcpo.recipes import load_folder, recipes_dir
+    from vcpo.recipes import load_tasks
 
-    return int(load_folder(recipes_dir() / "tasks")["countdown"][1]["data"]["size"])
+    return int(load_tasks()["countdown"].spec["data"]["size"])
 
 
 def countdown_split(split: str, size: int | None = None, seed: int = 0) -> list[dict[str, Any]]:

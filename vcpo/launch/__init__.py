@@ -20,7 +20,6 @@ verl seams used (no verl file is patched):
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shlex
 import sys
@@ -31,8 +30,7 @@ from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, step_rule
-from vcpo.recipes import load_folder, optimizer_table, read_yaml, recipes_dir
-from vcpo.tables.runs import run_path
+from vcpo.recipes import Task, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import (
     ENGINE_MODEL_TYPE,
     ENGINE_MODULE,
@@ -47,40 +45,14 @@ VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 SUPPORTED_DECAY_STEPS = 0
 # Above e^20: only verl's ±20 log-ratio safety clamp applies to the untruncated decoupled-mode weights.
 UNTRUNCATED_IS_THRESHOLD = 1.0e9
-# verl imports the modules named in this variable inside `import verl`, in the driver and every worker.
 
 
 class LaunchError(ValueError):
     """A run that cannot launch; the message names the recipe key or verl key at fault."""
 
 
-@dataclass(frozen=True)
-class Task:
-    """A resolved, schema-checked task recipe (``spec`` is the merged YAML mapping)."""
-
-    name: str
-    path: Path
-    spec: dict[str, Any]
-
-    @property
-    def paper(self) -> dict[str, Any]:
-        return self.spec["paper"]
-
-    @property
-    def chosen(self) -> dict[str, Any]:
-        return {key: entry["value"] for key, entry in self.spec["chosen"].items()}
-
-    @property
-    def multi_turn(self) -> bool:
-        return "max_turns" in self.paper
-
-
-@functools.cache
-def load_tasks() -> dict[str, Task]:
-    return {name: Task(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
-
-
 def get_task(name: str) -> Task:
+    """The task recipe of ``--task`` (a LaunchError naming the flag if there is none)."""
     tasks = load_tasks()
     if name not in tasks:
         raise LaunchError(f"unknown task {name!r} (--task); known: {sorted(tasks)}")

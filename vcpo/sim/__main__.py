@@ -22,8 +22,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vcpo.recipes import run_path
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, start_config, validate
-from vcpo.tables.runs import run_path
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 

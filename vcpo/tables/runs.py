@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.methods import filed_lag
+from vcpo.recipes import run_path
 
 ACCURACY = "val/accuracy"
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
@@ -39,12 +40,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``."""
     text = (Path(run_dir) / "metrics.jsonl").read_text()
     return [_flat(json.loads(line)) for line in text.splitlines() if line.strip()]
-
-
-def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
-    """A run's folder below a runs root: the one layout of vcpo.sim sweeps, vcpo.launch and the workflow
-    (string arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard)."""
-    return Path(task) / method / f"lag{lag}" / f"seed{seed}"
 
 
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:
