@@ -34,15 +34,17 @@ def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     assert {run.method for run in smoke.runs} == {method.name for method in list_methods()}
     assert {run.task for run in smoke.runs} == {"countdown"}
     core = {(run.method, run.lag, run.seed) for run in smoke.runs if run.core}
-    assert core == {(m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 12), ("vcpo", 12)) for s in (0, 1, 2)}
+    assert core == {(m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 48), ("vcpo", 48)) for s in (0, 1, 2)}
     sweep = {(run.method, run.lag) for run in smoke.figures["lag_sweep"].runs}
-    assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 40) for run in smoke.runs)
-    assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 4  # the sweep's lags 2, 4, 8, 24 at full length
-    # the paper's lag 10 trains at 12 at smoke scale; sync always at 0; the lag sweep keeps its lags
-    assert {run.lag for run in smoke.figures["fig8"].runs} == {12}
+    assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 60) for run in smoke.runs)
+    assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 5  # the sweep's lags 2, 4, 8, 12, 24 at full length
+    # every run starts from the regime file; the paper's lags 10 and 12 train at the regime's 48, sync at 0;
+    # the lag sweep keeps its lags and reaches the regime's
+    assert smoke.config["sim_config"] == "recipes/sim/regime.yaml"
+    assert {run.lag for run in smoke.figures["fig8"].runs} == {48}
     assert {run.lag for run in smoke.runs if run.method == "sync"} == {0}
-    assert {run.lag for run in smoke.figures["lag_sweep"].runs} == {0, 2, 4, 8, 12, 24}
-    assert len(smoke.runs) == len(set(smoke.runs)) == 42
+    assert {run.lag for run in smoke.figures["lag_sweep"].runs} == {0, 2, 4, 8, 12, 24, 48}
+    assert len(smoke.runs) == len(set(smoke.runs)) == 43
 
 
 def test_ci_is_the_core_comparison_and_the_ablation_at_a_low_lag():
@@ -95,7 +97,7 @@ def broken(name: str, **changes) -> dict:
         ("ci", {"core_figures": ["fig1"]}, "core_figures: ['fig1'] are not in figures"),
         ("ci", {"sim": {"thread": 1}}, "sim: run countdown/seq_tis_c8/lag4/seed0: unknown config key 'thread'"),
         ("ci", {"sim_methods": {}}, None),  # fp16 is not in the CI runs: nothing to complain about
-        ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag12/seed0: config key 'rollout_dtype'"),
+        ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag48/seed0: config key 'rollout_dtype'"),
         ("paper", {"data": {"dir": "data", "source_dir": "/no/such/folder"}}, "data.source_dir: '/no/such/folder'"),
         ("paper", {"tasks": {"gsm8k": "gsm8k", "math": "countdown_v2"}}, "tasks.math: 'countdown_v2' is not a task"),
     ],

@@ -16,7 +16,7 @@ import numpy as np
 
 from vcpo.methods import is_synchronous
 from vcpo.tables.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
-from vcpo.tables.specs import figure_specs, paper_results, runs_needed, spec_tasks
+from vcpo.tables.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
 
 SCALES = {"smoke": "smoke scale (CPU simulator)", "paper": "paper scale (verl)"}
 PANEL_NAMES = {
@@ -192,17 +192,17 @@ def lag_sweep_rows(root: Path, task: str, method: str, lags: list[int]) -> list[
     return rows
 
 
-def draw_lag_sweep(spec, root: Path, scale: str, out: Path, task=None) -> Path:
+def draw_lag_sweep(spec, root: Path, scale: str, out: Path, task=None, lag: int | None = None) -> Path:
     """Kind ``lag_sweep``: final accuracy and the ESS ratio against the lag, one method."""
     name, method = spec_tasks(spec, task)[0], spec["methods"][0]
-    rows = lag_sweep_rows(root, name, method, spec["lags"])
+    rows = lag_sweep_rows(root, name, method, spec_lags(spec, lag))
     found = {row["lag"] for row in rows}
-    missing = [run for run in runs_needed(spec, name) if run[2] not in found]
+    missing = [run for run in runs_needed(spec, name, lag) if run[2] not in found]
     if not rows:
         return message_figure(out, spec, scale, "No data: none of the runs exist. " + missing_note(missing)[0])
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4), layout="constrained")
     draw_lag_sweep_axes(left, right, rows, method)
-    needed = runs_needed(spec, name)
+    needed = runs_needed(spec, name, lag)
     label_figure(fig, spec["title"], spec["paper"], scale, [f"task {name}"] + missing_note(missing), config_files(root, needed))
     return save(fig, out)
 
@@ -374,7 +374,7 @@ def draw_figure(
     if spec["kind"] == "curves":
         return draw_curves(spec, runs, scale, out, task, lag, seeds)
     if spec["kind"] == "lag_sweep":
-        return draw_lag_sweep(spec, runs, scale, out, task)
+        return draw_lag_sweep(spec, runs, scale, out, task, lag)
     if spec["kind"] == "overhead":
         return draw_overhead(spec, overhead_json, scale, out)
     return draw_grad_norm_proxy(spec, runs, scale, out, task)

@@ -76,10 +76,12 @@ def spec_tasks(spec: dict[str, Any], task: str | list[str] | None = None) -> lis
 
 
 def spec_lags(spec: dict[str, Any], lag: int | None = None) -> list[int]:
-    """The lags of a figure: ``lag`` overrides its ``lag``; a lag sweep keeps its ``lags``."""
+    """The lags of a figure: ``lag`` overrides its ``lag``. A lag sweep draws its ``lags`` and its ``lag``
+    (the study's high lag, so the sweep reaches the lag the other figures train at, whatever the scale)."""
+    high = spec.get("lag") if lag is None else lag
     if spec["kind"] == "lag_sweep":
-        return list(spec["lags"])
-    return [spec["lag"] if lag is None else lag]
+        return sorted({*spec["lags"], *([] if high is None else [high])})
+    return [high]
 
 
 def runs_needed(
