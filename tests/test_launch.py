@@ -243,3 +243,26 @@ def test_a_wsd_decay_phase_is_refused(monkeypatch):
     monkeypatch.setitem(run.task.spec["paper"], "lr_decay_steps", 10)
     with pytest.raises(LaunchError, match="paper.lr_decay_steps=10"):
         overrides(run)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("actor_rollout_ref.model.model_type=null", "+actor_rollout_ref.model.model_type=vcpo_language_model (got None)"),
+        ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy=fsdp2 (got megatron)"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=geo_tis", "loss_mode=seq_tis (got geo_tis)"),
+        ("actor_rollout_ref.actor.loss_agg_mode=token-mean", "loss_agg_mode=seq-mean-token-mean (got token-mean)"),
+        ("++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16", "param_dtype=fp32 (got bf16)"),
+    ],
+)
+def test_the_engine_is_rechecked_after_the_users_overrides(override, named):
+    run = make_run("math", "vcpo")
+    config = compose(run, [override])
+    with pytest.raises(LaunchError, match="needs the vcpo engine") as error:
+        check(run, config, check_paths=False)
+    assert named in str(error.value)
+
+
+def test_a_method_without_the_engine_needs_none_of_it():
+    run = make_run("math", "seq_tis_c8")
+    check(run, compose(run, ["actor_rollout_ref.actor.strategy=fsdp"]), check_paths=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vcpo.methods import list_methods
+from vcpo.methods import filed_lag, list_methods
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
 from vcpo.sim.train import METRICS, TIMING_PREFIXES, Trainer
@@ -51,7 +51,7 @@ def numbers(metrics: dict):
 
 @pytest.mark.parametrize("method", [m.name for m in list_methods()])
 def test_every_preset_runs(base, tmp_path, method):
-    changes = {"method": method}
+    changes = {"method": method, "lag": filed_lag(method, SMALL["lag"])}
     if method == "fp16":
         changes["rollout_dtype"] = "preset"
     if method == "p3o_two_anchor":
@@ -80,8 +80,12 @@ def test_lag_models_through_the_trainer_keep_the_versions_they_need(base, tmp_pa
     assert [line["async/lag_max"] for line in lines] == lags
 
 
-def test_sync_preset_forces_lag_zero(base, tmp_path):
-    out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=5)).run()
+def test_sync_preset_refuses_a_lag_and_trains_on_policy(base, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"method 'sync' fixes the policy lag to 0 \(max_lag in its preset\), got 5"):
+        validate(small_config(base, tmp_path / "sync", method="sync", lag=5))
+    assert sim_main(["train", "--method", "sync", "--lag", "12", "--out", str(tmp_path / "cli"), f"base={base}"]) == 2
+    assert "fixes the policy lag to 0" in capsys.readouterr().err and not (tmp_path / "cli").exists()
+    out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=0)).run()
     lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
     assert all(line["async/lag_max"] == 0 and line["rollout_corr/seq_ess_ratio"] == pytest.approx(1, abs=1e-5) for line in lines)
     assert json.loads((out / "config.json").read_text())["effective_lag"] == 0
@@ -91,7 +95,7 @@ def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path
     """bf16 rollouts against a float32 learner: off-policy even at lag 0 (ROLLOUT-CORR's mismatch)."""
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        out = Trainer(small_config(base, tmp_path / dtype, method="sync", rollout_dtype=dtype, steps=1)).run()
+        out = Trainer(small_config(base, tmp_path / dtype, method="sync", lag=0, rollout_dtype=dtype, steps=1)).run()
         runs[dtype] = json.loads((out / METRICS).read_text().splitlines()[0])
     exact, mismatched = runs["float32"], runs["bfloat16"]
     assert abs(exact["rollout_corr/kl"]) < 1e-6 and exact["rollout_corr/seq_ess_ratio"] > 1 - 1e-6
@@ -140,8 +144,8 @@ def test_sweep_runs_and_skips_finished(base, tmp_path, capsys):
     args = ["sweep", "--methods", "sync,vcpo", "--lags", "2", "--seeds", "0", "--out", str(tmp_path), "--jobs", "2"]
     overrides = [f"{key}={value}" for key, value in SMALL.items() if key != "lag"] + [f"base={base}"]
     assert sim_main(args + overrides) == 0
-    for method in ("sync", "vcpo"):
-        assert (tmp_path / "countdown" / method / "lag2" / "seed0" / "final" / "eval.json").exists()
+    for method, lag in (("sync", 0), ("vcpo", 2)):  # a sweep files sync at the lag its preset fixes
+        assert (tmp_path / "countdown" / method / f"lag{lag}" / "seed0" / "final" / "eval.json").exists()
     assert sim_main(args + overrides) == 0
     assert "2 already finished, 0 to run" in capsys.readouterr().out
 

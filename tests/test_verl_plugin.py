@@ -207,3 +207,20 @@ def test_config_errors_name_the_key():
     missing = actor_config("+actor_rollout_ref.actor.policy_loss.method=seq_tis_c3")
     with pytest.raises(ValueError, match="unknown method 'seq_tis_c3'"):
         call_verl("seq_tis", missing, batch)
+
+
+@pytest.mark.parametrize("method, needs", [("vcpo", "the ESS step size and OPOB"), ("tis_ess", "the ESS step size"), ("tis_opob", "OPOB")])
+def test_a_method_needing_the_engine_refuses_to_train_without_it(method, needs):
+    """The loss of an ESS/OPOB preset called outside the vcpo engine (a hand-written command, a dropped
+    model_type, the legacy trainer) would train plain seq-TIS: it raises at its first call instead."""
+    from vcpo.verl_shared import step_rule_applied
+
+    batch = ref.random_batch(seed=21, scale=0.5)
+    config = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis", f"+actor_rollout_ref.actor.policy_loss.method={method}")
+    with pytest.raises(RuntimeError, match=rf"needs {needs}.*\+actor_rollout_ref\.model\.model_type=vcpo_language_model"):
+        call_verl("seq_tis", config, batch, mode="seq-mean-token-mean")
+    with step_rule_applied():  # what the engine and the simulator's learner do around their step
+        loss, _ = call_verl("seq_tis", config, batch, mode="seq-mean-token-mean")
+    assert torch.isfinite(loss)
+    plain = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis", "+actor_rollout_ref.actor.policy_loss.method=seq_tis_c8")
+    assert torch.isfinite(call_verl("seq_tis", plain, batch, mode="seq-mean-token-mean")[0])

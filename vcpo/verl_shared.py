@@ -7,6 +7,10 @@ imports nothing from verl and lives outside ``vcpo.verl_plugin`` (importing it w
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
 # The engine extension (ESS step size, OPOB): its module, and the model type it is registered under.
@@ -29,3 +33,35 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         return {}
     values = torch.stack([value.detach().to(torch.float64).reshape(()) for value in metrics.values()]).tolist()
     return dict(zip(metrics, values, strict=True))
+
+
+_STEP_RULE_APPLIED = contextvars.ContextVar("vcpo_step_rule_applied", default=False)
+
+
+@contextlib.contextmanager
+def step_rule_applied() -> Iterator[None]:
+    """Around the policy-loss calls of an optimizer step whose caller applies the preset's step rule
+    (ESS step size, OPOB): the vcpo engine on verl, the simulator's learner."""
+    token = _STEP_RULE_APPLIED.set(True)
+    try:
+        yield
+    finally:
+        _STEP_RULE_APPLIED.reset(token)
+
+
+def check_step_rule_applied(method_name: str | None) -> None:
+    """Raise if ``method_name`` needs the ESS step size or OPOB and no caller applies them: its loss alone
+    would silently train another method (plain sequence TIS)."""
+    if not method_name or _STEP_RULE_APPLIED.get():
+        return
+    from vcpo.methods import step_rule
+
+    rule = step_rule(method_name)
+    if rule.active:
+        needs = " and ".join(name for name, used in (("the ESS step size", rule.ess), ("OPOB", rule.opob)) if used)
+        raise RuntimeError(
+            f"method {method_name!r} needs {needs}, which only the vcpo engine applies, but its loss was called "
+            f"outside it: set +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE} with "
+            "actor_rollout_ref.actor.strategy=fsdp2 and trainer.use_v1=true (python -m vcpo.launch sets them), "
+            "or train a method without them (e.g. seq_tis_c8)"
+        )

@@ -383,10 +383,39 @@ def gpus_needed(config) -> int:
     return trainer + (rollout.nnodes * rollout.n_gpus_per_node if separate else 0)
 
 
+def check_engine(config) -> None:
+    """A method whose step needs the vcpo engine (ESS step size, OPOB) gets it in the composed config, the
+    user's overrides included: otherwise its loss would run alone and train another method."""
+    actor = config.actor_rollout_ref.actor
+    method = _select(config, "actor_rollout_ref.actor.policy_loss.method")
+    if not method:
+        return
+    rule = step_rule(method)
+    if not rule.active:
+        return
+    needs = {
+        "+actor_rollout_ref.model.model_type": (_select(config, "actor_rollout_ref.model.model_type"), ENGINE_MODEL_TYPE),
+        "actor_rollout_ref.actor.strategy": (actor.strategy, "fsdp2"),
+        "trainer.use_v1": (config.trainer.use_v1, True),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": (actor.policy_loss.loss_mode, rule.loss_name),
+        "actor_rollout_ref.actor.loss_agg_mode": (actor.loss_agg_mode, rule.agg),
+    }
+    if rule.opob:
+        precision = _select(config, MIXED_PRECISION_KEY) or {}
+        needs[MIXED_PRECISION_KEY + ".param_dtype"] = (precision.get("param_dtype"), FP32_MIXED_PRECISION["param_dtype"])
+    wrong = [f"{key}={expected} (got {value})" for key, (value, expected) in needs.items()
+             if value != expected and not (key.endswith(".strategy") and value == "fsdp")]
+    if wrong:
+        raise LaunchError(
+            f"method {method!r} needs the vcpo engine (ESS step size / OPOB), which this config would not run: "
+            + "; ".join(wrong)
+        )
+
+
 def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True) -> None:
     """Validate a composed config before launch; raise `LaunchError` naming the key at fault.
 
-    Checks: the GPU layout against ``available_gpus`` (when given), rollout tensor parallelism against
+    Checks: the vcpo engine for a method that needs it (``check_engine``), the GPU layout against ``available_gpus`` (when given), rollout tensor parallelism against
     the rollout GPUs, batch divisibility (verl's own ``validate_config``), every config dataclass
     instantiates, and (``check_paths``) that data files and a local model folder exist.
     """
@@ -398,6 +427,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
             "trainer.use_v1=false with algorithm.rollout_correction.bypass_mode=true: verl's legacy trainer replaces "
             "actor.policy_loss.loss_mode by its own 'bypass_mode' loss, so the method's loss would not run"
         )
+    check_engine(config)
     rollout = config.actor_rollout_ref.rollout
     separate = config.trainer.v1.trainer_mode == "separate_async"
     rollout_gpus = rollout.n_gpus_per_node if separate else config.trainer.n_gpus_per_node

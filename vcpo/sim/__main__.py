@@ -23,14 +23,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vcpo.recipes import run_path
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, start_config, validate
+from vcpo.sim.config import (
+    ConfigError,
+    SimConfig,
+    apply_overrides,
+    as_override_text,
+    preset_lag,
+    start_config,
+    validate,
+)
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     given = {key: getattr(args, key) for key in COMMON if getattr(args, key, None) is not None}
-    return validate(apply_overrides(apply_overrides(start_config(args.config), given), overrides))
+    config = apply_overrides(apply_overrides(start_config(args.config), given), overrides)
+    lag_given = "lag" in given or any(item.split("=", 1)[0] == "lag" for item in overrides)
+    # a config file's lag is for the lagged methods; a preset that fixes its lag (sync) keeps its own,
+    # and a lag asked for on the command line that it cannot honour is refused by validate
+    return validate(config if lag_given else dataclasses.replace(config, lag=preset_lag(config.method, config.lag)))
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
@@ -49,7 +61,7 @@ def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimCon
     base = apply_overrides(start_config(args.config), overrides)
     configs = []
     for method in args.methods:
-        for lag in args.lags:
+        for lag in dict.fromkeys(preset_lag(method, lag) for lag in args.lags):  # sync: once, at lag 0
             for seed in args.seeds:
                 changes = {"method": method, "lag": lag, "seed": seed}
                 changes |= {key: getattr(args, key) for key in ("task", "lag_model", "steps") if getattr(args, key) is not None}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vcpo.methods import Method, get_method
+from vcpo.methods import Method, filed_lag, get_method
 from vcpo.recipes import optimizer_table
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
@@ -160,6 +160,15 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
     return dataclasses.replace(config, **changes)
 
 
+def preset_lag(method: str, lag: int) -> int:
+    """The lag a run of ``method`` takes when none is asked for explicitly: its preset's fixed lag (sync: 0)
+    over a config file's; an unknown method is a configuration error."""
+    try:
+        return filed_lag(method, lag)
+    except ValueError as error:
+        raise ConfigError(f"config key 'method': {error}") from None
+
+
 def start_config(path: str | Path | None) -> SimConfig:
     """What a run starts from: the ``--config`` file's settings over the defaults, or the defaults."""
     return load_config_file(path) if path else SimConfig()
@@ -249,6 +258,9 @@ def validate(config: SimConfig) -> SimConfig:
             f"method {method.name!r} differs from its parent only by fp16 precision; run it with rollout_dtype=preset "
             "(fp16 rollouts against the learner), otherwise it would silently be a different method",
         )
+    fixed = method.spec.get("max_lag")
+    if fixed is not None and config.lag != fixed:
+        fail("lag", f"method {method.name!r} fixes the policy lag to {fixed} (max_lag in its preset), got {config.lag}")
     if config.lag_model == "minibatch" and config.effective_lag == 0 and config.lag != 0:
         fail("lag", "minibatch lag needs k >= 1 (k + 1 optimizer steps per rollout batch)")
     if config.base is not None and not (Path(config.base) / "config.json").is_file():

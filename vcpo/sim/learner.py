@@ -40,6 +40,7 @@ from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, step_rule
 from vcpo.sim.rollout import TOOL_TOKEN, Trajectory
 from vcpo.verl_plugin import VcpoPolicyLossConfig
+from vcpo.verl_shared import step_rule_applied
 
 
 @dataclass
@@ -216,10 +217,11 @@ class Learner:
         self.actor_config.global_batch_info.update(
             dp_size=1, batch_num_tokens=int(batch.mask.sum()), global_batch_size=int(valid_rows.sum())
         )
-        if self.opob is not None:
-            log_prob, loss_metrics = self._opob_backward(batch, rewards, timings)
-        else:
-            log_prob, loss_metrics = self._loss_backward(batch, advantages, prox_log_prob, timings)
+        with step_rule_applied():  # this learner applies the ESS step size and OPOB below
+            if self.opob is not None:
+                log_prob, loss_metrics = self._opob_backward(batch, rewards, timings)
+            else:
+                log_prob, loss_metrics = self._loss_backward(batch, advantages, prox_log_prob, timings)
 
         started = time.perf_counter()
         r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)

@@ -26,8 +26,8 @@ values. Both need the config class below, e.g. as Hydra overrides::
 
 Methods with the ESS step size or OPOB also need the engine of ``vcpo.verl_plugin.engine``, loaded with
 ``VERL_USE_EXTERNAL_MODULES`` (not from here: importing verl's engines asks verl's platform for the
-device, which must not happen while ``import verl`` loads its plugins); with ``actor.strategy=megatron``
-their loss raises rather than silently skipping them.
+device, which must not happen while ``import verl`` loads its plugins). Their loss raises when it is
+called outside the engine (any strategy, any trainer) rather than silently training plain TIS.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from verl.workers.config import PolicyLossConfig
 
 from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
 from vcpo.methods import default_method, get_method
-from vcpo.verl_shared import metrics_to_floats
+from vcpo.verl_shared import check_step_rule_applied, metrics_to_floats
 
 
 @dataclass
@@ -100,10 +100,12 @@ def _as_verl_loss(loss: PolicyLoss):
         batch_info = dict(config.get("global_batch_info", None) or {}) if config is not None else {}
 
         params = resolve_params(loss.name, policy_config)
-        if policy_config is not None and config.get("strategy", None) == "megatron":
+        method = policy_config.get("method", None) if policy_config is not None else None
+        if config is not None and config.get("strategy", None) == "megatron":
             from vcpo.verl_plugin.engine import check_strategy
 
-            check_strategy(policy_config.get("method", None), "megatron")
+            check_strategy(method, "megatron")
+        check_step_rule_applied(method)
         behav_log_prob, is_weights = old_log_prob, rollout_is_weights
         if loss.needs_prox:
             behav_log_prob = behaviour_from_proximal(old_log_prob, rollout_is_weights, response_mask, loss.name)

@@ -99,7 +99,13 @@ from vcpo.core import (
     token_log_ratio,
 )
 from vcpo.methods import StepRule, step_rule
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY, metrics_to_floats
+from vcpo.verl_shared import (
+    ENGINE_MODEL_TYPE,
+    FP32_MIXED_PRECISION_HYDRA,
+    MIXED_PRECISION_KEY,
+    metrics_to_floats,
+    step_rule_applied,
+)
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
@@ -295,7 +301,8 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 if rule.opob:
                     self._prepare_opob(data, state, group)
                 loss = self._recording_loss(loss_function, state)
-                outputs = self.forward_backward_batch(data, loss, forward_only=False)
+                with step_rule_applied():
+                    outputs = self.forward_backward_batch(data, loss, forward_only=False)
                 state.close_micro_batch()
                 seq_log_weights, valid = self._gathered_log_weights(state, group)
                 if rule.opob:
