@@ -1,7 +1,7 @@
 """Step time of VCPO's OPOB + ESS step inside verl's FSDP engine against verl's plain step, same batch.
 
 One random-init Qwen2 in verl 0.9.1's engine (``VcpoFSDPEngineWithLMHead``, run on CPU under
-``vcpo.verl_plugin.engine.cpu.cpu_patches``, i.e. without the FSDP wrapper), one actor mini-batch as the
+``cpu_patches`` of tests/verl_engine_cpu.py, i.e. without the FSDP wrapper), one actor mini-batch as the
 trainer hands it over, and three optimizer steps through ``engine.train_batch(data, ppo_loss)``:
 
   plain    method seq_tis_c8: verl's own train_batch (forward, seq-TIS ppo_loss backward, AdamW step),
@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,8 @@ def main(argv=None) -> dict[str, float]:
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (registers the losses)
-    from vcpo.verl_plugin.engine import cpu
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the engine's CPU scaffolding
+    import verl_engine_cpu as cpu
 
     dtype = getattr(torch, args.dtype)
     workdir = tempfile.mkdtemp(prefix="opob_engine_")

@@ -1,7 +1,7 @@
 """The vcpo engine (vcpo.verl_plugin.engine) through verl 0.9.1's FSDP engine code, on CPU.
 
 verl's FSDP engine cannot initialise on a CPU-only torch (its platform falls back to CUDA); the tests
-run it under `vcpo.verl_plugin.engine.cpu.cpu_patches`, which replaces only the device id / name, the GPU
+run it under `verl_engine_cpu.cpu_patches` (tests/verl_engine_cpu.py), which replaces only the device id / name, the GPU
 memory log and the FSDP wrapper (see that module): the rest of the step is verl's own code. References
 are float64: `vcpo.core` (PerSequenceGradients on the plain model) and a per-sequence backward loop.
 """
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 pytest.importorskip("verl")
 
+import verl_engine_cpu as cpu  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
@@ -25,7 +26,6 @@ import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.core import PerSequenceGradients, ess_ratio, ess_step_scale, opob_baseline  # noqa: E402
 from vcpo.core.baselines import group_reward_std  # noqa: E402
 from vcpo.verl_plugin import engine as vcpo_engine  # noqa: E402
-from vcpo.verl_plugin.engine import cpu  # noqa: E402
 
 B, PROMPT, RESPONSE, GROUP, MICRO, VOCAB = 8, 5, 7, 4, 2, 96
 BASE_LR = 1e-3

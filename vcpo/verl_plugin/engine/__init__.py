@@ -87,7 +87,6 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl.workers.utils.padding import no_padding_2_padding
 
 from vcpo.core import (
     PerSequenceGradients,
@@ -96,9 +95,18 @@ from vcpo.core import (
     opob_normaliser,
     opob_sequence_scores,
     scaled_learning_rate,
-    token_log_ratio,
 )
-from vcpo.methods import StepRule, step_rule
+from vcpo.methods import StepRule
+from vcpo.verl_plugin.engine.batch import (
+    all_reduce_gradients,
+    gather_objects,
+    padded,
+    response_log_probs,
+    reward_key,
+    sequence_labels,
+    sequence_log_weights,
+)
+from vcpo.verl_plugin.engine.rule import check_opob_loss, check_strategy, rule_from_loss_function
 from vcpo.verl_shared import (
     ENGINE_MODEL_TYPE,
     FP32_MIXED_PRECISION_HYDRA,
@@ -109,135 +117,6 @@ from vcpo.verl_shared import (
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
-
-
-# ----------------------------------------------------------------------------------------------
-# The update rule, from the method preset named in the actor's policy-loss config.
-# ----------------------------------------------------------------------------------------------
-
-
-def rule_from_loss_function(loss_function) -> StepRule | None:
-    """The rule of ``policy_loss.method`` in the actor config bound to verl's ``ppo_loss`` partial."""
-    config = (getattr(loss_function, "keywords", None) or {}).get("config")
-    if config is None:
-        return None
-    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
-    getter = getattr(policy_loss, "get", None)
-    name = getter("method", None) if getter else None
-    if not name:
-        return None
-    rule = step_rule(name).with_rho_on(getter("rho_on", None))
-    if rule.active:
-        loss_mode = getter("loss_mode", None)
-        if loss_mode != rule.loss_name:
-            raise ValueError(f"policy_loss.method={name!r} is a preset of loss {rule.loss_name!r}, not {loss_mode!r}")
-        agg = config.get("loss_agg_mode", None) if hasattr(config, "get") else None
-        if agg is not None and agg != rule.agg:
-            raise ValueError(
-                f"actor.loss_agg_mode={agg!r} but method {name!r} uses {rule.agg!r}: set "
-                f"actor_rollout_ref.actor.loss_agg_mode={rule.agg}"
-            )
-    return rule
-
-
-def reward_key(data: TensorDict) -> str:
-    """The per-token reward field OPOB sums: verl's V1 trainer writes ``token_level_rewards`` back only with a
-    KL-in-reward penalty; otherwise they equal the reward loop's ``rm_scores``."""
-    for key in ("token_level_rewards", "rm_scores"):
-        if key in data.keys():
-            return key
-    raise KeyError(f"OPOB needs the per-token rewards (token_level_rewards or rm_scores); the batch has {sorted(data.keys())}")
-
-
-def check_strategy(method_name: str | None, strategy: str | None) -> None:
-    """Raise if a method whose step needs this engine (ESS step size or OPOB) runs with Megatron.
-
-    For verl's policy-loss function (the plugin), which is the only vcpo code a Megatron run calls:
-    there the engine is never built, so the ESS rule and OPOB would be silently skipped.
-    """
-    if not method_name or strategy != "megatron":
-        return
-    rule = step_rule(method_name)
-    if rule.active:
-        raise NotImplementedError(
-            f"method {method_name!r} needs the vcpo engine ({'ESS step size' if rule.ess else ''}"
-            f"{' + ' if rule.ess and rule.opob else ''}{'OPOB' if rule.opob else ''}), which exists for verl's "
-            "FSDP strategy only: the Megatron strategy is not supported. Use actor_rollout_ref.actor.strategy=fsdp2 "
-            f"with +actor_rollout_ref.model.model_type={MODEL_TYPE}, or a method without them (e.g. seq_tis_c8)"
-        )
-
-
-def check_opob_loss(loss_function) -> None:
-    """OPOB replaces verl's ppo_loss by its own per-sequence update: refuse what that would drop."""
-    from verl.workers.utils.losses import ppo_loss
-
-    if getattr(loss_function, "func", None) is not ppo_loss:
-        raise NotImplementedError(
-            f"OPOB in the vcpo engine replaces verl's ppo_loss; got loss function {loss_function!r}"
-        )
-    config = loss_function.keywords["config"]
-    if config.get("use_kl_loss", False) or config.get("entropy_coeff", 0.0):
-        raise NotImplementedError(
-            "OPOB in the vcpo engine forms the policy-gradient update only: set actor.use_kl_loss=False and "
-            "actor.entropy_coeff=0 (VCPO uses neither), or use a method without OPOB"
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Data-parallel helpers.
-# ----------------------------------------------------------------------------------------------
-
-
-def gather_objects(obj, group) -> list:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def all_reduce_gradients(params: list[torch.Tensor], group) -> None:
-    """Sum p.grad over the group with ONE all-reduce of a flat buffer (VCPO App. C)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def padded(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_padded_tensor(0.0) if getattr(tensor, "is_nested", False) else tensor
-
-
-def sequence_labels(data: TensorDict) -> list:
-    """Prompt-group label per sequence: verl's ``uid`` (non-tensor), or a ``uid`` tensor."""
-    if "uid" not in data.keys():
-        raise KeyError("OPOB with scope 'group' needs the prompt-group labels 'uid' in the actor's batch")
-    uid = data["uid"] if isinstance(data.get("uid"), torch.Tensor) else tu.get(data, "uid")
-    if isinstance(uid, torch.Tensor):
-        return uid.tolist()
-    if hasattr(uid, "tolist"):
-        return list(uid.tolist())
-    return list(uid)
-
-
-def response_log_probs(model_output: dict, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(l^θ with grad, l^μ, mask) on the response tokens, (B, R) padded, as verl's ppo_loss slices them."""
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    selected = data.select("response_mask", "old_log_probs").to_padded_tensor()
-    mask = selected["response_mask"].to(torch.bool)
-    return log_prob, selected["old_log_probs"], mask
-
-
-def sequence_log_weights(log_prob: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    r = token_log_ratio(log_prob, behav, mask)
-    return (r * mask).sum(-1).to(torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------

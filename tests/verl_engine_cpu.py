@@ -1,4 +1,5 @@
-"""Run verl 0.9.1's FSDP engine code, with the vcpo engine, on a CPU-only torch (tests and benchmarks).
+"""Test scaffolding: verl 0.9.1's FSDP engine code, with the vcpo engine, on a CPU-only torch (the engine
+tests and benchmarks/opob_engine.py).
 
 verl's ``FSDPEngine.initialize`` cannot run on CPU: verl's platform falls back to CUDA, so
 ``log_gpu_memory_usage`` calls ``torch.cuda.mem_get_info``, ``get_device_id`` calls

@@ -1,0 +1,65 @@
+"""The preset's step rule as verl hands it to the engine (the method named in the actor's policy-loss
+config), and the checks that refuse a configuration whose step the engine would not take as written."""
+
+from __future__ import annotations
+
+from vcpo.methods import StepRule, step_rule
+from vcpo.verl_shared import ENGINE_MODEL_TYPE
+
+
+def rule_from_loss_function(loss_function) -> StepRule | None:
+    """The rule of ``policy_loss.method`` in the actor config bound to verl's ``ppo_loss`` partial."""
+    config = (getattr(loss_function, "keywords", None) or {}).get("config")
+    if config is None:
+        return None
+    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
+    getter = getattr(policy_loss, "get", None)
+    name = getter("method", None) if getter else None
+    if not name:
+        return None
+    rule = step_rule(name).with_rho_on(getter("rho_on", None))
+    if rule.active:
+        loss_mode = getter("loss_mode", None)
+        if loss_mode != rule.loss_name:
+            raise ValueError(f"policy_loss.method={name!r} is a preset of loss {rule.loss_name!r}, not {loss_mode!r}")
+        agg = config.get("loss_agg_mode", None) if hasattr(config, "get") else None
+        if agg is not None and agg != rule.agg:
+            raise ValueError(
+                f"actor.loss_agg_mode={agg!r} but method {name!r} uses {rule.agg!r}: set "
+                f"actor_rollout_ref.actor.loss_agg_mode={rule.agg}"
+            )
+    return rule
+
+
+def check_strategy(method_name: str | None, strategy: str | None) -> None:
+    """Raise if a method whose step needs this engine (ESS step size or OPOB) runs with Megatron.
+
+    For verl's policy-loss function (the plugin), which is the only vcpo code a Megatron run calls:
+    there the engine is never built, so the ESS rule and OPOB would be silently skipped.
+    """
+    if not method_name or strategy != "megatron":
+        return
+    rule = step_rule(method_name)
+    if rule.active:
+        raise NotImplementedError(
+            f"method {method_name!r} needs the vcpo engine ({'ESS step size' if rule.ess else ''}"
+            f"{' + ' if rule.ess and rule.opob else ''}{'OPOB' if rule.opob else ''}), which exists for verl's "
+            "FSDP strategy only: the Megatron strategy is not supported. Use actor_rollout_ref.actor.strategy=fsdp2 "
+            f"with +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE}, or a method without them (e.g. seq_tis_c8)"
+        )
+
+
+def check_opob_loss(loss_function) -> None:
+    """OPOB replaces verl's ppo_loss by its own per-sequence update: refuse what that would drop."""
+    from verl.workers.utils.losses import ppo_loss
+
+    if getattr(loss_function, "func", None) is not ppo_loss:
+        raise NotImplementedError(
+            f"OPOB in the vcpo engine replaces verl's ppo_loss; got loss function {loss_function!r}"
+        )
+    config = loss_function.keywords["config"]
+    if config.get("use_kl_loss", False) or config.get("entropy_coeff", 0.0):
+        raise NotImplementedError(
+            "OPOB in the vcpo engine forms the policy-gradient update only: set actor.use_kl_loss=False and "
+            "actor.entropy_coeff=0 (VCPO uses neither), or use a method without OPOB"
+        )
