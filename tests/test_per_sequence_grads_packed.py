@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-import vcpo.core.per_sequence_grads as per_sequence_grads
+import vcpo.core.per_sequence_grads.sites as per_sequence_sites
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.per_sequence_grads import PackedSegments, PerSequenceGradients, check_cu_seqlens, length_buckets
 
@@ -228,7 +228,7 @@ def test_packed_with_groups(mode):
 @pytest.mark.parametrize("slack", [1.0, 1e9])
 def test_bucketing_does_not_change_the_result(slack, mode, monkeypatch):
     """One bucket per distinct length (slack 1), or all sequences padded to the longest (one bucket)."""
-    monkeypatch.setattr(per_sequence_grads, "BUCKET_SLACK", slack)
+    monkeypatch.setattr(per_sequence_sites, "BUCKET_SLACK", slack)  # what _buckets reads
     model = tiny_model("qwen2_tied")
     batch = make_batch(seed=7, lengths=[6, 9, 6, 3, 9], prompts=[2, 3, 1, 1, 4])
     gradients = reference_gradients(model, batch)
@@ -242,7 +242,7 @@ def test_equal_lengths_use_views_of_the_packed_row():
     model = tiny_model("qwen2")
     batch = make_batch(seed=8, lengths=[5, 5, 5, 5], prompts=[1, 2, 3, 4], trailing=2)
     segments = PackedSegments.from_cu_seqlens(batch["cu_seqlens"])
-    (bucket,) = per_sequence_grads._buckets(segments, torch.device("cpu"))
+    (bucket,) = per_sequence_sites._buckets(segments, torch.device("cpu"))
     assert bucket.span == (0, 20) and bucket.token_index is None  # (4, 5, ·) views, no copies
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])

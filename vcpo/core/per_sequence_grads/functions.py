@@ -1,0 +1,136 @@
+"""Autograd functions that return the input gradient as usual and hand the parameter gradient to the
+module's site instead, and the module kinds they serve (Linear, Conv1D, Embedding, LayerNorm, RMSNorm)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vcpo.core.per_sequence_grads.reductions import rms_normalize
+
+if TYPE_CHECKING:
+    from vcpo.core.per_sequence_grads.sites import _Site
+
+# HF RMSNorm classes whose forward is  weight * (x·rsqrt(mean(x²) + eps)) computed in float32.
+# Matched by name so that vcpo.core does not import transformers; every matched module is
+# checked against its own forward when the engine is built.
+HF_RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+def _out_in(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight as an (out, in) matrix: Conv1D stores it transposed."""
+    return weight.t() if transposed else weight
+
+
+class _OuterProductFunction(torch.autograd.Function):
+    """y = x Wᵀ + b (Linear, W: (out, in)) or y = x W + b (Conv1D, W: (in, out))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, site):
+        ctx.site = site
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, _out_in(weight, site.transposed), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ _out_in(weight, ctx.site.transposed) if ctx.needs_input_grad[0] else None
+        ctx.site.outer_product_backward(x, grad_out)
+        return grad_x, None, None, None
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, site):
+        ctx.site = site
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight, site.module.padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ctx.site.embedding_backward(ids, grad_out)
+        return None, None, None
+
+
+class _AffineFunction(torch.autograd.Function):
+    """y = x̂ ⊙ w + b over the last dimension (the affine part of LayerNorm / RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, x_hat, weight, bias, site):
+        ctx.site = site
+        ctx.save_for_backward(x_hat, weight)
+        y = weight * x_hat
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_hat, weight = ctx.saved_tensors
+        grad_x_hat = (grad_out * weight).to(x_hat.dtype)
+        ctx.site.affine_backward(x_hat, grad_out)
+        return grad_x_hat, None, None, None
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The handler for ``module``, or None. Exact types: a subclass may change the forward."""
+    if type(module) is nn.Linear:
+        return "linear"
+    if _is_hf_conv1d(module):
+        return "conv1d"
+    if type(module) is nn.Embedding:
+        return "embedding"
+    if type(module) is nn.LayerNorm:
+        return "layer_norm"
+    if type(module).__name__ in HF_RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+        return "rms_norm"
+    return None
+
+
+def _check_module_options(name: str, kind: str, module: nn.Module) -> None:
+    """Reject module options that couple sequences or change what the handler computes."""
+    if kind == "embedding":
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ValueError(
+                f"embedding {name!r}: max_norm, scale_grad_by_freq and sparse are not supported "
+                "(they rescale weights or couple the sequences of a batch)"
+            )
+    if kind == "layer_norm" and len(module.normalized_shape) != 1:
+        raise ValueError(
+            f"layer norm {name!r}: only a 1-D normalized_shape is supported, got {module.normalized_shape}"
+        )
+
+
+def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward with its parameters routed through the per-sequence functions."""
+    module, kind = site.module, site.kind
+    if kind in ("linear", "conv1d"):
+        return _OuterProductFunction.apply(x, module.weight, module.bias, site)
+    if kind == "embedding":
+        return _EmbeddingFunction.apply(x, module.weight, site)
+    if kind == "layer_norm":
+        x_hat = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    else:
+        x_hat = rms_normalize(x, module.variance_epsilon)
+    return _AffineFunction.apply(x_hat, module.weight, module.bias if kind == "layer_norm" else None, site)
+
+
+def _check_same_forward(name: str, site: _Site) -> None:
+    """The handler must reproduce the module's own forward (guards name-matched HF classes)."""
+    module = site.module
+    width = module.nx if site.kind == "conv1d" else module.weight.shape[-1]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(2, 3, width, generator=generator).to(module.weight.device, module.weight.dtype)
+    with torch.no_grad():
+        expected = type(module).forward(module, probe)
+        actual = _kind_forward(site, probe)
+    tolerance = 1e-2 if module.weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    if expected.shape != actual.shape or not torch.allclose(expected, actual, rtol=tolerance, atol=tolerance):
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) does not compute what its handler assumes; it is not supported"
+        )

@@ -1,0 +1,184 @@
+"""The math of per-sequence gradients as pure functions: outer products and their norms (materialised
+or ghost), sparse embedding rows, RMS normalisation, and the segments of a packed micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("auto", "materialize", "ghost")
+
+# Per-sequence gradients are formed in blocks of weight rows of about this many bytes, so that the
+# reductions that follow read them from cache (CPU: about the L2; GPU: a third of an H100's L2).
+# Unblocked, the reductions over a (B, 32000, 512) lm_head gradient ran at DRAM speed, 1.5x slower.
+DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
+MIN_BLOCK_ROWS = 16
+
+# Packed micro-batches: the per-sequence weight gradients of sequences of unequal lengths are formed
+# in buckets of similar lengths, each padded only to its own longest, with at most this many padded
+# tokens per real token (`length_buckets`). One bucket (pad all to the longest) wasted 2x the
+# multiply-adds at lengths 30-250; more buckets mean more, smaller matmuls.
+BUCKET_SLACK = 1.25
+
+# Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
+# a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
+# --calibrate` measured 43-74 on a 2-core AVX-512 EPYC (512x1536 float32 layer, T = 32-256). CUDA: an
+# estimate, ~4 accesses of 2 bytes per element at ~7 TB/s of L2 against ~400 T bf16 multiply-adds/s.
+DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 512.0}
+
+
+
+def per_sample_outer(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """P_i = Σ_t rows_{i,t} ⊗ cols_{i,t} = rows_iᵀ cols_i, shape (B, R, C), for rows (B, T, R), cols (B, T, C).
+
+    With rows = δ and cols = x this is sequence i's gradient of a Linear weight (out, in).
+    """
+    return torch.bmm(rows.transpose(1, 2), cols)
+
+
+def ghost_sq_norms(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """||rows_iᵀ cols_i||²_F = Σ_{t,s} (rows_t·rows_s)(cols_t·cols_s) per sequence, shape (B,).
+
+    Never forms the (R, C) matrix: cost B·T²·(R + C) multiply-adds and 2·B·T² values of memory.
+    """
+    row_gram = torch.bmm(rows, rows.transpose(1, 2))
+    col_gram = torch.bmm(cols, cols.transpose(1, 2))
+    return torch.einsum("bts,bts->b", row_gram, col_gram)
+
+
+def prefers_ghost(tokens: int, rows: int, cols: int, num_combinations: int, pass_cost: float) -> bool:
+    """True when the ghost route costs less than materialising per-sequence gradients.
+
+    Costs beyond a plain backward, per sequence, in multiply-adds of a large matmul:
+      materialise: the per-sequence matmuls replace autograd's weight gradient (same FLOPs); extra
+                   are the in-cache reductions over R·C values:     pass_cost · R · C
+      ghost:       the Gram matrices, and one weight-gradient matmul per combination beyond the first:
+                   T²·(R + C) + (k − 1)·T·R·C
+    Long sequences therefore materialise; only very short ones (T below ~pass_cost) go ghost.
+    """
+    materialize = pass_cost * rows * cols
+    ghost = tokens * tokens * (rows + cols) + (num_combinations - 1) * tokens * rows * cols
+    return ghost < materialize
+
+
+def sparse_rows_sq_norms(ids: torch.Tensor, rows: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """||Σ_t e_{id_{i,t}} ⊗ rows_{i,t}||² per sequence, shape (B,), for ids (B, T), rows (B, T, d).
+
+    Sequence i's embedding gradient has row v equal to Σ_{t: id_t = v} rows_t, so the rows of
+    repeated ids are summed (per unique (sequence, id) key) before squaring.
+    """
+    batch, _ = ids.shape
+    sequence = torch.arange(batch, device=ids.device).unsqueeze(1)
+    keys = (sequence * num_embeddings + ids).flatten()
+    unique_keys, key_of_position = torch.unique(keys, return_inverse=True)
+    flat_rows = rows.reshape(-1, rows.shape[-1])
+    summed = flat_rows.new_zeros(unique_keys.numel(), flat_rows.shape[1]).index_add_(0, key_of_position, flat_rows)
+    key_sq_norms = torch.linalg.vecdot(summed, summed).to(torch.float64)
+    return key_sq_norms.new_zeros(batch).index_add_(0, unique_keys // num_embeddings, key_sq_norms)
+
+
+def rows_at_ids(delta: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows H_i[id_{i,s}] of sequence i's Linear weight gradient H_i = δ_iᵀ x_i, shape (B, S, d_in).
+
+    H_i[v] = Σ_t δ_{i,t,v} x_{i,t}: gathers the δ columns at the ids instead of forming H_i,
+    cost B·T·S·d_in. Used for the cross term of a tied embedding/lm_head weight.
+    """
+    batch, tokens, _ = delta.shape
+    columns = delta.gather(2, ids.unsqueeze(1).expand(batch, tokens, ids.shape[1]))
+    return torch.bmm(columns.transpose(1, 2), x)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x·rsqrt(mean(x²) + eps) in float32, cast back to x's dtype (the HF Llama/Qwen2 RMSNorm)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """Validate the offsets of B packed sequences: 1-D integers 0 = c_0 < c_1 < ... < c_B; returns them as int64.
+
+    Raises ValueError naming what is wrong (length against the B coefficients, not starting at 0,
+    not strictly increasing: an empty sequence has no gradient to attribute).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with B + 1 = {batch + 1} offsets for the {batch} sequences of coef_r, "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+    offsets = cu_seqlens.detach().to(torch.int64)
+    if int(offsets[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(offsets[0])}")
+    if not bool((offsets[1:] > offsets[:-1]).all()):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {offsets.tolist()}")
+    return offsets
+
+
+def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
+    """Sequence indices grouped so that padding each group to its longest costs <= slack x its tokens.
+
+    Greedy over the lengths in decreasing order: a sequence joins the current group while
+    (size + 1) · longest <= slack · (tokens + its length), else it starts a new group. Within a group the
+    indices are increasing. Equal lengths give one group.
+    """
+    buckets: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if buckets and (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= slack * (tokens + lengths[i]):
+            buckets[-1].append(i)
+            tokens += lengths[i]
+        else:
+            buckets.append([i])
+            tokens = lengths[i]
+    return [sorted(bucket) for bucket in buckets]
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """B sequences packed along the token dimension of one row, at offsets cu_seqlens (B + 1,).
+
+    Token t < cu_seqlens[-1] belongs to sequence i with cu_seqlens[i] <= t < cu_seqlens[i + 1]; tokens
+    from cu_seqlens[-1] on (trailing padding) belong to none. `pad` lays a packed tensor out as
+    (B, max_len, ...) with zeros after each sequence's end, the one-row-per-sequence layout of the
+    embedding and norm handlers (Linear/Conv1D use the tighter `_Bucket` layouts); zero rows add
+    nothing to any per-sequence gradient, norm or cross term, so the result is exact and trailing
+    padding tokens are left out.
+    """
+
+    cu_seqlens: torch.Tensor  # (B + 1,) int64
+    max_len: int
+    flat_index: torch.Tensor  # (total,) position of every packed token in the flattened (B, max_len) layout
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device | None = None) -> PackedSegments:
+        offsets = cu_seqlens.to(device=device, dtype=torch.int64)
+        lengths = offsets[1:] - offsets[:-1]
+        max_len = int(lengths.max())
+        batch, total = lengths.shape[0], int(offsets[-1])
+        sequence = torch.repeat_interleave(torch.arange(batch, device=offsets.device), lengths, output_size=total)
+        position = torch.arange(total, device=offsets.device) - offsets[sequence]
+        return cls(offsets, max_len, sequence * max_len + position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.flat_index.shape[0]
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) with tokens >= total_tokens  ->  (B, max_len, ...), zero-filled; trailing tokens dropped."""
+        rest = packed.shape[1:]
+        padded = packed.new_zeros((self.batch_size * self.max_len, *rest))
+        padded.index_copy_(0, self.flat_index, packed[: self.total_tokens])
+        return padded.view(self.batch_size, self.max_len, *rest)

@@ -1,0 +1,380 @@
+"""One site per parameterised module, and the per-micro-batch accumulator that reduces each module's
+per-sequence gradients to squared norms and to the coefficient combinations (G_R, the score buffers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from vcpo.core.per_sequence_grads.functions import _kind_forward
+from vcpo.core.per_sequence_grads.reductions import (
+    BUCKET_SLACK,
+    MIN_BLOCK_ROWS,
+    PackedSegments,
+    ghost_sq_norms,
+    length_buckets,
+    per_sample_outer,
+    prefers_ghost,
+    rows_at_ids,
+    sparse_rows_sq_norms,
+)
+
+if TYPE_CHECKING:
+    from vcpo.core.per_sequence_grads import PerSequenceGradients
+
+@dataclass(eq=False)
+class _Site:
+    """One handled module: installs its per-sequence forward and routes its backward to the micro-batch."""
+
+    engine: PerSequenceGradients
+    name: str
+    module: nn.Module
+    kind: str
+
+    @property
+    def transposed(self) -> bool:
+        return self.kind == "conv1d"
+
+    def install(self) -> None:
+        # An instance attribute shadows the class's forward; nn.Module.__call__ (hooks included) is unchanged.
+        self.module.forward = self.forward
+
+    def uninstall(self) -> None:
+        del self.module.forward
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        if len(args) != 1 or kwargs:
+            raise ValueError(f"module {self.name!r}: the per-sequence forward takes exactly one input tensor")
+        (x,) = args
+        micro_batch = self.engine.active_micro_batch(self.name)
+        if torch.is_grad_enabled():
+            micro_batch.forward_ran(self.name)
+        if micro_batch.segments is not None:
+            self._check_packed_input(x, micro_batch.segments)
+            if self.kind == "embedding":
+                micro_batch.record_tied_ids(self.module.weight, micro_batch.per_sequence(x))
+        elif self.kind == "embedding":
+            x = self._per_sequence_ids(x, micro_batch.batch_size)
+            micro_batch.record_tied_ids(self.module.weight, x)
+        elif x.shape[0] != micro_batch.batch_size:
+            raise ValueError(
+                f"module {self.name!r}: input batch dimension {x.shape[0]} != micro-batch size "
+                f"{micro_batch.batch_size} (one row per sequence, or pass cu_seqlens= for packed sequences)"
+            )
+        return _kind_forward(self, x)
+
+    def _check_packed_input(self, x: torch.Tensor, segments: PackedSegments) -> None:
+        """Packed micro-batch: ids (1, tokens) or activations (1, tokens, width), tokens >= cu_seqlens[-1]."""
+        expected = 2 if self.kind == "embedding" else 3
+        what = "ids of shape (1, tokens)" if expected == 2 else "input of shape (1, tokens, width)"
+        if x.dim() != expected or x.shape[0] != 1:
+            raise ValueError(
+                f"module {self.name!r}: a packed micro-batch (cu_seqlens given) needs {what}, got {tuple(x.shape)}"
+            )
+        if x.shape[1] < segments.total_tokens:
+            raise ValueError(
+                f"module {self.name!r}: cu_seqlens[-1] = {segments.total_tokens} is beyond the token dimension "
+                f"{x.shape[1]} of its input {tuple(x.shape)}"
+            )
+
+    def _per_sequence_ids(self, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
+        if ids.dim() == 2 and ids.shape[0] == 1 and batch_size > 1:
+            # A lookup shared by all rows (GPT-2 positions): give every sequence its own copy so that
+            # its gradient stays per-sequence; the broadcast sum downstream is unchanged.
+            return ids.expand(batch_size, -1)
+        if ids.dim() != 2 or ids.shape[0] != batch_size:
+            raise ValueError(
+                f"embedding {self.name!r}: ids must have shape (batch, tokens) with batch {batch_size}, "
+                f"got {tuple(ids.shape)}"
+            )
+        return ids
+
+    # Backward handlers: each forms the per-sequence gradients of its parameters.
+
+    def outer_product_backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        micro_batch = self.engine.active_micro_batch(self.name)
+        batch = micro_batch.batch_size
+        # (bucket, x_b, δ_b): (B_b, T_b, ·) rows, zero after each sequence's end (`_Bucket`).
+        parts = [(bucket, bucket.gather(x, batch), bucket.gather(grad_out, batch)) for bucket in micro_batch.buckets]
+        weight, bias = self.module.weight, self.module.bias
+        if weight.requires_grad:
+            outer = [(bucket, *((x_b, d_b) if self.transposed else (d_b, x_b))) for bucket, x_b, d_b in parts]
+            micro_batch.add_outer_products(self.name, weight, outer)
+            if micro_batch.is_tied(weight):
+
+                def rows_at(ids: torch.Tensor) -> torch.Tensor:
+                    return micro_batch.from_buckets(
+                        [(b, micro_batch.chunked_rows_at_ids(d_b, x_b, b.rows_of(ids))) for b, x_b, d_b in parts]
+                    )
+
+                micro_batch.add_tied_part(weight, rows_at)
+        if bias is not None and bias.requires_grad:
+            micro_batch.add_dense(self.name, bias, micro_batch.from_buckets([(b, d_b.sum(1)) for b, _, d_b in parts]))
+
+    def embedding_backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> None:
+        micro_batch = self.engine.active_micro_batch(self.name)
+        if micro_batch.segments is not None:
+            ids, grad_out = micro_batch.per_sequence(ids), micro_batch.per_sequence(grad_out)
+        padding_idx = self.module.padding_idx
+        rows = grad_out if padding_idx is None else grad_out * (ids != padding_idx).unsqueeze(-1).to(grad_out.dtype)
+        weight = self.module.weight
+        micro_batch.add_sparse_rows(self.name, weight, ids, rows)
+        if micro_batch.is_tied(weight):
+            micro_batch.add_tied_part(weight, lambda _ids: rows)
+
+    def affine_backward(self, x_hat: torch.Tensor, grad_out: torch.Tensor) -> None:
+        micro_batch = self.engine.active_micro_batch(self.name)
+        x_hat, delta = micro_batch.per_sequence(x_hat), micro_batch.per_sequence(grad_out)
+        weight, bias = self.module.weight, getattr(self.module, "bias", None)
+        if weight.requires_grad:
+            micro_batch.add_dense(self.name, weight, (delta * x_hat).sum(1))
+        if bias is not None and bias.requires_grad:
+            micro_batch.add_dense(self.name, bias, delta.sum(1))
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Sequences whose per-sequence weight gradients are formed together, as (B_b, T_b, ...) rows.
+
+    One row per sequence: the single default bucket, every sequence, the input reshaped to (B, T, ...).
+    Packed: the sequences of one `length_buckets` group (``sequences``), laid out with T_b = their
+    longest length, zero after each end; ``span`` when they are consecutive and of equal length (a view
+    of the packed tokens), else ``token_index`` (their packed tokens) and ``slot_index`` (where those go
+    in the flattened (B_b, T_b) layout).
+    """
+
+    sequences: torch.Tensor | None = None  # (B_b,) indices in the micro-batch
+    tokens: int = 0
+    span: tuple[int, int] | None = None
+    token_index: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
+
+    def gather(self, values: torch.Tensor, batch: int) -> torch.Tensor:
+        """A module input or output gradient -> this bucket's (B_b, T_b, ...) rows."""
+        if self.sequences is None:
+            return values.reshape(batch, -1, values.shape[-1])
+        packed, count = values[0], self.sequences.shape[0]
+        if self.span is not None:
+            return packed[self.span[0] : self.span[1]].view(count, self.tokens, *packed.shape[1:])
+        out = packed.new_zeros((count * self.tokens, *packed.shape[1:]))
+        out.index_copy_(0, self.slot_index, packed.index_select(0, self.token_index))
+        return out.view(count, self.tokens, *packed.shape[1:])
+
+    def rows_of(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """(B, ...) -> this bucket's rows (B_b, ...)."""
+        return per_sequence if self.sequences is None else per_sequence.index_select(0, self.sequences)
+
+
+def _buckets(segments: PackedSegments | None, device: torch.device) -> list[_Bucket]:
+    """The default bucket, or the `length_buckets` groups of a packed micro-batch."""
+    if segments is None:
+        return [_Bucket()]
+    offsets, lengths = segments.cu_seqlens.tolist(), segments.lengths
+    buckets = []
+    for group in length_buckets(lengths, BUCKET_SLACK):
+        tokens = max(lengths[i] for i in group)
+        sequences = torch.tensor(group, device=device)
+        if group == list(range(group[0], group[-1] + 1)) and all(lengths[i] == tokens for i in group):
+            buckets.append(_Bucket(sequences, tokens, span=(offsets[group[0]], offsets[group[-1] + 1])))
+            continue
+        token_index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+        slot_index = torch.cat([slot * tokens + torch.arange(lengths[i]) for slot, i in enumerate(group)])
+        buckets.append(_Bucket(sequences, tokens, None, token_index.to(device), slot_index.to(device)))
+    return buckets
+
+
+@dataclass
+class _TiedState:
+    """The embedding ids of a tied weight, and the rows its first-arriving part left for the cross term."""
+
+    ids: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _MicroBatch:
+    """Accumulates one micro-batch: squared norms, and k combinations into p.grad and the score buffers."""
+
+    engine: PerSequenceGradients
+    coefficients: torch.Tensor  # (k, B) float64: row 0 = c^R, row 1 + j = c^S of the sequences of labels[j]
+    labels: list
+    sq_norms: torch.Tensor  # (B,) float64
+    groups: torch.Tensor | None = None
+    segments: PackedSegments | None = None  # None: one row per sequence
+    buckets: list = field(default_factory=lambda: [_Bucket()])  # of the per-sequence weight gradients
+    received: set = field(default_factory=set)  # (site name, parameter id) of every gradient part
+    forwards: set = field(default_factory=set)  # sites whose forward built a graph
+    tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
+    _cast: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.coefficients.shape[1]
+
+    def coefficients_as(self, like: torch.Tensor, bucket: _Bucket | None = None) -> torch.Tensor:
+        """The (k, B) coefficients in like's dtype and device; with a bucket, its columns (k, B_b)."""
+        sequences = None if bucket is None else bucket.sequences
+        key = (like.dtype, like.device, None if sequences is None else id(bucket))
+        if key not in self._cast:
+            cast = self.coefficients.to(device=like.device, dtype=like.dtype)
+            self._cast[key] = cast if sequences is None else cast[:, sequences.to(like.device)]
+        return self._cast[key]
+
+    def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """A module input or output gradient as (B, T, ...), row i = sequence i.
+
+        One row per sequence: (B, ..., width) -> (B, T, width). Packed: (1, tokens, ...) -> (B, max_len, ...),
+        zero after each sequence's end (`PackedSegments.pad`); tokens after cu_seqlens[-1] are dropped.
+        """
+        if self.segments is not None:
+            return self.segments.pad(values[0])
+        return values.reshape(self.batch_size, -1, values.shape[-1])
+
+    def forward_ran(self, name: str) -> None:
+        self.forwards.add(name)
+
+    def is_tied(self, param: torch.Tensor) -> bool:
+        return id(param) in self.engine.tied_params
+
+    def record_tied_ids(self, param: torch.Tensor, ids: torch.Tensor) -> None:
+        if self.is_tied(param):
+            self.tied.setdefault(id(param), _TiedState()).ids = ids
+
+    def _receive(self, name: str, param: torch.Tensor) -> None:
+        """Each module contributes each parameter's gradient once per micro-batch: a second part from
+        the same module (called twice, or a second backward) would need a cross term nobody computes."""
+        key = (name, id(param))
+        if key in self.received:
+            raise RuntimeError(
+                f"module {name!r} received a second gradient for the same parameter in one micro-batch (called "
+                "twice, or two backward passes); its per-sequence norm would miss the cross term"
+            )
+        self.received.add(key)
+
+    def _targets(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """Flat views of p.grad (G_R) and of the score buffer of each label of this micro-batch (G_S^γ)."""
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        buffers = [self.engine.score_buffer(label, param) for label in self.labels]
+        return [param.grad.view(-1)] + [buffer.view(-1) for buffer in buffers]
+
+    def _add_sq_norms(self, values: torch.Tensor, bucket: _Bucket | None = None) -> None:
+        """sq_norms += values, one per sequence (of the bucket's sequences, if given)."""
+        values = values.to(device=self.sq_norms.device, dtype=torch.float64)
+        if bucket is None or bucket.sequences is None:
+            self.sq_norms += values
+        else:
+            self.sq_norms.index_add_(0, bucket.sequences.to(self.sq_norms.device), values)
+
+    def _accumulate(
+        self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, bucket: _Bucket | None = None
+    ) -> None:
+        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n).
+
+        With a bucket, the rows of per_sample are its sequences (B_b, n).
+        """
+        per_sample = per_sample.reshape(per_sample.shape[0], -1).to(param.dtype)
+        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample), bucket)
+        coefficients = self.coefficients_as(per_sample, bucket)
+        n = per_sample.shape[1]
+        for row, target in enumerate(self._targets(param)):
+            target[offset : offset + n].view(1, n).addmm_(coefficients[row : row + 1], per_sample)
+
+    def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
+        """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
+        self._receive(name, param)
+        self._accumulate(param, per_sample, 0)
+
+    def add_outer_products(self, name: str, param: torch.Tensor, parts: list) -> None:
+        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route.
+
+        ``parts``: (bucket, rows (B_b, T_b, R), cols (B_b, T_b, C)) for every bucket of the micro-batch.
+        """
+        self._receive(name, param)
+        for bucket, rows, cols in parts:
+            self._add_bucket_outer_products(param, bucket, rows, cols)
+
+    def from_buckets(self, parts: list) -> torch.Tensor:
+        """Per-bucket values (bucket, (B_b, ...)) -> per-sequence values (B, ...) in micro-batch order."""
+        if len(parts) == 1 and parts[0][0].sequences is None:
+            return parts[0][1]
+        first = parts[0][1]
+        out = first.new_zeros((self.batch_size, *first.shape[1:]))
+        for bucket, values in parts:
+            out.index_copy_(0, bucket.sequences, values)
+        return out
+
+    def _add_bucket_outer_products(
+        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
+    ) -> None:
+        batch, tokens, num_rows, num_cols = rows.shape[0], rows.shape[1], rows.shape[2], cols.shape[2]
+        mode = self.engine.mode
+        if mode == "ghost" or (
+            mode == "auto"
+            and prefers_ghost(tokens, num_rows, num_cols, self.coefficients.shape[0], self.engine.pass_cost(param))
+        ):
+            self._add_outer_products_ghost(param, bucket, rows, cols)
+            return
+        # Blocks of weight rows small enough to stay in cache between the matmul and the reductions.
+        block_rows = self.engine.block_bytes(param) // (batch * num_cols * param.element_size())
+        block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
+        for start in range(0, num_rows, block_rows):
+            block = per_sample_outer(rows[..., start : start + block_rows], cols)
+            self._accumulate(param, block, start * num_cols, bucket)
+
+    def _add_outer_products_ghost(
+        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
+    ) -> None:
+        batch, tokens = rows.shape[0], rows.shape[1]
+        chunk = max(1, self.engine.block_bytes(param) // (2 * tokens * tokens * rows.element_size()))
+        norms = [ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)]
+        self._add_sq_norms(torch.cat(norms), bucket)
+        coefficients = self.coefficients_as(rows, bucket)
+        flat_cols = cols.reshape(-1, cols.shape[-1])
+        for row, target in enumerate(self._targets(param)):
+            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
+            target.view(rows.shape[-1], -1).addmm_(weighted_rows.t(), flat_cols)
+
+    def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
+        self._receive(name, param)
+        self._add_sq_norms(sparse_rows_sq_norms(ids, rows, param.shape[0]))
+        rows = rows.to(param.dtype)
+        coefficients = self.coefficients_as(rows)
+        flat_ids = ids.flatten()
+        for row, target in enumerate(self._targets(param)):
+            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
+            target.view(param.shape).index_add_(0, flat_ids, weighted_rows)
+
+    def chunked_rows_at_ids(self, delta: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`rows_at_ids` over chunks of ids, so the gathered (B, T, S) columns stay within ``block_bytes``."""
+        batch, tokens = delta.shape[0], delta.shape[1]
+        chunk = max(1, self.engine.block_bytes(delta) // (batch * tokens * delta.element_size()))
+        return torch.cat([rows_at_ids(delta, x, ids[:, s : s + chunk]) for s in range(0, ids.shape[1], chunk)], 1)
+
+    def add_tied_part(self, param: torch.Tensor, rows_at) -> None:
+        """Cross term 2 Σ_t <H_i[id_t], δ^E_{i,t}> of a tied weight, once both parts have arrived.
+
+        ``rows_at(ids)`` gives this part's rows at the embedding positions, shape (B, T_e, d).
+        """
+        state = self.tied.get(id(param))
+        if state is None or state.ids is None:
+            return  # the embedding did not run in this micro-batch: there is no cross term
+        rows = rows_at(state.ids)
+        if state.rows is None:
+            state.rows = rows
+            return
+        self._add_sq_norms(2.0 * torch.einsum("btd,btd->b", state.rows, rows))
+        state.rows = None
+
+    def check_complete(self) -> None:
+        received = {name for name, _ in self.received}
+        missing = sorted(self.forwards - received)
+        if missing:
+            raise RuntimeError(
+                f"modules {missing[:3]} ran a forward inside `micro_batch` but their backward did not run inside "
+                "it; call backward() inside the `with engine.micro_batch(...)` block"
+            )
