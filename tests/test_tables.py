@@ -11,7 +11,6 @@ from vcpo.tables.specs import validate_spec
 from vcpo.tables.table1 import table1_data
 
 
-
 def write_lines(folder, lines):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
