@@ -69,7 +69,7 @@ def test_every_preset_runs(base, tmp_path, method):
 
 def test_wandb_logging_goes_through_verls_tracking(base, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the code path of wandb=true, without files or network
-    out = Trainer(small_config(base, tmp_path / "wandb", wandb=True, steps=1)).run()
+    out = Trainer(small_config(base, tmp_path / "wandb", wandb=True, steps=1, lag=1)).run()
     assert len((out / METRICS).read_text().splitlines()) == 1
 
 
@@ -82,7 +82,7 @@ def test_lag_models_through_the_trainer_keep_the_versions_they_need(base, tmp_pa
 
 def test_sync_preset_refuses_a_lag_and_trains_on_policy(base, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"method 'sync' fixes the policy lag to 0 \(max_lag in its preset\), got 5"):
-        validate(small_config(base, tmp_path / "sync", method="sync", lag=5))
+        validate(small_config(base, tmp_path / "sync", method="sync", lag=5, steps=8))
     assert sim_main(["train", "--method", "sync", "--lag", "12", "--out", str(tmp_path / "cli"), f"base={base}"]) == 2
     assert "fixes the policy lag to 0" in capsys.readouterr().err and not (tmp_path / "cli").exists()
     out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=0)).run()
@@ -155,25 +155,56 @@ def _metrics_without_timing(path: Path) -> list[dict]:
     return [{k: v for k, v in line.items() if not k.startswith(TIMING_PREFIXES)} for line in lines]
 
 
-@pytest.mark.slow
-def test_resume_after_kill_gives_the_same_metrics(base, tmp_path):
-    """Kill a run mid-way (SIGKILL), restart it: nothing lost, nothing repeated, the same numbers."""
-    overrides = {**SMALL, "steps": 8, "eval_every": 3, "checkpoint_every": 2, "lag": 3, "method": "vcpo", "base": base}
-    command = [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in overrides.items()], "threads=1"]
-    reference = tmp_path / "reference"
-    subprocess.run([*command, f"out={reference}"], check=True, capture_output=True)
+RESUME = {**SMALL, "steps": 8, "eval_every": 3, "checkpoint_every": 2, "lag": 3, "method": "vcpo"}
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(base, tmp_path_factory):
+    reference = tmp_path_factory.mktemp("reference")
+    command = [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}"]
+    subprocess.run([*command, "threads=1", f"out={reference}"], check=True, capture_output=True)
+    return _metrics_without_timing(reference / METRICS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stop, lines_before",
+    [(signal.SIGINT, 1), (signal.SIGKILL, 1), (signal.SIGINT, 5), (signal.SIGKILL, 5)],
+    ids=["ctrl-c-before-first-checkpoint", "kill-before-first-checkpoint", "ctrl-c-mid-way", "kill-mid-way"],
+)
+def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterrupted, stop, lines_before):
+    """Stop a real run (Ctrl-C or SIGKILL) before or after its first checkpoint (every 2 steps), restart it:
+    every step's metrics exactly once, the same numbers as the uninterrupted run."""
+    command = [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", "threads=1"]
     resumed = tmp_path / "resumed"
     process = subprocess.Popen([*command, f"out={resumed}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         metrics = resumed / METRICS
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines_before:
             break
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
+        time.sleep(0.02)
+    os.kill(process.pid, stop)
     process.wait()
-    killed_at = len((resumed / METRICS).read_text().splitlines())
-    assert 5 <= killed_at < 9, "the run was not killed mid-way"
+    stopped_at = len((resumed / METRICS).read_text().splitlines())
+    assert lines_before <= stopped_at < 9, "the run was not stopped where intended"
     subprocess.run([*command, f"out={resumed}"], check=True, capture_output=True)
-    assert _metrics_without_timing(resumed / METRICS) == _metrics_without_timing(reference / METRICS)
+    assert _metrics_without_timing(resumed / METRICS) == uninterrupted
+
+
+def test_a_restart_with_other_settings_is_refused_naming_them(base, tmp_path, capsys):
+    out = tmp_path / "run"
+    command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "steps=2", "lag=2"]
+    assert sim_main(command) == 0
+    before = (out / METRICS).read_text()
+    assert sim_main([*command, "method=sync", "lag=0", "lr=1e-4"]) == 2
+    error = capsys.readouterr().err
+    assert "holds a checkpoint of a run with other settings" in error
+    assert "method: 'vcpo' -> 'sync'" in error and "lag: 2 -> 0" in error and "lr: 5e-05 -> 0.0001" in error
+    assert (out / METRICS).read_text() == before and json.loads((out / "config.json").read_text())["method"] == "vcpo"
+    assert sim_main([*command, "threads=1", "progress=false"]) == 0  # what does not change the result may differ
+
+
+def test_a_lag_the_run_cannot_reach_is_refused(base, tmp_path):
+    with pytest.raises(ConfigError, match=r"a lag of 100000 cannot be reached in a run of 200 steps \(the bound: lag <= steps\)"):
+        validate(small_config(base, tmp_path / "x", lag=100000, steps=200))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,19 @@ class SimConfig:
 
 
 FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
+# Keys a restart may change: they do not change what the run computes.
+RESUMABLE_CHANGES = ("threads", "progress", "wandb", "checkpoint_every", "out", "config_file", "extra")
+
+
+def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
+    """``key: recorded -> now`` for every result-changing key where ``config`` differs from a run's
+    recorded ``config.json``."""
+    now = json.loads(json.dumps(config.to_dict(), default=str))  # the recorded form: tuples as lists
+    now["max_response_tokens"] = config.response_budget  # recorded resolved
+    if config.base is None:  # the cached SFT base of (task, model_size, base_seed), which are compared
+        del now["base"]
+    return [f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in now.items()
+            if key not in RESUMABLE_CHANGES and recorded.get(key) != value]
 
 
 def _parse_value(key: str, text: str) -> Any:
@@ -258,6 +272,8 @@ def validate(config: SimConfig) -> SimConfig:
             f"method {method.name!r} differs from its parent only by fp16 precision; run it with rollout_dtype=preset "
             "(fp16 rollouts against the learner), otherwise it would silently be a different method",
         )
+    if config.lag > config.steps:
+        fail("lag", f"a lag of {config.lag} cannot be reached in a run of {config.steps} steps (the bound: lag <= steps)")
     fixed = method.spec.get("max_lag")
     if fixed is not None and config.lag != fixed:
         fail("lag", f"method {method.name!r} fixes the policy lag to {fixed} (max_lag in its preset), got {config.lag}")

@@ -217,11 +217,10 @@ class Learner:
         self.actor_config.global_batch_info.update(
             dp_size=1, batch_num_tokens=int(batch.mask.sum()), global_batch_size=int(valid_rows.sum())
         )
-        with step_rule_applied():  # this learner applies the ESS step size and OPOB below
-            if self.opob is not None:
-                log_prob, loss_metrics = self._opob_backward(batch, rewards, timings)
-            else:
-                log_prob, loss_metrics = self._loss_backward(batch, advantages, prox_log_prob, timings)
+        if self.opob is not None:
+            log_prob, loss_metrics = self._opob_backward(batch, rewards, timings)
+        else:
+            log_prob, loss_metrics = self._loss_backward(batch, advantages, prox_log_prob, timings)
 
         started = time.perf_counter()
         r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
@@ -284,6 +283,10 @@ class Learner:
         return torch.cat(log_probs), metrics
 
     def _call_loss(self, mb: Batch, log_prob, advantages, prox_log_prob):
+        with step_rule_applied():  # this learner applies the preset's ESS step size and OPOB in `update`
+            return self._policy_loss(mb, log_prob, advantages, prox_log_prob)
+
+    def _policy_loss(self, mb: Batch, log_prob, advantages, prox_log_prob):
         if self.needs_prox:
             # decoupled convention of the plugin: old = proximal, rollout_is_weights = π_prox / π_b untruncated
             prox = log_prob.detach() if prox_log_prob is None else prox_log_prob

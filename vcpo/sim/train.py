@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from vcpo.sim.config import SimConfig, validate
+from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool, use_grouped_query_sdpa
 
@@ -52,6 +52,7 @@ class Trainer:
         self.config = validate(config)
         if config.out is None:
             raise ValueError("config key 'out': a run needs an output folder")
+        self._check_resumable(Path(config.out))
         if config.threads:
             torch.set_num_threads(config.threads)
         self.out = Path(config.out)
@@ -156,9 +157,23 @@ class Trainer:
         torch.save(state, partial)
         partial.replace(self.out / CHECKPOINT)
 
+    def _check_resumable(self, out: Path) -> None:
+        """A folder holding a checkpoint is resumed only by a run with the same settings (before any work)."""
+        recorded = out / "config.json"
+        if not (out / CHECKPOINT).exists() or not recorded.exists():
+            return
+        changed = settings_changed(json.loads(recorded.read_text()), self.config)
+        if changed:
+            raise ConfigError(
+                f"{out} holds a checkpoint of a run with other settings ({'; '.join(changed)}): resuming it would "
+                "file that run under these settings; use another --out, or delete the folder to start over"
+            )
+
     def maybe_resume(self) -> None:
         path = self.out / CHECKPOINT
         if not path.exists():
+            # nothing to resume: metrics of an attempt stopped before its first checkpoint are redone
+            (self.out / METRICS).unlink(missing_ok=True)
             return
         state = torch.load(path, weights_only=False)
         self.model.load_state_dict(state["model"])
