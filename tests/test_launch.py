@@ -266,3 +266,11 @@ def test_the_engine_is_rechecked_after_the_users_overrides(override, named):
 def test_a_method_without_the_engine_needs_none_of_it():
     run = make_run("math", "seq_tis_c8")
     check(run, compose(run, ["actor_rollout_ref.actor.strategy=fsdp"]), check_paths=False)
+
+
+def test_a_lag_the_run_cannot_reach_is_refused():
+    with pytest.raises(LaunchError, match=r"--lag 100000: task 'math' trains 400 steps"):
+        make_run("math", "vcpo", 100000)
+    shorter = make_run("math", "vcpo", 12)
+    with pytest.raises(LaunchError, match=r"num_warmup_batches=12 \(the lag k\) exceeds trainer.total_training_steps=10"):
+        check(shorter, compose(shorter, ["trainer.total_training_steps=10"]), check_paths=False)

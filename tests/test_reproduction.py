@@ -100,6 +100,8 @@ def broken(name: str, **changes) -> dict:
         ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag48/seed0: config key 'rollout_dtype'"),
         ("paper", {"data": {"dir": "data", "source_dir": "/no/such/folder"}}, "data.source_dir: '/no/such/folder'"),
         ("paper", {"tasks": {"gsm8k": "gsm8k", "math": "countdown_v2"}}, "tasks.math: 'countdown_v2' is not a task"),
+        ("ci", {"lags": {"10": 100000}}, "sim: run countdown/seq_tis_c8/lag100000/seed0: config key 'lag': a lag of 100000 cannot"),
+        ("paper", {"lags": {"10": 100000}}, "lags: run countdown/seq_tis_c8/lag100000/seed0: --lag 100000: task 'countdown' trains 400"),
     ],
 )
 def test_a_broken_config_fails_when_the_plan_is_made_naming_the_key(name, changes, message):

@@ -115,6 +115,9 @@ def make_run(
         raise LaunchError(f"--lag {lag}: method {method!r} fixes the policy lag to {forced} (max_lag in its preset)")
     if lag is not None and lag < 0:
         raise LaunchError(f"--lag must be >= 0, got {lag}")
+    steps = task_recipe.paper["training_steps"]
+    if lag is not None and lag > steps:
+        raise LaunchError(f"--lag {lag}: task {task!r} trains {steps} steps, a lag above that cannot be reached (lag <= steps)")
     resolved_lag = forced if forced is not None else (lag if lag is not None else task_recipe.paper["max_lag"])
     return Run(task_recipe, method_preset, resolved_lag, seed, Path(data_dir), Path(output_dir))
 
@@ -412,6 +415,20 @@ def check_engine(config) -> None:
         )
 
 
+def check_lag(config) -> None:
+    """A policy lag the run can honour: no more warm-up batches (the lag k) than training steps, so that
+    the pipeline fills and the lag is reached within the run."""
+    if config.trainer.v1.trainer_mode != "separate_async":
+        return
+    lag = config.trainer.v1.separate_async.num_warmup_batches
+    steps = config.trainer.total_training_steps
+    if steps is not None and lag > steps:
+        raise LaunchError(
+            f"trainer.v1.separate_async.num_warmup_batches={lag} (the lag k) exceeds trainer.total_training_steps="
+            f"{steps}: a lag of {lag} cannot be reached in the run (the bound: lag <= steps)"
+        )
+
+
 def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True) -> None:
     """Validate a composed config before launch; raise `LaunchError` naming the key at fault.
 
@@ -428,6 +445,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
             "actor.policy_loss.loss_mode by its own 'bypass_mode' loss, so the method's loss would not run"
         )
     check_engine(config)
+    check_lag(config)
     rollout = config.actor_rollout_ref.rollout
     separate = config.trainer.v1.trainer_mode == "separate_async"
     rollout_gpus = rollout.n_gpus_per_node if separate else config.trainer.n_gpus_per_node
