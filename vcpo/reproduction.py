@@ -94,6 +94,23 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
             raise ConfigError(
                 f"tasks.{paper_task}: {task!r} is not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
             )
+    from vcpo.methods import get_method
+    from vcpo.recipes import load_tasks
+
+    paper_tasks = set(load_tasks())
+    unknown = sorted(set(config["tasks"]) - paper_tasks)
+    if unknown:
+        raise ConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
+    paper_lags = {str(spec["lag"]) for spec in specs.values() if spec.get("lag") is not None}
+    paper_lags |= {str(task.paper["max_lag"]) for task in load_tasks().values()}
+    unknown = sorted(set(config.get("lags", {})) - paper_lags, key=str)
+    if unknown:
+        raise ConfigError(f"lags: {unknown} are not lags of the paper's figures or tasks; known: {sorted(paper_lags, key=int)}")
+    for method in config.get("sim_methods", {}):
+        try:
+            get_method(method)
+        except ValueError as error:
+            raise ConfigError(f"sim_methods: {error}") from None
 
 
 def _backend_tasks(backend: str) -> set[str]:
