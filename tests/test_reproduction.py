@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,25 @@ def dry_run(config_name: str, results: Path) -> str:
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["ci", "paper"])
+def test_paths_with_spaces_stay_one_argument(tmp_path, name):
+    """Every shell command of the workflow, with a results folder whose path has spaces: each path
+    reaches its program as one argument (no split, no redirection elsewhere)."""
+    results = tmp_path / "with space" / "results"
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "-p", "--configfile",
+               str(CONFIGS / f"{name}.yaml"), "--config", f"results={results}"]
+    output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert output.returncode == 0, output.stdout + output.stderr
+    commands = [line.removeprefix("Shell command: ") for line in output.stdout.splitlines() if line.startswith("Shell command: ")]
+    assert len(commands) > 3
+    with_results = 0
+    for line in commands:
+        pieces = [token for token in shlex.split(line) if "space" in token or token.startswith(str(tmp_path))]
+        assert all(str(results) in token for token in pieces), line
+        with_results += bool(pieces)
+    assert with_results >= len(commands) - 10  # all but the data builds and the like, which write elsewhere
 
 
 def job_counts(output: str) -> dict[str, int]:

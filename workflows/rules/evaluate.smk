@@ -29,7 +29,7 @@ if config["backend"] == "verl":
             step=lambda wildcards: wildcards.checkpoint.removeprefix("step"),
             benchmarks=lambda wildcards: ",".join(config["evaluation"]["benchmarks"][paper_task(wildcards.task)]),
             source=lambda wildcards: (
-                f"--source-dir {config['data']['source_dir']}" if config["data"].get("source_dir") else ""
+                f"--source-dir {shlex.quote(config['data']['source_dir'])}" if config["data"].get("source_dir") else ""
             ),
             args=" ".join(config["evaluation"].get("args", [])),
         resources:
@@ -38,9 +38,9 @@ if config["backend"] == "verl":
             f"{R}/logs/eval/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}-{{checkpoint}}.log",
         shell:
             # final: the latest checkpoint verl saved (with its Hugging Face weights: recipes/verl.yaml)
-            "step={params.step}; [ $step = final ] && step=$(cat {params.checkpoints}/latest_checkpointed_iteration.txt);"
-            " python -m eval --model {params.checkpoints}/global_step_$step/actor/huggingface"
-            " --benchmarks {params.benchmarks} --out $(dirname {output}) {params.source} {params.args} > {log} 2>&1"
+            "step={params.step}; [ $step = final ] && step=$(cat {params.checkpoints:q}/latest_checkpointed_iteration.txt);"
+            " python -m eval --model {params.checkpoints:q}/global_step_$step/actor/huggingface"
+            ' --benchmarks {params.benchmarks} --out "$(dirname {output:q})" {params.source} {params.args} > {log:q} 2>&1'
 
 
 def run_outputs(runs):

@@ -14,7 +14,7 @@ def figure_args(wildcards):
     if figure.lag is not None:
         args.append(f"--lag {figure.lag}")
     if figure.kind == "overhead":
-        args.append(f"--overhead-json {R}/benchmarks/opob_overhead.json")
+        args.append(f"--overhead-json {shlex.quote(R + '/benchmarks/opob_overhead.json')}")
     return " ".join(args)
 
 
@@ -33,8 +33,8 @@ rule figure:
     log:
         f"{R}/logs/figures/{{figure}}.log",
     shell:
-        "python -m vcpo.tables figure {wildcards.figure} --runs {R}/runs --scale {SCALE} {params.args}"
-        " --out {output} > {log} 2>&1"
+        "python -m vcpo.tables figure {wildcards.figure} --runs {R:q}/runs --scale {SCALE} {params.args}"
+        " --out {output:q} > {log:q} 2>&1"
 
 
 rule overhead_benchmark:
@@ -46,7 +46,7 @@ rule overhead_benchmark:
         f"{R}/logs/benchmarks/opob_overhead.log",
     threads: 2
     shell:
-        "python benchmarks/opob_overhead.py {params.args} --json {output} > {log} 2>&1"
+        "python benchmarks/opob_overhead.py {params.args} --json {output:q} > {log:q} 2>&1"
 
 
 def table1_args():
@@ -69,7 +69,7 @@ rule table1:
     log:
         f"{R}/logs/tables/table1.log",
     shell:
-        "python -m vcpo.tables table1 --runs {R}/runs --scale {SCALE} {params.args} --out {output} > {log} 2>&1"
+        "python -m vcpo.tables table1 --runs {R:q}/runs --scale {SCALE} {params.args} --out {output:q} > {log:q} 2>&1"
 
 
 rule hyperparameters:
@@ -86,7 +86,7 @@ rule hyperparameters:
     log:
         f"{R}/logs/tables/hyperparameters.log",
     shell:
-        "python -m vcpo.tables hyperparams --out {R}/tables > {log} 2>&1"
+        "python -m vcpo.tables hyperparams --out {R:q}/tables > {log:q} 2>&1"
 
 
 rule provenance:

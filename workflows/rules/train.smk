@@ -22,7 +22,7 @@ if config["backend"] == "sim":
         threads: 2
         shell:
             f"python -m vcpo.sim.base --task {{wildcards.task}} --size {sim_base_size(config)} --threads {{threads}}"
-            " > {output} 2> {log}"
+            " > {output:q} 2> {log:q}"
 
     rule train:
         input:
@@ -32,18 +32,18 @@ if config["backend"] == "sim":
             f"{RUN}/final/eval.json",
         params:
             out=run_dir,
-            sim_config=lambda wildcards, input: f'--config "{input.sim_config}"' if input.sim_config else "",
+            sim_config=lambda wildcards, input: f"--config {shlex.quote(input.sim_config)}" if input.sim_config else "",
             steps=lambda wildcards: PLAN.steps(planned(wildcards)),
             settings=lambda wildcards: " ".join(
-                f"{key}={value}" for key, value in sim_settings(config, wildcards.method).items()
+                shlex.quote(f"{key}={value}") for key, value in sim_settings(config, wildcards.method).items()
             ),
         log:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
         threads: 1
         shell:
             "python -m vcpo.sim train {params.sim_config} --task {wildcards.task} --method {wildcards.method}"
-            " --lag {wildcards.lag} --seed {wildcards.seed} --steps {params.steps} --out {params.out}"
-            ' base="$(head -n 1 {input.base})" {params.settings} > {log} 2>&1'
+            " --lag {wildcards.lag} --seed {wildcards.seed} --steps {params.steps} --out {params.out:q}"
+            ' base="$(head -n 1 {input.base:q})" {params.settings} > {log:q} 2>&1'
 
 else:
     from vcpo.launch import make_run
@@ -55,13 +55,13 @@ else:
             f"{DATA}/{{dataset}}/{{split}}.parquet",
         params:
             source=lambda wildcards: (
-                f"--source {config['data']['source_dir']}" if config["data"].get("source_dir") else ""
+                f"--source {shlex.quote(config['data']['source_dir'])}" if config["data"].get("source_dir") else ""
             ),
         log:
             f"{R}/logs/data/{{dataset}}-{{split}}.log",
         shell:
-            "python -m vcpo.data build {wildcards.dataset} --out {DATA} --split {wildcards.split}"
-            " {params.source} > {log} 2>&1"
+            "python -m vcpo.data build {wildcards.dataset} --out {DATA:q} --split {wildcards.split}"
+            " {params.source} > {log:q} 2>&1"
 
     def launcher_run(wildcards):
         """The run as vcpo.launch composes it: its data files and GPUs come from there."""
@@ -80,5 +80,5 @@ else:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
         shell:
             "python -m vcpo.launch --task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag}"
-            " --seed {wildcards.seed} --data-dir {DATA} --output-dir {R}/runs {params.args} > {log} 2>&1"
-            " && touch {output}"
+            " --seed {wildcards.seed} --data-dir {DATA:q} --output-dir {R:q}/runs {params.args} > {log:q} 2>&1"
+            " && touch {output:q}"
