@@ -36,7 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=ANSWER_FORMATS,
         help="primary answer format of the summaries (default: per benchmark, strict); both are always scored",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.benchmark_names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
+    if not args.benchmark_names:
+        parser.error(f"--benchmarks: no benchmark named (comma-separated names of {args.benchmarks_file})")
+    return args
 
 
 def main(argv=None) -> int:
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     summary = run_evaluation(
         args.model,
-        [name.strip() for name in args.benchmarks.split(",") if name.strip()],
+        args.benchmark_names,
         args.out,
         benchmarks_file=args.benchmarks_file,
         sampling_overrides={

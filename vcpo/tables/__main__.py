@@ -25,7 +25,10 @@ def task_map(entries: list[str] | None) -> dict[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command in ("figure", "table1") and not args.runs.is_dir():
+        parser.error(f"--runs {args.runs}: no such folder (RUNS/<task>/<method>/lag<k>/seed<s>/)")
     if args.command == "figure":
         print(
             draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.overhead_json)
