@@ -22,3 +22,20 @@ def test_tables_over_a_missing_runs_folder_are_refused(tmp_path, command):
     result = run("vcpo.tables", *command, "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out))
     assert result.returncode == 2 and f"--runs {tmp_path / 'nothing'}: no such folder" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--method", "vcpo"], "config key 'out': a run needs an output folder (--out DIR)"),
+        (["train", "--method", "vcpo", "--out", "{file}/run"], "is a file, not a folder"),
+        (["sweep", "--methods", "vcpo", "--lags", "2", "--out", "{tmp}/runs", "--jobs", "0"], "--jobs 0: must be >= 1"),
+        (["sweep", "--methods", "vcpo", "--lags", "2", "--out", "{file}"], "is a file, not a folder"),
+    ],
+)
+def test_the_simulator_refuses_a_bad_output_or_job_count_in_one_line(tmp_path, args, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = [arg.format(file=afile, tmp=tmp_path) for arg in args]
+    result = run("vcpo.sim", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -116,6 +116,12 @@ def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path
         ({"method": "fp16"}, "rollout_dtype"),
         ({"learner_dtype": "bfloat16"}, "learner_dtype"),
         ({"responses_per_prompt": 1}, "responses_per_prompt"),
+        ({"lr": float("inf")}, "lr"),
+        ({"grad_clip": float("nan")}, "grad_clip"),
+        ({"betas": (1.5, 0.9)}, "betas"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"eps": -1.0}, "eps"),
+        ({"eval_temperature": 0.0}, "eval_temperature"),
     ],
 )
 def test_bad_config_names_the_key(base, tmp_path, changes, key):

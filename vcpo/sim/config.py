@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,14 @@ def validate(config: SimConfig) -> SimConfig:
         fail("responses_per_prompt", "group baselines need at least 2 responses per prompt")
     if config.micro_batch_size < config.responses_per_prompt or config.micro_batch_size % config.responses_per_prompt:
         fail("micro_batch_size", f"must hold whole groups: a multiple of responses_per_prompt ({config.responses_per_prompt})")
-    if not config.lr > 0 or not config.temperature > 0 or not config.eval_temperature > 0:
-        fail("lr" if not config.lr > 0 else "temperature", "must be positive")
+    for key in ("lr", "temperature", "eval_temperature", "eps", "grad_clip", "tool_timeout_s"):
+        value = getattr(config, key)
+        if not (math.isfinite(value) and value > 0):
+            fail(key, f"must be a positive finite number, got {value}")
+    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        fail("weight_decay", f"must be a finite number >= 0, got {config.weight_decay}")
+    if len(config.betas) != 2 or not all(0 <= beta < 1 for beta in config.betas):
+        fail("betas", f"must be two numbers in [0, 1) (AdamW's beta1, beta2), got {list(config.betas)}")
     if config.learner_dtype not in DTYPES:
         fail("learner_dtype", f"must be one of {DTYPES}")
     if config.rollout_dtype not in ROLLOUT_DTYPES:
