@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import (
-    PerSequenceGradients,
+from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.per_sequence_grads.reductions import (
     ghost_sq_norms,
     per_sample_outer,
     prefers_ghost,

@@ -18,7 +18,8 @@ from torch import nn
 
 import vcpo.core.per_sequence_grads.sites as per_sequence_sites
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import PackedSegments, PerSequenceGradients, check_cu_seqlens, length_buckets
+from vcpo.core.per_sequence_grads import PackedSegments, PerSequenceGradients
+from vcpo.core.per_sequence_grads.reductions import check_cu_seqlens, length_buckets
 
 from test_per_sequence_grads import VOCAB
 from test_per_sequence_grads import tiny_model as padded_tiny_model

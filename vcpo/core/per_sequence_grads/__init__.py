@@ -92,18 +92,11 @@ from vcpo.core.per_sequence_grads.functions import (
     module_kind,
 )
 from vcpo.core.per_sequence_grads.reductions import (
-    BUCKET_SLACK,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_PASS_COST,
     MODES,
     PackedSegments,
     check_cu_seqlens,
-    ghost_sq_norms,
-    length_buckets,
-    per_sample_outer,
-    prefers_ghost,
-    rows_at_ids,
-    sparse_rows_sq_norms,
 )
 from vcpo.core.per_sequence_grads.sites import _buckets, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
@@ -375,17 +368,4 @@ def _collect_sites(engine: PerSequenceGradients, model: nn.Module) -> tuple[list
     return sites, tied
 
 
-__all__ = [
-    "BUCKET_SLACK",
-    "MODES",
-    "PackedSegments",
-    "PerSequenceGradients",
-    "check_cu_seqlens",
-    "ghost_sq_norms",
-    "length_buckets",
-    "module_kind",
-    "per_sample_outer",
-    "prefers_ghost",
-    "rows_at_ids",
-    "sparse_rows_sq_norms",
-]
+__all__ = ["MODES", "PackedSegments", "PerSequenceGradients"]
