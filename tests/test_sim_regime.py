@@ -212,3 +212,18 @@ def test_the_regime_report_judges_every_run_and_names_the_regime(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert f"`{regime}`" in summary and "| vcpo | 24 | 3 | 0.200 | 0.280 (0.280-0.280)" in summary
     assert {path.name for path in written} >= {"core.png", "ablation.png", "methods.png", "lag_sweep.png"}
+
+
+def test_a_config_file_carries_notes_that_runs_record(base, tmp_path, capsys):
+    regime = tmp_path / "regime.yaml"
+    regime.write_text("lr: 2.0e-4\nextra:\n  label: closest candidate\n")
+    assert load_config_file(regime).extra == {"label": "closest candidate"}
+    out = tmp_path / "run"
+    assert sim_main(["train", "--config", str(regime), "--method", "seq_tis_c8", "--lag", "1", "--steps", "2",
+                     "--out", str(out), f"base={base}", *SHORT]) == 0
+    assert json.loads((out / "config.json").read_text())["extra"] == {"label": "closest candidate"}
+    assert sim_main(["train", "--out", str(tmp_path / "other"), "extra=x"]) == 2
+    assert "set only as a mapping in a --config file" in capsys.readouterr().err
+    regime.write_text("extra: [1, 2]\n")
+    with pytest.raises(ConfigError, match="'extra' must be a mapping"):
+        load_config_file(regime)

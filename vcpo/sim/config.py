@@ -167,7 +167,9 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
     items = overrides.items() if isinstance(overrides, dict) else [_split(item) for item in overrides]
     changes = {}
     for key, value in items:
-        if key not in FIELD_TYPES or key == "extra":
+        if key == "extra":
+            raise ConfigError("config key 'extra' (free-form notes) is set only as a mapping in a --config file")
+        if key not in FIELD_TYPES:
             close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; keys: {', '.join(sorted(FIELD_TYPES))}")
@@ -203,11 +205,14 @@ def load_config_file(path: str | Path) -> SimConfig:
         raise ConfigError(f"config file {str(path)!r}: expected a mapping of configuration keys, got {type(settings).__name__}")
     if "config_file" in settings:
         raise ConfigError(f"config file {str(path)!r}: key 'config_file' cannot be set inside a config file")
+    notes = settings.pop("extra", {})
+    if not isinstance(notes, dict):
+        raise ConfigError(f"config file {str(path)!r}: key 'extra' must be a mapping of notes, got {notes!r}")
     try:
         config = apply_overrides(SimConfig(), {str(key): as_override_text(value) for key, value in settings.items()})
     except ConfigError as error:
         raise ConfigError(f"config file {str(path)!r}: {error}") from None
-    return dataclasses.replace(config, config_file=str(path))
+    return dataclasses.replace(config, config_file=str(path), extra=notes)
 
 
 def as_override_text(value: Any) -> str:

@@ -15,11 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
+from vcpo.recipes import run_path
 from vcpo.sim.config import load_config_file
 from vcpo.sim.plots import summary_markdown
 from vcpo.sim.stability import ESS_ALARM, judge_root, markdown
 from vcpo.tables.figures import draw_curves, draw_lag_sweep
-from vcpo.tables.runs import summary_rows
+from vcpo.tables.runs import read_metrics, series, summary_rows
 
 CORE = ["sync", "seq_tis_c8", "vcpo"]
 ABLATION = ["seq_tis_c8", "tis_ess", "tis_opob", "vcpo"]
@@ -33,7 +34,7 @@ PANELS = ["val/accuracy", "critic/score/mean", "rollout_corr/seq_ess_ratio", "ro
 
 
 def _spec(title: str, paper: str, task: str, lag: int, methods: list[str], panels: list[str], regime: str) -> dict:
-    return {"title": title, "paper": f"{paper}  |  regime: {regime}", "kind": "curves", "task": task, "lag": lag,
+    return {"title": title, "paper": f"{paper}  |  {regime}", "kind": "curves", "task": task, "lag": lag,
             "methods": methods, "panels": panels}
 
 
@@ -69,11 +70,31 @@ def predictor_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ess_mean_markdown(rows: list[dict], runs: Path) -> str:
+    """Each lagged run's mean ESS ratio over its steps (and the ESS rule's mean learning-rate scale)
+    beside its outcome, sorted by the mean ESS ratio: the ESS ratio as a graded predictor."""
+    table = []
+    for row in rows:
+        lines = read_metrics(runs / run_path(row["task"], row["method"], row["lag"], row["seed"]))
+        _, ess = series(lines, "rollout_corr/seq_ess_ratio")
+        _, scale = series(lines, "actor/lr_scale")
+        table.append((float(ess.mean()), row, float(scale.mean()) if scale.size else 1.0))
+    lines = [
+        "| run | seed | mean ESS ratio | mean lr scale | end / best | collapsed |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for ess, row, scale in sorted(table, key=lambda item: item[0]):
+        o = row["outcome"]
+        lines.append(f"| {row['method']} | {row['seed']} | {ess:.3f} | {scale:.2f} | {o.end / o.best:.2f} | {'yes' if o.collapsed else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(runs: Path, regime: Path, out: Path) -> list[Path]:
     config = load_config_file(regime)
     task, lag = config.task, config.lag
     out.mkdir(parents=True, exist_ok=True)
-    name = str(regime)
+    label = config.extra.get("label")
+    name = f"{regime}" + (f" ({label})" if label else "")
     written = [
         draw_curves(_spec("Sequence TIS under lag against sync and VCPO", "like VCPO Figures 2, 4-6", task, lag, CORE,
                           PANELS, name), runs, "smoke", out / "core.png", seeds="core"),
@@ -83,7 +104,7 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
         draw_curves(_spec("Every method at the regime's lag (one seed)", "like VCPO Figures 4, 10-13", task, lag,
                           ["sync", "seq_tis_c8", "vcpo", *METHOD_ROWS], ["val/accuracy", "rollout_corr/seq_ess_ratio"],
                           name), runs, "smoke", out / "methods.png", seeds="all"),
-        draw_lag_sweep({"title": "Sequence TIS (c = 8) against the policy lag", "paper": f"beyond the paper  |  regime: {name}",
+        draw_lag_sweep({"title": "Sequence TIS (c = 8) against the policy lag", "paper": f"beyond the paper  |  {name}",
                         "kind": "lag_sweep", "task": task, "lags": SWEEP_LAGS, "methods": ["seq_tis_c8"]},
                        runs, "smoke", out / "lag_sweep.png"),
     ]
@@ -95,6 +116,8 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
     (out / "outcomes.md").write_text(
         f"Regime: `{name}`. Every run judged by the pre-registered criteria (`vcpo/sim/stability.py`).\n\n"
         + markdown(rows) + "\n" + predictor_markdown(predictor)
+        + "\nThe mean ESS ratio of each run at the regime's lag, sorted, beside its outcome:\n\n"
+        + ess_mean_markdown([row for row in rows if row["lag"] == lag], runs)
     )
     (out / "outcomes.json").write_text(json.dumps({
         "regime": name,
