@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -314,3 +315,23 @@ def test_last_boxed_is_linear_on_many_unterminated_boxes():
     started = time.monotonic()
     assert last_boxed(text) is None
     assert time.monotonic() - started < 2
+
+
+def test_a_broken_json_line_names_the_file_and_line(tmp_path):
+    source = tmp_path / "test.jsonl"
+    source.write_text('{"question": "1+1?", "answer": "#### 2"}\n\n{"question": "2+2?", "answer": \n')
+    with pytest.raises(ValueError, match=rf"source {re.escape(str(source))}, line 3: not a JSON object"):
+        load_rows("gsm8k", "test", source=source)
+
+
+def test_a_source_named_after_another_split_warns_and_is_recorded(tmp_path, benchmark_data, capsys):
+    from vcpo.data.build import build
+
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text(benchmark_data.file("gsm8k").read_text())
+    (path,) = build("gsm8k", tmp_path / "out", split="train", source=test_file, size=5)
+    assert f"warning: {test_file} is named after split 'test' but is written as gsm8k/train" in capsys.readouterr().err
+    manifest = json.loads(path.with_name("train.manifest.json").read_text())
+    assert str(test_file) in json.dumps(manifest)
+    build("gsm8k", tmp_path / "out", split="test", source=test_file, size=5)
+    assert "warning" not in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ def build(
     """
     spec = get_task(task)
     splits = [split] if split is not None else splits_for_source(spec, source)
+    if split is not None and source is not None:
+        warn_if_the_name_says_another_split(spec, split, Path(source))
     paths = []
     for name in splits:
         rows = load_rows(task, name, source=source, size=size, seed=seed)
@@ -107,6 +110,18 @@ def _seeded_subset(rows: list[dict], size: int | None, seed: int) -> list[dict]:
         return rows
     keep = sorted(random.Random(seed).sample(range(len(rows)), size))
     return [rows[index] for index in keep]
+
+
+SPLIT_NAMES = ("train", "test", "validation", "val", "dev")
+
+
+def warn_if_the_name_says_another_split(spec: Task, split: str, source: Path) -> None:
+    """A source file named after another split (``--split train --source test.jsonl``) is written as asked,
+    with a warning: its name suggests the run would train on held-out problems."""
+    named = source.stem.lower()
+    if named != split and (named in spec.splits or named in SPLIT_NAMES):
+        tqdm.write(f"warning: {source} is named after split {named!r} but is written as {spec.name}/{split}; "
+                   "the manifest records the source", file=sys.stderr)
 
 
 def splits_for_source(spec: Task, source) -> list[str]:

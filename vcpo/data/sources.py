@@ -37,7 +37,13 @@ def read_local(path: str | Path) -> list[dict[str, Any]]:
     if path.suffix == ".json" and text.lstrip().startswith("["):
         records = json.loads(text)
     else:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"source {path}, line {number}: not a JSON object ({error.msg})") from None
     if not all(isinstance(record, dict) for record in records):
         raise ValueError(f"source {path}: expected JSON objects, one per record")
     return records
