@@ -7,6 +7,7 @@ final number) and writes per-sample jsonl and mean@n / pass@k summaries (see vcp
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.benchmark_names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     if not args.benchmark_names:
         parser.error(f"--benchmarks: no benchmark named (comma-separated names of {args.benchmarks_file})")
+    model = Path(args.model)
+    if model.exists() and not (model / "config.json").is_file():
+        parser.error(f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)")
+    if args.source_dir is not None and not args.source_dir.is_dir():
+        parser.error(f"--source-dir {args.source_dir}: no such folder")
+    existing = next((parent for parent in (args.out, *args.out.parents) if parent.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK)):
+        parser.error(f"--out {args.out}: {existing} is {'a file' if not existing.is_dir() else 'not writable'}")
     return args
 
 

@@ -39,3 +39,19 @@ def test_the_simulator_refuses_a_bad_output_or_job_count_in_one_line(tmp_path, a
     args = [arg.format(file=afile, tmp=tmp_path) for arg in args]
     result = run("vcpo.sim", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "{tmp}", "--out", "{tmp}/out"], "not a model folder (no config.json"),
+        (["--model", "Qwen/Qwen2-1.5B", "--out", "{tmp}/out", "--source-dir", "{tmp}/nothing"], "--source-dir {tmp}/nothing: no such folder"),
+        (["--model", "Qwen/Qwen2-1.5B", "--out", "{file}/out"], "is a file"),
+    ],
+)
+def test_an_evaluation_checks_its_folders_before_generating(tmp_path, args, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = [arg.format(tmp=tmp_path, file=afile) for arg in args]
+    result = run("eval", *args, "--benchmarks", "gsm8k")
+    assert result.returncode == 2 and message.format(tmp=tmp_path) in result.stderr, result.stderr
