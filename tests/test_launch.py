@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,17 @@ def test_a_lag_the_run_cannot_reach_is_refused():
     shorter = make_run("math", "vcpo", 12)
     with pytest.raises(LaunchError, match=r"num_warmup_batches=12 \(the lag k\) exceeds trainer.total_training_steps=10"):
         check(shorter, compose(shorter, ["trainer.total_training_steps=10"]), check_paths=False)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=seq_tiss", "loss_mode='seq_tiss' is not a registered policy loss"),
+        ("actor_rollout_ref.actor.optim.lr=abc", "actor_rollout_ref.actor.optim.lr='abc' must be a finite number > 0"),
+        ("actor_rollout_ref.actor.optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be a finite number >= 0"),
+    ],
+)
+def test_the_users_overrides_are_checked_beyond_hydra(override, message):
+    run = make_run("gsm8k", "seq_tis_c8")
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        check(run, compose(run, [override]), check_paths=False)

@@ -415,6 +415,32 @@ def check_engine(config) -> None:
         )
 
 
+def check_loss_and_optimizer(config) -> None:
+    """The loss the actor will look up exists in verl's registry (with the vcpo plugin's losses), and the
+    optimizer's numbers are numbers: what verl would otherwise find only on the GPUs."""
+    import math
+
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    import vcpo.verl_plugin  # noqa: F401  (registers the vcpo losses, as verl's plugin entry point does)
+
+    actor = config.actor_rollout_ref.actor
+    loss_mode = actor.policy_loss.loss_mode
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise LaunchError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} is not a registered policy loss; "
+            f"known: {sorted(POLICY_LOSS_REGISTRY)}"
+        )
+    for key in ("lr", "weight_decay"):
+        value = actor.optim.get(key)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = float("nan")
+        if not math.isfinite(number) or number < 0 or (key == "lr" and number == 0):
+            raise LaunchError(f"actor_rollout_ref.actor.optim.{key}={value!r} must be a finite number{' > 0' if key == 'lr' else ' >= 0'}")
+
+
 def check_lag(config) -> None:
     """A policy lag the run can honour: no more warm-up batches (the lag k) than training steps, so that
     the pipeline fills and the lag is reached within the run."""
@@ -446,6 +472,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
         )
     check_engine(config)
     check_lag(config)
+    check_loss_and_optimizer(config)
     rollout = config.actor_rollout_ref.rollout
     separate = config.trainer.v1.trainer_mode == "separate_async"
     rollout_gpus = rollout.n_gpus_per_node if separate else config.trainer.n_gpus_per_node
