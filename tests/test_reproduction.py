@@ -238,3 +238,12 @@ def test_the_ci_dag_runs_reruns_nothing_then_only_a_deleted_run_and_writes_the_r
     assert (results / "runs/countdown/tis_ess/lag4/seed0/final/eval.json").exists()
     snakemake("--report", str(results / "report.html"))
     assert (results / "report.html").stat().st_size > 100_000
+
+
+def test_config_settings_alone_apply_over_the_smoke_config(tmp_path):
+    """`snakemake --config results=DIR` (no --configfile): the smoke workflow, written under DIR."""
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "--quiet", "rules", "--config",
+               f"results={tmp_path}/elsewhere"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert job_counts(result.stdout + result.stderr)["train"] == len(planned("smoke").runs)
