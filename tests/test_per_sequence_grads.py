@@ -499,7 +499,7 @@ def test_baseline_must_be_constant_within_a_group():
 @pytest.mark.parametrize("mode", ["auto", "materialize", "ghost"])
 @pytest.mark.parametrize("kind", ["qwen2_tied", "gpt2"])
 def test_larger_float32_model_with_groups_and_micro_batches(kind, mode):
-    overrides = dict(num_hidden_layers=3) if kind != "gpt2" else dict(n_layer=3)
+    overrides = dict(num_layers=3) if kind != "gpt2" else dict(n_layer=3)
     model = tiny_model(kind, torch.float32, seed=17, **overrides)
     lengths = [40, 23, 31, 12, 38, 27, 35, 19]
     batch = make_batch(seed=17, lengths=lengths, padding="left")
