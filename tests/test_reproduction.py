@@ -247,3 +247,16 @@ def test_config_settings_alone_apply_over_the_smoke_config(tmp_path):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert job_counts(result.stdout + result.stderr)["train"] == len(planned("smoke").runs)
+
+
+def test_the_paper_provenance_lists_where_each_data_file_came_from(tmp_path, benchmark_data):
+    """A training split built from a file named after the test split shows in the provenance."""
+    from vcpo.data.build import build
+
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text(benchmark_data.file("gsm8k").read_text())
+    build("gsm8k", tmp_path / "data", split="train", source=test_file, size=3)
+    paper = broken("paper", data={"dir": str(tmp_path / "data")})
+    text = provenance(paper, REPO)
+    assert f"| `{tmp_path / 'data' / 'gsm8k' / 'train.parquet'}` | {test_file}" in text
+    assert "## Data" not in provenance(config("ci"), REPO)

@@ -265,5 +265,22 @@ def provenance(config: dict[str, Any], repo: Path) -> str:
             yaml.safe_dump(config, sort_keys=False).rstrip(),
             "```",
             "",
+            *_data_sources(config),
         ]
     )
+
+
+def _data_sources(config: dict[str, Any]) -> list[str]:
+    """Where each data file the runs trained and validated on came from (its build manifest): a split
+    built from a file named after another split shows here."""
+    import json
+
+    if config["backend"] != "verl":
+        return []
+    lines = ["## Data", "", "| file | source |", "|---|---|"]
+    for manifest in sorted(Path(config["data"]["dir"]).glob("*/*.manifest.json")):
+        recorded = json.loads(manifest.read_text())
+        source = recorded.get("source", "?")
+        subset = f" (subset {recorded['subset']})" if recorded.get("subset") else ""
+        lines.append(f"| `{manifest.with_name(manifest.name.replace('.manifest.json', '.parquet'))}` | {source}{subset} |")
+    return [*lines, ""]

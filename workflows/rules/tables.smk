@@ -90,6 +90,9 @@ rule hyperparameters:
 
 
 rule provenance:
+    input:
+        # at paper scale the data files, whose build manifests it lists
+        all_data_files() if config["backend"] == "verl" else [],
     output:
         report(f"{R}/provenance.md", caption="../report/provenance.rst", category="Provenance"),
     run:

@@ -63,6 +63,11 @@ else:
             "python -m vcpo.data build {wildcards.dataset} --out {DATA:q} --split {wildcards.split}"
             " {params.source} > {log:q} 2>&1"
 
+    def all_data_files():
+        """Every data file a planned run reads (the provenance lists their build manifests)."""
+        return sorted({str(path) for run in PLAN.runs for which in ("train", "val")
+                       for path in make_run(run.task, run.method, run.lag, run.seed, data_dir=DATA).data_files(which)})
+
     def launcher_run(wildcards):
         """The run as vcpo.launch composes it: its data files and GPUs come from there."""
         return make_run(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed), data_dir=DATA)
