@@ -20,6 +20,8 @@ from vcpo.core.ratios import ImportanceWeights, importance_weights, token_log_ra
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 OPOB_VARIANTS = ("paper", "official")
+# Weight levels with one weight per sequence: what Σ_i c_i ∇l_i can carry (docs/ALGORITHMS.md §4).
+OPOB_WEIGHT_LEVELS = ("sequence", "geometric")
 
 
 def group_index(groups: torch.Tensor | None, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -159,8 +161,8 @@ def opob_coefficients(
     masked to [lo, hi]); σ_i the reward scale of i's group (1 without norm_by_std); N the aggregation's
     normaliser (``vcpo.core.aggregation.opob_normaliser``). Shapes: log-probs and mask (B, T), the rest (B,).
     """
-    if level not in ("sequence", "geometric"):
-        raise ValueError(f"OPOB needs one weight per sequence (level sequence or geometric), got level {level!r}")
+    if level not in OPOB_WEIGHT_LEVELS:
+        raise ValueError(f"OPOB needs one weight per sequence (level {' or '.join(OPOB_WEIGHT_LEVELS)}), got level {level!r}")
     r = token_log_ratio(log_prob, behav_log_prob, mask)
     weights = importance_weights(r, mask, level=level, bound=bound, lo=lo, hi=hi)
     score = -weights.weight.amax(-1).detach().double() / (reward_std.double() * normaliser)

@@ -21,6 +21,7 @@ import torch
 
 from vcpo.core import OpobCoefficients, ess_step_scale, group_reward_std, opob_baseline, opob_coefficients
 from vcpo.core.aggregation import OPOB_AGG_MODES
+from vcpo.core.baselines import OPOB_WEIGHT_LEVELS
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
 
@@ -95,7 +96,6 @@ def _check_method(spec: dict[str, Any], path: Path) -> None:
         _check_opob(spec, path)
 
 
-OPOB_WEIGHT_LEVELS = ("sequence", "geometric")
 OPOB_SCOPES = ("group", "batch")
 
 
