@@ -58,9 +58,8 @@ def check_step_rule_applied(method_name: str | None) -> None:
 
     rule = step_rule(method_name)
     if rule.active:
-        needs = " and ".join(name for name, used in (("the ESS step size", rule.ess), ("OPOB", rule.opob)) if used)
         raise RuntimeError(
-            f"method {method_name!r} needs {needs}, which only the vcpo engine applies, but its loss was called "
+            f"method {method_name!r} needs {rule.needs}, which only the vcpo engine applies, but its loss was called "
             f"outside it: set +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE} with "
             "actor_rollout_ref.actor.strategy=fsdp2 and trainer.use_v1=true (python -m vcpo.launch sets them), "
             "or train a method without them (e.g. seq_tis_c8)"

@@ -410,7 +410,7 @@ def check_engine(config) -> None:
              if value != expected and not (key.endswith(".strategy") and value == "fsdp")]
     if wrong:
         raise LaunchError(
-            f"method {method!r} needs the vcpo engine (ESS step size / OPOB), which this config would not run: "
+            f"method {method!r} needs the vcpo engine (for {rule.needs}), which this config would not run: "
             + "; ".join(wrong)
         )
 

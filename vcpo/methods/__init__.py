@@ -190,6 +190,11 @@ class StepRule:
         """The step differs from a plain optimizer step on the loss's gradient."""
         return self.ess or self.opob
 
+    @property
+    def needs(self) -> str:
+        """What the step needs beyond a backward pass, in words (for error messages)."""
+        return " and ".join(name for name, used in (("the ESS step size", self.ess), ("OPOB", self.opob)) if used)
+
     def with_rho_on(self, rho_on: float | None) -> StepRule:
         """The rule with a task's ρ_on (multi-turn tasks set their own, VCPO Table 5); None keeps the preset's."""
         return self if rho_on is None else dataclasses.replace(self, rho_on=float(rho_on))

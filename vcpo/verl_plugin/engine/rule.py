@@ -42,8 +42,7 @@ def check_strategy(method_name: str | None, strategy: str | None) -> None:
     rule = step_rule(method_name)
     if rule.active:
         raise NotImplementedError(
-            f"method {method_name!r} needs the vcpo engine ({'ESS step size' if rule.ess else ''}"
-            f"{' + ' if rule.ess and rule.opob else ''}{'OPOB' if rule.opob else ''}), which exists for verl's "
+            f"method {method_name!r} needs the vcpo engine (for {rule.needs}), which exists for verl's "
             "FSDP strategy only: the Megatron strategy is not supported. Use actor_rollout_ref.actor.strategy=fsdp2 "
             f"with +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE}, or a method without them (e.g. seq_tis_c8)"
         )
