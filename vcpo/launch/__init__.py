@@ -396,18 +396,18 @@ def check_engine(config) -> None:
     rule = step_rule(method)
     if not rule.active:
         return
+    # key -> (its value, the values the engine accepts; the first is what vcpo.launch sets)
     needs = {
-        "+actor_rollout_ref.model.model_type": (_select(config, "actor_rollout_ref.model.model_type"), ENGINE_MODEL_TYPE),
-        "actor_rollout_ref.actor.strategy": (actor.strategy, "fsdp2"),
-        "trainer.use_v1": (config.trainer.use_v1, True),
-        "actor_rollout_ref.actor.policy_loss.loss_mode": (actor.policy_loss.loss_mode, rule.loss_name),
-        "actor_rollout_ref.actor.loss_agg_mode": (actor.loss_agg_mode, rule.agg),
+        "+actor_rollout_ref.model.model_type": (_select(config, "actor_rollout_ref.model.model_type"), (ENGINE_MODEL_TYPE,)),
+        "actor_rollout_ref.actor.strategy": (actor.strategy, ("fsdp2", "fsdp")),
+        "trainer.use_v1": (config.trainer.use_v1, (True,)),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": (actor.policy_loss.loss_mode, (rule.loss_name,)),
+        "actor_rollout_ref.actor.loss_agg_mode": (actor.loss_agg_mode, (rule.agg,)),
     }
     if rule.opob:
         precision = _select(config, MIXED_PRECISION_KEY) or {}
-        needs[MIXED_PRECISION_KEY + ".param_dtype"] = (precision.get("param_dtype"), FP32_MIXED_PRECISION["param_dtype"])
-    wrong = [f"{key}={expected} (got {value})" for key, (value, expected) in needs.items()
-             if value != expected and not (key.endswith(".strategy") and value == "fsdp")]
+        needs[MIXED_PRECISION_KEY + ".param_dtype"] = (precision.get("param_dtype"), (FP32_MIXED_PRECISION["param_dtype"],))
+    wrong = [f"{key}={accepted[0]} (got {value})" for key, (value, accepted) in needs.items() if value not in accepted]
     if wrong:
         raise LaunchError(
             f"method {method!r} needs the vcpo engine (for {rule.needs}), which this config would not run: "
