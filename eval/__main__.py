@@ -7,10 +7,10 @@ final number) and writes per-sample jsonl and mean@n / pass@k summaries (see vcp
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
+from vcpo.cli import output_folder_problem
 from vcpo.evaluation import BACKENDS, run_evaluation
 from vcpo.rewards import ANSWER_FORMATS
 
@@ -46,9 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)")
     if args.source_dir is not None and not args.source_dir.is_dir():
         parser.error(f"--source-dir {args.source_dir}: no such folder")
-    existing = next((parent for parent in (args.out, *args.out.parents) if parent.exists()), None)
-    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK)):
-        parser.error(f"--out {args.out}: {existing} is {'a file' if not existing.is_dir() else 'not writable'}")
+    if problem := output_folder_problem(args.out):
+        parser.error(f"--out {args.out}: {problem}")
     return args
 
 

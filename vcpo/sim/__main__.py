@@ -22,6 +22,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vcpo.cli import output_folder_problem
 from vcpo.recipes import run_path
 from vcpo.sim.config import (
     ConfigError,
@@ -39,22 +40,10 @@ COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     given = {key: getattr(args, key) for key in COMMON if getattr(args, key, None) is not None}
     config = apply_overrides(apply_overrides(start_config(args.config), given), overrides)
-    if config.out is None:
-        raise ConfigError("config key 'out': a run needs an output folder (--out DIR)")
-    check_output_folder(Path(config.out), "--out")
     lag_given = "lag" in given or any(item.split("=", 1)[0] == "lag" for item in overrides)
     # a config file's lag is for the lagged methods; a preset that fixes its lag (sync) keeps its own,
     # and a lag asked for on the command line that it cannot honour is refused by validate
     return validate(config if lag_given else dataclasses.replace(config, lag=preset_lag(config.method, config.lag)))
-
-
-def check_output_folder(path: Path, flag: str) -> None:
-    """An output folder that exists as a file, or cannot be created or written, is refused before any work."""
-    existing = next((parent for parent in (path, *path.parents) if parent.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder")
-    if existing is not None and not os.access(existing, os.W_OK):
-        raise ConfigError(f"{flag} {path}: {existing} is not writable")
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
@@ -134,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.jobs < 1:
             parser.error(f"--jobs {args.jobs}: must be >= 1")
-        check_output_folder(args.out, "--out")
+        if problem := output_folder_problem(args.out):
+            raise ConfigError(f"--out {args.out}: {problem}")
         configs = sweep_configs(args, overrides)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

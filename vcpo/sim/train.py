@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from vcpo.cli import output_folder_problem
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool, use_grouped_query_sdpa
@@ -51,7 +52,9 @@ class Trainer:
 
         self.config = validate(config)
         if config.out is None:
-            raise ValueError("config key 'out': a run needs an output folder")
+            raise ConfigError("config key 'out': a run needs an output folder (--out DIR)")
+        if problem := output_folder_problem(Path(config.out)):
+            raise ConfigError(f"config key 'out' ({config.out}): {problem}")
         self._check_resumable(Path(config.out))
         if config.threads:
             torch.set_num_threads(config.threads)
