@@ -24,6 +24,16 @@ def test_tables_over_a_missing_runs_folder_are_refused(tmp_path, command):
     assert not out.exists()
 
 
+def test_the_overhead_figure_draws_no_runs_so_it_needs_no_runs_folder(tmp_path):
+    out = tmp_path / "fig3.png"
+    result = run(
+        "vcpo.tables", "figure", "fig3", "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out),
+        "--overhead-json", str(tmp_path / "none.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 0 and result.stdout.strip() == str(out)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

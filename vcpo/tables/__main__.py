@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vcpo.tables.figures import SCALES, draw_figure
 from vcpo.tables.hyperparams import write_hyperparams
+from vcpo.tables.specs import figure_specs
 from vcpo.tables.table1 import write_table1
 
 
@@ -27,7 +28,7 @@ def task_map(entries: list[str] | None) -> dict[str, str] | None:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("figure", "table1") and not args.runs.is_dir():
+    if _draws_runs(args) and not args.runs.is_dir():
         parser.error(f"--runs {args.runs}: no such folder (RUNS/<task>/<method>/lag<k>/seed<s>/)")
     if args.command == "figure":
         print(
@@ -40,11 +41,17 @@ def main(argv: list[str] | None = None) -> None:
             print(path)
 
 
+def _draws_runs(args: argparse.Namespace) -> bool:
+    if args.command == "figure":
+        return figure_specs()[args.id]["kind"] != "overhead"
+    return args.command == "table1"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vcpo.tables", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     figure = commands.add_parser("figure", help="draw a figure of vcpo/tables/figures.yaml")
-    figure.add_argument("id", help="figure id (fig1, fig5, lag_sweep, ...)")
+    figure.add_argument("id", choices=tuple(figure_specs()), help="figure id of vcpo/tables/figures.yaml")
     table1 = commands.add_parser("table1", help="VCPO Table 1 as markdown + JSON")
     for sub in (figure, table1):
         sub.add_argument("--runs", type=Path, required=True, help="RUNS/<task>/<method>/lag<k>/seed<s>/")
