@@ -19,7 +19,9 @@ BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    parser.add_argument(
+        "--model", required=True, help="checkpoint directory (Hugging Face format), or a hub id (org/name) of a base model"
+    )
     parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE)

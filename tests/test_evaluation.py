@@ -10,6 +10,7 @@ import pytest
 
 from vcpo import data
 from vcpo.evaluation import (
+    Completion,
     SamplingParams,
     benchmark_pass_at_k,
     default_ks,
@@ -18,6 +19,7 @@ from vcpo.evaluation import (
     mean_at_n,
     pass_at_k,
 )
+from vcpo.evaluation.generation import is_hub_id
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS_FILE = REPO / "eval" / "benchmarks.yaml"
@@ -133,14 +135,14 @@ def read_jsonl(path: Path) -> list[dict]:
 class ScriptedGenerator:
     """Answers problem i correctly in its first ``correct_counts[i]`` samples; the others are wrong or
     give the right number without the ``####`` format (no answer under strict, correct under lenient),
-    alternately."""
+    alternately. A completion's token count is its number of characters; the wrong ones are truncated."""
 
     def __init__(self, ground_truths: list[str], correct_counts: list[int]):
         self.ground_truths, self.correct_counts = ground_truths, correct_counts
 
     def generate(self, conversations, sampling, desc):
         assert len(conversations) == len(self.ground_truths)
-        return [
+        texts = [
             [
                 f"Step by step. #### {truth}"
                 if sample < correct
@@ -149,6 +151,7 @@ class ScriptedGenerator:
             ]
             for truth, correct in zip(self.ground_truths, self.correct_counts, strict=True)
         ]
+        return [[Completion(text, len(text), not text.startswith("Step")) for text in row] for row in texts]
 
 
 def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
@@ -165,6 +168,9 @@ def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
     # Wrong samples alternate the unformatted right number (index 0, 2) and "#### -1" (index 1).
     assert (summary["reasons"]["correct"], summary["no_answer"], summary["reasons"]["wrong"]) == (4, 3, 2)
     assert summary["timeouts"] == 0 and summary["model"] == "m" and summary["num_samples"] == 9
+    completions = [completion for row in generator.generate(rows, gsm8k.sampling, "") for completion in row]
+    assert summary["mean_response_tokens"] == pytest.approx(sum(len(c.text) for c in completions) / 9)
+    assert summary["truncated"] == pytest.approx(5 / 9)  # the 5 wrong samples
     # Lenient also credits the unformatted right numbers: 2, 2 and 3 of 3 correct.
     strict, lenient = summary["by_answer_format"]["strict"], summary["by_answer_format"]["lenient"]
     assert strict == {key: summary[key] for key in ("mean_at_n", "pass_at_k", "timeouts", "no_answer", "reasons")}
@@ -227,6 +233,8 @@ def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path
         "problem_id",
         "sample_index",
         "completion",
+        "tokens",
+        "truncated",
         "score",
         "acc",
         "reason",
@@ -246,6 +254,9 @@ def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path
     )
     assert summary["mean_at_n"] == pytest.approx(sum(r["acc"] for r in records) / 6)
     assert summary["no_answer"] == sum(r["reason"] == "no_answer" for r in records)
+    assert all(0 < r["tokens"] <= 8 for r in records) and all(r["tokens"] == 8 for r in records if r["truncated"])
+    assert summary["mean_response_tokens"] == pytest.approx(sum(r["tokens"] for r in records) / 6)
+    assert summary["truncated"] == pytest.approx(sum(r["truncated"] for r in records) / 6)
     assert sum(summary["reasons"].values()) == 6
     run = json.loads((out / "summary.json").read_text())
     assert run["model"] == str(tiny_model_dir) and run["results"]["gsm8k"] == summary
@@ -266,3 +277,12 @@ def test_source_dir_without_the_benchmark_file_is_reported(tmp_path):
     (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"])
     with pytest.raises(FileNotFoundError, match="gsm8k/test.jsonl"):
         evaluate_benchmark(ScriptedGenerator([], []), gsm8k, tmp_path, source_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, hub",
+    [("Qwen/Qwen2.5-7B", True), ("org/model-v1.5", True), ("/abs/model", False), ("./model", False),
+     ("results/runs/x/checkpoint", False), ("~/model", False), ("model", False)],
+)  # fmt: skip
+def test_a_missing_model_path_is_read_as_a_hub_id_only_in_org_name_form(name, hub):
+    assert is_hub_id(name) is hub

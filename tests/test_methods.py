@@ -8,6 +8,7 @@ import yaml
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import default_method, get_method, load_methods, recipes_dir
+from vcpo.recipes import base_path
 
 # The method rows the foundation issue asks for: sync; seq/token/geo x TIS/MIS x c in {2, 8};
 # DeepSeek-V3.2; M2PO; GSPO; OTB; OPOB-only; fp16; low LR; KL-in-reward; TIS+ESS; TIS+OPOB; VCPO;
@@ -22,6 +23,10 @@ REQUIRED = [
 
 def test_every_required_method_exists():
     assert set(REQUIRED) <= set(load_methods())
+
+
+def test_no_method_takes_the_folder_of_the_base_model_evaluation():
+    assert base_path("math").name not in load_methods()  # RUNS/<task>/base/eval is no method's run
 
 
 def test_vcpo_preset_is_the_paper_configuration():

@@ -206,9 +206,8 @@ def test_snakemake_builds_the_ci_dag(tmp_path):
 def test_snakemake_lists_every_paper_run_and_its_evaluation(tmp_path):
     counts = job_counts(dry_run("paper", tmp_path))
     assert counts["train"] == 45
-    # every final checkpoint, plus the intermediate ones (100, 200, 300) of the 400-step runs and the
-    # checkpoint at step 100 of the 200-step SimpleTIR runs
-    assert counts["evaluate"] == 45 + 3 * (32 + 7 + 3) + 1 * 3
+    # every final checkpoint, and the base model of each Table 1 task (Countdown, MATH, SimpleTIR)
+    assert counts["evaluate"] == 45 and counts["evaluate_base"] == 3
     assert counts["figure"] == len(config("paper")["figures"])
     # one parquet per split the tasks read: gsm8k train/test, math train + MATH-500 + MATH test, ...
     assert counts["build_data"] == 10
@@ -260,3 +259,19 @@ def test_the_paper_provenance_lists_where_each_data_file_came_from(tmp_path, ben
     text = provenance(paper, REPO)
     assert f"| `{tmp_path / 'data' / 'gsm8k' / 'train.parquet'}` | {test_file}" in text
     assert "## Data" not in provenance(config("ci"), REPO)
+
+
+@pytest.mark.slow
+def test_the_base_row_evaluates_the_model_the_runs_start_from(tmp_path):
+    """Table 1's base row at paper scale: python -m eval on the model vcpo.launch composes for the task,
+    the config's own launch.args included (here a local model in place of the recipe's hub id)."""
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "-p", "--configfile",
+               str(CONFIGS / "paper.yaml"), "--config", f"results={tmp_path}",
+               'launch={"args": ["actor_rollout_ref.model.path=/models/my base"]}', "--", str(tmp_path / "runs/math/base/eval/summary.json")]  # fmt: skip
+    output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert output.returncode == 0, output.stdout + output.stderr
+    (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m eval")]
+    arguments = shlex.split(line.removeprefix("Shell command: ").split(">")[0])
+    assert arguments[arguments.index("--model") + 1] == "/models/my base"
+    assert arguments[arguments.index("--benchmarks") + 1] == "math500"  # workflows/config/paper.yaml, task math
+    assert arguments[arguments.index("--out") + 1] == f"$(dirname {tmp_path / 'runs/math/base/eval/summary.json'})"

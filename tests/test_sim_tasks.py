@@ -112,18 +112,36 @@ def test_sft_base_writes_a_loadable_model_once(tmp_path, monkeypatch):
     # Another setting is another base.
     assert base.sft_base(task, "tiny", steps=6, cache_dir=tmp_path, progress=False) != path
 
-    # Held-out evaluation: deterministic in its seed, and the global RNG is left alone.
+    # Held-out evaluation: deterministic in its seed; the global RNG and the training mode are left alone.
     problems = task.problems("validation")
     state = torch.random.get_rng_state()
-    first = heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, batch_size=3, samples=2, seed=1)
-    assert torch.equal(torch.random.get_rng_state(), state)
-    assert (
-        heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, batch_size=3, samples=2, seed=1) == first
-    )
-    assert 0 <= first["accuracy"] <= first["pass_at_k"] <= 1 and 0 < first["mean_response_tokens"] <= 8
-    assert sum(first["reasons"].values()) == 2 * len(problems) and first["samples"] == 2
-    greedy = heldout_accuracy(model, tokenizer, task, problems, temperature=0.0, max_new_tokens=8)
-    assert greedy["samples"] == 1 and sum(greedy["reasons"].values()) == len(problems)
+    model.train()
+    first = heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, samples=2, seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    again = heldout_accuracy(model, tokenizer, task, problems, max_new_tokens=8, samples=2, seed=1)
+    timings = ("generation_seconds", "scoring_seconds")
+    assert {k: v for k, v in again.items() if k not in timings} == {k: v for k, v in first.items() if k not in timings}
+    assert 0 <= first["mean_at_n"] <= first["pass_at_k"]["2"] <= 1 and 0 < first["mean_response_tokens"] <= 8
+    assert sum(first["reasons"].values()) == 2 * len(problems) and first["num_samples"] == 2 * len(problems)
+
+    # Greedy, one sample per problem, against a direct reference: each prompt alone (no batch, no
+    # padding), cut at the first end-of-turn token, scored by vcpo.rewards.
+    greedy = heldout_accuracy(model, tokenizer, task, problems, temperature=0.0, max_new_tokens=8, samples=4)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    texts, lengths, truncated = [], [], []
+    for problem in problems:
+        prompt = torch.tensor([tokenizer.encode(render_prompt(tokenizer, problem), add_special_tokens=False)])
+        ids = model.generate(prompt, do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)[0]
+        ids = ids[prompt.shape[1] :].tolist()
+        kept = ids[: ids.index(im_end) + 1] if im_end in ids else ids
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+        lengths.append(len(kept))
+        truncated.append(im_end not in ids)
+    scores = score_batch([task.data_source] * len(texts), texts, [p.ground_truth for p in problems])
+    assert greedy["num_samples"] == len(problems)
+    assert greedy["mean_at_n"] == pytest.approx(sum(r["score"] for r in scores) / len(problems))
+    assert greedy["mean_response_tokens"] == pytest.approx(sum(lengths) / len(lengths))
+    assert greedy["truncated"] == pytest.approx(sum(truncated) / len(truncated))
 
 
 def test_unknown_task_or_size_is_named():

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vcpo.recipes import base_path
 from vcpo.tables import figure_specs, read_metrics, runs_needed
 from vcpo.tables.__main__ import main
 from vcpo.tables.figures import draw_figure
@@ -32,6 +33,13 @@ def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None):
     return folder
 
 
+def write_evaluation(folder, **accuracy):
+    """python -m eval's summary.json under folder/eval, one mean@n per benchmark."""
+    (folder / "eval").mkdir(parents=True)
+    summary = {"results": {name: {"mean_at_n": value} for name, value in accuracy.items()}}
+    (folder / "eval" / "summary.json").write_text(json.dumps(summary))
+
+
 def verl_run(root, task, method, lag, seed):
     folder = root / task / method / f"lag{lag}" / f"seed{seed}"
     write_lines(
@@ -42,9 +50,7 @@ def verl_run(root, task, method, lag, seed):
             {"step": 2, "data": {"timing_s/step": 1800.0, "val-core/math500/acc/mean@4": 0.6}},
         ],
     )
-    (folder / "eval" / "global_step_2").mkdir(parents=True)
-    summary = {"results": {"math500": {"mean_at_n": 0.7}}}
-    (folder / "eval" / "global_step_2" / "summary.json").write_text(json.dumps(summary))
+    write_evaluation(folder, math500=0.7)
     command = [
         "python",
         "trainer.nnodes=1",
@@ -104,9 +110,18 @@ def test_table1_smoke_numbers(tmp_path):
 def test_table1_paper_scale_uses_evaluation_and_gpu_hours(tmp_path):
     verl_run(tmp_path, "math", "vcpo", 10, 0)
     row = table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]
-    assert row["async"]["accuracy"]["mean"] == 0.7  # eval/<latest checkpoint>/summary.json, benchmark math500
+    assert row["async"]["accuracy"]["mean"] == 0.7  # eval/summary.json, benchmark math500
     assert row["async"]["hours"]["mean"] == pytest.approx(1.0 * 8)  # one wall-clock hour on 4 + 4 GPUs
     assert row["sync"]["accuracy"] is None and row["base"] is None  # no sync run: reported missing
+
+
+def test_a_verl_base_row_is_the_base_model_evaluation_never_verls_step_0_validation(tmp_path):
+    verl_run(tmp_path, "math", "sync", 0, 0)  # step-0 validation 0.4 at verl's sampling settings
+    assert table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]["base"] is None
+    write_evaluation(tmp_path / base_path("math"), math500=0.25, math=0.5)  # python -m eval of the base model
+    row = table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]
+    assert row["base"] == {"mean": 0.25, "min": 0.25, "max": 0.25, "n": 1}  # MATH-500, Table 1's benchmark
+    assert row["sync"]["accuracy"]["mean"] == 0.7
 
 
 def test_hyperparameter_tables_come_from_the_recipes(tmp_path):

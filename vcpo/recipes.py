@@ -132,3 +132,9 @@ def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
     """A run's folder below a runs root: the one layout of vcpo.sim sweeps, vcpo.launch and the workflow
     (string arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard)."""
     return Path(task) / method / f"lag{lag}" / f"seed{seed}"
+
+
+def base_path(task: str) -> Path:
+    """Where a task's base-model evaluation lives below a runs root (``<base_path>/eval/summary.json``,
+    python -m eval's layout): beside the task's methods, a folder no method is named after."""
+    return Path(task) / "base"

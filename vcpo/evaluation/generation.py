@@ -1,13 +1,15 @@
 """Sample n completions per chat prompt with vLLM (GPU machines) or Hugging Face transformers.
 
 Both backends render prompts the way verl's RL dataset does (chat template with the generation prompt,
-then tokenised without extra special tokens), so evaluation sees the prompts training saw.
+then tokenised without extra special tokens), so evaluation sees the prompts training saw. The
+transformers backend also runs on a model already in memory (the simulator's held-out evaluation).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,8 +39,17 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: need temperature >= 0 and 0 < top_p <= 1, got {self}")
 
 
+@dataclass(frozen=True)
+class Completion:
+    text: str  # decoded without special tokens, up to the first end-of-sequence token
+    tokens: int  # generated tokens, the end-of-sequence token included
+    truncated: bool  # stopped by max_new_tokens before an end-of-sequence token
+
+
 class Generator(Protocol):
-    def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[str]]:
+    def generate(
+        self, conversations: list[Conversation], sampling: SamplingParams, desc: str
+    ) -> list[list[Completion]]:
         """``sampling.n`` completions for each conversation, in order."""
 
 
@@ -56,45 +67,73 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 
+def is_hub_id(name: str) -> bool:
+    """``org/name``: a model on the Hugging Face hub (the base models a paper run starts from), not a
+    local path (absolute, relative with ``.``, home, or deeper than one folder)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None and not name.startswith(".")
+
+
 def make_generator(backend: str, model_path: str | Path, *, batch_size: int = 8, seed: int = 0) -> Generator:
     """``backend`` "auto" picks vLLM where it is installed and a GPU is present, else transformers."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not Path(model_path).exists():
-        raise FileNotFoundError(f"model path {str(model_path)!r} does not exist (the hub is not used for evaluation)")
+    if not Path(model_path).exists() and not is_hub_id(str(model_path)):
+        raise FileNotFoundError(f"model path {str(model_path)!r} does not exist (and is not a hub id, org/name)")
     if backend == "vllm" or (backend == "auto" and vllm_available()):
         return VLLMGenerator(model_path, seed=seed)
-    return HFGenerator(model_path, batch_size=batch_size)
+    return HFGenerator.load(model_path, batch_size=batch_size)
 
 
 class HFGenerator:
-    """Batched ``model.generate`` with left padding; prompts are batched by length to limit padding."""
+    """Batched ``model.generate`` with left padding, prompts in the order given (so the random numbers
+    a prompt's samples draw depend only on the seed and the batches before it, not on prompt lengths).
 
-    def __init__(self, model_path: str | Path, *, batch_size: int = 8):
+    The global random state and the model's training mode are left as they were.
+    """
+
+    def __init__(self, model, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 8, progress: bool = True):
         if batch_size < 1:
             raise ValueError(f"HFGenerator: batch_size must be >= 1, got {batch_size}")
-        self.batch_size = batch_size
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"HFGenerator: tokenizer {tokenizer.name_or_path!r} has no pad token")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.progress = batch_size, progress
+        eos = model.generation_config.eos_token_id
+        self.end_ids = set(eos) if isinstance(eos, list | tuple) else {eos}
 
-    def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[str]]:
+    @classmethod
+    def load(cls, model_path: str | Path, *, batch_size: int = 8) -> HFGenerator:
+        """A checkpoint folder on the GPU in bf16 where there is one, else on the CPU in fp32."""
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        return cls(model, tokenizer, batch_size=batch_size)
+
+    def generate(
+        self, conversations: list[Conversation], sampling: SamplingParams, desc: str
+    ) -> list[list[Completion]]:
         prompts = encode_prompts(self.tokenizer, conversations)
-        order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
-        completions: list[list[str]] = [[] for _ in prompts]
-        torch.manual_seed(sampling.seed)
-        batches = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
-        for batch in tqdm(batches, desc=f"{desc} (hf generate)", unit="batch"):
-            texts = self._generate_batch([prompts[index] for index in batch], sampling)
-            for position, index in enumerate(batch):
-                completions[index] = texts[position * sampling.n : (position + 1) * sampling.n]
-        return completions
+        batches = [prompts[start : start + self.batch_size] for start in range(0, len(prompts), self.batch_size)]
+        completions: list[Completion] = []
+        was_training, padding_side = self.model.training, self.tokenizer.padding_side
+        self.model.eval()
+        self.tokenizer.padding_side = "left"
+        try:
+            with torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else []):
+                torch.manual_seed(sampling.seed)
+                for batch in tqdm(batches, desc=f"{desc} (hf generate)", unit="batch", disable=not self.progress):
+                    completions += self._generate_batch(batch, sampling)
+        finally:
+            self.tokenizer.padding_side = padding_side
+            self.model.train(was_training)
+        n = sampling.n
+        return [completions[start : start + n] for start in range(0, len(completions), n)]
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[str]:
-        inputs = self.tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(self.device)
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        inputs = self.tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(self.model.device)
         if sampling.temperature > 0:
             # top_k 0 and no repetition penalty: plain temperature/top-p sampling as in vLLM, whatever
             # defaults the checkpoint's generation_config.json carries.
@@ -110,8 +149,12 @@ class HFGenerator:
                 num_return_sequences=sampling.n,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-        new_tokens = output[:, inputs["input_ids"].shape[1] :]
-        return self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        completions = []
+        for ids in output[:, inputs["input_ids"].shape[1] :].tolist():
+            end = next((i for i, token in enumerate(ids) if token in self.end_ids), None)
+            kept = ids if end is None else ids[: end + 1]
+            completions.append(Completion(self.tokenizer.decode(kept, skip_special_tokens=True), len(kept), end is None))
+        return completions
 
 
 class VLLMGenerator:
@@ -123,7 +166,9 @@ class VLLMGenerator:
         self.llm = LLM(model=str(model_path), seed=seed)
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[str]]:
+    def generate(
+        self, conversations: list[Conversation], sampling: SamplingParams, desc: str
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
 
         params = VLLMSamplingParams(
@@ -132,4 +177,7 @@ class VLLMGenerator:
         requests = [{"prompt_token_ids": ids} for ids in encode_prompts(self.tokenizer, conversations)]
         logger.info("%s: generating with vLLM", desc)
         outputs = self.llm.generate(requests, params, use_tqdm=True)
-        return [[completion.text for completion in output.outputs] for output in outputs]
+        return [
+            [Completion(c.text, len(c.token_ids), c.finish_reason == "length") for c in output.outputs]
+            for output in outputs
+        ]

@@ -6,14 +6,18 @@ answer in the format the prompt asks for: ``\\boxed{}``, ``#### N``, ``<answer>`
 ``strict``; ``python -m eval --answer-format`` overrides it) names the primary one.
 
 Output layout, for each benchmark B under ``out_dir``:
-    B/samples.jsonl   one record per completion: problem_id, sample_index, completion, ground_truth,
-                      score, acc, reason (primary format) and ``by_answer_format``:
+    B/samples.jsonl   one record per completion: problem_id, sample_index, completion, tokens, truncated,
+                      ground_truth, score, acc, reason (primary format) and ``by_answer_format``:
                       {"strict": {"score", "acc", "reason"}, "lenient": {...}}
     B/summary.json    the benchmark definition and sampling used, ``answer_format`` (the primary one),
                       mean_at_n, pass_at_k, timeouts, no_answer and reasons under the primary format,
-                      and ``by_answer_format``: {"strict": {mean_at_n, pass_at_k, timeouts, no_answer,
-                      reasons}, "lenient": {...}} with the same metrics under every format
+                      ``by_answer_format``: {"strict": {mean_at_n, pass_at_k, timeouts, no_answer,
+                      reasons}, "lenient": {...}} with the same metrics under every format, and
+                      mean_response_tokens and truncated (the fraction that hit max_new_tokens)
 and ``summary.json`` with every benchmark's summary and the run's configuration.
+
+``evaluate_rows`` is the whole measurement without the files; the simulator's held-out evaluation
+calls it on a model in memory, so smoke and paper accuracies come from the same code.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import yaml
 
 from vcpo import data, rewards
-from vcpo.evaluation.generation import Generator, SamplingParams, make_generator
+from vcpo.evaluation.generation import Completion, Generator, SamplingParams, make_generator
 from vcpo.evaluation.metrics import benchmark_pass_at_k, default_ks, mean_at_n
 
 _SAMPLING_KEYS = {field.name for field in fields(SamplingParams)}
@@ -114,35 +118,14 @@ def evaluate_benchmark(
         raise ValueError(
             f"benchmark {benchmark.name!r}: no rows for task {benchmark.task!r}, split {benchmark.split!r}"
         )
-    n = benchmark.sampling.n
-
-    started = time.monotonic()
-    completions = generator.generate([row["prompt"] for row in rows], benchmark.sampling, desc=benchmark.name)
-    generation_seconds = time.monotonic() - started
-    if [len(samples) for samples in completions] != [n] * len(rows):
-        raise RuntimeError(f"benchmark {benchmark.name!r}: the generator did not return {n} completions per prompt")
-
-    started = time.monotonic()
-    records = _score(rows, completions, benchmark.answer_format)
-    scoring_seconds = time.monotonic() - started
-
-    by_format = {
-        answer_format: _metrics([record["by_answer_format"][answer_format] for record in records], len(rows), n)
-        for answer_format in rewards.ANSWER_FORMATS
-    }
+    records, measured = evaluate_rows(generator, rows, benchmark.sampling, benchmark.answer_format, benchmark.name)
     summary = {
         **(run_info or {}),
         "benchmark": benchmark.name,
         "task": benchmark.task,
         "split": benchmark.split,
         "sampling": asdict(benchmark.sampling),
-        "answer_format": benchmark.answer_format,
-        "num_problems": len(rows),
-        "num_samples": len(records),
-        **by_format[benchmark.answer_format],
-        "by_answer_format": by_format,
-        "generation_seconds": generation_seconds,
-        "scoring_seconds": scoring_seconds,
+        **measured,
     }
     benchmark_dir = Path(out_dir) / benchmark.name
     benchmark_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +134,49 @@ def evaluate_benchmark(
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     _write_json(benchmark_dir / "summary.json", summary)
     return summary
+
+
+def evaluate_rows(
+    generator: Generator,
+    rows: list[dict],
+    sampling: SamplingParams,
+    answer_format: str = "strict",
+    desc: str = "evaluation",
+    *,
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Generate ``sampling.n`` completions per row (``vcpo.data`` rows: prompt, data_source,
+    reward_model.ground_truth), score each under every answer format, and return the per-completion
+    records and the metrics: those of the primary ``answer_format`` at the top level, every format's in
+    ``by_answer_format``, and the response length and truncation."""
+    if not rows:
+        raise ValueError(f"{desc}: no rows to evaluate")
+    n = sampling.n
+    started = time.monotonic()
+    completions = generator.generate([row["prompt"] for row in rows], sampling, desc=desc)
+    generation_seconds = time.monotonic() - started
+    if [len(samples) for samples in completions] != [n] * len(rows):
+        raise RuntimeError(f"{desc}: the generator did not return {n} completions per prompt")
+
+    started = time.monotonic()
+    records = _score(rows, completions, answer_format, progress)
+    scoring_seconds = time.monotonic() - started
+
+    by_format = {
+        name: _metrics([record["by_answer_format"][name] for record in records], len(rows), n)
+        for name in rewards.ANSWER_FORMATS
+    }
+    return records, {
+        "answer_format": answer_format,
+        "num_problems": len(rows),
+        "num_samples": len(records),
+        **by_format[answer_format],
+        "by_answer_format": by_format,
+        "mean_response_tokens": sum(record["tokens"] for record in records) / len(records),
+        "truncated": sum(record["truncated"] for record in records) / len(records),
+        "generation_seconds": generation_seconds,
+        "scoring_seconds": scoring_seconds,
+    }
 
 
 def local_benchmark_file(benchmark: Benchmark, source_dir: str | Path) -> Path | None:
@@ -182,33 +208,35 @@ def _metrics(results: list[dict[str, Any]], num_problems: int, n: int) -> dict[s
     }
 
 
-def _score(rows: list[dict], completions: list[list[str]], primary_format: str) -> list[dict[str, Any]]:
+def _score(
+    rows: list[dict], completions: list[list[Completion]], primary_format: str, progress: bool
+) -> list[dict[str, Any]]:
     """One record per completion, problem-major: the reward's score, accuracy and reason under the
     primary answer format, and under every format in ``by_answer_format``."""
     owners = [(position, index) for position, texts in enumerate(completions) for index in range(len(texts))]
     sample_rows = [rows[position] for position, _ in owners]
-    texts = [completions[position][index] for position, index in owners]
+    samples = [completions[position][index] for position, index in owners]
     ground_truths = [row["reward_model"]["ground_truth"] for row in sample_rows]
     results_by_format = {
         answer_format: rewards.score_batch(
             [row["data_source"] for row in sample_rows],
-            texts,
+            [sample.text for sample in samples],
             ground_truths,
             [row.get("extra_info") or {} for row in sample_rows],
             answer_format=answer_format,
-            progress=True,
+            progress=progress,
         )
         for answer_format in rewards.ANSWER_FORMATS
     }
     records = []
-    for sample, ((position, index), row, text, ground_truth) in enumerate(
-        zip(owners, sample_rows, texts, ground_truths, strict=True)
+    for number, ((position, index), row, sample, ground_truth) in enumerate(
+        zip(owners, sample_rows, samples, ground_truths, strict=True)
     ):
         by_format = {
             answer_format: {
-                "score": results[sample]["score"],
-                "acc": bool(results[sample]["acc"]),
-                "reason": results[sample]["reason"],
+                "score": results[number]["score"],
+                "acc": bool(results[number]["acc"]),
+                "reason": results[number]["reason"],
             }
             for answer_format, results in results_by_format.items()
         }
@@ -216,7 +244,9 @@ def _score(rows: list[dict], completions: list[list[str]], primary_format: str) 
             {
                 "problem_id": _problem_id(row, position),
                 "sample_index": index,
-                "completion": text,
+                "completion": sample.text,
+                "tokens": sample.tokens,
+                "truncated": sample.truncated,
                 **by_format[primary_format],
                 "ground_truth": ground_truth,
                 "by_answer_format": by_format,

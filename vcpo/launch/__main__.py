@@ -37,6 +37,13 @@ def visible_gpus() -> int:
         return 0
 
 
+def composed_config(argv: list[str]):
+    """The verl config ``python -m vcpo.launch ARGV --show-config`` prints (no checks): what a workflow
+    reads of a run without launching it."""
+    args = _parser().parse_args(argv)
+    return compose(make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir), args.overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:

@@ -1,17 +1,17 @@
-"""Held-out accuracy of a model on a simulator task: sample, decode, score with ``vcpo.rewards``."""
+"""Held-out accuracy of a model in memory on a simulator task, through ``vcpo.evaluation``'s harness
+(the code that evaluates paper-scale checkpoints): sample, score under both answer formats, measure."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
-import torch
+from vcpo.evaluation import HFGenerator, SamplingParams, evaluate_rows
+from vcpo.sim.tasks import Problem, SimTask, evaluation_rows
 
-from vcpo.rewards import score_batch
-from vcpo.sim.tasks import Problem, SimTask, render_prompt
+# Sequences generated per model.generate call; a batch holds this many // samples problems.
+SEQUENCES_PER_BATCH = 64
 
 
-@torch.no_grad()
 def heldout_accuracy(
     model,
     tokenizer,
@@ -20,73 +20,42 @@ def heldout_accuracy(
     *,
     temperature: float = 1.0,
     max_new_tokens: int | None = None,
-    batch_size: int = 64,
     samples: int = 1,
     seed: int = 0,
 ) -> dict:
-    """Accuracy of ``model`` on ``problems``, ``samples`` responses each (temperature 0: greedy), at most
-    ``max_new_tokens`` generated tokens each (default: the task's ``max_response_tokens``).
+    """The harness's metrics of ``model`` on ``problems``: ``samples`` responses each (temperature 0:
+    greedy, one response), plain sampling from the temperature-scaled distribution (no top-k or top-p,
+    as the rollouts sample), at most ``max_new_tokens`` tokens each (default: the task's budget).
 
-    Returns ``accuracy`` (mean over problems and samples), ``pass_at_k`` (the fraction of problems
-    with at least one of its ``samples`` responses correct), ``mean_response_tokens`` (generated
-    tokens, the end-of-turn token included), ``truncated`` (the fraction that hit ``max_new_tokens``
-    without ending), ``reasons`` (count per ``vcpo.rewards.REASONS`` entry), ``problems`` and
-    ``samples``. Deterministic given ``seed`` (and the batch size); the global RNG is left untouched
-    and the model's training mode is restored.
+    Returns ``vcpo.evaluation.evaluate_rows``' metrics (``mean_at_n`` and ``pass_at_k`` in the strict
+    answer format, ``by_answer_format``, ``mean_response_tokens``, ``truncated``, ``reasons``, ...).
+    Deterministic given ``seed``; the global random state and the model's training mode are left as
+    they were.
     """
-    if samples < 1 or batch_size < 1:
-        raise ValueError(f"heldout_accuracy: samples and batch_size must be >= 1, got {samples}, {batch_size}")
-    if not problems:
-        raise ValueError("heldout_accuracy: no problems")
-    if max_new_tokens is None:
-        max_new_tokens = task.max_response_tokens
-    greedy = temperature == 0
-    if greedy:
-        samples = 1  # every sample would be the same
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos) if isinstance(eos, list | tuple) else {eos}
-    pad_id = tokenizer.pad_token_id
-    # Plain sampling from the temperature-scaled distribution: top_k=0 and top_p=1 switch off the
-    # library defaults (top_k=50), as the RL rollouts sample from the full distribution too.
-    sampling = (
-        {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    if samples < 1:
+        raise ValueError(f"heldout_accuracy: samples must be >= 1, got {samples}")
+    n = 1 if temperature == 0 else samples  # every greedy sample would be the same
+    sampling = SamplingParams(
+        n=n, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens or task.max_response_tokens, seed=seed
     )
-    prompts = [render_prompt(tokenizer, problem) for problem in problems for _ in range(samples)]
-    was_training = model.training
-    model.eval()
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    responses: list[str] = []
-    lengths: list[int] = []
-    truncated = 0
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                inputs = tokenizer(
-                    prompts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
-                ).to(model.device)
-                output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
-                generated = output[:, inputs["input_ids"].shape[1] :].tolist()
-                for ids in generated:
-                    ended = next((i for i, token in enumerate(ids) if token in eos_ids), None)
-                    kept = ids if ended is None else ids[: ended + 1]
-                    truncated += ended is None
-                    lengths.append(len(kept))
-                    responses.append(tokenizer.decode(kept, skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train(was_training)
-    ground_truths = [problem.ground_truth for problem in problems for _ in range(samples)]
-    results = score_batch([task.data_source] * len(responses), responses, ground_truths)
-    correct = [result["score"] for result in results]
-    per_problem = [correct[i * samples : (i + 1) * samples] for i in range(len(problems))]
+    generator = HFGenerator(model, tokenizer, batch_size=max(1, SEQUENCES_PER_BATCH // n), progress=False)
+    _, metrics = evaluate_rows(generator, evaluation_rows(task, list(problems)), sampling, desc=task.name, progress=False)
+    return metrics
+
+
+def validation_metrics(task_name: str, result: dict) -> dict[str, float]:
+    """``heldout_accuracy``'s result under verl's validation metric names (``val-core`` the headline,
+    ``val-aux`` the rest), and ``val/accuracy``, the accuracy every table and figure reads."""
+    n = result["num_samples"] // result["num_problems"]
     return {
-        "accuracy": sum(correct) / len(correct),
-        "pass_at_k": sum(max(scores) for scores in per_problem) / len(problems),
-        "mean_response_tokens": sum(lengths) / len(lengths),
-        "truncated": truncated / len(responses),
-        "reasons": dict(Counter(result["reason"] for result in results)),
-        "problems": len(problems),
-        "samples": samples,
+        "val/accuracy": result["mean_at_n"],
+        f"val-core/{task_name}/acc/mean@{n}": result["mean_at_n"],
+        **{f"val-aux/{task_name}/acc/pass@{k}": value for k, value in result["pass_at_k"].items()},
+        **{
+            f"val-aux/{task_name}/acc_{name}/mean@{n}": format_metrics["mean_at_n"]
+            for name, format_metrics in result["by_answer_format"].items()
+            if name != result["answer_format"]
+        },
+        f"val-aux/{task_name}/response_length/mean": result["mean_response_tokens"],
+        f"val-aux/{task_name}/response_length/clip_ratio": result["truncated"],
     }

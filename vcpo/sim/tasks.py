@@ -268,7 +268,23 @@ def get_sim_task(name: str) -> SimTask:
         raise ValueError(f"unknown sim task {name!r}; known: {', '.join(sorted(SIM_TASKS))}") from None
 
 
+def conversation(problem: Problem) -> list[dict[str, str]]:
+    return [{"role": "user", "content": problem.prompt}]
+
+
 def render_prompt(tokenizer, problem: Problem) -> str:
     """The chat-formatted prompt, ending with the assistant turn's opening (add_generation_prompt)."""
-    messages = [{"role": "user", "content": problem.prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(conversation(problem), add_generation_prompt=True, tokenize=False)
+
+
+def evaluation_rows(task: SimTask, problems: list[Problem]) -> list[dict]:
+    """``problems`` as the rows ``vcpo.evaluation`` reads (the layout of ``vcpo.data``'s rows)."""
+    return [
+        {
+            "prompt": conversation(problem),
+            "data_source": task.data_source,
+            "reward_model": {"ground_truth": problem.ground_truth},
+            "extra_info": {"index": index},
+        }
+        for index, problem in enumerate(problems)
+    ]

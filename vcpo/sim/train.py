@@ -191,7 +191,7 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        from vcpo.sim.evaluate import heldout_accuracy
+        from vcpo.sim.evaluate import heldout_accuracy, validation_metrics
 
         if not self.eval_problems:
             return {}
@@ -208,8 +208,7 @@ class Trainer:
             seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
         )
         self.model.train()
-        name = f"val-core/{self.task.name}/acc/mean@{self.config.eval_samples}"
-        return {name: result["accuracy"], "val/accuracy": result["accuracy"], "timing_s/testing": time.perf_counter() - started}
+        return {**validation_metrics(self.task.name, result), "timing_s/testing": time.perf_counter() - started}
 
     # -- the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:

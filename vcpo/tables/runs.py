@@ -3,7 +3,7 @@
 Runs live at ``RUNS/<task>/<method>/lag<k>/seed<s>/``; a sync run is always read at lag 0. Two layouts:
   simulator (``python -m vcpo.sim``): ``metrics.jsonl`` of flat objects, ``final/eval.json`` when finished;
   verl (``python -m vcpo.launch``): ``metrics.jsonl`` of ``{"step", "data": {...}}`` objects from verl's
-  file logger, ``eval/<checkpoint>/summary.json`` from ``python -m eval``, ``launch.json`` (settings).
+  file logger, ``eval/summary.json`` from ``python -m eval``, ``launch.json`` (settings).
 Both become a list of flat dicts ``{"step": int, **metrics}``, so every consumer is backend-agnostic.
 """
 
@@ -143,19 +143,18 @@ def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[di
     return rows
 
 
-def _checkpoint_order(path: Path) -> tuple[int, str]:
-    """Checkpoints by their step number; a name without one (``final``) sorts last."""
-    numbers = re.findall(r"\d+", path.parent.name)
-    return (int(numbers[-1]) if numbers else 1 << 62, path.parent.name)
-
-
 def evaluated_accuracy(run_dir: Path, benchmark: str | None) -> float | None:
-    """``mean_at_n`` of ``benchmark`` in the latest ``eval/<checkpoint>/summary.json`` (verl runs)."""
-    summaries = sorted((Path(run_dir) / "eval").glob("*/summary.json"), key=_checkpoint_order)
-    if benchmark is None or not summaries:
+    """``mean_at_n`` of ``benchmark`` in ``run_dir/eval/summary.json`` (python -m eval), if evaluated."""
+    summary = Path(run_dir) / "eval" / "summary.json"
+    if benchmark is None or not summary.exists():
         return None
-    result = json.loads(summaries[-1].read_text()).get("results", {}).get(benchmark)
+    result = json.loads(summary.read_text()).get("results", {}).get(benchmark)
     return None if result is None else float(result["mean_at_n"])
+
+
+def is_verl_run(run_dir: Path) -> bool:
+    """A run python -m vcpo.launch started (it writes launch.json); the simulator's runs have none."""
+    return (Path(run_dir) / "launch.json").exists()
 
 
 def final_accuracy(run_dir: Path, lines: list[dict], benchmark: str | None = None) -> float | None:

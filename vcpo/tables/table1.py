@@ -1,7 +1,10 @@
 """VCPO Table 1 from run outputs: base, sync (k = 0) and async VCPO accuracy, steps and compute hours.
 
 Each number is the mean and min-max over seeds, beside the paper's published value
-(``paper_results.yaml``). Compute: at smoke scale CPU-hours = the logged ``timing_s/step`` +
+(``paper_results.yaml``). Every accuracy comes from ``vcpo.evaluation``'s harness: at paper scale
+``python -m eval`` of the final checkpoints and of the base model (``<task>/base/eval``); at smoke scale
+the simulator's evaluations, the base row being its step-0 evaluation of the SFT base (verl's own
+step-0 validation samples at other settings, so a verl run has no base row without the base evaluation). Compute: at smoke scale CPU-hours = the logged ``timing_s/step`` +
 ``timing_s/testing`` of one process / 3600 (not comparable to the paper's GPU-hours); at paper scale
 GPU-hours = those wall-clock hours x the GPUs of the run's ``launch.json`` (unknown if it does not say).
 """
@@ -14,8 +17,19 @@ from typing import Any
 
 import numpy as np
 
+from vcpo.recipes import base_path
 from vcpo.tables.figures import SCALES
-from vcpo.tables.runs import compute_hours, final_accuracy, last_step, read_metrics, run_dirs, run_gpus, start_accuracy
+from vcpo.tables.runs import (
+    compute_hours,
+    evaluated_accuracy,
+    final_accuracy,
+    is_verl_run,
+    last_step,
+    read_metrics,
+    run_dirs,
+    run_gpus,
+    start_accuracy,
+)
 from vcpo.tables.specs import paper_results
 
 HOURS = {"smoke": "CPU-hours", "paper": "GPU-hours"}
@@ -37,7 +51,7 @@ def run_numbers(run_dir: Path, scale: str, benchmark: str | None) -> dict[str, f
         gpus = run_gpus(run_dir)
         hours = None if gpus is None else hours * gpus
     return {
-        "base": start_accuracy(lines),
+        "base": None if is_verl_run(run_dir) else start_accuracy(lines),
         "accuracy": final_accuracy(run_dir, lines, benchmark),
         "steps": last_step(run_dir, lines),
         "hours": hours,
@@ -52,6 +66,11 @@ def row_numbers(root: Path, task: str, method: str, lag: int, scale: str, benchm
     return {"task": task, "method": method, "lag": lag, "seeds": [d.name for d in dirs]} | {
         key: spread([numbers[key] for numbers in per_run]) for key in keys
     }
+
+
+def base_accuracy(root: Path, task: str, benchmark: str | None) -> dict[str, Any] | None:
+    """The evaluation of the task's base model, when there is one (paper scale)."""
+    return spread([evaluated_accuracy(root / base_path(task), benchmark)])
 
 
 def table1_data(root: Path, scale: str, tasks: dict[str, str] | None = None, lag: int | None = None) -> dict[str, Any]:
@@ -83,7 +102,7 @@ def table1_data(root: Path, scale: str, tasks: dict[str, str] | None = None, lag
             "run_task": run_task,
             "paper": paper,
             "paper_lag": paper_lag(paper_task),
-            "base": sync["base"],
+            "base": base_accuracy(root, run_task, paper["benchmark"]) or sync["base"],
             "sync": sync,
             "async": row_numbers(root, run_task, "vcpo", k, scale, paper["benchmark"]),
         }

@@ -62,6 +62,7 @@ def table1_args():
 rule table1:
     input:
         run_outputs(PLAN.table1),
+        base_outputs(PLAN.table1),
     output:
         report(f"{R}/tables/table1.md", caption="../report/table1.rst", category="Tables", labels={"table": "1"}),
     params:
