@@ -63,6 +63,15 @@ Embeddings and norm affines (hidden-width tensors) use the (B, max_len, ·) zero
 result. Tokens after c_B (trailing padding) belong to no sequence: they are left out of the norms,
 p.grad and the score buffers (their gradient is zero for any loss that ignores them).
 
+Mixed precision. Under ``torch.autocast`` (bf16 or fp16) a Linear's matmuls run in the autocast dtype,
+as autocast would run them, and so do the per-sequence weight gradients; with bf16 (or fp16)
+parameters (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``) everything runs in their dtype.
+Either way the per-sequence gradients are widened to float32 before they are squared (the norms),
+scaled by the coefficients and summed over sequences; the score buffers are float32, and so is G_R
+for a low-precision parameter (a buffer `combine` adds to p.grad, so G_R − b G_S is formed in
+float32); p.grad keeps the parameter's dtype. The error against float64 is that of plain autograd
+under the same precision (tests/test_per_sequence_grads_mixed_precision.py measures both).
+
 Memory beyond a plain backward: one score buffer per open group label (one for scope "batch", one
 per group of the micro-batch for scope "group"), plus one block of per-sequence gradients
 (``block_bytes``) or the ghost Gram matrices (2·B·T² values, also chunked to ``block_bytes``), plus,
@@ -71,8 +80,7 @@ BUCKET_SLACK x their tokens).
 
 Limits: the engine cannot see the attention, and sequences must not interact through it (rows of a
 padded batch; the block-diagonal mask of a packed row, which HF transformers 5 builds from position_ids
-restarting at 0 only with attention_mask=None and use_cache=False). No torch.autocast (the functions
-run in the parameters' dtype). Under data parallelism (paper App. C) defer the gradient all-reduce:
+restarting at 0 only with attention_mask=None and use_cache=False). Under data parallelism (paper App. C) defer the gradient all-reduce:
 gather the B norms across ranks for the baseline, `combine` locally, then all-reduce p.grad once.
 """
 
@@ -94,9 +102,11 @@ from vcpo.core.per_sequence_grads.functions import (
 from vcpo.core.per_sequence_grads.reductions import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_PASS_COST,
+    LOW_PRECISION,
     MODES,
     PackedSegments,
     check_cu_seqlens,
+    wide_dtype,
 )
 from vcpo.core.per_sequence_grads.sites import _buckets, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
@@ -132,7 +142,8 @@ class PerSequenceGradients:
         self.sites, self.tied_params = _collect_sites(self, model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._active: _MicroBatch | None = None
-        self._score_buffers: dict = {}  # label -> {parameter id: G_S buffer}
+        self._score_buffers: dict = {}  # label -> {parameter id: (parameter, G_S buffer)}
+        self._reward_buffers: dict = {}  # parameter id -> (parameter, float32 G_R) of low-precision parameters
         self._open_norms: list[torch.Tensor] = []
         self._open_labels: list = []
         self._grouped: bool | None = None
@@ -151,8 +162,19 @@ class PerSequenceGradients:
     def score_buffer(self, label, param: torch.Tensor) -> torch.Tensor:
         buffers = self._score_buffers.setdefault(label, {})
         if id(param) not in buffers:
-            buffers[id(param)] = (param, torch.zeros_like(param))
+            buffers[id(param)] = (param, torch.zeros_like(param, dtype=wide_dtype(param.dtype)))
         return buffers[id(param)][1]
+
+    def reward_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        """Where G_R accumulates: p.grad itself, or for a float16 / bfloat16 parameter a float32 buffer
+        that `combine` adds to p.grad (so the subtraction G_R − b G_S happens in float32)."""
+        if param.dtype in LOW_PRECISION:
+            if id(param) not in self._reward_buffers:
+                self._reward_buffers[id(param)] = (param, torch.zeros_like(param, dtype=torch.float32))
+            return self._reward_buffers[id(param)][1]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
 
     @property
     def sq_norms(self) -> torch.Tensor:
@@ -289,7 +311,9 @@ class PerSequenceGradients:
         per_label = self._baseline_per_label(baseline)
         for label, buffers in self._score_buffers.items():
             for param, buffer in buffers.values():
-                param.grad.add_(buffer, alpha=-per_label[label])
+                self.reward_buffer(param).add_(buffer, alpha=-per_label[label])
+        for param, combined in self._reward_buffers.values():
+            param.grad = combined.to(param.dtype) if param.grad is None else param.grad.add_(combined)
         self._discard()
 
     def _baseline_per_label(self, baseline) -> dict:
@@ -313,6 +337,7 @@ class PerSequenceGradients:
 
     def _discard(self) -> None:
         self._score_buffers = {}
+        self._reward_buffers = {}
         self._open_norms = []
         self._open_labels = []
         self._grouped = None

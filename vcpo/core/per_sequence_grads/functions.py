@@ -24,19 +24,39 @@ def _out_in(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight.t() if transposed else weight
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matmuls in on ``device`` here, or None outside autocast."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 class _OuterProductFunction(torch.autograd.Function):
-    """y = x Wᵀ + b (Linear, W: (out, in)) or y = x W + b (Conv1D, W: (in, out))."""
+    """y = x Wᵀ + b (Linear, W: (out, in)) or y = x W + b (Conv1D, W: (in, out)).
+
+    Under ``torch.autocast`` the matmul runs as autocast would run F.linear: x, W and b cast to the
+    autocast dtype (the output in that dtype). Those casts are saved, so the backward's input gradient
+    and the per-sequence weight gradients are formed in the same dtype as autograd's would be.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, site):
-        ctx.site = site
+        ctx.site, ctx.input_dtype = site, x.dtype
+        dtype = autocast_dtype(x.device)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
-        return F.linear(x, _out_in(weight, site.transposed), bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, _out_in(weight, site.transposed), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad_x = grad_out @ _out_in(weight, ctx.site.transposed) if ctx.needs_input_grad[0] else None
+        grad_out = grad_out.to(x.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_out @ _out_in(weight, ctx.site.transposed)).to(ctx.input_dtype)
         ctx.site.outer_product_backward(x, grad_out)
         return grad_x, None, None, None
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("auto", "materialize", "ghost")
+# Per-sequence gradients of these dtypes (autocast's matmul outputs, bf16 parameters) are widened to
+# float32 before they are squared, summed over sequences or scaled by coefficients.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Per-sequence gradients are formed in blocks of weight rows of about this many bytes, so that the
 # reductions that follow read them from cache (CPU: about the L2; GPU: a third of an H100's L2).
@@ -29,6 +32,23 @@ DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 512.0}
 
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float16 / bfloat16; other dtypes unchanged."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def widened(values: torch.Tensor) -> torch.Tensor:
+    return values.to(wide_dtype(values.dtype))
+
+
+def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """target += a @ b: the product in a's dtype (a bf16 matmul under autocast), the sum in target's."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    else:
+        target.add_(a @ b)
+
+
 def per_sample_outer(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """P_i = Σ_t rows_{i,t} ⊗ cols_{i,t} = rows_iᵀ cols_i, shape (B, R, C), for rows (B, T, R), cols (B, T, C).
 
@@ -44,7 +64,7 @@ def ghost_sq_norms(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """
     row_gram = torch.bmm(rows, rows.transpose(1, 2))
     col_gram = torch.bmm(cols, cols.transpose(1, 2))
-    return torch.einsum("bts,bts->b", row_gram, col_gram)
+    return torch.einsum("bts,bts->b", widened(row_gram), widened(col_gram))
 
 
 def prefers_ghost(tokens: int, rows: int, cols: int, num_combinations: int, pass_cost: float) -> bool:
@@ -72,7 +92,7 @@ def sparse_rows_sq_norms(ids: torch.Tensor, rows: torch.Tensor, num_embeddings: 
     sequence = torch.arange(batch, device=ids.device).unsqueeze(1)
     keys = (sequence * num_embeddings + ids).flatten()
     unique_keys, key_of_position = torch.unique(keys, return_inverse=True)
-    flat_rows = rows.reshape(-1, rows.shape[-1])
+    flat_rows = widened(rows.reshape(-1, rows.shape[-1]))
     summed = flat_rows.new_zeros(unique_keys.numel(), flat_rows.shape[1]).index_add_(0, key_of_position, flat_rows)
     key_sq_norms = torch.linalg.vecdot(summed, summed).to(torch.float64)
     return key_sq_norms.new_zeros(batch).index_add_(0, unique_keys // num_embeddings, key_sq_norms)

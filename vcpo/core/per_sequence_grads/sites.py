@@ -14,12 +14,15 @@ from vcpo.core.per_sequence_grads.reductions import (
     BUCKET_SLACK,
     MIN_BLOCK_ROWS,
     PackedSegments,
+    add_product,
     ghost_sq_norms,
     length_buckets,
     per_sample_outer,
     prefers_ghost,
     rows_at_ids,
     sparse_rows_sq_norms,
+    wide_dtype,
+    widened,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +115,8 @@ class _Site:
 
                 micro_batch.add_tied_part(weight, rows_at)
         if bias is not None and bias.requires_grad:
-            micro_batch.add_dense(self.name, bias, micro_batch.from_buckets([(b, d_b.sum(1)) for b, _, d_b in parts]))
+            sums = [(b, d_b.sum(1, dtype=wide_dtype(d_b.dtype))) for b, _, d_b in parts]
+            micro_batch.add_dense(self.name, bias, micro_batch.from_buckets(sums))
 
     def embedding_backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
@@ -255,11 +259,10 @@ class _MicroBatch:
         self.received.add(key)
 
     def _targets(self, param: torch.Tensor) -> list[torch.Tensor]:
-        """Flat views of p.grad (G_R) and of the score buffer of each label of this micro-batch (G_S^γ)."""
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        buffers = [self.engine.score_buffer(label, param) for label in self.labels]
-        return [param.grad.view(-1)] + [buffer.view(-1) for buffer in buffers]
+        """Flat views of the G_R accumulator (p.grad, or a float32 buffer for a low-precision parameter)
+        and of the score buffer of each label of this micro-batch (G_S^γ)."""
+        buffers = [self.engine.reward_buffer(param)] + [self.engine.score_buffer(label, param) for label in self.labels]
+        return [buffer.view(-1) for buffer in buffers]
 
     def _add_sq_norms(self, values: torch.Tensor, bucket: _Bucket | None = None) -> None:
         """sq_norms += values, one per sequence (of the bucket's sequences, if given)."""
@@ -276,12 +279,12 @@ class _MicroBatch:
 
         With a bucket, the rows of per_sample are its sequences (B_b, n).
         """
-        per_sample = per_sample.reshape(per_sample.shape[0], -1).to(param.dtype)
+        per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
         self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample), bucket)
         coefficients = self.coefficients_as(per_sample, bucket)
         n = per_sample.shape[1]
         for row, target in enumerate(self._targets(param)):
-            target[offset : offset + n].view(1, n).addmm_(coefficients[row : row + 1], per_sample)
+            add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1], per_sample)
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
         """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
@@ -332,22 +335,24 @@ class _MicroBatch:
         chunk = max(1, self.engine.block_bytes(param) // (2 * tokens * tokens * rows.element_size()))
         norms = [ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)]
         self._add_sq_norms(torch.cat(norms), bucket)
-        coefficients = self.coefficients_as(rows, bucket)
+        # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
+        # autograd's weight gradient of the same micro-batch would.
+        coefficients = self.coefficients_as(rows.new_empty(0, dtype=wide_dtype(rows.dtype)), bucket)
         flat_cols = cols.reshape(-1, cols.shape[-1])
         for row, target in enumerate(self._targets(param)):
-            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
-            target.view(rows.shape[-1], -1).addmm_(weighted_rows.t(), flat_cols)
+            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).to(rows.dtype).reshape(-1, rows.shape[-1])
+            add_product(target.view(rows.shape[-1], -1), weighted_rows.t(), flat_cols)
 
     def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
         self._receive(name, param)
         self._add_sq_norms(sparse_rows_sq_norms(ids, rows, param.shape[0]))
-        rows = rows.to(param.dtype)
+        rows = widened(rows)
         coefficients = self.coefficients_as(rows)
         flat_ids = ids.flatten()
         for row, target in enumerate(self._targets(param)):
             weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
-            target.view(param.shape).index_add_(0, flat_ids, weighted_rows)
+            target.view(param.shape).index_add_(0, flat_ids, weighted_rows.to(target.dtype))
 
     def chunked_rows_at_ids(self, delta: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`rows_at_ids` over chunks of ids, so the gathered (B, T, S) columns stay within ``block_bytes``."""
@@ -367,7 +372,7 @@ class _MicroBatch:
         if state.rows is None:
             state.rows = rows
             return
-        self._add_sq_norms(2.0 * torch.einsum("btd,btd->b", state.rows, rows))
+        self._add_sq_norms(2.0 * torch.einsum("btd,btd->b", widened(state.rows), widened(rows)))
         state.rows = None
 
     def check_complete(self) -> None:
