@@ -15,6 +15,7 @@ the resident-set high-water mark (VmHWM) of a fresh subprocess per variant, rese
 step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live tensors).
 
     python benchmarks/opob_overhead.py --model 50m --threads 1
+    python benchmarks/opob_overhead.py --model 50m --threads 1 --autocast bfloat16   # fp32 params, bf16 compute
     python benchmarks/opob_overhead.py --model 0.5b --device cuda --dtype bfloat16 --seq-len 2048
     python benchmarks/opob_overhead.py --json overhead.json   # also the ratios as JSON (vcpo.tables fig3)
 """
@@ -183,11 +184,20 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def run_step(variant, model, engine, batch, args) -> None:
+    """One variant's forward and backward, under ``--autocast`` when given (as verl runs its actor)."""
+    if args.autocast is None:
+        STEPS[variant](model, engine, batch, args)
+        return
+    with torch.autocast(torch.device(args.device).type, dtype=getattr(torch, args.autocast)):
+        STEPS[variant](model, engine, batch, args)
+
+
 def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, float]:
     """(forward + backward seconds, whole-step seconds) of one step."""
     synchronize(args.device)
     start = time.perf_counter()
-    STEPS[variant](model, engine, batch, args)
+    run_step(variant, model, engine, batch, args)
     synchronize(args.device)
     backward_done = time.perf_counter()
     optimizer_step(optimizer, batch)
@@ -204,7 +214,7 @@ def setup(args: argparse.Namespace):
 
 
 def final_gradients(variant, model, engine, batch, args) -> list[torch.Tensor]:
-    STEPS[variant](model, engine, batch, args)
+    run_step(variant, model, engine, batch, args)
     grads = [p.grad.detach().double().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
@@ -314,6 +324,7 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
     plain_step, plain_bwd = timing["step_s"]["plain"], timing["fwd_bwd_s"]["plain"]
     print(
         f"model {args.model} ({timing['params'] / 1e6:.1f}M params), device {args.device}, dtype {args.dtype}, "
+        f"autocast {args.autocast or 'off'}, "
         f"batch {args.batch_size} x {args.seq_len} tokens (lengths >= {args.min_length_fraction:g}·T), "
         f"micro-batch {args.micro_batch_size}, "
         f"threads {torch.get_num_threads()}, repeats {args.repeats}, mode {args.mode}"
@@ -335,7 +346,8 @@ def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict) 
     ratios = {"step_time_ratio": {v: timing["step_s"][v] / timing["step_s"]["plain"] for v in args.variants}}
     if memory:
         ratios["memory_ratio"] = {v: memory[v] / memory["plain"] for v in args.variants}
-    setting = f"{args.model}, {args.device}/{args.dtype}, {args.batch_size} x {args.seq_len} tokens"
+    autocast = f" autocast {args.autocast}" if args.autocast else ""
+    setting = f"{args.model}, {args.device}/{args.dtype}{autocast}, {args.batch_size} x {args.seq_len} tokens"
     result = {"setting": setting, "args": vars(args), **timing, "peak_bytes": memory, "ratios": ratios}
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
@@ -358,6 +370,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument(
+        "--autocast", choices=("bfloat16", "float16"), help="run forward and backward under torch.autocast (mixed precision)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--mode", choices=("auto", "materialize", "ghost"), default="auto")
     parser.add_argument("--variants", default=",".join(VARIANTS))

@@ -275,3 +275,19 @@ def test_the_base_row_evaluates_the_model_the_runs_start_from(tmp_path):
     assert arguments[arguments.index("--model") + 1] == "/models/my base"
     assert arguments[arguments.index("--benchmarks") + 1] == "math500"  # workflows/config/paper.yaml, task math
     assert arguments[arguments.index("--out") + 1] == f"$(dirname {tmp_path / 'runs/math/base/eval/summary.json'})"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=nonesuch", "'nonesuch' is not a registered policy loss"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr"),
+    ],
+)
+def test_the_paper_workflow_checks_its_launch_args_before_any_job(tmp_path, override, message):
+    """launch.args go through vcpo.launch's own checks at plan time (a dry run already refuses them)."""
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "--configfile",
+               str(CONFIGS / "paper.yaml"), "--config", f"results={tmp_path}", f'launch={{"args": ["{override}"]}}']  # fmt: skip
+    output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert output.returncode != 0 and "workflow config launch.args" in output.stderr and message in output.stderr
+    assert not (tmp_path / "runs").exists()

@@ -37,11 +37,16 @@ def visible_gpus() -> int:
         return 0
 
 
-def composed_config(argv: list[str]):
-    """The verl config ``python -m vcpo.launch ARGV --show-config`` prints (no checks): what a workflow
-    reads of a run without launching it."""
+def composed_config(argv: list[str], checked: bool = False):
+    """The verl config ``python -m vcpo.launch ARGV --show-config`` prints: what a workflow reads of a
+    run without launching it. ``checked``: also every check of ``--dry-run`` (not the files, not the
+    GPUs), after the overrides of ARGV; a `LaunchError` names the key at fault."""
     args = _parser().parse_args(argv)
-    return compose(make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir), args.overrides)
+    run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
+    config = compose(run, args.overrides)
+    if checked:
+        check(run, config, available_gpus=None, check_paths=False)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ if config["backend"] == "verl":
 
     def base_model(wildcards):
         """The model the task's runs start from, as vcpo.launch composes it with the config's launch.args."""
-        args = ["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *config["launch"]["args"]]
+        args = ["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS]
         return composed_config(args).actor_rollout_ref.model.path
 
     rule evaluate:

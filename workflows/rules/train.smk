@@ -72,13 +72,30 @@ else:
         """The run as vcpo.launch composes it: its data files and GPUs come from there."""
         return make_run(wildcards.task, wildcards.method, int(wildcards.lag), int(wildcards.seed), data_dir=DATA)
 
+    def check_launch_args():
+        """Every planned run as vcpo.launch composes it with the config's launch.args, given every check of
+        its --dry-run, before any job starts (seeds share their checks)."""
+        from vcpo.launch import LaunchError
+        from vcpo.launch.__main__ import composed_config
+
+        for task, method, lag in sorted({(run.task, run.method, run.lag) for run in PLAN.runs}):
+            argv = ["--task", task, "--method", method, "--lag", str(lag), "--data-dir", DATA, *LAUNCH_ARGS]
+            try:
+                composed_config(argv, checked=True)
+            except LaunchError as error:
+                raise WorkflowError(f"workflow config launch.args {LAUNCH_ARGS}: {task}/{method}/lag{lag}: {error}") from None
+
+    LAUNCH_ARGS = config.get("launch", {}).get("args", [])
+    if workflow.is_main_process:
+        check_launch_args()
+
     rule train:
         input:
             lambda wildcards: [str(path) for which in ("train", "val") for path in launcher_run(wildcards).data_files(which)],
         output:
             f"{RUN}/training.done",
         params:
-            args=" ".join(config.get("launch", {}).get("args", [])),
+            args=" ".join(LAUNCH_ARGS),
         resources:
             gpu=lambda wildcards: launcher_run(wildcards).gpus,
         log:
