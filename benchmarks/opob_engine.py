@@ -17,6 +17,7 @@ default) unless ``--padded``.
     python benchmarks/opob_engine.py                      # small model, packed, 1 thread
     python benchmarks/opob_engine.py --model 50m --batch 8 --repeats 5
     python benchmarks/opob_engine.py --padded --repeats 7
+    python benchmarks/opob_engine.py --autocast bfloat16   # verl's mixed-precision forward (fp32 weights)
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--padded", action="store_true", help="padded micro-batches (use_remove_padding=False)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--autocast", choices=("bfloat16",), help="forward and backward under torch.autocast")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
         setattr(args, name, value)
@@ -91,6 +93,8 @@ def main(argv=None) -> dict[str, float]:
     metrics = {}
     with cpu.cpu_patches():
         engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6, dtype=dtype)
+        if args.autocast:  # verl's forward_step then runs the model under torch.autocast, as on GPUs
+            engine._autocast_dtype = getattr(torch, args.autocast)
 
         def step(name: str) -> tuple[float, float]:
             td, _ = cpu.actor_batch(
@@ -123,7 +127,7 @@ def main(argv=None) -> dict[str, float]:
     cpu_medians = {name: statistics.median(values) for name, values in cpu_times.items()}
     print(
         f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} micro={args.micro}, "
-        f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, {args.dtype}, {args.threads} thread(s), "
+        f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, {args.dtype}{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
         f"median of {args.repeats}"
     )
     for name in VARIANTS:

@@ -48,6 +48,7 @@ CPU_PATCHES = (
     (transformer_impl, "get_device_id", lambda: "cpu"),
     (transformer_impl, "log_gpu_memory_usage", lambda *args, **kwargs: None),
     (transformer_impl.FSDPEngine, "_build_fsdp_module", _unwrapped),
+    (transformer_impl, "get_device_name", lambda: "cpu"),  # forward_step's torch.autocast device
     (seqlen_balancing, "get_device_name", lambda: "cpu"),  # dynamic batch size: the micro-batch count all-reduce
     (fsdp_utils, "get_device_id", lambda: "cpu"),  # fsdp2_clip_grad_norm_ (a module wrapped with fully_shard)
 )
@@ -75,9 +76,14 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **sha
 
 
 def build_engine(
-    model_dir: str | Path, remove_padding: bool, lr: float = 1e-3, dtype: torch.dtype = torch.float64
+    model_dir: str | Path,
+    remove_padding: bool,
+    lr: float = 1e-3,
+    dtype: torch.dtype = torch.float64,
+    mixed_precision: dict | None = None,
 ) -> VcpoFSDPEngineWithLMHead:
-    """The engine verl's registry returns for ``model_type=vcpo_language_model``, initialised (inside `cpu_patches`)."""
+    """The engine verl's registry returns for ``model_type=vcpo_language_model``, initialised (inside
+    `cpu_patches`); ``mixed_precision`` (default fp32 throughout) as verl's fsdp_config gives it."""
     model_config = HFModelConfig(
         path=str(model_dir),
         use_remove_padding=remove_padding,
@@ -93,7 +99,7 @@ def build_engine(
             strategy="fsdp2",
             model_dtype="fp32",
             use_torch_compile=False,
-            mixed_precision=FP32_MIXED_PRECISION,
+            mixed_precision=mixed_precision or FP32_MIXED_PRECISION,
         ),
         optimizer_config=FSDPOptimizerConfig(lr=lr, clip_grad=1e9, weight_decay=0.0),
         checkpoint_config=CheckpointConfig(),

@@ -31,13 +31,7 @@ from typing import Any
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, step_rule
 from vcpo.recipes import Task, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
-from vcpo.verl_shared import (
-    ENGINE_MODEL_TYPE,
-    ENGINE_MODULE,
-    EXTERNAL_MODULES,
-    FP32_MIXED_PRECISION,
-    MIXED_PRECISION_KEY,
-)
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 # verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is
@@ -227,8 +221,7 @@ def method_overrides(run: Run) -> list[str]:
         settings.append(_set("algorithm.norm_adv_by_std_in_grpo", advantage["params"]["norm_by_std"]))
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[spec["precision"]]
-    trainer_dtype = "float32" if rule.opob else dtype  # see engine_overrides
-    settings += [_set(f"{actor}.fsdp_config.dtype", trainer_dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
+    settings += [_set(f"{actor}.fsdp_config.dtype", dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
 
     beta = spec.get("kl_in_reward_beta")
     settings.append(_set("algorithm.use_kl_in_reward", bool(beta)))
@@ -241,8 +234,7 @@ def engine_overrides(run: Run) -> list[str]:
     """The engine extension (``vcpo.verl_plugin.engine``) for methods with the ESS step size or OPOB.
 
     It is an FSDP2 engine selected by model type. The task's ρ_on (0.55 multi-turn, Table 5) reaches the
-    ESS rule as ``policy_loss.rho_on``. OPOB's per-sequence gradients cannot run under torch.autocast, so
-    an OPOB method trains with fp32 parameters and compute on verl (the rollout keeps the preset's dtype).
+    ESS rule as ``policy_loss.rho_on``. OPOB trains in verl's default mixed precision like every method.
     """
     rule, actor = step_rule(run.method), "actor_rollout_ref.actor"
     if not rule.active:
@@ -255,8 +247,6 @@ def engine_overrides(run: Run) -> list[str]:
     ]
     if rule.ess:
         settings.append(_set(f"+{actor}.policy_loss.rho_on", run.task.paper["rho_on"]))
-    if rule.opob:
-        settings.append(_set(f"+{MIXED_PRECISION_KEY}", FP32_MIXED_PRECISION))
     return settings
 
 
@@ -404,9 +394,6 @@ def check_engine(config) -> None:
         "actor_rollout_ref.actor.policy_loss.loss_mode": (actor.policy_loss.loss_mode, (rule.loss_name,)),
         "actor_rollout_ref.actor.loss_agg_mode": (actor.loss_agg_mode, (rule.agg,)),
     }
-    if rule.opob:
-        precision = _select(config, MIXED_PRECISION_KEY) or {}
-        needs[MIXED_PRECISION_KEY + ".param_dtype"] = (precision.get("param_dtype"), (FP32_MIXED_PRECISION["param_dtype"],))
     wrong = [f"{key}={accepted[0]} (got {value})" for key, (value, accepted) in needs.items() if value not in accepted]
     if wrong:
         raise LaunchError(

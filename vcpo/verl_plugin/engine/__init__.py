@@ -44,7 +44,7 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     used. Packed micro-batches (remove-padding, also with ``pad_to_length``) go to ``micro_batch`` with
     ``cu_seqlens``; padded micro-batches (``use_remove_padding=False``) one sequence per row. Dynamic
     batch sizes work. Not supported (clear
-    errors): Ulysses sequence parallelism, torch.autocast (bf16 mixed precision), top-K distillation.
+    errors): Ulysses sequence parallelism, top-K distillation.
 
 Metrics (one value per optimizer step, as one-element lists like verl's per-micro-batch metrics; the
 trainer prefixes keys that do not start with ``actor/``, so the ESS ratio is logged as
@@ -65,11 +65,13 @@ Cost: the whole model and its gradient are unsharded during an OPOB step (no ZeR
 step) and the reduction is an all-reduce rather than FSDP2's reduce-scatter (2x the bytes per rank);
 reduce-scatter would also be exact, since RS(G_R − b G_S) = RS(G_R) − b RS(G_S). FSDP1
 (``strategy=fsdp``): its modules hold views of a FlatParameter whose own ``.grad`` is what FSDP
-reduces, so the handlers' writes would be lost: OPOB raises a clear error (use fsdp2). bf16 mixed
-precision: verl runs the forward under ``torch.autocast``, which ``PerSequenceGradients`` does not
-support: OPOB raises unless ``mixed_precision.param_dtype`` is fp32
-(``+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'``). The ESS rule works with every
-strategy and precision (it touches only log-probs and the learning rate).
+reduces, so the handlers' writes would be lost: OPOB raises a clear error (use fsdp2). Mixed
+precision: verl's default (FSDP2 bf16 parameters for compute, fp32 reduction, the forward under
+``torch.autocast(bf16)``) works: ``PerSequenceGradients`` forms the per-sequence gradients in bf16 as
+autograd would, accumulates G_R and G_S in float32 and writes the combined gradient into the bf16
+unsharded gradients at ``combine``; the one all-reduce sums in float32 and each fp32 sharded parameter
+gets its shard. The ESS rule works with every strategy and precision (it touches only log-probs and the
+learning rate).
 Megatron: not supported; the ``megatron`` backend of this model type raises at construction.
 """
 
@@ -109,8 +111,6 @@ from vcpo.verl_plugin.engine.batch import (
 from vcpo.verl_plugin.engine.rule import check_opob_loss, check_strategy, rule_from_loss_function
 from vcpo.verl_shared import (
     ENGINE_MODEL_TYPE,
-    FP32_MIXED_PRECISION_HYDRA,
-    MIXED_PRECISION_KEY,
     metrics_to_floats,
     step_rule_applied,
 )
@@ -274,11 +274,15 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             yield
             return
         precision = dict(getattr(self.engine_config, "mixed_precision", None) or {})
-        if precision.get("reduce_dtype", "fp32") != precision.get("param_dtype", "bf16"):
-            # FSDP2 would move each micro-batch's gradient into its private reduce-dtype accumulator
+        if precision.get("param_dtype", "bf16") in ("fp32", "float32") and precision.get("reduce_dtype", "fp32") not in (
+            "fp32",
+            "float32",
+        ):
+            # fp32 parameters get their G_R in p.grad during the backward, which FSDP2 (gradient sync off)
+            # would move into its private reduce-dtype accumulator; low-precision parameters accumulate in
+            # the engine's own float32 buffers and reach p.grad only at combine, so they are safe
             raise NotImplementedError(
-                "OPOB under FSDP2 needs mixed_precision.reduce_dtype == param_dtype (fp32), got "
-                f"{precision or 'the default bf16/fp32'}"
+                f"OPOB under FSDP2 with fp32 parameters needs mixed_precision.reduce_dtype fp32, got {precision}"
             )
         state.fsdp2 = modules
         reshard_after_forward = getattr(self.engine_config, "reshard_after_forward", True)
@@ -316,12 +320,6 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self.use_ulysses_sp:
             # each SP rank holds a slice of the packed row: per-sequence norms would need a cross-rank sum
             raise NotImplementedError("OPOB in the vcpo engine does not support Ulysses sequence parallelism")
-        if getattr(self, "_autocast_dtype", torch.float32) != torch.float32:
-            # PerSequenceGradients runs its functions in the parameters' dtype and cannot run under autocast
-            raise NotImplementedError(
-                f"OPOB in the vcpo engine cannot run under torch.autocast ({self._autocast_dtype}); "
-                f"run it in fp32: +{MIXED_PRECISION_KEY}='{FP32_MIXED_PRECISION_HYDRA}'"
-            )
         self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
         remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
         state.packed = bool(remove_padding)

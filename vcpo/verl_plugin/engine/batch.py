@@ -10,6 +10,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from vcpo.core import token_log_ratio
+from vcpo.core.per_sequence_grads.reductions import widened
 
 
 def gather_objects(obj, group) -> list:
@@ -27,7 +28,8 @@ def all_reduce_gradients(params: list[torch.Tensor], group) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    # summed in float32 when the gradients are bf16 / fp16 (FSDP2's reduce dtype), written back in theirs
+    flat = torch.cat([widened(g.reshape(-1)) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for g in grads:
