@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from devices import DEVICE, on_device
 from torch import nn
 
 from vcpo.core.baselines import opob_baseline
@@ -53,7 +54,7 @@ def tiny_model(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0, **o
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**shapes, **overrides}))
     else:
         raise ValueError(kind)
-    return model.to(dtype).eval()  # eval: no dropout, so the batch and the loop see the same function
+    return model.to(DEVICE, dtype).eval()  # eval: no dropout, so the batch and the loop see the same function
 
 
 def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregation: str = "seq-mean-token-mean"):
@@ -76,15 +77,17 @@ def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregati
     rewards = torch.rand(batch, generator=generator, dtype=torch.float64)
     seq_log_weights = 0.7 * torch.randn(batch, generator=generator, dtype=torch.float64)
     tis = seq_log_weights.exp().clamp(max=8.0)
-    return dict(
-        ids=ids,
-        mask=mask,
-        padding=padding,
-        scale=scale,
-        rewards=rewards,
-        seq_log_weights=seq_log_weights,
-        coef_r=tis * rewards / batch,
-        coef_s=tis / batch,
+    return on_device(
+        dict(
+            ids=ids,
+            mask=mask,
+            padding=padding,
+            scale=scale,
+            rewards=rewards,
+            seq_log_weights=seq_log_weights,
+            coef_r=tis * rewards / batch,
+            coef_s=tis / batch,
+        )
     )
 
 

@@ -19,12 +19,14 @@ import copy
 
 import pytest
 import torch
-from test_per_sequence_grads import reference_update, relative_error
+from devices import DEVICE
 from test_per_sequence_grads_packed import make_batch, packed_scores, padded_scores, reference_gradients
 from test_per_sequence_grads_packed import tiny_model as float64_model
 
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.per_sequence_grads import PerSequenceGradients
+
+from test_per_sequence_grads import reference_update, relative_error
 
 pytest.importorskip("transformers")
 
@@ -40,7 +42,7 @@ ERROR_RATIO = 4.0  # the engine's error may be this many times autograd's own
 
 def precision_context(precision: str):
     autocast = PRECISIONS[precision][1]
-    return torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    return torch.autocast(DEVICE.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
 
 
 def engine_update(model, batch, layout: str, precision: str, mode: str):

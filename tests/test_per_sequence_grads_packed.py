@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from devices import on_device
 from torch import nn
 
 import vcpo.core.per_sequence_grads.sites as per_sequence_sites
@@ -56,7 +57,7 @@ def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 
     rewards = torch.rand(batch, generator=generator, dtype=torch.float64)
     seq_log_weights = 0.7 * torch.randn(batch, generator=generator, dtype=torch.float64)
     tis = seq_log_weights.exp().clamp(max=8.0)
-    return dict(
+    return on_device(dict(
         sequences=sequences,
         weights=weights,
         cu_seqlens=cu_seqlens,
@@ -66,7 +67,7 @@ def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 
         seq_log_weights=seq_log_weights,
         coef_r=tis * rewards / batch,
         coef_s=tis / batch,
-    )
+    ))
 
 
 def token_scores(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def packed_scores(model, batch) -> torch.Tensor:
 def padded_scores(model, batch) -> torch.Tensor:
     """The same l_i from one right-padded row per sequence."""
     lengths = [len(s) for s in batch["sequences"]]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long, device=batch["ids"].device)
     mask = torch.zeros_like(ids)
     for i, sequence in enumerate(batch["sequences"]):
         ids[i, : len(sequence)], mask[i, : len(sequence)] = sequence, 1

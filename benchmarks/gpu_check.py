@@ -1,0 +1,138 @@
+"""The GPU check in one command: what the README's GPU numbers are filled from.
+
+    python benchmarks/gpu_check.py --out gpu_check/          # one CUDA GPU, about 10 minutes
+
+Three parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json:
+  overhead    benchmarks/opob_overhead.py on a 0.5B Qwen2 (Qwen2-0.5B shapes, random weights) in bf16 at
+              T = 2048: step time and peak memory of the single-backward OPOB step, of one trajectory per
+              micro-batch (the authors' release) and of the naive two-backward step, each against a plain
+              backward (target: OPOB <= 1.10x plain; the paper's Megatron implementation measured 1.19x);
+  calibrate   the cost model's machine balance on this GPU (opob_overhead.py --calibrate; the engine's
+              CUDA default, DEFAULT_PASS_COST["cuda"], is an estimate until this has run);
+  exactness   the PerSequenceGradients exactness tests on this device (VCPO_TEST_DEVICE): float64 and
+              float32 against the per-sequence backward loop, packed micro-batches, bf16/fp16 within 4x
+              of autograd's own error.
+Needs torch, transformers and pytest (``pip install -e ".[test]"``); not verl, vLLM or Ray.
+``--device cpu --model tiny --seq-len 64`` runs the same parts on a CPU in a minute (the test does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+EXACTNESS_TESTS = [
+    "tests/test_per_sequence_grads.py",
+    "tests/test_per_sequence_grads_packed.py",
+    "tests/test_per_sequence_grads_mixed_precision.py",
+]
+# The tests of those files that build everything from the model and batch helpers (so they follow
+# VCPO_TEST_DEVICE); the others check argument errors and pure functions on CPU tensors.
+EXACTNESS_SELECTION = "matches_per_sequence_loop or other_loss_aggregations or packed_matches or packed_equals_padded or autograds_own_error"
+
+
+def run_part(name: str, command: list[str], out: Path, timeout_s: int, env: dict | None = None) -> dict:
+    """Run one part, its output to OUT/<name>.log; returns its exit status and seconds."""
+    started = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
+            status = result.returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    seconds = time.perf_counter() - started
+    print(f"{name}: exit {status} in {seconds:.0f} s (log {out / f'{name}.log'})", flush=True)
+    return {"command": command, "exit": status, "seconds": seconds}
+
+
+def overhead(args: argparse.Namespace, out: Path) -> dict:
+    result_file = out / "overhead.json"
+    command = [sys.executable, "benchmarks/opob_overhead.py", "--model", args.model, "--device", args.device,
+               "--dtype", "bfloat16", "--seq-len", str(args.seq_len), "--repeats", str(args.repeats),
+               "--json", str(result_file)]  # fmt: skip
+    part = run_part("overhead", command, out, args.part_timeout)
+    if result_file.exists():
+        measured = json.loads(result_file.read_text())
+        part |= {"setting": measured["setting"], "ratios": measured["ratios"], "step_s": measured["step_s"]}
+        part["peak_bytes"], part["agreement"] = measured["peak_bytes"], measured["agreement"]
+        part["opob_within_target"] = measured["ratios"]["step_time_ratio"]["opob"] <= 1.10
+    return part
+
+
+def calibrate(args: argparse.Namespace, out: Path) -> dict:
+    command = [sys.executable, "benchmarks/opob_overhead.py", "--model", args.model, "--device", args.device,
+               "--dtype", "bfloat16", "--calibrate"]  # fmt: skip
+    part = run_part("calibrate", command, out, args.part_timeout)
+    found = re.search(r"pass_cost .*: ([0-9.]+)", (out / "calibrate.log").read_text())
+    part["pass_cost"] = float(found.group(1)) if found else None
+    return part
+
+
+def exactness(args: argparse.Namespace, out: Path) -> dict:
+    report = out / "exactness.xml"
+    command = [sys.executable, "-m", "pytest", "-q", *EXACTNESS_TESTS, "-k", EXACTNESS_SELECTION, "-p", "no:cacheprovider",
+               f"--junitxml={report}"]  # fmt: skip
+    part = run_part("exactness", command, out, args.part_timeout, env={**os.environ, "VCPO_TEST_DEVICE": args.device})
+    if report.exists():
+        suite = ElementTree.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+        part |= counts | {"passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]}
+    return part
+
+
+def environment(device: str) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(torch.device(device))
+        info |= {"gpu": properties.name, "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
+                 "cuda": torch.version.cuda}  # fmt: skip
+    else:
+        info |= {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    return info
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and the logs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="0.5b", help="benchmarks/opob_overhead.py model shape")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--part-timeout", type=int, default=400, help="seconds allowed to each part")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu for a dry check)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: is a file, not a folder")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(args.device), "device": args.device}
+    result["overhead"] = overhead(args, args.out)
+    result["calibrate"] = calibrate(args, args.out)
+    result["exactness"] = exactness(args, args.out)
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in
+                      ("overhead", "calibrate", "exactness")}, indent=2, default=str))  # fmt: skip
+    return 0 if all(result[part]["exit"] == 0 for part in ("overhead", "calibrate", "exactness")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
