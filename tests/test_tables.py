@@ -46,7 +46,7 @@ def verl_run(root, task, method, lag, seed):
         folder,
         [
             {"step": 0, "data": {"val-core/math500/acc/mean@4": 0.4}},
-            {"step": 1, "data": {"timing_s/step": 1800.0, "actor/grad_norm": 0.5}},
+            {"step": 1, "data": {"timing_s/step": 1800.0, "actor/grad_norm": 0.5, "actor/rollout_corr/seq_ess_ratio": 0.3}},
             {"step": 2, "data": {"timing_s/step": 1800.0, "val-core/math500/acc/mean@4": 0.6}},
         ],
     )
@@ -75,7 +75,9 @@ def test_reader_flattens_both_formats(tmp_path):
     }
     verl = read_metrics(verl_run(tmp_path, "math", "vcpo", 10, 0))
     assert [line["step"] for line in verl] == [0, 1, 2]
-    assert verl[1] == {"step": 1, "timing_s/step": 1800.0, "actor/grad_norm": 0.5}
+    # verl's trainer logs the actor's rollout_corr/* under actor/: read under the names the figures draw
+    assert verl[1] == {"step": 1, "timing_s/step": 1800.0, "actor/grad_norm": 0.5,
+                       "actor/rollout_corr/seq_ess_ratio": 0.3, "rollout_corr/seq_ess_ratio": 0.3}  # fmt: skip
     assert verl[2]["val/accuracy"] == 0.6 and verl[2]["val-core/math500/acc/mean@4"] == 0.6
 
 

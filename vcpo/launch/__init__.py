@@ -20,6 +20,7 @@ verl seams used (no verl file is patched):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -345,6 +346,15 @@ def shell_command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> str:
     lines = [f"{env} python {' '.join(args[:2])}"]
     lines += [f"  {shlex.quote(arg)}" for arg in args[2:]]
     return " \\\n".join(lines)
+
+
+def write_launch_record(run: Run, run_dir: Path, config, verl_command: list[str], environment: dict[str, str]) -> None:
+    """``run_dir/launch.json``: what started the run, with the GPUs its composed config holds (the tables
+    cost runs by them, and read a run with this file as a verl run)."""
+    record = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
+    record |= {"gpus": gpus_needed(config), "command": verl_command, "env": environment}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "launch.json").write_text(json.dumps(record, indent=2))
 
 
 def verl_config_dir() -> Path:

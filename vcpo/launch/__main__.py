@@ -10,7 +10,6 @@ the recipes (e.g. ``trainer.total_training_steps=10``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -20,11 +19,11 @@ from vcpo.launch import (
     check,
     command,
     compose,
-    gpus_needed,
     load_tasks,
     make_run,
     run_environment,
     shell_command,
+    write_launch_record,
 )
 
 
@@ -75,12 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shell_command(run, args.overrides))
         return 0
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    provenance = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
     verl_command, environment = command(run, args.overrides), run_environment(run)
-    (run.run_dir / "launch.json").write_text(
-        json.dumps({**provenance, "gpus": gpus_needed(config), "command": verl_command, "env": environment}, indent=2)
-    )
+    write_launch_record(run, run.run_dir, config, verl_command, environment)
     print(f"launching {run.name} -> {run.run_dir}", flush=True)
     return subprocess.call(verl_command, env={**os.environ, **environment})
 

@@ -21,14 +21,19 @@ from vcpo.recipes import run_path
 ACCURACY = "val/accuracy"
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
 VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
+VERL_ACTOR_PREFIX = "actor/"
 # The time one step costs: training plus the evaluation done at that step (both backends log these).
 TIME_KEYS = ("timing_s/step", "timing_s/testing")
 
 
 def _flat(record: dict) -> dict:
-    """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy."""
+    """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy,
+    and its ``actor/rollout_corr/*`` (verl's trainer prefixes the actor's metrics) are ``rollout_corr/*``,
+    the names the simulator logs and the figures draw."""
     flat = {"step": int(record["step"]), **record.get("data", {})} if "data" in record else dict(record)
     flat["step"] = int(flat["step"])
+    for key in [key for key in flat if key.startswith(VERL_ACTOR_PREFIX + "rollout_corr/")]:
+        flat.setdefault(key.removeprefix(VERL_ACTOR_PREFIX), flat[key])
     if ACCURACY not in flat:
         accuracy = next((value for key, value in flat.items() if VERL_ACCURACY.match(key)), None)
         if accuracy is not None:

@@ -125,8 +125,8 @@ def table1_markdown(data: dict[str, Any]) -> str:
     """The paper's layout, one block per task, ours beside the published numbers."""
     hours = data["hours"]
     note = (
-        "CPU-hours: the wall-clock seconds the simulator logged (timing_s/step + timing_s/testing) / 3600 of one "
-        "CPU process; not comparable to the paper's GPU-hours."
+        "CPU-hours: the wall-clock seconds the runs logged (timing_s/step + timing_s/testing) / 3600; "
+        "not comparable to the paper's GPU-hours."
         if data["scale"] == "smoke"
         else "GPU-hours: logged wall-clock hours (timing_s/step + timing_s/testing) x the run's GPUs (launch.json)."
     )

@@ -25,7 +25,10 @@ if config["backend"] == "verl":
         )
 
     def base_model(wildcards):
-        """The model the task's runs start from, as vcpo.launch composes it with the config's launch.args."""
+        """The model the task's runs start from: as vcpo.launch composes it with the config's launch.args,
+        or on CPU (launch.cpu_steps) the tiny model every run starts from."""
+        if CPU_STEPS:
+            return CPU_MODEL
         args = ["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS]
         return composed_config(args).actor_rollout_ref.model.path
 
@@ -48,6 +51,8 @@ if config["backend"] == "verl":
             ' --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
 
     rule evaluate_base:
+        input:
+            [f"{CPU_MODEL}/config.json"] if CPU_STEPS else [],
         output:
             f"{R}/runs/{base_path('{task}')}/eval/summary.json",
         params:

@@ -89,18 +89,48 @@ else:
     if workflow.is_main_process:
         check_launch_args()
 
+    # launch.cpu_steps: every run goes through python -m vcpo.verl_plugin.cpu instead, verl's own trainer on
+    # this CPU with the tiny sizes of vcpo.verl_plugin.cpu.recipe, for that many steps, from one tiny model
+    # (CPU_MODEL) in place of the recipe's: the paper workflow's rules executed without a GPU.
+    CPU_STEPS = config.get("launch", {}).get("cpu_steps")
+    CPU_MODEL = f"{DATA}/tiny_model"
+
+    if CPU_STEPS:
+
+        rule tiny_model:
+            output:
+                f"{CPU_MODEL}/config.json",
+            log:
+                f"{R}/logs/tiny_model.log",
+            shell:
+                "python -m vcpo.tiny {CPU_MODEL:q} > {log:q} 2>&1"
+
+    def launch_command(wildcards):
+        """The run's command line: vcpo.launch on GPUs, or vcpo.verl_plugin.cpu (absolute paths: it runs
+        verl from the run's folder)."""
+        q = shlex.quote
+        run = [f"--task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag} --seed {wildcards.seed}"]
+        args = " ".join(q(arg) for arg in LAUNCH_ARGS)
+        if not CPU_STEPS:
+            return " ".join(["python -m vcpo.launch", *run, f"--data-dir {q(DATA)} --output-dir {q(R + '/runs')}", args])
+        files = launcher_run(wildcards)
+        train, val = (str(Path(files.data_files(which)[0]).resolve()) for which in ("train", "val"))
+        return " ".join(
+            ["python -m vcpo.verl_plugin.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
+             f"--model {q(str(Path(CPU_MODEL).resolve()))} --train {q(train)} --val {q(val)} --", args]
+        )  # fmt: skip
+
     rule train:
         input:
             lambda wildcards: [str(path) for which in ("train", "val") for path in launcher_run(wildcards).data_files(which)],
+            [f"{CPU_MODEL}/config.json"] if CPU_STEPS else [],
         output:
             f"{RUN}/training.done",
         params:
-            args=" ".join(LAUNCH_ARGS),
+            command=launch_command,
         resources:
             gpu=lambda wildcards: launcher_run(wildcards).gpus,
         log:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
         shell:
-            "python -m vcpo.launch --task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag}"
-            " --seed {wildcards.seed} --data-dir {DATA:q} --output-dir {R:q}/runs {params.args} > {log:q} 2>&1"
-            " && touch {output:q}"
+            "{params.command} > {log:q} 2>&1 && touch {output:q}"

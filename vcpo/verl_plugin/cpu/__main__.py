@@ -6,7 +6,8 @@ sizes of :mod:`vcpo.verl_plugin.cpu.recipe`: writes a ``vcpo.tiny`` model and sh
 (unless ``--model`` / ``--train`` / ``--val`` are given), checks the composed config like ``vcpo.launch``
 does, then starts verl in a child process whose environment selects the CPU platform (:data:`recipe.ENV`;
 it must be set before ``import verl``, so verl's trainer is never imported here). Metrics go to
-``DIR/metrics.jsonl`` (verl's file logger), checkpoints to ``DIR/checkpoints``. Extra Hydra overrides after
+``DIR/metrics.jsonl`` (verl's file logger), checkpoints to ``DIR/checkpoints``, the launch record to
+``DIR/launch.json`` (as ``vcpo.launch`` writes it). Extra Hydra overrides after
 ``--`` are appended last. ``--print`` prints the command and exits.
 """
 
@@ -19,12 +20,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vcpo.launch import EXTERNAL_MODULES, LaunchError, check, command, compose, make_run, run_environment
+from vcpo.launch import (
+    EXTERNAL_MODULES,
+    LaunchError,
+    check,
+    command,
+    compose,
+    make_run,
+    run_environment,
+    write_launch_record,
+)
 from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_data
 
 
-def build(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The checked command and environment of the CPU run (writes the tiny model and data if missing)."""
+def build(args: argparse.Namespace, extra: list[str]):
+    """The run, its checked config, command and environment (writes the tiny model and data if missing)."""
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -48,8 +58,9 @@ def build(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[s
         f"++ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='{env[EXTERNAL_MODULES]}'",
         *extra,
     ]
-    check(run, compose(run, overrides))
-    return command(run, overrides), env
+    config = compose(run, overrides)
+    check(run, config)
+    return run, config, command(run, overrides), env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", action="store_true", help="print the command and exit")
     args = parser.parse_args(argv)
     try:
-        cmd, env = build(args, extra)
+        run, config, cmd, env = build(args, extra)
     except LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -79,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = (*ENV, "VERL_FILE_LOGGER_PATH", "VERL_LOGGING_LEVEL")
         print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))
         return 0
+    write_launch_record(run, Path(args.out).resolve(), config, cmd, run_environment(run))
     return subprocess.run(cmd, env=env, cwd=args.out).returncode
 
 
