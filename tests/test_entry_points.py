@@ -65,3 +65,23 @@ def test_an_evaluation_checks_its_folders_before_generating(tmp_path, args, mess
     args = [arg.format(tmp=tmp_path, file=afile) for arg in args]
     result = run("eval", *args, "--benchmarks", "gsm8k")
     assert result.returncode == 2 and message.format(tmp=tmp_path) in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["vcpo.data", "build", "countdown", "--out", "{file}/data"], "is a file, not a folder"),
+        (["vcpo.sim.base", "--task", "nonesuch"], "argument --task: invalid choice: 'nonesuch'"),
+        (["vcpo.sim.base", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
+        (["vcpo.methods", "show", "nonesuch"], "unknown method 'nonesuch'"),
+        (["vcpo.tiny", "{file}"], "is a file, not a folder"),
+        (["vcpo.verl_plugin.cpu", "--out", "{file}"], "is a file, not a folder"),
+        (["vcpo.verl_plugin.cpu", "--out", "{tmp}/run", "--method", "nonesuch"], "unknown method 'nonesuch'"),
+    ],
+)
+def test_other_entry_points_refuse_bad_input_in_one_line_before_any_work(tmp_path, args, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = run(*[arg.format(file=afile, tmp=tmp_path) for arg in args])
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert "building" not in result.stdout and not (tmp_path / "run").exists()  # no download, no model written

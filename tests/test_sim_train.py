@@ -183,7 +183,14 @@ def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterr
     every step's metrics exactly once, the same numbers as the uninterrupted run."""
     command = [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", "threads=1"]
     resumed = tmp_path / "resumed"
-    process = subprocess.Popen([*command, f"out={resumed}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Ctrl-C's default action in the child, even when this test runs where SIGINT is ignored (a background
+    # job of a non-interactive shell, whose children would inherit the ignore and run to the end)
+    process = subprocess.Popen(
+        [*command, f"out={resumed}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         metrics = resumed / METRICS

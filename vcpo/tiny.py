@@ -20,6 +20,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from vcpo.cli import output_folder_problem
+
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if problem := output_folder_problem(args.output_dir):
+        parser.error(f"{args.output_dir}: {problem}")
     path = save_tiny_model(
         args.output_dir,
         vocab_size=args.vocab_size,

@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from vcpo.cli import output_folder_problem
 from vcpo.data.build import build, splits_for_source
 from vcpo.data.sources import HubUnavailableError
 from vcpo.data.tasks import TASKS, get_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if problem := output_folder_problem(Path(args.out)):
+        parser.error(f"--out {args.out}: {problem}")
     task = get_task(args.task)
     written = []
     try:

@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         for alias, target in aliases().items():
             print(f"alias: {alias} = {target}")
     else:
-        yaml.safe_dump(get_method(args.name).spec, sys.stdout, sort_keys=False, allow_unicode=True)
+        try:
+            method = get_method(args.name)
+        except ValueError as error:
+            parser.error(str(error))
+        yaml.safe_dump(method.spec, sys.stdout, sort_keys=False, allow_unicode=True)
     return 0
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
-from vcpo.sim.tasks import SimTask, get_sim_task, render_prompt
+from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
 
 # Bump when the SFT procedure changes in a way the settings below do not capture: it changes every hash.
@@ -309,8 +309,8 @@ def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vcpo.sim.base", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="countdown")
-    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--task", default="countdown", choices=sorted(SIM_TASKS))
+    parser.add_argument("--size", default="tiny", choices=list(MODEL_SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=None, help="SFT steps (default: the size's and task's)")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.cli import output_folder_problem
 from vcpo.launch import (
     EXTERNAL_MODULES,
     LaunchError,
@@ -36,6 +37,7 @@ from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_d
 def build(args: argparse.Namespace, extra: list[str]):
     """The run, its checked config, command and environment (writes the tiny model and data if missing)."""
     out = Path(args.out).resolve()
+    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
@@ -47,7 +49,6 @@ def build(args: argparse.Namespace, extra: list[str]):
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
         train, val = args.train, args.val
-    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out)
     if args.lag is None and run.method.spec.get("max_lag") is None:
         run = dataclasses.replace(run, lag=1)  # a few CPU steps would not reach the task's lag
     env = environment(out, run_environment(run))
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", default=None)
     parser.add_argument("--print", action="store_true", help="print the command and exit")
     args = parser.parse_args(argv)
+    if problem := output_folder_problem(Path(args.out)):
+        parser.error(f"--out {args.out}: {problem}")
     try:
         run, config, cmd, env = build(args, extra)
     except LaunchError as error:
