@@ -20,8 +20,8 @@ ENGINE_MODEL_TYPE = "vcpo_language_model"
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 # The CPU platform and rollout of `python -m vcpo.verl_plugin.cpu` (verl on a CPU-only torch).
 CPU_PLATFORM_MODULE = "vcpo.verl_plugin.cpu"
-# The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner; OPOB on verl, whose
-# per-sequence gradients do not run under autocast), as a mapping and in Hydra's override grammar.
+# The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner, which trains in fp32),
+# as a mapping and in Hydra's override grammar.
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 FP32_MIXED_PRECISION_HYDRA = "{" + ",".join(f"{key}:{value}" for key, value in FP32_MIXED_PRECISION.items()) + "}"

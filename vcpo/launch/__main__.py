@@ -37,9 +37,9 @@ def visible_gpus() -> int:
 
 
 def composed_config(argv: list[str], checked: bool = False):
-    """The verl config ``python -m vcpo.launch ARGV --show-config`` prints: what a workflow reads of a
-    run without launching it. ``checked``: also every check of ``--dry-run`` (not the files, not the
-    GPUs), after the overrides of ARGV; a `LaunchError` names the key at fault."""
+    """The verl config of ``python -m vcpo.launch ARGV`` (what ``--show-config`` prints, here unchecked):
+    what a workflow reads of a run without launching it. ``checked``: also every check of ``--dry-run``
+    (not the files, not the GPUs), after the overrides of ARGV; a `LaunchError` names the key at fault."""
     args = _parser().parse_args(argv)
     run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
     config = compose(run, args.overrides)

@@ -20,7 +20,7 @@ if config["backend"] == "verl":
             [
                 "--benchmarks " + ",".join(config["evaluation"]["benchmarks"][paper_task(wildcards.task)]),
                 f"--source-dir {shlex.quote(source)}" if source else "",
-                *config["evaluation"].get("args", []),
+                *(shlex.quote(arg) for arg in config["evaluation"].get("args", [])),
             ]
         )
 

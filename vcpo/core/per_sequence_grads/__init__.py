@@ -72,7 +72,8 @@ for a low-precision parameter (a buffer `combine` adds to p.grad, so G_R − b G
 float32); p.grad keeps the parameter's dtype. The error against float64 is that of plain autograd
 under the same precision (tests/test_per_sequence_grads_mixed_precision.py measures both).
 
-Memory beyond a plain backward: one score buffer per open group label (one for scope "batch", one
+Memory beyond a plain backward: for bf16 / fp16 parameters a float32 G_R buffer (2x their size); one
+(float32 for those) score buffer per open group label (one for scope "batch", one
 per group of the micro-batch for scope "group"), plus one block of per-sequence gradients
 (``block_bytes``) or the ghost Gram matrices (2·B·T² values, also chunked to ``block_bytes``), plus,
 for a packed micro-batch, one module's bucketed copy of its input and output gradient (at most
@@ -200,11 +201,12 @@ class PerSequenceGradients:
 
         Backpropagate the plain sum Σ_i l_i of the per-sequence scores (unit weights): every weight
         belongs in the coefficients. Without ``cu_seqlens`` row i of every module input must be
-        sequence i. If the block raises, every open sequence is dropped and p.grad holds a partial
+        sequence i. If the block raises, every open sequence is dropped and p.grad (fp32 parameters) holds a partial
         sum: zero it.
 
         Args:
-            coef_r: c^R_i, shape (B,): coefficients of G_R (accumulated into p.grad).
+            coef_r: c^R_i, shape (B,): coefficients of G_R (accumulated into p.grad; for a bf16 / fp16
+                parameter into a float32 buffer that `combine` adds to p.grad).
             coef_s: c^S_i, shape (B,): coefficients of the score buffers G_S.
             groups: baseline group label per sequence (integers), or None for one baseline over all
                 sequences up to `combine`. One score buffer per label is kept until `combine`.

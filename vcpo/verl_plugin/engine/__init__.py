@@ -69,8 +69,9 @@ reduces, so the handlers' writes would be lost: OPOB raises a clear error (use f
 precision: verl's default (FSDP2 bf16 parameters for compute, fp32 reduction, the forward under
 ``torch.autocast(bf16)``) works: ``PerSequenceGradients`` forms the per-sequence gradients in bf16 as
 autograd would, accumulates G_R and G_S in float32 and writes the combined gradient into the bf16
-unsharded gradients at ``combine``; the one all-reduce sums in float32 and each fp32 sharded parameter
-gets its shard. The ESS rule works with every strategy and precision (it touches only log-probs and the
+unsharded gradients at ``combine``; the one all-reduce sums them in float32 (the local and the summed
+gradient are each rounded once to bf16, like FSDP2's own bf16 gradient before its fp32 reduction) and
+each fp32 sharded parameter gets its shard. fp16 loss scaling is refused (it would scale every norm). The ESS rule works with every strategy and precision (it touches only log-probs and the
 learning rate).
 Megatron: not supported; the ``megatron`` backend of this model type raises at construction.
 """
@@ -320,6 +321,9 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self.use_ulysses_sp:
             # each SP rank holds a slice of the packed row: per-sequence norms would need a cross-rank sum
             raise NotImplementedError("OPOB in the vcpo engine does not support Ulysses sequence parallelism")
+        if getattr(self, "scaler", None) is not None:
+            # fp16's loss scaling would scale every per-sequence norm (and its logged statistics) by the scale
+            raise NotImplementedError("OPOB in the vcpo engine does not support fp16 loss scaling; train in bf16 or fp32")
         self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
         remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
         state.packed = bool(remove_padding)
