@@ -41,11 +41,16 @@ def composed_config(argv: list[str], checked: bool = False):
     what a workflow reads of a run without launching it. ``checked``: also every check of ``--dry-run``
     (not the files, not the GPUs), after the overrides of ARGV; a `LaunchError` names the key at fault."""
     args = _parser().parse_args(argv)
-    run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
-    config = compose(run, args.overrides)
+    run, config = _composed(args)
     if checked:
         check(run, config, available_gpus=None, check_paths=False)
     return config
+
+
+def _composed(args: argparse.Namespace):
+    """The run of the parsed arguments and its composed verl config, the user's overrides applied last."""
+    run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
+    return run, compose(run, args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --task and --method are required (or --list)", file=sys.stderr)
         return 2
     try:
-        run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
-        config = compose(run, args.overrides)
+        run, config = _composed(args)
         launching = not (args.dry_run or args.show_config)
         gpus = args.gpus if args.gpus is not None else (visible_gpus() if launching else None)
         check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths)
