@@ -34,19 +34,27 @@ def planned(name: str):
 def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     smoke = planned("smoke")
     assert {run.method for run in smoke.runs} == {method.name for method in list_methods()}
-    assert {run.task for run in smoke.runs} == {"countdown"}
-    core = {(run.method, run.lag, run.seed) for run in smoke.runs if run.core}
-    assert core == {(m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 48), ("vcpo", 48)) for s in (0, 1, 2)}
+    assert {run.task for run in smoke.runs} == {"countdown", "tir"}
+    core = {(run.task, run.method, run.lag, run.seed) for run in smoke.runs if run.core}
+    countdown = {("countdown", m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 48), ("vcpo", 48)) for s in (0, 1, 2)}
+    # SimpleTIR is the multi-turn tool task at its own lag, 2: Figure 1 and Table 1, 3 seeds, 60 steps
+    tir = {("tir", m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 2), ("vcpo", 2)) for s in (0, 1, 2)}
+    assert core == countdown | tir and {run for run in smoke.runs if run.task == "tir"} == {r for r in smoke.runs if r.core and r.task == "tir"}
+    assert {(run.task, run.method, run.lag) for run in smoke.table1} == {
+        ("countdown", "sync", 0), ("countdown", "vcpo", 48), ("tir", "sync", 0), ("tir", "vcpo", 2)}
     sweep = {(run.method, run.lag) for run in smoke.figures["lag_sweep"].runs}
-    assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 60) for run in smoke.runs)
+    countdown_runs = [run for run in smoke.runs if run.task == "countdown"]
+    assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 60) for run in countdown_runs)
     assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 5  # the sweep's lags 2, 4, 8, 12, 24 at full length
+    assert {smoke.steps(run) for run in smoke.runs if run.task == "tir"} == {60}
+    assert sim_settings(smoke.config, "tir", "vcpo")["eval_problems"] == 100
     # every run starts from the regime file; the paper's lags 10 and 12 train at the regime's 48, sync at 0;
     # the lag sweep keeps its lags and reaches the regime's
     assert smoke.config["sim_config"] == "recipes/sim/regime.yaml"
     assert {run.lag for run in smoke.figures["fig8"].runs} == {48}
     assert {run.lag for run in smoke.runs if run.method == "sync"} == {0}
     assert {run.lag for run in smoke.figures["lag_sweep"].runs} == {0, 2, 4, 8, 12, 24, 48}
-    assert len(smoke.runs) == len(set(smoke.runs)) == 43
+    assert len(smoke.runs) == len(set(smoke.runs)) == 51
 
 
 def test_ci_is_the_core_comparison_and_the_ablation_at_a_low_lag():
@@ -152,8 +160,8 @@ def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
 
 def test_method_settings_apply_to_that_method_only():
     smoke = config("smoke")
-    assert sim_settings(smoke, "fp16")["rollout_dtype"] == "preset"
-    assert "rollout_dtype" not in sim_settings(smoke, "vcpo") and sim_settings(smoke, "vcpo")["threads"] == 1
+    assert sim_settings(smoke, "countdown", "fp16")["rollout_dtype"] == "preset"
+    assert "rollout_dtype" not in sim_settings(smoke, "countdown", "vcpo") and sim_settings(smoke, "countdown", "vcpo")["threads"] == 1
 
 
 def test_run_paths_follow_the_sweep_and_launch_layout():

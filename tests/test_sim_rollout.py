@@ -1,15 +1,17 @@
 """The simulator's rollouts and update: lag semantics, behaviour log-probs, OPOB, multi-turn tool tokens."""
 
 import copy
+import math
 
 import pytest
 import torch
+from scripted import ScriptedModel
 
 from vcpo.core import opob_baseline
 from vcpo.methods import get_method
 from vcpo.sim.config import SimConfig
 from vcpo.sim.learner import Learner, collate, response_log_probs
-from vcpo.sim.rollout import TOOL_TOKEN, Generator, Rollouts, Sampling
+from vcpo.sim.rollout import TOOL_TOKEN, Generator, Rollouts, Sampling, ToolResult
 from vcpo.tiny import build_tiny_model, build_tiny_tokenizer
 
 GROUPS, GROUP_SIZE = 3, 4
@@ -158,33 +160,6 @@ def test_opob_update_equals_the_registry_loss_gradient(tokenizer):
     assert any(float(g.abs().max()) > 0 for g in engine_grad)
 
 
-class ScriptedModel:
-    """A 'policy' that writes fixed turns, turn j after the j-th tool output, one token per forward. Its
-    KV cache holds the ids of the tokens it has read (keys = ids), so it sees its context only through
-    the simulator's own cache handling (batching, padding, cutting after a tool call)."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns = tokenizer, turns
-
-    def __call__(self, input_ids, attention_mask, past_key_values, **_):
-        ids = input_ids.double()[:, None, :, None]
-        keys, _ = past_key_values.update(ids, ids, 0)
-        logits = torch.zeros(input_ids.shape[0], 1, len(self.tokenizer))
-        for row in range(input_ids.shape[0]):
-            context = keys[row, 0, :, 0].long()[attention_mask[row].bool()].tolist()
-            response = self.tokenizer.decode(context, skip_special_tokens=False).split("<|im_start|>assistant\n")[-1]
-            turn = response.count("</output>")
-            written = response.rsplit("</output>", 1)[-1]
-            rest = self.turns[turn][len(written) :] if turn < len(self.turns) else ""
-            assert not rest or self.turns[turn].startswith(written)
-            ids = self.tokenizer.encode(rest.removesuffix(END), add_special_tokens=False) or [0]
-            logits[row, 0, self.tokenizer.convert_tokens_to_ids(END) if rest == END else ids[0]] = 100.0
-        return type("Out", (), {"logits": logits})
-
-    def load_state_dict(self, state):
-        pass
-
-
 def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):
     from vcpo.rewards import score_batch
 
@@ -193,7 +168,7 @@ def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):
 
     def tool(code):
         calls.append(code)
-        return "42\n"
+        return ToolResult("42\n")
 
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
@@ -203,7 +178,7 @@ def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):
         model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
     )
     trajectories = rollouts.batch(0)
-    assert calls == ["print(6*7)"] * 2
+    assert calls == ["print(6*7)"]  # the two responses wrote the same program in the same round: it ran once
     for t in trajectories:
         assert tokenizer.decode(t.response_ids, skip_special_tokens=True) == (
             "Let me compute. <code>print(6*7)</code><output>42\n</output> so #### 42"
@@ -227,7 +202,7 @@ def test_tool_calls_beyond_the_budget_end_the_episode(tokenizer):
     sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=1)
     rollouts = Rollouts(
         lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=4, seed=0,
-        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, lambda code: "1\n"),
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, lambda code: ToolResult("1\n")),
         model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
     )
     for t in rollouts.batch(0):
@@ -239,8 +214,9 @@ def test_the_multi_turn_tool_runs_code_in_the_sandbox():
     from vcpo.sim.rollout import sandbox_tool
 
     run = sandbox_tool(timeout_s=10.0)
-    assert run("print(6 * 7)") == "42\n"
-    assert run("1 / 0").endswith("ZeroDivisionError: division by zero")
+    assert run("print(6 * 7)").text == "42\n" and not run("print(6 * 7)").error
+    failed = run("1 / 0")
+    assert failed.text == "ZeroDivisionError: division by zero" and failed.error
 
 
 def _trajectories(tokenizer, count=6):
@@ -332,3 +308,56 @@ def test_keep_samples_the_new_weights_over_the_old_cache(tokenizer, sampler_mode
         assert recompute.behav_log_probs[4] == pytest.approx(float(torch.log_softmax(exact, -1)[recompute.response_ids[4]]), abs=1e-5)
         assert abs(float(torch.log_softmax(stale, -1)[keep.response_ids[4]] - torch.log_softmax(exact, -1)[keep.response_ids[4]])) > 1e-4
         assert keep.versions == [0] * 4 + [1]
+
+
+class VersionedScriptedModel(ScriptedModel):
+    """A ScriptedModel whose weights change the probability of its scripted token: every other token
+    gets logit -(14 + scale), so log π_v(scripted token) = -log(1 + (V - 1) e^-(14 + scale_v))."""
+
+    scale = 0.0
+
+    def __call__(self, input_ids, attention_mask, past_key_values, **kwargs):
+        logits = super().__call__(input_ids, attention_mask, past_key_values, **kwargs).logits
+        logits = torch.where(logits > 0, 0.0, -(14.0 + self.scale))
+        return type("Out", (), {"logits": logits})
+
+    def load_state_dict(self, state):
+        self.scale = state["scale"]
+
+    def log_prob(self, scale: float) -> float:
+        return -math.log1p((len(self.tokenizer) - 1) * math.exp(-(14.0 + scale)))
+
+
+def test_multi_turn_behaviour_log_probs_cover_exactly_the_generated_tokens_across_weight_updates(tokenizer):
+    """Pipeline lag 2, 3 tokens per weight update: responses of two turns span several policy versions
+    and a tool call. Every generated token carries the log-prob of the version that sampled it (the
+    scale of that version's weights), every tool-output token none (version TOOL_TOKEN, log-prob 0,
+    outside the loss mask), and the policy's tokens are exactly the scripted turns."""
+    turns = ["<code>print(6*7)</code>", " #### 42<|im_end|>"]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampling = Sampling(max_response_tokens=64, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
+    model = VersionedScriptedModel(tokenizer, turns)
+    rollouts = Rollouts(
+        lag_model="pipeline", lag=2, prompts_per_step=2, responses_per_prompt=2, update_tokens=3, seed=0,
+        prompts=prompts(tokenizer, 40).__getitem__, num_problems=40,
+        generator=Generator(tokenizer, sampling, lambda code: ToolResult("42\n")),
+        model=model, weights=lambda version: {"scale": 0.5 * version},
+    )
+    spanning = 0
+    for step in range(6):
+        batch = rollouts.batch(step)
+        for t in batch:
+            generated = [(token, lp, v) for token, lp, v in zip(t.response_ids, t.behav_log_probs, t.versions, strict=True) if v != TOOL_TOKEN]
+            assert tokenizer.decode([token for token, _, _ in generated], skip_special_tokens=False) == "".join(turns)
+            for _, log_prob, version in generated:
+                assert log_prob == pytest.approx(model.log_prob(0.5 * version), abs=2e-6)
+            tool = [(token, lp) for token, lp, v in zip(t.response_ids, t.behav_log_probs, t.versions, strict=True) if v == TOOL_TOKEN]
+            assert tokenizer.decode([token for token, _ in tool]) == "<output>42\n</output>"
+            assert all(lp == 0.0 for _, lp in tool)
+            versions_before_tool = {v for v in t.versions[: t.versions.index(TOOL_TOKEN)]}
+            versions_after_tool = {v for v in t.versions[len(t.versions) - t.versions[::-1].index(TOOL_TOKEN) :]}
+            spanning += len(versions_before_tool | versions_after_tool) > 1
+        collated = collate(batch, [1.0] * len(batch), pad_token_id=0)
+        assert int(collated.mask.sum()) == sum(len(t.response_ids) - t.versions.count(TOOL_TOKEN) for t in batch)
+    assert spanning > 0, "no response spanned a weight update"
+    assert len({round(model.log_prob(0.5 * v), 9) for v in range(6)}) == 6  # the versions' log-probs differ

@@ -94,6 +94,10 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
             raise ConfigError(
                 f"tasks.{paper_task}: {task!r} is not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
             )
+    for key, named in (("sim_tasks", config.get("sim_tasks") or {}), ("steps.tasks", config["steps"].get("tasks") or {})):
+        unknown = sorted(set(named) - known_tasks)
+        if unknown:
+            raise ConfigError(f"{key}: {unknown} are not tasks of the {config['backend']} backend; known: {sorted(known_tasks)}")
     from vcpo.methods import get_method
     from vcpo.recipes import load_tasks
 
@@ -124,6 +128,10 @@ def _backend_tasks(backend: str) -> set[str]:
 
 
 def steps_of(config: dict[str, Any], run: PlannedRun) -> int:
+    """``steps.tasks.<task>`` where the config gives the task its own length, else core or default."""
+    by_task = config["steps"].get("tasks") or {}
+    if run.task in by_task:
+        return by_task[run.task]
     return config["steps"]["core" if run.core or run.full_length else "default"]
 
 
@@ -135,7 +143,7 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
             if config["backend"] == "sim":
                 from vcpo.sim.config import apply_overrides, validate
 
-                settings = {key: str(value) for key, value in sim_settings(config, run.method).items()}
+                settings = {key: str(value) for key, value in sim_settings(config, run.task, run.method).items()}
                 given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed}
                 given["steps"] = steps_of(config, run)
                 validate(apply_overrides(apply_overrides(sim_start(config), given), settings))
@@ -160,9 +168,13 @@ def sim_base_size(config: dict[str, Any]) -> str:
     return str((config.get("sim") or {}).get("model_size", sim_start(config).model_size))
 
 
-def sim_settings(config: dict[str, Any], method: str) -> dict[str, Any]:
-    """The ``vcpo.sim`` settings of a method's runs: ``sim``, then ``sim_methods.<method>``."""
-    return {**(config.get("sim") or {}), **(config.get("sim_methods") or {}).get(method, {})}
+def sim_settings(config: dict[str, Any], task: str, method: str) -> dict[str, Any]:
+    """The ``vcpo.sim`` settings of a run: ``sim``, then ``sim_tasks.<task>``, then ``sim_methods.<method>``."""
+    return {
+        **(config.get("sim") or {}),
+        **(config.get("sim_tasks") or {}).get(task, {}),
+        **(config.get("sim_methods") or {}).get(method, {}),
+    }
 
 
 def _check_data(config: dict[str, Any]) -> None:

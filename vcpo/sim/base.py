@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
+from vcpo.sim.rollout import TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
 
@@ -108,6 +109,7 @@ EVAL_PROBLEMS = 200
 # the prompt and in the answer, which a tiny model must copy.
 SPLIT_DIGITS = True
 WARMUP_FRACTION = 0.05
+TOOL_TIMEOUT_S = 5.0  # the held-out evaluation's tool (multi-turn tasks), as the simulator's default
 
 
 def model_size(size: str) -> dict:
@@ -230,8 +232,7 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     examples = []
     for problem in train:
         prompt_ids = tokenizer.encode(render_prompt(tokenizer, problem), add_special_tokens=False)
-        response_ids = tokenizer.encode(problem.solution, add_special_tokens=False) + [im_end]
-        examples.append((prompt_ids, response_ids))
+        examples.append((prompt_ids, *solution_tokens(tokenizer, problem.solution, im_end)))
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=dims["lr"], betas=(0.9, 0.95), weight_decay=0.01)
@@ -268,9 +269,13 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
 
     model.eval()
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
-    sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed)
-    greedy = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=0.0, seed=seed)
-    prompt_tokens = [len(prompt) for prompt, _ in examples]
+    tool = {"tool": sandbox_tool(TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
+    sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)
+    greedy = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=0.0, seed=seed, **tool)
+    heldout = {"temperature_1": sampled, "greedy": greedy}
+    if tool:  # the same base on the same problems with the tool switched off: does the tool matter?
+        heldout["temperature_1_no_tool"] = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed)
+    prompt_tokens = [len(prompt) for prompt, *_ in examples]
     info = {
         "task": sim_task.name,
         "size": size,
@@ -280,7 +285,8 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
         "final_loss": sum(losses[-50:]) / len(losses[-50:]),
         "heldout_accuracy": sampled["mean_at_n"],
         "heldout_accuracy_greedy": greedy["mean_at_n"],
-        "heldout": {"temperature_1": sampled, "greedy": greedy},
+        **({"heldout_accuracy_no_tool": heldout["temperature_1_no_tool"]["mean_at_n"]} if tool else {}),
+        "heldout": heldout,
         "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
         "max_prompt_tokens": max(prompt_tokens),
         "sft_seconds": train_seconds,  # tokenizer, tokenization and training (wall clock)
@@ -293,16 +299,30 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     return model.cpu(), tokenizer, info
 
 
-def _collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded ``input_ids``, ``labels`` (-100 outside the response) and ``attention_mask``."""
-    width = max(len(prompt) + len(response) for prompt, response in batch)
+def solution_tokens(tokenizer, solution: str, im_end: int) -> tuple[list[int], list[bool]]:
+    """A solution's tokens as a rollout holds them, closing ``<|im_end|>`` included, and which of them the
+    SFT loss trains: a tool output (``<output>...</output>``) is tokenized on its own as the rollout appends
+    it, and, not being the policy's, is not trained."""
+    ids, trained = [], []
+    for piece in TOOL_OUTPUT.split(solution):
+        output = TOOL_OUTPUT.fullmatch(piece) is not None
+        piece_ids = tool_output_ids(tokenizer, piece[len("<output>") : -len("</output>")]) if output else (
+            tokenizer.encode(piece, add_special_tokens=False))  # fmt: skip
+        ids += piece_ids
+        trained += [not output] * len(piece_ids)
+    return ids + [im_end], trained + [True]
+
+
+def _collate(batch: list[tuple[list[int], list[int], list[bool]]], pad_id: int):
+    """Right-padded ``input_ids``, ``labels`` (-100 outside the trained response tokens) and ``attention_mask``."""
+    width = max(len(prompt) + len(response) for prompt, response, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (prompt, response) in enumerate(batch):
+    for row, (prompt, response, trained) in enumerate(batch):
         ids = prompt + response
         input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, len(prompt) : len(ids)] = torch.tensor(response)
+        labels[row, len(prompt) : len(ids)] = torch.where(torch.tensor(trained), torch.tensor(response), -100)
         attention_mask[row, : len(ids)] = 1
     return input_ids, labels, attention_mask
 

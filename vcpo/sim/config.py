@@ -54,8 +54,9 @@ class SimConfig:
     responses_per_prompt: int = 8
     max_response_tokens: int | None = None  # None: the task's budget (vcpo.sim.tasks.SimTask.max_response_tokens)
     temperature: float = 1.0  # VCPO Tables 3-5
-    max_turns: int = 0  # >0: multi-turn with the sandboxed Python tool, at most this many tool calls
+    max_turns: int | None = None  # tool calls per response (>0: multi-turn with the sandboxed Python tool); None: the task's
     tool_timeout_s: float = 5.0
+    tool_workers: int = 4  # tool calls of one generation round run at once (README: calls/s and latency)
     # optimizer: AdamW with VCPO Table 2's settings (recipes/optimizer.yaml, as the verl launcher uses them)
     lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, README); presets scale it by lr / 1e-6
     weight_decay: float = TABLE_2["weight_decay"]
@@ -68,7 +69,7 @@ class SimConfig:
     # precision
     learner_dtype: str = "float32"
     rollout_dtype: str = "float32"  # "preset": the preset's precision (bf16/fp16), a training-inference mismatch
-    # ESS step size: rho_on overrides the preset's (0.55 for multi-turn, VCPO Table 5)
+    # ESS step size: rho_on overrides the preset's; None: the task's paper value where it has one (tir: SimpleTIR's 0.55, VCPO Table 5)
     rho_on: float | None = None
     # evaluation, outputs
     eval_every: int = 25
@@ -102,6 +103,24 @@ class SimConfig:
         return get_sim_task(self.task).max_response_tokens
 
     @property
+    def turn_budget(self) -> int:
+        """Tool calls allowed per response: ``max_turns``, else the task's (0: single-turn)."""
+        if self.max_turns is not None:
+            return self.max_turns
+        from vcpo.sim.tasks import get_sim_task
+
+        return get_sim_task(self.task).max_turns
+
+    @property
+    def resolved_rho_on(self) -> float | None:
+        """The ESS rule's on-policy ratio: ``rho_on``, else the task's paper value, else None (the preset's)."""
+        if self.rho_on is not None:
+            return self.rho_on
+        from vcpo.sim.tasks import get_sim_task
+
+        return get_sim_task(self.task).paper_settings.get("rho_on")
+
+    @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.responses_per_prompt
 
@@ -118,17 +137,22 @@ class SimConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def recorded(self) -> dict[str, Any]:
+        """The settings as a run's ``config.json`` records them: JSON types, task defaults resolved."""
+        settings = json.loads(json.dumps(self.to_dict(), default=str))  # tuples as lists
+        settings.update(max_response_tokens=self.response_budget, max_turns=self.turn_budget, rho_on=self.resolved_rho_on)
+        return settings
+
 
 FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
 # Keys a restart may change: they do not change what the run computes.
-RESUMABLE_CHANGES = ("threads", "progress", "wandb", "checkpoint_every", "out", "config_file", "extra")
+RESUMABLE_CHANGES = ("threads", "progress", "wandb", "checkpoint_every", "out", "config_file", "extra", "tool_workers")
 
 
 def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
     """``key: recorded -> now`` for every result-changing key where ``config`` differs from a run's
     recorded ``config.json``."""
-    now = json.loads(json.dumps(config.to_dict(), default=str))  # the recorded form: tuples as lists
-    now["max_response_tokens"] = config.response_budget  # recorded resolved
+    now = config.recorded()
     if config.base is None:  # the cached SFT base of (task, model_size, base_seed), which are compared
         del now["base"]
     return [f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in now.items()
@@ -253,9 +277,13 @@ def validate(config: SimConfig) -> SimConfig:
     for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):
         if getattr(config, key) < 1:
             fail(key, f"must be >= 1, got {getattr(config, key)}")
-    for key in ("lag", "max_turns", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "threads"):
+    for key in ("lag", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "threads"):
         if getattr(config, key) < 0:
             fail(key, f"must be >= 0, got {getattr(config, key)}")
+    if config.max_turns is not None and config.max_turns < 0:
+        fail("max_turns", f"must be >= 0, got {config.max_turns}")
+    if config.tool_workers < 1:
+        fail("tool_workers", f"must be >= 1, got {config.tool_workers}")
     if config.checkpoint_every < 1 or config.eval_samples < 1:
         fail("checkpoint_every" if config.checkpoint_every < 1 else "eval_samples", "must be >= 1")
     if config.warmup_steps + config.decay_steps > config.steps:

@@ -48,6 +48,18 @@ about 5x Countdown's response length at the same per-token difficulty. It is the
 the stability map (the sequence log-ratio sums over ~5x more tokens). Measured with the tiny base of
 seed 0 (T=1, 200 held-out problems): 4.0% after 400 SFT steps, 24.5% after 500 (greedy 54.5%, 69
 response tokens), 67% after 600; hence 500 steps (``vcpo.sim.base.SFT_STEPS``).
+
+``tir``: tool-integrated reasoning, the smoke-scale stand-in of SimpleTIR (``paper_task``: its ρ_on and
+turn budget come from ``recipes/tasks/simpletir.yaml``). Reasoning Gym ``products``, two factors of 2-3
+digits, answer after ``####``: a product of that size is beyond a tiny model's head, and a one-line
+program computes it. The model runs Python by writing ``<code>...</code>``; the rollout stops there, runs
+the program in the sandbox and appends its output as ``<output>...</output>`` (``vcpo.sim.rollout``).
+SFT solutions come in four styles, drawn per problem: the program, its output and the answer (2 in 8);
+a program that forgets to print (its output is empty), then the corrected one (1 in 8); a program with
+an unclosed parenthesis (the sandbox's ``SyntaxError`` line), then the corrected one (1 in 8); the bare
+answer (4 in 8), which a tiny model cannot compute. The tool outputs written in the solutions are what
+the sandbox returns for those programs (tested). What RL can learn here: to call the tool instead of
+guessing, to retry after a failed program, and to copy the digits right.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -93,6 +106,9 @@ class SimTask:
     seed: int = 0
     max_prompt_tokens: int = 40  # budget of a rendered prompt, chat markup included (checked by the tests)
     max_response_tokens: int = 48  # generation budget of a response (rollouts and evaluation, unless a run sets another)
+    # The paper task (recipes/tasks) this one stands for where its settings apply at smoke scale: a
+    # multi-turn paper task gives the tool-call budget (max_turns) and the ESS rule's rho_on.
+    paper_task: str | None = None
 
     def __post_init__(self) -> None:
         if self.data_source not in REWARD_BY_DATA_SOURCE:
@@ -112,11 +128,23 @@ class SimTask:
         import reasoning_gym
 
         settings = asdict(self)
-        del settings["description"], settings["max_prompt_tokens"], settings["max_response_tokens"]
+        del settings["description"], settings["max_prompt_tokens"], settings["max_response_tokens"], settings["paper_task"]
         settings["generator_config"] = self.config
         settings["format_version"] = PROBLEM_FORMAT_VERSION
         settings["reasoning_gym"] = reasoning_gym.__version__
         return settings
+
+    @property
+    def paper_settings(self) -> dict[str, Any]:
+        """The ``paper`` block of the recipe of ``paper_task`` (empty without one)."""
+        from vcpo.recipes import load_tasks
+
+        return load_tasks()[self.paper_task].paper if self.paper_task else {}
+
+    @property
+    def max_turns(self) -> int:
+        """Tool calls allowed per response by default: the paper task's turn budget, 0 (single-turn) without one."""
+        return int(self.paper_settings.get("max_turns", 0))
 
     def problems(self, split: str) -> list[Problem]:
         """The problems of ``split`` ("train" or "validation"); deterministic, generated once per process."""
@@ -146,8 +174,17 @@ def _chain_sum_fields(entry: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
     return expression, fields, entry["answer"]
 
 
+def _products_fields(entry: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
+    expression = entry["metadata"]["expression"]
+    if str(math.prod(int(factor) for factor in expression.split("*"))) != entry["answer"]:
+        raise AssertionError(f"products: {expression} = {entry['answer']}?")
+    return expression, {"expression": expression, "answer": entry["answer"]}, entry["answer"]
+
+
 # Reasoning Gym generator -> (key, template fields, ground truth) of one of its entries.
-_FIELDS = {"countdown": _countdown_fields, "chain_sum": _chain_sum_fields}
+_FIELDS = {"countdown": _countdown_fields, "chain_sum": _chain_sum_fields, "products": _products_fields}
+# What the sandbox tool (vcpo.sim.rollout.sandbox_tool) returns for a program with an unclosed "(".
+UNCLOSED_PARENTHESIS = "SyntaxError: '(' was never closed"
 
 
 def _problem_dicts(task: SimTask) -> tuple[list[dict], list[dict]]:
@@ -256,6 +293,27 @@ SIM_TASKS: dict[str, SimTask] = {
             solution_templates=("{steps} #### {answer}",),
             max_prompt_tokens=44,
             max_response_tokens=128,
+        ),
+        SimTask(
+            name="tir",
+            data_source="gsm8k",
+            description=(
+                "Reasoning Gym products, two factors of 2-3 digits, answer after ####, with the sandboxed Python tool "
+                "(multi-turn, SimpleTIR's budget): the product is computed by a program, not in the head"
+            ),
+            generator="products",
+            generator_config=(("min_terms", 2), ("max_terms", 2), ("min_digits", 2), ("max_digits", 3)),
+            prompt_template="{expression} = ? Run Python in <code></code>. Answer after ####.",
+            solution_templates=(
+                *["<code>print({expression})</code><output>{answer}\n</output> #### {answer}"] * 2,
+                "<code>{expression}</code><output></output><code>print({expression})</code><output>{answer}\n</output> #### {answer}",
+                f"<code>print({{expression}}</code><output>{UNCLOSED_PARENTHESIS}</output>"
+                "<code>print({expression})</code><output>{answer}\n</output> #### {answer}",
+                *["#### {answer}"] * 4,
+            ),
+            max_prompt_tokens=44,
+            max_response_tokens=96,
+            paper_task="simpletir",
         ),
     ]
 }

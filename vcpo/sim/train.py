@@ -25,13 +25,33 @@ from tqdm.auto import tqdm
 from vcpo.cli import output_folder_problem
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
-from vcpo.sim.rollout import Generator, Rollouts, Sampling, sandbox_tool, use_grouped_query_sdpa
+from vcpo.sim.rollout import Generator, Rollouts, Sampling, ToolLog, Trajectory, sandbox_tool, use_grouped_query_sdpa
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run.
 TIMING_PREFIXES = ("timing_s/", "perf/")
+
+
+def tool_metrics(trajectories: list[Trajectory], log: ToolLog, step_seconds: float) -> dict[str, float]:
+    """The tool's work in one step: calls and errors of the batch's responses (an error: an exception, a
+    timeout or a limit), and the sandbox executions the step's generation ran (identical programs of a
+    round run once), their throughput, latency and share of the step."""
+    calls = sum(t.tool_calls for t in trajectories)
+    latencies = sorted(result.seconds for result in log.results)
+    metrics = {
+        "tool/calls_per_response": calls / len(trajectories),
+        "tool/error_frac": sum(t.tool_errors for t in trajectories) / calls if calls else 0.0,
+        "tool/executions": len(latencies),
+        "tool/time_s": log.wall_seconds,
+        "tool/time_frac": log.wall_seconds / step_seconds,
+    }
+    if latencies:
+        metrics["tool/calls_per_s"] = len(latencies) / log.wall_seconds
+        metrics["tool/latency_p50_s"] = latencies[len(latencies) // 2]
+        metrics["tool/latency_p99_s"] = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+    return metrics
 
 
 def load_base(config: SimConfig) -> Path:
@@ -84,11 +104,13 @@ class Trainer:
             temperature=config.temperature,
             eos_token_ids=eos,
             pad_token_id=self.tokenizer.pad_token_id,
-            max_turns=config.max_turns,
+            max_turns=config.turn_budget,
             tool_timeout_s=config.tool_timeout_s,
+            tool_workers=config.tool_workers,
             kv_cache=config.kv_cache,
         )
-        self.generator = Generator(self.tokenizer, sampling, sandbox_tool(config.tool_timeout_s) if config.max_turns else None)
+        self.tool = sandbox_tool(config.tool_timeout_s) if config.turn_budget else None
+        self.generator = Generator(self.tokenizer, sampling, self.tool)
         self.snapshots: dict[int, dict] = {}
         self.rollouts = Rollouts(
             lag_model=config.lag_model,
@@ -206,6 +228,9 @@ class Trainer:
             max_new_tokens=self.config.response_budget,
             samples=self.config.eval_samples,
             seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
+            tool=self.tool,
+            max_turns=self.config.turn_budget,
+            tool_workers=self.config.tool_workers,
         )
         self.model.train()
         return {**validation_metrics(self.task.name, result), "timing_s/testing": time.perf_counter() - started}
@@ -238,6 +263,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         metrics["timing_s/step"] = elapsed
         metrics["perf/throughput"] = int(batch.mask.sum()) / elapsed
+        if self.tool is not None:
+            metrics.update(tool_metrics(trajectories, self.generator.tool_log.take(), elapsed))
         return metrics
 
     def _score(self, trajectories) -> list[dict]:
@@ -263,7 +290,6 @@ class Trainer:
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(t.truncated for t in trajectories) / len(trajectories),
             "reward/no_answer_frac": reasons["no_answer"] / len(results),
-            "multi_turn/tool_calls_mean": sum(t.tool_calls for t in trajectories) / len(trajectories),
         }
 
     def _start(self) -> None:
@@ -272,8 +298,7 @@ class Trainer:
         if self.step == 0:
             self._keep_snapshots()
         resolved = {
-            **self.config.to_dict(),
-            "max_response_tokens": self.config.response_budget,
+            **self.config.recorded(),
             "base": str(self.base),
             "effective_lag": self.lag,
             "base_lr": self.config.base_lr,

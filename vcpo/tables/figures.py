@@ -144,7 +144,7 @@ def draw_curves(
     if not runs:
         return message_figure(out, spec, scale, "No data: none of the runs exist. " + missing_note(missing)[0])
     tasks, panels = spec_tasks(spec, task), spec["panels"]
-    x = spec.get("x", "step")
+    x = {key: spec.get("panel_x", {}).get(key, spec.get("x", "step")) for key in panels}
     fig, axes = pyplot().subplots(
         len(tasks), len(panels), figsize=(max(4.6 * len(panels), 7.5), 3.6 * len(tasks)), squeeze=False, layout="constrained"
     )
@@ -153,9 +153,9 @@ def draw_curves(
         for run in [r for r in needed if r[0] == name and r in runs]:
             label = method_label(run[1], len(runs[run]))
             for ax, key in zip(row, panels, strict=True):
-                draw_method(ax, runs[run], key, label, window, x == "wall_clock", colors[run[1]])
+                draw_method(ax, runs[run], key, label, window, x[key] == "wall_clock", colors[run[1]])
         for ax, key in zip(row, panels, strict=True):
-            style_panel(ax, key, X_LABELS[x], key in spec.get("log_panels", ()))
+            style_panel(ax, key, X_LABELS[x[key]], key in spec.get("log_panels", ()))
             if not ax.lines:
                 empty = f"no {key} logged" if any(r[0] == name for r in runs) else f"no runs of {name}"
                 ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="grey")

@@ -44,6 +44,9 @@ def validate_spec(figure_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         missing.append("task or tasks")
     if missing:
         raise ValueError(f"figure {figure_id}: kind {spec['kind']} needs {missing}")
+    stray = sorted(set(spec.get("panel_x", {})) - set(spec.get("panels", [])))
+    if stray:
+        raise ValueError(f"figure {figure_id}: panel_x names {stray}, which are not among its panels")
     known = {method.name for method in list_methods()}
     unknown = [m for m in spec.get("methods", []) if m not in known]
     if unknown:

@@ -35,7 +35,7 @@ if config["backend"] == "sim":
             sim_config=lambda wildcards, input: f"--config {shlex.quote(input.sim_config)}" if input.sim_config else "",
             steps=lambda wildcards: PLAN.steps(planned(wildcards)),
             settings=lambda wildcards: " ".join(
-                shlex.quote(f"{key}={value}") for key, value in sim_settings(config, wildcards.method).items()
+                shlex.quote(f"{key}={value}") for key, value in sim_settings(config, wildcards.task, wildcards.method).items()
             ),
         log:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
