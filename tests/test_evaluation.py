@@ -286,3 +286,10 @@ def test_source_dir_without_the_benchmark_file_is_reported(tmp_path):
 )  # fmt: skip
 def test_a_missing_model_path_is_read_as_a_hub_id_only_in_org_name_form(name, hub):
     assert is_hub_id(name) is hub
+
+
+def test_org_name_below_a_local_folder_is_a_missing_local_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id("results/final")
+    (tmp_path / "results").mkdir()
+    assert not is_hub_id("results/final")

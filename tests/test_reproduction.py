@@ -37,7 +37,7 @@ def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     assert {run.task for run in smoke.runs} == {"countdown", "tir"}
     core = {(run.task, run.method, run.lag, run.seed) for run in smoke.runs if run.core}
     countdown = {("countdown", m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 48), ("vcpo", 48)) for s in (0, 1, 2)}
-    # SimpleTIR is the multi-turn tool task at its own lag, 2: Figure 1 and Table 1, 3 seeds, 60 steps
+    # SimpleTIR is the multi-turn tool task at its own lag, 2: Figure 1 and Table 1, 3 seeds, 40 steps
     tir = {("tir", m, lag, s) for m, lag in (("sync", 0), ("seq_tis_c8", 2), ("vcpo", 2)) for s in (0, 1, 2)}
     assert core == countdown | tir and {run for run in smoke.runs if run.task == "tir"} == {r for r in smoke.runs if r.core and r.task == "tir"}
     assert {(run.task, run.method, run.lag) for run in smoke.table1} == {
@@ -46,8 +46,8 @@ def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     countdown_runs = [run for run in smoke.runs if run.task == "countdown"]
     assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 60) for run in countdown_runs)
     assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 5  # the sweep's lags 2, 4, 8, 12, 24 at full length
-    assert {smoke.steps(run) for run in smoke.runs if run.task == "tir"} == {60}
-    assert sim_settings(smoke.config, "tir", "vcpo")["eval_problems"] == 100
+    assert {smoke.steps(run) for run in smoke.runs if run.task == "tir"} == {40}
+    assert sim_settings(smoke.config, "tir", "vcpo")["eval_problems"] == 50
     # every run starts from the regime file; the paper's lags 10 and 12 train at the regime's 48, sync at 0;
     # the lag sweep keeps its lags and reaches the regime's
     assert smoke.config["sim_config"] == "recipes/sim/regime.yaml"

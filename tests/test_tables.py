@@ -109,6 +109,23 @@ def test_table1_smoke_numbers(tmp_path):
     assert json.loads(out.with_suffix(".json").read_text())["tasks"]["countdown"]["sync"]["seeds"] == ["seed0", "seed1"]
 
 
+def test_table1_maps_each_tasks_published_lag_to_this_scales(tmp_path):
+    """The smoke workflow's lags (10 -> 48) apply to Countdown's published k = 10 and leave SimpleTIR's
+    k = 2 alone; the accuracy column names the simulator task a paper task maps to."""
+    sim_run(tmp_path, "countdown", "vcpo", 48, 0, {0: 0.1, 2: 0.3}, 60.0)
+    sim_run(tmp_path, "tir", "vcpo", 2, 0, {0: 0.4, 2: 0.8}, 60.0)
+    out = tmp_path / "table1.md"
+    main(["table1", "--runs", str(tmp_path), "--scale", "smoke", "--out", str(out), "--task", "countdown",
+          "--task", "simpletir=tir", "--lag-map", "10=48", "--lag-map", "12=48"])  # fmt: skip
+    data = json.loads(out.with_suffix(".json").read_text())["tasks"]
+    assert (data["countdown"]["async"]["lag"], data["simpletir"]["async"]["lag"]) == (48, 2)
+    assert data["simpletir"]["async"]["accuracy"]["mean"] == 0.8
+    text = out.read_text()
+    assert "| Countdown (ours) |" in text and "| tir held-out (ours) | AIME 2025 (paper) |" in text
+    with pytest.raises(SystemExit):
+        main(["table1", "--runs", str(tmp_path), "--scale", "smoke", "--out", str(out), "--lag-map", "10:48"])
+
+
 def test_table1_paper_scale_uses_evaluation_and_gpu_hours(tmp_path):
     verl_run(tmp_path, "math", "vcpo", 10, 0)
     row = table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]

@@ -69,8 +69,11 @@ def vllm_available() -> bool:
 
 def is_hub_id(name: str) -> bool:
     """``org/name``: a model on the Hugging Face hub (the base models a paper run starts from), not a
-    local path (absolute, relative with ``.``, home, or deeper than one folder)."""
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None and not name.startswith(".")
+    local path (absolute, relative with ``.``, home, deeper than one folder, or below a local folder:
+    ``results/x`` with a ``results`` folder here is a missing local model, not the hub's)."""
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is None or name.startswith("."):
+        return False
+    return not Path(name.split("/")[0]).is_dir()
 
 
 def make_generator(backend: str, model_path: str | Path, *, batch_size: int = 8, seed: int = 0) -> Generator:

@@ -3,12 +3,14 @@
 python -m vcpo.tables figure ID --runs RUNS --scale smoke|paper --out PNG [--task T]... [--lag K]
                                 [--seeds core|all] [--overhead-json JSON]
 python -m vcpo.tables table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
+                               [--lag-map PAPER_LAG=LAG]...
 python -m vcpo.tables hyperparams --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from vcpo.tables.figures import SCALES, draw_figure
@@ -35,10 +37,15 @@ def main(argv: list[str] | None = None) -> None:
             draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.overhead_json)
         )
     elif args.command == "table1":
-        print(write_table1(args.runs, args.scale, args.out, task_map(args.task), args.lag))
+        lag_map = {int(paper): int(scaled) for paper, scaled in (pair.split("=") for pair in args.lag_map or [])}
+        print(write_table1(args.runs, args.scale, args.out, task_map(args.task), args.lag, lag_map))
     else:
         for path in write_hyperparams(args.out):
             print(path)
+
+
+def _bad_lag_map(text: str):
+    raise argparse.ArgumentTypeError(f"{text!r} is not PAPER_LAG=LAG (two integers)")
 
 
 def _draws_runs(args: argparse.Namespace) -> bool:
@@ -70,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         "--task",
         action="append",
         help="PAPER_TASK[=RUN_TASK] rows to include (default: all three, runs under the same name)",
+    )
+    table1.add_argument(
+        "--lag-map",
+        action="append",
+        type=lambda text: text if re.fullmatch(r"\d+=\d+", text) else _bad_lag_map(text),
+        help="PAPER_LAG=LAG: a published lag and the lag of this scale's async runs (repeat; other lags kept)",
     )
     hyper = commands.add_parser("hyperparams", help="VCPO Tables 2-5 from the recipes")
     hyper.add_argument("--out", type=Path, required=True, help="folder for table2.md ... table5.md")

@@ -50,12 +50,10 @@ rule overhead_benchmark:
 
 
 def table1_args():
-    """Each paper task beside the task it trains on here, and this scale's lag when the config maps lags
-    (the async row is VCPO at that lag)."""
+    """Each paper task beside the task it trains on here, and the config's lag mapping (the async row is
+    VCPO at the task's published lag as this scale maps it)."""
     args = [f"--task {paper}={config['tasks'][paper]}" for paper in config.get("table1_tasks", [])]
-    lags = {run.lag for run in PLAN.table1 if not is_synchronous(run.method)}
-    if config.get("lags") and len(lags) == 1:
-        args.append(f"--lag {lags.pop()}")
+    args += [f"--lag-map {paper}={scaled}" for paper, scaled in config.get("lags", {}).items()]
     return " ".join(args)
 
 
