@@ -229,7 +229,7 @@ def test_the_verl_tool_and_the_multi_turn_simulator_use_the_hardened_sandbox(pla
         """
     )
     expected = {f"{errno.ENOENT}\n2\n", f"{errno.EACCES}\n2\n"}  # the secret refused; filter mode 2
-    assert sandbox_tool(timeout_s=10.0)(code) in expected
+    assert sandbox_tool(timeout_s=10.0)(code).text in expected
     tool = PythonSandboxTool({"type": "native"}, None)
     response, _, metrics = asyncio.run(tool.execute("id", {"code": code}))
     assert response.text + "\n" in expected and metrics["status"] == "ok"
