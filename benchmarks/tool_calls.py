@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="a python -m vcpo.sim --config file")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step, which also loads the model, is not counted)")
     base = apply_overrides(start_config(args.config), ["task=tir", "method=sync", "lag=0", f"steps={args.steps}",
                                                        "eval_every=0", "eval_problems=0", "progress=false", *args.overrides])  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

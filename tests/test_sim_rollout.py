@@ -361,3 +361,21 @@ def test_multi_turn_behaviour_log_probs_cover_exactly_the_generated_tokens_acros
         assert int(collated.mask.sum()) == sum(len(t.response_ids) - t.versions.count(TOOL_TOKEN) for t in batch)
     assert spanning > 0, "no response spanned a weight update"
     assert len({round(model.log_prob(0.5 * v), 9) for v in range(6)}) == 6  # the versions' log-probs differ
+
+
+@pytest.mark.parametrize("lag_model", ["fixed", "pipeline"])
+def test_a_tool_call_the_round_ended_after_still_runs(tokenizer, lag_model):
+    """A policy that writes end-of-sequence right after its </code> in the same round (a long round
+    samples past the call): the call is cut there, the program runs, and the response goes on."""
+    turns = [f"<code>print(6*7)</code>{END}", f" #### 42{END}"]
+    im_end = tokenizer.convert_tokens_to_ids(END)
+    sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
+    rollouts = Rollouts(
+        lag_model=lag_model, lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=64, seed=0,
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2,
+        generator=Generator(tokenizer, sampling, lambda code: ToolResult("42\n")),
+        model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
+    )  # fmt: skip
+    for t in rollouts.batch(0):
+        assert t.tool_calls == 1 and t.finished and not t.truncated
+        assert tokenizer.decode(t.response_ids, skip_special_tokens=True) == "<code>print(6*7)</code><output>42\n</output> #### 42"

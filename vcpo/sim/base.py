@@ -276,6 +276,8 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     model.eval()
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
     tool = {"tool": sandbox_tool(TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
+    if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
+        model = model.cpu()
     sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)
     greedy = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=0.0, seed=seed, **tool)
     heldout = {"temperature_1": sampled, "greedy": greedy}

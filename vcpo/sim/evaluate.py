@@ -24,9 +24,10 @@ ROUND_TOKENS = 16
 class ToolUseGenerator:
     """The harness's generator for multi-turn tasks: the rollouts' own sampler (one policy version), which
     stops at every ``</code>``, runs the program with ``tool`` and appends its output, at most
-    ``max_turns`` times per response. A completion's text holds the tool outputs; its token count and
-    truncation are those of the generated tokens (the outputs are not the policy's). Prompts in the
-    order given, batches of ``batch_size`` sequences, the global random state left as it was."""
+    ``max_turns`` times per response. A completion's text holds the tool outputs; its token count is
+    that of the generated tokens (the outputs are not the policy's), while the ``max_new_tokens`` budget
+    and truncation count the outputs too, as in training. Prompts in the order given, batches of
+    ``batch_size`` sequences, on the CPU, the global random state left as it was."""
 
     def __init__(self, model, tokenizer, tool: Callable[[str], ToolResult], *, max_turns: int, tool_workers: int = 4,
                  batch_size: int = SEQUENCES_PER_BATCH):

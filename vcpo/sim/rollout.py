@@ -184,7 +184,10 @@ class Generator:
             trajectory.behav_log_probs += log_probs[row, :count].tolist()
             trajectory.sum_pi_squared += sum_pi_squared[row, :count].tolist()
             trajectory.versions += [version] * count
-            if s.max_turns and not trajectory.finished and (code := self._cut_at_tool_call(trajectory)) is not None:
+            # a call is looked for even in a response the round ended: its end-of-sequence token may follow
+            # the </code> (a long round samples past it), and the cut removes everything after the call
+            if s.max_turns and (code := self._cut_at_tool_call(trajectory)) is not None:
+                trajectory.finished = False
                 calls.append((trajectory, code))
         self._run_tool_calls(calls)
         for row, trajectory in enumerate(todo):

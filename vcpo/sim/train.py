@@ -263,8 +263,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         metrics["timing_s/step"] = elapsed
         metrics["perf/throughput"] = int(batch.mask.sum()) / elapsed
-        if self.tool is not None:
-            metrics.update(tool_metrics(trajectories, self.generator.tool_log.take(), elapsed))
+        if self.tool is not None:  # the share of the step's rollout and update (the evaluation's calls are its own)
+            metrics.update(tool_metrics(trajectories, self.generator.tool_log.take(), elapsed - metrics.get("timing_s/testing", 0.0)))
         return metrics
 
     def _score(self, trajectories) -> list[dict]:

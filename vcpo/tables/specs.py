@@ -16,6 +16,7 @@ from vcpo.methods import filed_lag
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("curves", "lag_sweep", "overhead", "grad_norm_proxy")
+X_AXES = ("step", "wall_clock")
 # Keys a kind needs; the rest (title, paper, kind) every figure needs.
 REQUIRED = {
     "curves": ("methods", "panels", "lag"),
@@ -47,6 +48,9 @@ def validate_spec(figure_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     stray = sorted(set(spec.get("panel_x", {})) - set(spec.get("panels", [])))
     if stray:
         raise ValueError(f"figure {figure_id}: panel_x names {stray}, which are not among its panels")
+    axes = {spec.get("x", "step"), *spec.get("panel_x", {}).values()}
+    if not axes <= set(X_AXES):
+        raise ValueError(f"figure {figure_id}: x axes {sorted(axes - set(X_AXES))} unknown; known: {X_AXES}")
     known = {method.name for method in list_methods()}
     unknown = [m for m in spec.get("methods", []) if m not in known]
     if unknown:
