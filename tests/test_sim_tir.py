@@ -130,7 +130,8 @@ def test_the_tool_calls_of_a_round_run_concurrently():
 
 
 def _leftovers() -> tuple[set[int], set[str], int]:
-    """This process's children, the sandbox's temporary folders, and its open file descriptors."""
+    """This process's children, the sandbox's temporary folders (in the test's own temporary folder, so
+    that other processes' sandboxes do not count), and its open file descriptors."""
     children = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -155,10 +156,11 @@ BAD_PROGRAMS = {
 
 
 @pytest.mark.parametrize("what", list(BAD_PROGRAMS))
-def test_a_policys_bad_program_costs_bounded_time_counts_as_an_error_and_leaves_nothing(what):
+def test_a_policys_bad_program_costs_bounded_time_counts_as_an_error_and_leaves_nothing(what, tmp_path, monkeypatch):
     """A scripted policy writes the program, reads the tool's answer and ends; the rollout step
     completes within the timeout plus slack, the call is an error, and no process, sandbox folder or
     file descriptor is left behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     tokenizer = build_tiny_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids(END)
     timeout = 2.0

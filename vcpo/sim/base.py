@@ -21,15 +21,15 @@ task        steps  acc. T=1  greedy  response tokens T=1  SFT time (wall / CPU)
 countdown   800    21.5%     31.0%   14.0                 108 s / 108 s
 arithmetic  600    20.0%     29.5%   16.4 (greedy 20.8)   109 s / 109 s
 arith_long  500    24.5%     54.5%   69.1                 301 s (3 jobs on 2 cores)
-tir         800    39.5%     1.0%    16.3                 205 s / 138 s
+tir         800    45.0%     1.0%    17.1                 205 s / 138 s
 ==========  =====  ========  ======  ===================  =====================
 
 (``arith_long`` is ``arithmetic_long``, budget 128 new tokens.) ``tir`` is evaluated with the sandboxed
 tool (up to 5 calls); with the tool switched off the same base solves 0.0% at T=1 (its programs get no
 output, its bare answers are guesses), so the tool is what solves the task. Greedy decoding picks the
-bare answer (half the demonstrations) and so solves 1%; at T=1 the base makes 0.77 tool calls per
-response (the first batch of a sync run, retries included). Calling the tool every time is what RL has
-to learn.
+bare answer (half the demonstrations) and so solves 1%; at T=1 the base calls the tool in part of its
+responses only (README: calls per response in the first batch of the smoke runs). Calling the tool
+every time is what RL has to learn.
 
 Other seeds (same steps): Countdown seed 1 21.0% / 31.5% greedy; arithmetic seed 1 35.0% / 62.5%,
 seed 2 22.0% / 44.5%. Countdown's first build also generates its 5,200 puzzles (about 25 s, then
