@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
+from vcpo.sim.config import SimConfig
 from vcpo.sim.rollout import TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
@@ -115,7 +116,6 @@ EVAL_PROBLEMS = 200
 # the prompt and in the answer, which a tiny model must copy.
 SPLIT_DIGITS = True
 WARMUP_FRACTION = 0.05
-TOOL_TIMEOUT_S = 5.0  # the held-out evaluation's tool (multi-turn tasks), as the simulator's default
 
 
 def model_size(size: str) -> dict:
@@ -275,7 +275,8 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
 
     model.eval()
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
-    tool = {"tool": sandbox_tool(TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
+    # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout
+    tool = {"tool": sandbox_tool(SimConfig.tool_timeout_s), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
     if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
         model = model.cpu()
     sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)

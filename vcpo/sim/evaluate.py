@@ -9,7 +9,7 @@ import torch
 
 from vcpo.evaluation import Completion, HFGenerator, SamplingParams, evaluate_rows
 from vcpo.evaluation.generation import Conversation, encode_prompts
-from vcpo.sim.rollout import TOOL_TOKEN, Generator, Sampling, ToolResult, Trajectory
+from vcpo.sim.rollout import TOOL_TOKEN, Generator, Sampling, ToolResult, Trajectory, eos_token_ids
 from vcpo.sim.tasks import Problem, SimTask, evaluation_rows
 
 # Sequences generated per model.generate call; a batch holds this many // samples problems.
@@ -33,13 +33,11 @@ class ToolUseGenerator:
                  batch_size: int = SEQUENCES_PER_BATCH):
         self.model, self.tokenizer, self.tool, self.batch_size = model, tokenizer, tool, batch_size
         self.max_turns, self.tool_workers = max_turns, tool_workers
-        eos = model.generation_config.eos_token_id
-        self.eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
 
     def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[Completion]]:
         sampler = Generator(
             self.tokenizer,
-            Sampling(sampling.max_new_tokens, sampling.temperature, self.eos, self.tokenizer.pad_token_id,
+            Sampling(sampling.max_new_tokens, sampling.temperature, eos_token_ids(self.model), self.tokenizer.pad_token_id,
                      max_turns=self.max_turns, tool_workers=self.tool_workers),
             self.tool,
         )  # fmt: skip

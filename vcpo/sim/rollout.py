@@ -107,12 +107,17 @@ class Sampling:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     max_turns: int = 0
-    tool_timeout_s: float = 5.0
     tool_workers: int = 4  # concurrent tool calls of one generation round
     kv_cache: str = "recompute"  # or "keep": see the module docstring
 
 
 KV_CACHE_MODES = ("recompute", "keep")
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    """The end-of-sequence ids of a model's generation config, as ``Sampling`` takes them."""
+    eos = model.generation_config.eos_token_id
+    return tuple(eos) if isinstance(eos, list | tuple) else (eos,)
 
 
 def sampling_log_probs(scores: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,16 @@ from tqdm.auto import tqdm
 from vcpo.cli import output_folder_problem
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
-from vcpo.sim.rollout import Generator, Rollouts, Sampling, ToolLog, Trajectory, sandbox_tool, use_grouped_query_sdpa
+from vcpo.sim.rollout import (
+    Generator,
+    Rollouts,
+    Sampling,
+    ToolLog,
+    Trajectory,
+    eos_token_ids,
+    sandbox_tool,
+    use_grouped_query_sdpa,
+)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -97,15 +106,12 @@ class Trainer:
 
         self.train_problems = self.task.problems("train")
         self.eval_problems = self.task.problems("validation")[: config.eval_problems]
-        eos = self.model.generation_config.eos_token_id
-        eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
         sampling = Sampling(
             max_response_tokens=config.response_budget,
             temperature=config.temperature,
-            eos_token_ids=eos,
+            eos_token_ids=eos_token_ids(self.model),
             pad_token_id=self.tokenizer.pad_token_id,
             max_turns=config.turn_budget,
-            tool_timeout_s=config.tool_timeout_s,
             tool_workers=config.tool_workers,
             kv_cache=config.kv_cache,
         )
