@@ -3,6 +3,8 @@
 Samples n completions per problem (vLLM on GPU machines, transformers otherwise), scores them with
 vcpo.rewards under both answer formats (strict: the format the prompt asks for; lenient: also a bare
 final number) and writes per-sample jsonl and mean@n / pass@k summaries (see vcpo.evaluation.harness).
+With --tool-config the completions are multi-turn tool dialogues sampled as verl's tool agent loop
+samples them in training (SimpleTIR checkpoints; see vcpo.evaluation.tool_use).
 """
 
 import argparse
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation import BACKENDS, run_evaluation
+from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl_multi_turn_defaults
 from vcpo.rewards import ANSWER_FORMATS
 
 BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
@@ -20,7 +23,9 @@ BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[1])
     parser.add_argument(
-        "--model", required=True, help="checkpoint directory (Hugging Face format), or a hub id (org/name) of a base model"
+        "--model",
+        required=True,
+        help="checkpoint directory (Hugging Face format), or a hub id (org/name) of a base model",
     )
     parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
@@ -39,13 +44,48 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=ANSWER_FORMATS,
         help="primary answer format of the summaries (default: per benchmark, strict); both are always scored",
     )
+    verl_defaults = verl_multi_turn_defaults()
+    tools = parser.add_argument_group(
+        "multi-turn tool use", "as verl's actor_rollout_ref.rollout.multi_turn samples in training; defaults are verl's"
+    )
+    tools.add_argument(EVAL_OPTIONS["tool_config"], type=Path, help="verl tool config YAML: evaluate with these tools")
+    tools.add_argument(EVAL_OPTIONS["max_turns"], type=int, help="assistant turns per response (required with tools)")
+    tools.add_argument(
+        EVAL_OPTIONS["max_tool_response_length"], type=int, default=verl_defaults["max_tool_response_length"]
+    )
+    tools.add_argument(
+        EVAL_OPTIONS["tool_response_truncate_side"],
+        choices=TRUNCATE_SIDES,
+        default=verl_defaults["tool_response_truncate_side"],
+    )
+    tools.add_argument(EVAL_OPTIONS["max_parallel_calls"], type=int, default=verl_defaults["max_parallel_calls"])
+    tools.add_argument(EVAL_OPTIONS["tool_parser"], default=verl_defaults["format"], help="verl tool parser")
     args = parser.parse_args(argv)
+    args.tool_use = None
+    if args.tool_config is not None:
+        if args.max_turns is None:
+            parser.error(f"{EVAL_OPTIONS['tool_config']} needs {EVAL_OPTIONS['max_turns']}")
+        try:
+            args.tool_use = ToolUse(
+                args.tool_config,
+                args.max_turns,
+                args.max_tool_response_length,
+                args.tool_response_truncate_side,
+                args.max_parallel_calls,
+                args.tool_parser,
+            )
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(str(error))
+    elif args.max_turns is not None:
+        parser.error(f"{EVAL_OPTIONS['max_turns']} needs {EVAL_OPTIONS['tool_config']}")
     args.benchmark_names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     if not args.benchmark_names:
         parser.error(f"--benchmarks: no benchmark named (comma-separated names of {args.benchmarks_file})")
     model = Path(args.model)
     if model.exists() and not (model / "config.json").is_file():
-        parser.error(f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)")
+        parser.error(
+            f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)"
+        )
     if args.source_dir is not None and not args.source_dir.is_dir():
         parser.error(f"--source-dir {args.source_dir}: no such folder")
     if problem := output_folder_problem(args.out):
@@ -73,6 +113,7 @@ def main(argv=None) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         answer_format=args.answer_format,
+        tool_use=args.tool_use,
     )
     for name, result in summary["results"].items():
         n = result["sampling"]["n"]

@@ -235,6 +235,7 @@ def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path
         "completion",
         "tokens",
         "truncated",
+        "tool_calls",
         "score",
         "acc",
         "reason",

@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class Completion:
     text: str  # decoded without special tokens, up to the first end-of-sequence token
     tokens: int  # generated tokens, the end-of-sequence token included
     truncated: bool  # stopped by max_new_tokens before an end-of-sequence token
+    tool_calls: int = 0  # multi-turn generation (ToolAgentGenerator): tool calls made
 
 
 class Generator(Protocol):
@@ -61,6 +64,12 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, conversations: list[Conve
         for messages in conversations
     ]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def end_token_ids(generation_config) -> tuple[int, ...]:
+    """The end-of-sequence ids of a ``GenerationConfig`` (one id or a list)."""
+    eos = generation_config.eos_token_id
+    return tuple(eos) if isinstance(eos, list | tuple) else (eos,)
 
 
 def vllm_available() -> bool:
@@ -101,8 +110,7 @@ class HFGenerator:
             raise ValueError(f"HFGenerator: tokenizer {tokenizer.name_or_path!r} has no pad token")
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.progress = batch_size, progress
-        eos = model.generation_config.eos_token_id
-        self.end_ids = set(eos) if isinstance(eos, list | tuple) else {eos}
+        self.end_ids = set(end_token_ids(model.generation_config))
 
     @classmethod
     def load(cls, model_path: str | Path, *, batch_size: int = 8) -> HFGenerator:
@@ -121,21 +129,54 @@ class HFGenerator:
         prompts = encode_prompts(self.tokenizer, conversations)
         batches = [prompts[start : start + self.batch_size] for start in range(0, len(prompts), self.batch_size)]
         completions: list[Completion] = []
+        with self._sampling_state(sampling.seed):
+            for batch in tqdm(batches, desc=f"{desc} (hf generate)", unit="batch", disable=not self.progress):
+                for ids in self._sample(batch, sampling, sampling.n, sampling.max_new_tokens):
+                    kept = self._cut_at_end(ids)
+                    text = self.tokenizer.decode(kept, skip_special_tokens=True)
+                    completions.append(Completion(text, len(kept), kept[-1] not in self.end_ids))
+        n = sampling.n
+        return [completions[start : start + n] for start in range(0, len(completions), n)]
+
+    def continue_tokens(
+        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seed: int
+    ) -> list[list[int]]:
+        """One sample per token context (``sampling.n`` is ignored), at most ``budgets[i]`` new tokens, up to
+        and including the first end-of-sequence token: a turn of ``ToolAgentGenerator``."""
+        continuations: list[list[int]] = []
+        with self._sampling_state(seed):
+            for start in range(0, len(contexts), self.batch_size):
+                batch_budgets = budgets[start : start + self.batch_size]
+                sampled = self._sample(contexts[start : start + self.batch_size], sampling, 1, max(batch_budgets))
+                continuations += [
+                    self._cut_at_end(ids[:budget]) for ids, budget in zip(sampled, batch_budgets, strict=True)
+                ]
+        return continuations
+
+    @contextmanager
+    def _sampling_state(self, seed: int) -> Iterator[None]:
+        """Eval mode, left padding and a random state seeded with ``seed``; all restored afterwards."""
         was_training, padding_side = self.model.training, self.tokenizer.padding_side
         self.model.eval()
         self.tokenizer.padding_side = "left"
         try:
             with torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else []):
-                torch.manual_seed(sampling.seed)
-                for batch in tqdm(batches, desc=f"{desc} (hf generate)", unit="batch", disable=not self.progress):
-                    completions += self._generate_batch(batch, sampling)
+                torch.manual_seed(seed)
+                yield
         finally:
             self.tokenizer.padding_side = padding_side
             self.model.train(was_training)
-        n = sampling.n
-        return [completions[start : start + n] for start in range(0, len(completions), n)]
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def _cut_at_end(self, ids: list[int]) -> list[int]:
+        """``ids`` up to and including the first end-of-sequence token (all of them if there is none)."""
+        end = next((i for i, token in enumerate(ids) if token in self.end_ids), None)
+        return ids if end is None else ids[: end + 1]
+
+    def _sample(
+        self, prompts: list[list[int]], sampling: SamplingParams, n: int, max_new_tokens: int
+    ) -> list[list[int]]:
+        """``n`` sampled continuations of each (left-padded) prompt, prompt-major, with the padding after
+        the end of sequence left in."""
         inputs = self.tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(self.model.device)
         if sampling.temperature > 0:
             # top_k 0 and no repetition penalty: plain temperature/top-p sampling as in vLLM, whatever
@@ -148,16 +189,11 @@ class HFGenerator:
                 **inputs,
                 **decoding,
                 repetition_penalty=1.0,
-                max_new_tokens=sampling.max_new_tokens,
-                num_return_sequences=sampling.n,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-        completions = []
-        for ids in output[:, inputs["input_ids"].shape[1] :].tolist():
-            end = next((i for i, token in enumerate(ids) if token in self.end_ids), None)
-            kept = ids if end is None else ids[: end + 1]
-            completions.append(Completion(self.tokenizer.decode(kept, skip_special_tokens=True), len(kept), end is None))
-        return completions
+        return output[:, inputs["input_ids"].shape[1] :].tolist()
 
 
 class VLLMGenerator:
@@ -168,6 +204,12 @@ class VLLMGenerator:
 
         self.llm = LLM(model=str(model_path), seed=seed)
         self.tokenizer = self.llm.get_tokenizer()
+        # What vLLM stops at: the tokenizer's end of sequence and the checkpoint's generation config's.
+        self.end_ids = {self.tokenizer.eos_token_id}
+        try:
+            self.end_ids.update(end_token_ids(GenerationConfig.from_pretrained(model_path)))
+        except OSError:  # no generation_config.json
+            pass
 
     def generate(
         self, conversations: list[Conversation], sampling: SamplingParams, desc: str
@@ -184,3 +226,18 @@ class VLLMGenerator:
             [Completion(c.text, len(c.token_ids), c.finish_reason == "length") for c in output.outputs]
             for output in outputs
         ]
+
+    def continue_tokens(
+        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seed: int
+    ) -> list[list[int]]:
+        """One sample per token context, at most ``budgets[i]`` new tokens (see ``HFGenerator``)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        params = [
+            VLLMSamplingParams(
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=budget, seed=seed + index
+            )
+            for index, budget in enumerate(budgets)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]

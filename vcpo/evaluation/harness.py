@@ -7,13 +7,14 @@ answer in the format the prompt asks for: ``\\boxed{}``, ``#### N``, ``<answer>`
 
 Output layout, for each benchmark B under ``out_dir``:
     B/samples.jsonl   one record per completion: problem_id, sample_index, completion, tokens, truncated,
-                      ground_truth, score, acc, reason (primary format) and ``by_answer_format``:
+                      tool_calls, ground_truth, score, acc, reason (primary format) and ``by_answer_format``:
                       {"strict": {"score", "acc", "reason"}, "lenient": {...}}
     B/summary.json    the benchmark definition and sampling used, ``answer_format`` (the primary one),
                       mean_at_n, pass_at_k, timeouts, no_answer and reasons under the primary format,
                       ``by_answer_format``: {"strict": {mean_at_n, pass_at_k, timeouts, no_answer,
                       reasons}, "lenient": {...}} with the same metrics under every format, and
-                      mean_response_tokens and truncated (the fraction that hit max_new_tokens)
+                      mean_response_tokens, truncated (the fraction that hit max_new_tokens) and
+                      tool_calls_per_response (multi-turn evaluation: ``--tool-config``)
 and ``summary.json`` with every benchmark's summary and the run's configuration.
 
 ``evaluate_rows`` is the whole measurement without the files; the simulator's held-out evaluation
@@ -30,10 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import AutoConfig
 
 from vcpo import data, rewards
 from vcpo.evaluation.generation import Completion, Generator, SamplingParams, make_generator
 from vcpo.evaluation.metrics import benchmark_pass_at_k, default_ks, mean_at_n
+from vcpo.evaluation.tool_use import ToolAgentGenerator, ToolUse
 
 _SAMPLING_KEYS = {field.name for field in fields(SamplingParams)}
 
@@ -174,6 +177,7 @@ def evaluate_rows(
         "by_answer_format": by_format,
         "mean_response_tokens": sum(record["tokens"] for record in records) / len(records),
         "truncated": sum(record["truncated"] for record in records) / len(records),
+        "tool_calls_per_response": sum(record["tool_calls"] for record in records) / len(records),
         "generation_seconds": generation_seconds,
         "scoring_seconds": scoring_seconds,
     }
@@ -247,6 +251,7 @@ def _score(
                 "completion": sample.text,
                 "tokens": sample.tokens,
                 "truncated": sample.truncated,
+                "tool_calls": sample.tool_calls,
                 **by_format[primary_format],
                 "ground_truth": ground_truth,
                 "by_answer_format": by_format,
@@ -276,19 +281,26 @@ def run_evaluation(
     batch_size: int = 8,
     seed: int = 0,
     answer_format: str | None = None,
+    tool_use: ToolUse | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on each benchmark with one loaded generator; write and return ``summary.json``.
 
-    ``answer_format`` (when not None) replaces each benchmark's primary answer format."""
+    ``answer_format`` (when not None) replaces each benchmark's primary answer format. With ``tool_use``
+    the responses are multi-turn tool dialogues (``ToolAgentGenerator``), as the model's rollouts were."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     benchmarks = load_benchmarks(
         benchmarks_file, benchmark_names, {**(sampling_overrides or {}), "seed": seed}, answer_format=answer_format
     )
     generator = make_generator(backend, model, batch_size=batch_size, seed=seed)
+    backend_name = type(generator).__name__
+    if tool_use is not None:
+        model_type = AutoConfig.from_pretrained(model).model_type
+        generator = ToolAgentGenerator(generator, generator.tokenizer, tool_use, model_type=model_type)
     run_info = {
         "model": str(model),
-        "backend": type(generator).__name__,
+        "backend": backend_name,
+        "tool_use": {**asdict(tool_use), "tool_config": str(tool_use.tool_config)} if tool_use else None,
         "benchmarks_file": str(benchmarks_file),
         "limit": limit,
         "source_dir": str(source_dir) if source_dir is not None else None,

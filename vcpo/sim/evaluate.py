@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vcpo.evaluation import Completion, HFGenerator, SamplingParams, evaluate_rows
-from vcpo.evaluation.generation import Conversation, encode_prompts
-from vcpo.sim.rollout import TOOL_TOKEN, Generator, Sampling, ToolResult, Trajectory, eos_token_ids
+from vcpo.evaluation.generation import Conversation, encode_prompts, end_token_ids
+from vcpo.sim.rollout import TOOL_TOKEN, Generator, Sampling, ToolResult, Trajectory
 from vcpo.sim.tasks import Problem, SimTask, evaluation_rows
 
 # Sequences generated per model.generate call; a batch holds this many // samples problems.
@@ -37,7 +37,7 @@ class ToolUseGenerator:
     def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[Completion]]:
         sampler = Generator(
             self.tokenizer,
-            Sampling(sampling.max_new_tokens, sampling.temperature, eos_token_ids(self.model), self.tokenizer.pad_token_id,
+            Sampling(sampling.max_new_tokens, sampling.temperature, end_token_ids(self.model.generation_config), self.tokenizer.pad_token_id,
                      max_turns=self.max_turns, tool_workers=self.tool_workers),
             self.tool,
         )  # fmt: skip
@@ -60,6 +60,7 @@ class ToolUseGenerator:
                 self.tokenizer.decode(t.response_ids, skip_special_tokens=True),
                 sum(version != TOOL_TOKEN for version in t.versions),
                 t.truncated,
+                t.tool_calls,
             )
             for t in trajectories
         ]

@@ -114,12 +114,6 @@ class Sampling:
 KV_CACHE_MODES = ("recompute", "keep")
 
 
-def eos_token_ids(model) -> tuple[int, ...]:
-    """The end-of-sequence ids of a model's generation config, as ``Sampling`` takes them."""
-    eos = model.generation_config.eos_token_id
-    return tuple(eos) if isinstance(eos, list | tuple) else (eos,)
-
-
 def sampling_log_probs(scores: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log-prob of each sampled token and Σ_v π_v² under the distribution it was sampled from.
 

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vcpo.cli import output_folder_problem
+from vcpo.evaluation.generation import end_token_ids
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
@@ -31,7 +32,6 @@ from vcpo.sim.rollout import (
     Sampling,
     ToolLog,
     Trajectory,
-    eos_token_ids,
     sandbox_tool,
     use_grouped_query_sdpa,
 )
@@ -109,7 +109,7 @@ class Trainer:
         sampling = Sampling(
             max_response_tokens=config.response_budget,
             temperature=config.temperature,
-            eos_token_ids=eos_token_ids(self.model),
+            eos_token_ids=end_token_ids(self.model.generation_config),
             pad_token_id=self.tokenizer.pad_token_id,
             max_turns=config.turn_budget,
             tool_workers=config.tool_workers,

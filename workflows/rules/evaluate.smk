@@ -7,6 +7,7 @@
 # own validation (trainer.test_freq), so intermediate checkpoints are not evaluated.
 
 if config["backend"] == "verl":
+    from vcpo.evaluation.tool_use import tool_use_options
     from vcpo.launch.__main__ import composed_config
     from vcpo.recipes import base_path
 
@@ -14,23 +15,26 @@ if config["backend"] == "verl":
         return next(paper for paper, task in config["tasks"].items() if task == scale_task)
 
     def eval_params(wildcards):
-        """python -m eval options shared by the run and base evaluations."""
+        """python -m eval options shared by the run and base evaluations: the task's benchmarks, and its
+        rollouts' multi-turn tool settings (SimpleTIR), so that a checkpoint is measured as it was trained."""
         source = config["data"].get("source_dir")
         return " ".join(
             [
                 "--benchmarks " + ",".join(config["evaluation"]["benchmarks"][paper_task(wildcards.task)]),
                 f"--source-dir {shlex.quote(source)}" if source else "",
+                *(shlex.quote(arg) for arg in tool_use_options(task_config(wildcards).actor_rollout_ref.rollout.multi_turn)),
                 *(shlex.quote(arg) for arg in config["evaluation"].get("args", [])),
             ]
         )
 
+    def task_config(wildcards):
+        """The verl config vcpo.launch composes for the task's runs (with the config's launch.args)."""
+        return composed_config(["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS])
+
     def base_model(wildcards):
-        """The model the task's runs start from: as vcpo.launch composes it with the config's launch.args,
-        or on CPU (launch.cpu_steps) the tiny model every run starts from."""
-        if CPU_STEPS:
-            return CPU_MODEL
-        args = ["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS]
-        return composed_config(args).actor_rollout_ref.model.path
+        """The model the task's runs start from, or on CPU (launch.cpu_steps) the tiny model every run
+        starts from."""
+        return CPU_MODEL if CPU_STEPS else task_config(wildcards).actor_rollout_ref.model.path
 
     rule evaluate:
         input:
