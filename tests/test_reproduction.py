@@ -107,6 +107,9 @@ def broken(name: str, **changes) -> dict:
         ("ci", {"core_figures": ["fig1"]}, "core_figures: ['fig1'] are not in figures"),
         ("ci", {"sim": {"thread": 1}}, "sim: run countdown/seq_tis_c8/lag4/seed0: unknown config key 'thread'"),
         ("ci", {"sim_methods": {}}, None),  # fp16 is not in the CI runs: nothing to complain about
+        ("ci", {"sim_methods": {"fp16": {"rollout_dtpye": "float16"}}}, "sim_methods.fp16: unknown config key 'rollout_dtpye'"),
+        ("ci", {"sim_tasks": {"tir": {"eval_every": "often"}}}, "sim_tasks.tir: config key 'eval_every': cannot read 'often'"),
+        ("ci", {"sim_tasks": {"countdown": {"model_size": "small"}}}, "sim_tasks.countdown: ['model_size'] pick the SFT base"),
         ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag48/seed0: config key 'rollout_dtype'"),
         ("paper", {"data": {"dir": "data", "source_dir": "/no/such/folder"}}, "data.source_dir: '/no/such/folder'"),
         ("paper", {"tasks": {"gsm8k": "gsm8k", "math": "countdown_v2"}}, "tasks.math: 'countdown_v2' is not a task"),
@@ -141,14 +144,14 @@ def test_the_schema_refuses_bad_values(changes, key):
 def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
     """The workflow's sim_config: its values reach every run's validation, its model size the SFT base,
     a bad key in it names the file and the run, and the workflow's own sim settings win over it."""
-    from vcpo.reproduction import sim_base_size, sim_start
+    from vcpo.reproduction import sim_base_args, sim_start
 
     regime = tmp_path / "regime.yaml"
-    regime.write_text("lr: 1.5e-4\nmodel_size: small\n")
+    regime.write_text("lr: 1.5e-4\nmodel_size: small\nbase_seed: 3\n")
     with_file = broken("ci", sim_config=str(regime))
-    assert sim_start(with_file).lr == 1.5e-4 and sim_base_size(with_file) == "small"
-    assert sim_base_size(broken("ci", sim_config=str(regime), sim={"model_size": "tiny"})) == "tiny"
-    assert sim_base_size(config("ci")) == "tiny"
+    assert sim_start(with_file).lr == 1.5e-4 and sim_base_args(with_file) == "--size small --seed 3"
+    assert sim_base_args(broken("ci", sim_config=str(regime), sim={"model_size": "tiny"})) == "--size tiny --seed 3"
+    assert sim_base_args(config("ci")) == "--size tiny --seed 0"
     plan(with_file)
     regime.write_text("lr: 1.5e-4\nlag_modle: fixed\n")
     with pytest.raises(ConfigError, match=re.escape(f"config file {str(regime)!r}: unknown config key 'lag_modle'")):

@@ -115,6 +115,26 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
             get_method(method)
         except ValueError as error:
             raise ConfigError(f"sim_methods: {error}") from None
+    if config["backend"] == "sim":
+        _check_sim_entries(config)
+
+
+def _check_sim_entries(config: dict[str, Any]) -> None:
+    """Every ``sim_tasks`` / ``sim_methods`` entry has known keys with readable values, whether or not a
+    planned run uses it, and none picks the SFT base (one per task: ``sim`` sets it for all runs)."""
+    from vcpo.sim.config import apply_overrides
+
+    for key in ("sim_tasks", "sim_methods"):
+        for name, settings in (config.get(key) or {}).items():
+            base_keys = sorted(set(settings) & set(SIM_BASE_KEYS))
+            if base_keys:
+                raise ConfigError(
+                    f"{key}.{name}: {base_keys} pick the SFT base every run of a task starts from; set them in sim"
+                )
+            try:
+                apply_overrides(sim_start(config), {item: str(value) for item, value in settings.items()})
+            except ValueError as error:
+                raise ConfigError(f"{key}.{name}: {error}") from None
 
 
 def _backend_tasks(backend: str) -> set[str]:
@@ -163,9 +183,17 @@ def sim_start(config: dict[str, Any]):
     return start_config(config.get("sim_config"))
 
 
-def sim_base_size(config: dict[str, Any]) -> str:
-    """The model size of the runs' SFT base (the file's, unless ``sim`` sets another)."""
-    return str((config.get("sim") or {}).get("model_size", sim_start(config).model_size))
+# Settings that pick the SFT base every run of a task starts from (one base per task, built by the
+# workflow's sft_base rule), so they are shared by all runs: ``sim`` or the sim_config file, never per task
+# or method.
+SIM_BASE_KEYS = ("model_size", "base_seed")
+
+
+def sim_base_args(config: dict[str, Any]) -> str:
+    """``python -m vcpo.sim.base`` options building the base the runs start from: the sim_config file's
+    model size and base seed, unless ``sim`` sets others."""
+    start, shared = sim_start(config), config.get("sim") or {}
+    return f"--size {shared.get('model_size', start.model_size)} --seed {shared.get('base_seed', start.base_seed)}"
 
 
 def sim_settings(config: dict[str, Any], task: str, method: str) -> dict[str, Any]:

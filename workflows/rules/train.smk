@@ -21,7 +21,7 @@ if config["backend"] == "sim":
             f"{R}/logs/sft_base/{{task}}.log",
         threads: 2
         shell:
-            f"python -m vcpo.sim.base --task {{wildcards.task}} --size {sim_base_size(config)} --threads {{threads}}"
+            f"python -m vcpo.sim.base --task {{wildcards.task}} {sim_base_args(config)} --threads {{threads}}"
             " > {output:q} 2> {log:q}"
 
     rule train:
