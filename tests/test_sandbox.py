@@ -267,6 +267,29 @@ def test_namespaces_show_only_a_read_only_minimal_root(tmp_path):
 
 
 @needs_namespaces
+def test_namespaces_bind_paths_with_spaces_tabs_and_backslashes(tmp_path, monkeypatch):
+    """The binds go through an fstab, whose fields escape whitespace: a temporary folder named with a
+    space, a tab and a backslash still gives the program its writable work directory and nothing else."""
+    import tempfile
+
+    folder = tmp_path / "sand box\tdir\\x"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    code = """
+        import os
+        open("inside.txt", "w").write("ok")
+        print(os.getcwd())
+        print(open("inside.txt").read())
+        print(sorted(line.split()[4] for line in open("/proc/self/mountinfo") if "sandbox" in line))
+    """
+    result = run_python(textwrap.dedent(code), isolation="namespaces")
+    workdir, content, mounts = result.stdout.splitlines()
+    assert result.ok and content == "ok" and workdir.startswith(str(folder) + "/vcpo-sandbox-"), result.stderr
+    escaped = workdir.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")  # as mountinfo shows it
+    assert workdir.endswith("/work") and mounts == repr(["/", escaped])
+
+
+@needs_namespaces
 def test_namespaces_hide_the_network_and_the_callers_processes(listener):
     port, accepted = listener
     code = f"""

@@ -154,24 +154,21 @@ _NAMESPACE_COMMAND = (
 )
 # Runs as root of the new user namespace, before the interpreter. The parent has laid out in the
 # root directory the program's file system: directories, symlinks and empty mount points for the
-# listed host paths (``_root_skeleton``). This binds the host paths read-only onto them (util-linux
-# >= 2.27 applies ro to a bind in one call), the work directory writable and a /proc of the new PID
-# namespace, makes it the root with pivot_root and detaches the old one, so that nothing else of the
-# host can be reached by any path. (A /proc mount can be refused where the host's own /proc is partly
-# masked, as in containers: the program then has an empty /proc.) The private mount propagation of
-# `unshare --mount` keeps all of this invisible outside. `set +e` before the program: its failure is
-# the result to report, and `exit $?` (not exec) keeps the shell as PID 1 so that the interpreter
-# receives SIGXCPU like any process and its death by signal becomes status 128+N.
+# listed host paths (``_root_skeleton``), and written an fstab of the binds onto them: the host paths
+# read-only, the work directory writable (``_write_fstab``). One `mount --all` makes every bind (util-linux
+# >= 2.27 applies ro to a bind itself; one process instead of one per path saves ~2 ms a path), then
+# a /proc of the new PID namespace; the script makes it the root with pivot_root and detaches the old
+# one, so that nothing else of the host can be reached by any path. (A /proc mount can be refused where
+# the host's own /proc is partly masked, as in containers: the program then has an empty /proc.) The
+# private mount propagation of `unshare --mount` keeps all of this invisible outside. `set +e` before
+# the program: its failure is the result to report, and `exit $?` (not exec) keeps the shell as PID 1
+# so that the interpreter receives SIGXCPU like any process and its death by signal becomes status 128+N.
 _NAMESPACE_SETUP_SCRIPT = r"""
 set -eu
-root=$1; workdir=$2; shift 2
+root=$1; workdir=$2; fstab=$3
+shift 3
 mount --bind "$root" "$root"
-while [ "$1" != -- ]; do
-  mount --bind -o ro "$1" "$root$1"
-  shift
-done
-shift
-mount --bind "$workdir" "$root$workdir"
+mount --all --fstab "$fstab"
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc" 2>/dev/null || :
 cd "$root"
 PATH=/usr/sbin:/sbin:$PATH pivot_root . .
@@ -182,6 +179,8 @@ set +e
 setpriv --no-new-privs --bounding-set=-all --inh-caps=-all -- "$@"
 exit $?
 """
+# fstab fields escape whitespace and backslashes in octal (fstab(5)); libmount reads them back.
+_FSTAB_ESCAPES = str.maketrans({" ": "\\040", "\t": "\\011", "\n": "\\012", "\\": "\\134"})
 
 
 class SandboxStatus(str, enum.Enum):
@@ -483,10 +482,23 @@ def _interpreter_command(config: dict, site_packages: bool) -> list[str]:
 
 
 def _in_namespaces(command: list[str], workdir: Path, root: Path) -> list[str]:
-    """``command`` run in new namespaces with ``root`` as its file system (laid out here)."""
-    binds = _root_skeleton(root, workdir)
-    setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir)]
-    return [*_NAMESPACE_COMMAND, *setup, *binds, "--", *command]
+    """``command`` run in new namespaces with ``root`` as its file system (laid out here, its binds in an
+    fstab beside it, outside what the program sees)."""
+    fstab = _write_fstab(root.parent / "binds.fstab", root, _root_skeleton(root, workdir), workdir)
+    setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir), str(fstab)]
+    return [*_NAMESPACE_COMMAND, *setup, *command]
+
+
+def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path) -> Path:
+    """An fstab binding each of ``read_only`` onto its place under ``root`` read-only, then ``workdir``
+    writable."""
+    entries = [(source, "bind,ro") for source in read_only] + [(str(workdir), "bind")]
+    lines = [
+        f"{source.translate(_FSTAB_ESCAPES)} {(str(root) + source).translate(_FSTAB_ESCAPES)} none {options} 0 0\n"
+        for source, options in entries
+    ]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
 
 
 def _root_skeleton(root: Path, workdir: Path) -> list[str]:
