@@ -255,14 +255,14 @@ def test_metrics_pass_through_the_training_worker(process_group, model_dir, cpu_
     assert metrics["loss"] == pytest.approx(metrics["actor/pg_loss"][0][0])
 
 
-def fsdp2_engine(model_dir, remove_padding: bool, world: int = 1, bf16: bool = False):
+def fsdp2_engine(model_dir, remove_padding: bool, world: int = 1, bf16: bool = False, config_precision=None):
     """The engine with its module wrapped as verl's apply_fsdp2 does (each decoder layer, then the root);
     ``bf16``: verl's default mixed precision (fp32 weights, bf16 compute parameters and autocast, fp32
-    reduction), else float64 throughout."""
+    reduction), else float64 throughout (``config_precision``: the engine config's mixed_precision)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from verl.workers.config.optimizer import build_optimizer
 
-    precision = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"} if bf16 else None
+    precision = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"} if bf16 else config_precision
     engine = cpu.build_engine(model_dir, remove_padding, dtype=torch.float32 if bf16 else torch.float64,
                               mixed_precision=precision)  # fmt: skip
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
@@ -303,6 +303,21 @@ def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
     engine.train_batch(td, ppo_loss_for("vcpo"))
     td, _ = make_batch(remove_padding)
     engine.train_batch(td, ppo_loss_for("tis_ess"))  # and verl's own FSDP2 path after it
+
+
+@pytest.mark.parametrize(
+    "precision, refused",
+    [({"param_dtype": "32", "reduce_dtype": "bf16"}, True), ({"param_dtype": "fp32", "reduce_dtype": "32"}, False)],
+)
+def test_opob_under_fsdp2_reads_precisions_by_verls_names(process_group, model_dir, cpu_verl, precision, refused):
+    """fp32 parameters need an fp32 reduction under OPOB, whichever of verl's names spell them ("32" too)."""
+    engine = fsdp2_engine(model_dir, remove_padding=True, config_precision=precision)
+    td, _ = make_batch(True)
+    if refused:
+        with pytest.raises(NotImplementedError, match="needs mixed_precision.reduce_dtype fp32"):
+            engine.train_batch(td, ppo_loss_for("vcpo"))
+    else:
+        engine.train_batch(td, ppo_loss_for("vcpo"))
 
 
 def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:

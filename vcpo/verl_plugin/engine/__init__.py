@@ -88,6 +88,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
+from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -275,10 +276,9 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             yield
             return
         precision = dict(getattr(self.engine_config, "mixed_precision", None) or {})
-        if precision.get("param_dtype", "bf16") in ("fp32", "float32") and precision.get("reduce_dtype", "fp32") not in (
-            "fp32",
-            "float32",
-        ):
+        param_dtype = PrecisionType.to_dtype(precision.get("param_dtype", "bf16"))  # verl's names: fp32, 32, ...
+        reduce_dtype = PrecisionType.to_dtype(precision.get("reduce_dtype", "fp32"))
+        if param_dtype == torch.float32 and reduce_dtype != torch.float32:
             # fp32 parameters get their G_R in p.grad during the backward, which FSDP2 (gradient sync off)
             # would move into its private reduce-dtype accumulator; low-precision parameters accumulate in
             # the engine's own float32 buffers and reach p.grad only at combine, so they are safe
