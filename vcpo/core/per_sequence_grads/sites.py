@@ -321,8 +321,9 @@ class _MicroBatch:
         ):
             self._add_outer_products_ghost(param, bucket, rows, cols)
             return
-        # Blocks of weight rows small enough to stay in cache between the matmul and the reductions.
-        block_rows = self.engine.block_bytes(param) // (batch * num_cols * param.element_size())
+        # Blocks of weight rows small enough to stay in cache between the matmul and the reductions; a
+        # block is in the activations' dtype (bf16 under autocast, whatever the parameter's).
+        block_rows = self.engine.block_bytes(param) // (batch * num_cols * rows.element_size())
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
         for start in range(0, num_rows, block_rows):
             block = per_sample_outer(rows[..., start : start + block_rows], cols)
