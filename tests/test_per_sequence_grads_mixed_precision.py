@@ -86,27 +86,28 @@ def test_within_a_few_times_autograds_own_error(kind, precision, layout, mode):
     assert relative_error(update, true_update) <= ERROR_RATIO * autograd_update_error
 
 
-def test_materialised_blocks_fill_block_bytes_in_the_activations_dtype(monkeypatch):
-    """Under bf16 autocast with fp32 parameters the per-sequence gradient blocks are bf16: the blocks of
-    weight rows are sized by that dtype, so each block fills ``block_bytes`` (not half of it)."""
+@pytest.mark.parametrize("precision", ["autocast_bf16", "bf16_params"])
+def test_materialised_blocks_fill_block_bytes_once_widened(monkeypatch, precision):
+    """The reductions read each block of per-sequence gradients widened to fp32 (the blocks themselves are
+    bf16 here): a widened block fills ``block_bytes``, neither more (bf16 parameters once made it twice
+    the budget) nor much less."""
     from vcpo.core.per_sequence_grads import sites
 
-    blocks = []
+    widened_sizes = []
 
     def recording_outer(rows, cols):
         block = per_sample_outer(rows, cols)
-        blocks.append((block.dtype, block.numel() * block.element_size()))
+        assert block.dtype == torch.bfloat16
+        widened_sizes.append(block.numel() * torch.float32.itemsize)
         return block
 
     per_sample_outer = sites.per_sample_outer
     monkeypatch.setattr(sites, "per_sample_outer", recording_outer)
     budget = 16 * 1024
-    model = float64_model("qwen2").float()
+    model = float64_model("qwen2").to(PRECISIONS[precision][0])
     batch = make_batch(seed=4)
     engine = PerSequenceGradients(model, mode="materialize", block_bytes=budget)
     with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
-        with precision_context("autocast_bf16"):
+        with precision_context(precision):
             padded_scores(model, batch).float().sum().backward()
-    linear_blocks = [size for dtype, size in blocks if dtype == torch.bfloat16]
-    assert linear_blocks and max(linear_blocks) <= budget
-    assert max(linear_blocks) > 0.75 * budget  # sized by the bf16 element (2 bytes), not the fp32 weight's 4
+    assert widened_sizes and 0.75 * budget < max(widened_sizes) <= budget

@@ -321,9 +321,9 @@ class _MicroBatch:
         ):
             self._add_outer_products_ghost(param, bucket, rows, cols)
             return
-        # Blocks of weight rows small enough to stay in cache between the matmul and the reductions; a
-        # block is in the activations' dtype (bf16 under autocast, whatever the parameter's).
-        block_rows = self.engine.block_bytes(param) // (batch * num_cols * rows.element_size())
+        # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
+        # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
+        block_rows = self.engine.block_bytes(param) // (batch * num_cols * wide_dtype(rows.dtype).itemsize)
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
         for start in range(0, num_rows, block_rows):
             block = per_sample_outer(rows[..., start : start + block_rows], cols)
