@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from verl.experimental.agent_loop.tool_parser import ToolParser
+
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation import BACKENDS, run_evaluation
 from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl_multi_turn_defaults
@@ -59,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=verl_defaults["tool_response_truncate_side"],
     )
     tools.add_argument(EVAL_OPTIONS["max_parallel_calls"], type=int, default=verl_defaults["max_parallel_calls"])
-    tools.add_argument(EVAL_OPTIONS["tool_parser"], default=verl_defaults["format"], help="verl tool parser")
+    tools.add_argument(
+        EVAL_OPTIONS["tool_parser"], default=verl_defaults["format"], choices=sorted(ToolParser._registry)
+    )
     args = parser.parse_args(argv)
     args.tool_use = None
     if args.tool_config is not None:

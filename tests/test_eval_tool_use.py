@@ -29,16 +29,18 @@ def tool_call(code: str, name: str = "code_interpreter") -> str:
 
 
 class ScriptedSampler:
-    """Answers each context with the text ``policy(context text)``, cut at its budget; records the calls."""
+    """Answers each context with the text ``policy(context text, seed)``, cut at its budget; records the
+    contexts, budgets and seeds of every call."""
 
     def __init__(self, tokenizer, policy):
         self.tokenizer, self.policy = tokenizer, policy
         self.end_ids = {tokenizer.convert_tokens_to_ids(IM_END)}
-        self.calls = []
+        self.calls, self.seeds = [], []
 
-    def continue_tokens(self, contexts, budgets, sampling, seed):
+    def continue_tokens(self, contexts, budgets, sampling, seeds):
         self.calls.append((list(map(list, contexts)), list(budgets)))
-        texts = [self.policy(self.tokenizer.decode(context)) for context in contexts]
+        self.seeds.append(list(seeds))
+        texts = [self.policy(self.tokenizer.decode(c), seed) for c, seed in zip(contexts, seeds, strict=True)]
         return [self.tokenizer.encode(text)[:budget] for text, budget in zip(texts, budgets, strict=True)]
 
 
@@ -61,7 +63,7 @@ def run(tokenizer, policy, *, max_new_tokens=400, n=1, **changes):
     return sampler, completions[0]
 
 
-def compute_then_answer(context: str) -> str:
+def compute_then_answer(context: str, seed: int = 0) -> str:
     if "<|im_start|>tool" not in context:
         return "Let me compute. " + tool_call("print(6 * 7)")
     return "The tool says 42, so \\boxed{42}." + IM_END
@@ -88,14 +90,14 @@ def test_a_tool_call_runs_in_the_sandbox_and_its_answer_is_the_next_turns_contex
 
 def test_turns_stop_at_max_turns_and_the_last_turn_is_not_parsed(tokenizer):
     """verl ends a dialogue at max_assistant_turns before parsing its last turn: 3 turns, 2 tool calls."""
-    sampler, (completion,) = run(tokenizer, lambda context: tool_call("print(1)"), max_turns=3)
+    sampler, (completion,) = run(tokenizer, lambda context, seed: tool_call("print(1)"), max_turns=3)
     assert len(sampler.calls) == 3 and completion.tool_calls == 2 and not completion.truncated
     assert completion.text.count("<tool_call>") == 3 and completion.text.count("tool\n1") == 2
 
 
 def test_a_long_tool_answer_is_cut_as_verl_cuts_it(tokenizer):
     sampler, (completion,) = run(
-        tokenizer, lambda context: tool_call("print('ab' * 500)") if "tool\n" not in context else "done" + IM_END,
+        tokenizer, lambda context, seed: tool_call("print('ab' * 500)") if "tool\n" not in context else "done" + IM_END,
         max_tool_response_length=100,
     )  # fmt: skip
     expected = truncate_tool_response("ab" * 500, 100, "middle")
@@ -114,30 +116,37 @@ def test_truncation_sides_are_verls():
 def test_the_response_budget_counts_generated_and_tool_tokens(tokenizer):
     first_turn = tokenizer.encode(tool_call("print('x' * 300)"))
     # room for the call but not for its 300-character answer: verl drops the answer and ends the dialogue
-    sampler, (completion,) = run(tokenizer, lambda context: tool_call("print('x' * 300)"), max_new_tokens=len(first_turn) + 20)
+    sampler, (completion,) = run(tokenizer, lambda context, seed: tool_call("print('x' * 300)"), max_new_tokens=len(first_turn) + 20)
     assert len(sampler.calls) == 1 and completion.truncated and completion.tool_calls == 1
     assert completion.tokens == len(first_turn) and "xxx" not in completion.text
     # a turn that reaches the budget without its end-of-sequence token is truncated
-    sampler, (completion,) = run(tokenizer, lambda context: "1 2 3 4 5 6 7 8 9" + IM_END, max_new_tokens=5)
+    sampler, (completion,) = run(tokenizer, lambda context, seed: "1 2 3 4 5 6 7 8 9" + IM_END, max_new_tokens=5)
     assert completion.truncated and completion.tokens == 5 and completion.tool_calls == 0
 
 
 def test_bad_calls_come_back_as_verls_error_messages(tokenizer):
-    def policy(context):
+    def policy(context, seed):
         if "tool\n" in context:
             return "ok" + IM_END
         return '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "raise ValueError(7)"}}\n</tool_call>' + IM_END
 
     sampler, (completion,) = run(tokenizer, policy)
     assert "ValueError: 7" in tokenizer.decode(sampler.calls[1][0][0])
-    sampler, _ = run(tokenizer, lambda context: "ok" + IM_END if "tool\n" in context else tool_call("1", name="calculator"))
+    sampler, _ = run(tokenizer, lambda context, seed: "ok" + IM_END if "tool\n" in context else tool_call("1", name="calculator"))
     assert "Unknown function 'calculator'. Available tools: ['code_interpreter']" in tokenizer.decode(sampler.calls[1][0][0])
 
 
-def test_every_sample_is_its_own_dialogue(tokenizer):
-    sampler, completions = run(tokenizer, compute_then_answer, n=3)
-    assert len(completions) == 3 and [c.tool_calls for c in completions] == [1, 1, 1]
-    assert [len(contexts) for contexts, _ in sampler.calls] == [3, 3]
+def test_every_sample_is_its_own_dialogue_with_its_own_seeds(tokenizer):
+    """Dialogue i samples turn t with seed (seed * 1_000_003 + i) * max_turns + t, whichever dialogues are
+    still going (here the first answers at once; the others call the tool, then answer)."""
+
+    def policy(context, seed):
+        return "\\boxed{42}" + IM_END if seed == 0 else compute_then_answer(context)
+
+    sampler, completions = run(tokenizer, policy, n=3)
+    assert [c.tool_calls for c in completions] == [0, 1, 1]
+    assert [len(contexts) for contexts, _ in sampler.calls] == [3, 2]
+    assert sampler.seeds == [[0, 5, 10], [6, 11]]  # max_turns 5
 
 
 def test_the_eval_options_of_a_multi_turn_config_read_back_as_the_same_settings(monkeypatch):
@@ -150,12 +159,17 @@ def test_the_eval_options_of_a_multi_turn_config_read_back_as_the_same_settings(
     args = parse_args(["--model", "m", "--benchmarks", "aime25", "--out", "o", *options])
     assert args.tool_use == tool_use(tool_config=TOOL_CONFIG)
     assert tool_use_options({**multi_turn, "enable": False}) == []
+    with pytest.raises(ValueError, match="needs a turn limit"):
+        tool_use_options({**multi_turn, "max_assistant_turns": None})
+    with pytest.raises(ValueError, match=r"does not reproduce \['max_user_turns'\]"):
+        tool_use_options({**multi_turn, "max_user_turns": 3})
     required = ["--model", "m", "--benchmarks", "aime25", "--out", "o"]
     assert parse_args(required).tool_use is None
     defaults = parse_args([*required, EVAL_OPTIONS["tool_config"], str(TOOL_CONFIG), "--max-turns", "2"]).tool_use
     assert (defaults.max_tool_response_length, defaults.tool_response_truncate_side) == (256, "middle")  # verl's
     for bad in ([EVAL_OPTIONS["tool_config"], str(TOOL_CONFIG)], ["--max-turns", "2"],
-                [EVAL_OPTIONS["tool_config"], "nonesuch.yaml", "--max-turns", "2"]):  # fmt: skip
+                [EVAL_OPTIONS["tool_config"], "nonesuch.yaml", "--max-turns", "2"],
+                [EVAL_OPTIONS["tool_config"], str(TOOL_CONFIG), "--max-turns", "2", "--tool-parser", "hermez"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args([*required, *bad])
 
@@ -207,11 +221,12 @@ def test_hf_turns_are_greedy_generates_cut_at_their_own_budgets(tiny_model_dir):
     greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=9)
     whole = [samples[0].text for samples in generator.generate(chats, greedy, "t")]
     budgets = [9, 4, 1]
-    turns = generator.continue_tokens(encode_prompts(generator.tokenizer, chats), budgets, greedy, seed=0)
+    turns = generator.continue_tokens(encode_prompts(generator.tokenizer, chats), budgets, greedy, [0, 1, 2])
     for turn, response, budget in zip(turns, whole, budgets, strict=True):
         assert 1 <= len(turn) <= budget
         assert response.startswith(generator.tokenizer.decode(turn, skip_special_tokens=True))
         assert len(turn) == budget or turn[-1] in generator.end_ids
     sampled = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=9)
     prompts = encode_prompts(generator.tokenizer, chats)
-    assert generator.continue_tokens(prompts, [9] * 3, sampled, 5) == generator.continue_tokens(prompts, [9] * 3, sampled, 5)
+    first, again = (generator.continue_tokens(prompts, [9] * 3, sampled, [5, 6, 7]) for _ in range(2))
+    assert first == again

@@ -290,6 +290,19 @@ def test_namespaces_bind_paths_with_spaces_tabs_and_backslashes(tmp_path, monkey
 
 
 @needs_namespaces
+def test_namespaces_bind_paths_that_are_not_utf8(tmp_path, monkeypatch):
+    """A temporary folder whose name is not UTF-8 (byte 0xff) or holds a '#': the fstab is written in
+    the file system's bytes."""
+    import tempfile
+
+    folder = tmp_path / os.fsdecode(b"sand#box\xff")
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    result = run_python("open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())", isolation="namespaces")
+    assert result.ok and result.stdout == "ok\n", result.stderr
+
+
+@needs_namespaces
 def test_namespaces_hide_the_network_and_the_callers_processes(listener):
     port, accepted = listener
     code = f"""

@@ -139,18 +139,19 @@ class HFGenerator:
         return [completions[start : start + n] for start in range(0, len(completions), n)]
 
     def continue_tokens(
-        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seed: int
+        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seeds: list[int]
     ) -> list[list[int]]:
         """One sample per token context (``sampling.n`` is ignored), at most ``budgets[i]`` new tokens, up to
-        and including the first end-of-sequence token: a turn of ``ToolAgentGenerator``."""
+        and including the first end-of-sequence token: a turn of ``ToolAgentGenerator``. A batch of
+        ``batch_size`` contexts samples from one random stream, seeded with its first context's seed."""
         continuations: list[list[int]] = []
-        with self._sampling_state(seed):
-            for start in range(0, len(contexts), self.batch_size):
-                batch_budgets = budgets[start : start + self.batch_size]
+        for start in range(0, len(contexts), self.batch_size):
+            batch_budgets = budgets[start : start + self.batch_size]
+            with self._sampling_state(seeds[start]):
                 sampled = self._sample(contexts[start : start + self.batch_size], sampling, 1, max(batch_budgets))
-                continuations += [
-                    self._cut_at_end(ids[:budget]) for ids, budget in zip(sampled, batch_budgets, strict=True)
-                ]
+            continuations += [
+                self._cut_at_end(ids[:budget]) for ids, budget in zip(sampled, batch_budgets, strict=True)
+            ]
         return continuations
 
     @contextmanager
@@ -228,16 +229,16 @@ class VLLMGenerator:
         ]
 
     def continue_tokens(
-        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seed: int
+        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seeds: list[int]
     ) -> list[list[int]]:
-        """One sample per token context, at most ``budgets[i]`` new tokens (see ``HFGenerator``)."""
+        """One sample per token context, at most ``budgets[i]`` new tokens, each with its own seed."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         params = [
             VLLMSamplingParams(
-                n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=budget, seed=seed + index
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=budget, seed=seed
             )
-            for index, budget in enumerate(budgets)
+            for budget, seed in zip(budgets, seeds, strict=True)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]

@@ -38,6 +38,7 @@ MULTI_TURN_KEYS = {
     "tool_parser": "format",
 }
 EVAL_OPTIONS = {field: "--" + field.replace("_", "-") for field in MULTI_TURN_KEYS}
+UNSUPPORTED_MULTI_TURN_KEYS = ("max_user_turns", "function_tool_path")
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,15 @@ def verl_multi_turn_defaults() -> dict[str, Any]:
 
 def tool_use_options(multi_turn: Mapping[str, Any]) -> list[str]:
     """The ``python -m eval`` options that evaluate the way rollouts with this ``rollout.multi_turn``
-    config sample; none where multi-turn rollouts are off."""
+    config sample; none where multi-turn rollouts are off. ValueError for the settings the evaluation
+    does not reproduce (no turn limit, a user-turn limit, function tools)."""
     if not multi_turn.get("enable"):
         return []
+    if multi_turn.get("max_assistant_turns") is None:
+        raise ValueError("rollout.multi_turn.max_assistant_turns: the tool evaluation needs a turn limit, got null")
+    unsupported = [key for key in UNSUPPORTED_MULTI_TURN_KEYS if multi_turn.get(key) is not None]
+    if unsupported:
+        raise ValueError(f"rollout.multi_turn: the tool evaluation does not reproduce {unsupported}")
     return [str(item) for field, key in MULTI_TURN_KEYS.items() for item in (EVAL_OPTIONS[field], multi_turn[key])]
 
 
@@ -83,9 +90,10 @@ class TokenSampler(Protocol):
     end_ids: set[int]  # the tokens that end a turn
 
     def continue_tokens(
-        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seed: int
+        self, contexts: list[list[int]], budgets: list[int], sampling: SamplingParams, seeds: list[int]
     ) -> list[list[int]]:
-        """One continuation per context, at most ``budgets[i]`` tokens, through its end-of-sequence token."""
+        """One continuation per context, at most ``budgets[i]`` tokens, through its end-of-sequence token,
+        sampled with ``seeds[i]``."""
 
 
 def truncate_tool_response(text: str, limit: int, side: str) -> str:
@@ -102,6 +110,7 @@ def truncate_tool_response(text: str, limit: int, side: str) -> str:
 
 @dataclass
 class _Dialogue:
+    index: int  # in the order of the completions
     messages: list[dict[str, Any]]
     ids: list[int]
     prompt_length: int
@@ -147,15 +156,17 @@ class ToolAgentGenerator:
         for conversation in conversations:
             prompt = self.builder.build_initial_tokens(list(conversation), tools=self.schemas)
             dialogues += [
-                _Dialogue(list(conversation), list(prompt), len(prompt), sampling.max_new_tokens)
-                for _ in range(sampling.n)
+                _Dialogue(
+                    len(dialogues) + sample, list(conversation), list(prompt), len(prompt), sampling.max_new_tokens
+                )
+                for sample in range(sampling.n)
             ]
         with tqdm(total=self.tool_use.max_turns, desc=f"{desc} (tool turns)", disable=not self.progress) as bar:
             for turn in range(self.tool_use.max_turns):
                 active = [dialogue for dialogue in dialogues if not dialogue.finished]
                 if not active:
                     break
-                self._assistant_turn(active, sampling, seed=sampling.seed * 1_000_003 + turn)
+                self._assistant_turn(active, sampling, turn)
                 asyncio.run(self._tool_turn([dialogue for dialogue in active if not dialogue.finished]))
                 bar.update()
         completions = [
@@ -169,10 +180,12 @@ class ToolAgentGenerator:
         ]
         return [completions[start : start + sampling.n] for start in range(0, len(completions), sampling.n)]
 
-    def _assistant_turn(self, dialogues: list[_Dialogue], sampling: SamplingParams, seed: int) -> None:
-        """Sample a turn of each dialogue; finish those out of response budget or of turns."""
+    def _assistant_turn(self, dialogues: list[_Dialogue], sampling: SamplingParams, turn: int) -> None:
+        """Sample a turn of each dialogue; finish those out of response budget or of turns. Each dialogue
+        and turn has a seed of its own (the same whichever other dialogues are still going)."""
         budgets = [dialogue.budget - dialogue.response_length for dialogue in dialogues]
-        turns = self.sampler.continue_tokens([dialogue.ids for dialogue in dialogues], budgets, sampling, seed)
+        seeds = [(sampling.seed * 1_000_003 + d.index) * self.tool_use.max_turns + turn for d in dialogues]
+        turns = self.sampler.continue_tokens([dialogue.ids for dialogue in dialogues], budgets, sampling, seeds)
         for dialogue, generated, budget in zip(dialogues, turns, budgets, strict=True):
             dialogue.ids += generated
             dialogue.generated += len(generated)
@@ -187,8 +200,8 @@ class ToolAgentGenerator:
     async def _tool_turn(self, dialogues: list[_Dialogue]) -> None:
         """Parse each dialogue's last turn; finish those without a tool call, run the others' first
         ``max_parallel_calls`` calls, all at once, and append the answers as ``tool`` messages."""
-        tools = list(self.tools.values())
-        parsed = await asyncio.gather(*(self.parser.extract_tool_calls(d.last_turn, tools) for d in dialogues))
+        schemas = [tool.tool_schema for tool in self.tools.values()]  # what verl's loop gives its parser
+        parsed = await asyncio.gather(*(self.parser.extract_tool_calls(d.last_turn, schemas) for d in dialogues))
         calling = []
         for dialogue, (content, calls) in zip(dialogues, parsed, strict=True):
             calls = calls[: self.tool_use.max_parallel_calls]

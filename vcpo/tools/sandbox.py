@@ -179,8 +179,8 @@ set +e
 setpriv --no-new-privs --bounding-set=-all --inh-caps=-all -- "$@"
 exit $?
 """
-# fstab fields escape whitespace and backslashes in octal (fstab(5)); libmount reads them back.
-_FSTAB_ESCAPES = str.maketrans({" ": "\\040", "\t": "\\011", "\n": "\\012", "\\": "\\134"})
+# Bytes an fstab field writes as \ooo octal escapes (fstab(5)), which libmount reads back.
+_FSTAB_ESCAPED_BYTES = frozenset(b" \t\n\\#")
 
 
 class SandboxStatus(str, enum.Enum):
@@ -494,11 +494,16 @@ def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path) ->
     writable."""
     entries = [(source, "bind,ro") for source in read_only] + [(str(workdir), "bind")]
     lines = [
-        f"{source.translate(_FSTAB_ESCAPES)} {(str(root) + source).translate(_FSTAB_ESCAPES)} none {options} 0 0\n"
+        b"%s %s none %s 0 0\n" % (_fstab_field(source), _fstab_field(str(root) + source), options.encode())
         for source, options in entries
     ]
-    path.write_text("".join(lines), encoding="utf-8")
+    path.write_bytes(b"".join(lines))
     return path
+
+
+def _fstab_field(path: str) -> bytes:
+    """``path`` as an fstab field: its file-system bytes (any encoding), separators escaped."""
+    return b"".join(b"\\%03o" % byte if byte in _FSTAB_ESCAPED_BYTES else bytes([byte]) for byte in os.fsencode(path))
 
 
 def _root_skeleton(root: Path, workdir: Path) -> list[str]:
