@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
 from vcpo.evaluation.generation import Completion, Conversation, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 TRUNCATE_SIDES = ("left", "middle", "right")
 
@@ -114,13 +111,11 @@ class _Dialogue:
     messages: list[dict[str, Any]]
     ids: list[int]
     prompt_length: int
-    budget: int  # response tokens, generated and tool's
     generated: int = 0
     turns: int = 0
     tool_calls: int = 0
     truncated: bool = False
     finished: bool = False
-    last_turn: list[int] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:
@@ -156,9 +151,7 @@ class ToolAgentGenerator:
         for conversation in conversations:
             prompt = self.builder.build_initial_tokens(list(conversation), tools=self.schemas)
             dialogues += [
-                _Dialogue(
-                    len(dialogues) + sample, list(conversation), list(prompt), len(prompt), sampling.max_new_tokens
-                )
+                _Dialogue(len(dialogues) + sample, list(conversation), list(prompt), len(prompt))
                 for sample in range(sampling.n)
             ]
         with tqdm(total=self.tool_use.max_turns, desc=f"{desc} (tool turns)", disable=not self.progress) as bar:
@@ -166,8 +159,11 @@ class ToolAgentGenerator:
                 active = [dialogue for dialogue in dialogues if not dialogue.finished]
                 if not active:
                     break
-                self._assistant_turn(active, sampling, turn)
-                asyncio.run(self._tool_turn([dialogue for dialogue in active if not dialogue.finished]))
+                turns = self._assistant_turn(active, sampling, turn)
+                going = [
+                    (dialogue, last) for dialogue, last in zip(active, turns, strict=True) if not dialogue.finished
+                ]
+                asyncio.run(self._tool_turn(going, sampling.max_new_tokens))
                 bar.update()
         completions = [
             Completion(
@@ -180,30 +176,31 @@ class ToolAgentGenerator:
         ]
         return [completions[start : start + sampling.n] for start in range(0, len(completions), sampling.n)]
 
-    def _assistant_turn(self, dialogues: list[_Dialogue], sampling: SamplingParams, turn: int) -> None:
-        """Sample a turn of each dialogue; finish those out of response budget or of turns. Each dialogue
-        and turn has a seed of its own (the same whichever other dialogues are still going)."""
-        budgets = [dialogue.budget - dialogue.response_length for dialogue in dialogues]
+    def _assistant_turn(self, dialogues: list[_Dialogue], sampling: SamplingParams, turn: int) -> list[list[int]]:
+        """Sample and return a turn of each dialogue; finish those out of response budget or of turns. Each
+        dialogue and turn has a seed of its own (the same whichever other dialogues are still going)."""
+        budgets = [sampling.max_new_tokens - dialogue.response_length for dialogue in dialogues]
         seeds = [(sampling.seed * 1_000_003 + d.index) * self.tool_use.max_turns + turn for d in dialogues]
         turns = self.sampler.continue_tokens([dialogue.ids for dialogue in dialogues], budgets, sampling, seeds)
         for dialogue, generated, budget in zip(dialogues, turns, budgets, strict=True):
             dialogue.ids += generated
             dialogue.generated += len(generated)
             dialogue.turns += 1
-            dialogue.last_turn = generated
             if len(generated) >= budget:
                 dialogue.finished = True
                 dialogue.truncated = generated[-1] not in self.sampler.end_ids
             elif dialogue.turns >= self.tool_use.max_turns:
                 dialogue.finished = True
+        return turns
 
-    async def _tool_turn(self, dialogues: list[_Dialogue]) -> None:
+    async def _tool_turn(self, going: list[tuple[_Dialogue, list[int]]], budget: int) -> None:
         """Parse each dialogue's last turn; finish those without a tool call, run the others' first
-        ``max_parallel_calls`` calls, all at once, and append the answers as ``tool`` messages."""
+        ``max_parallel_calls`` calls, all at once, and append the answers as ``tool`` messages, unless
+        they do not fit the ``budget`` of response tokens."""
         schemas = [tool.tool_schema for tool in self.tools.values()]  # what verl's loop gives its parser
-        parsed = await asyncio.gather(*(self.parser.extract_tool_calls(d.last_turn, schemas) for d in dialogues))
+        parsed = await asyncio.gather(*(self.parser.extract_tool_calls(last, schemas) for _, last in going))
         calling = []
-        for dialogue, (content, calls) in zip(dialogues, parsed, strict=True):
+        for (dialogue, _), (content, calls) in zip(going, parsed, strict=True):
             calls = calls[: self.tool_use.max_parallel_calls]
             dialogue.messages.append(_assistant_message(content, calls))
             if calls:
@@ -216,7 +213,7 @@ class ToolAgentGenerator:
             previous = list(dialogue.messages)
             dialogue.messages += [{"role": "tool", "content": answers.pop(0)} for _ in calls]
             merged = self.builder.merge_context_tokens(previous, dialogue.messages, dialogue.ids, tools=self.schemas)
-            if len(merged.token_ids) - dialogue.prompt_length >= dialogue.budget:  # verl drops the answers
+            if len(merged.token_ids) - dialogue.prompt_length >= budget:  # verl drops the answers
                 dialogue.finished = dialogue.truncated = True
             else:
                 dialogue.ids = list(merged.token_ids)
@@ -245,18 +242,18 @@ class ToolAgentGenerator:
 
 
 def _assistant_message(content: str, calls: list) -> dict[str, Any]:
+    """The assistant message verl's loop records for a turn (``ToolAgentLoop._build_assistant_message``):
+    arguments as a mapping, or the raw text where they are not a JSON object."""
+    from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionParsedSchema
+
     message: dict[str, Any] = {"role": "assistant", "content": content or ""}
     if calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": call.name, "arguments": _arguments(call.arguments)}}
-            for call in calls
-        ]
+        message["tool_calls"] = []
+        for call in calls:
+            parsed = OpenAIFunctionParsedSchema(name=call.name, arguments=call.arguments)
+            function, decode_error = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(parsed)
+            raw = {"name": call.name, "arguments": call.arguments}
+            message["tool_calls"].append(
+                {"type": "function", "function": raw if decode_error else function.model_dump()}
+            )
     return message
-
-
-def _arguments(text: str) -> dict | str:
-    try:
-        arguments = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return arguments if isinstance(arguments, dict) else text

@@ -7,6 +7,8 @@
 # own validation (trainer.test_freq), so intermediate checkpoints are not evaluated.
 
 if config["backend"] == "verl":
+    import functools
+
     from vcpo.evaluation.tool_use import tool_use_options
     from vcpo.launch.__main__ import composed_config
     from vcpo.recipes import base_path
@@ -22,19 +24,21 @@ if config["backend"] == "verl":
             [
                 "--benchmarks " + ",".join(config["evaluation"]["benchmarks"][paper_task(wildcards.task)]),
                 f"--source-dir {shlex.quote(source)}" if source else "",
-                *(shlex.quote(arg) for arg in tool_use_options(task_config(wildcards).actor_rollout_ref.rollout.multi_turn)),
+                *(shlex.quote(arg) for arg in tool_use_options(task_config(wildcards.task).actor_rollout_ref.rollout.multi_turn)),
                 *(shlex.quote(arg) for arg in config["evaluation"].get("args", [])),
             ]
         )
 
-    def task_config(wildcards):
-        """The verl config vcpo.launch composes for the task's runs (with the config's launch.args)."""
-        return composed_config(["--task", wildcards.task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS])
+    @functools.cache
+    def task_config(task):
+        """The verl config vcpo.launch composes for the task's runs (with the config's launch.args), once
+        per task for all its evaluations."""
+        return composed_config(["--task", task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS])
 
     def base_model(wildcards):
         """The model the task's runs start from, or on CPU (launch.cpu_steps) the tiny model every run
         starts from."""
-        return CPU_MODEL if CPU_STEPS else task_config(wildcards).actor_rollout_ref.model.path
+        return CPU_MODEL if CPU_STEPS else task_config(wildcards.task).actor_rollout_ref.model.path
 
     rule evaluate:
         input:
