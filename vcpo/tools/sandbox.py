@@ -81,12 +81,11 @@ program. It stops careless code and gives clear error messages; the kernel layer
 
 from __future__ import annotations
 
-import base64
 import enum
 import errno
 import functools
-import json
 import logging
+import marshal
 import math
 import os
 import selectors
@@ -399,7 +398,7 @@ def _probe_syscall_filter() -> tuple[dict | None, str]:
         program = _sandbox_child.compile_syscall_filter(pyseccomp)
     except (ImportError, OSError, RuntimeError) as exc:  # pyseccomp raises RuntimeError without libseccomp
         return None, f"pyseccomp unavailable: {exc!r}"
-    seccomp = {"program": base64.b64encode(program).decode("ascii")}
+    seccomp = {"program": program}
     config = {"main": _MAIN_FILE, "rlimits": {}, "niceness": 0, "seccomp": seccomp, "landlock": None}
     with _private_dirs() as (workdir, _root):
         (workdir / _MAIN_FILE).write_text("print(open('/proc/self/status').read())", encoding="utf-8")
@@ -478,7 +477,7 @@ def _stdin_file(text: str) -> Iterator[IO[bytes] | int]:
 def _interpreter_command(config: dict, site_packages: bool) -> list[str]:
     # -I: ignore PYTHON* variables, user site and cwd; -B: no .pyc writes; -u: output survives a kill.
     flags = ["-I", "-B", "-u", "-X", "utf8"] + ([] if site_packages else ["-S"])
-    return [sys.executable, *flags, "-c", _CHILD_SOURCE, json.dumps(config)]
+    return [sys.executable, *flags, "-c", _CHILD_SOURCE, marshal.dumps(config).hex()]
 
 
 def _in_namespaces(command: list[str], workdir: Path, root: Path) -> list[str]:
