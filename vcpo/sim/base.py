@@ -270,7 +270,8 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        # refresh=False: redrawn every mininterval like the count, not every step (a log file's size).
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
     train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
 
     model.eval()
