@@ -2,12 +2,12 @@
 
 The parent (``vcpo.tools.sandbox``) passes this file's source with ``python -I -c`` and one argument,
 its config in ``marshal`` format (hex): the same interpreter reads it, and unlike json and base64 the
-module is built in, so that a tool call does not pay for importing them (~5 ms of a ~50 ms call). It lowers the resource limits, installs an audit hook that refuses writes outside the work
-directory, subprocesses, signals to other processes and network access, and then executes
-``main.py`` from the work directory as ``__main__``. Before the audit hook, and before any of the
-program's code, it loads a seccomp-bpf syscall filter (``install_syscall_filter``) and Landlock file
-access rules (``install_landlock``) that the kernel enforces on this process and everything it could
-start.
+module is built in, so that a tool call does not pay for importing them (~5 ms of a ~50 ms call). It
+lowers the resource limits, installs an audit hook that refuses writes outside the work directory,
+subprocesses, signals to other processes and network access, and then executes ``main.py`` from the
+work directory as ``__main__``. Before the audit hook, and before any of the program's code, it loads
+a seccomp-bpf syscall filter (``install_syscall_filter``) and Landlock file access rules
+(``install_landlock``) that the kernel enforces on this process and everything it could start.
 
 The audit hook is defence in depth, not a security boundary: Python documents that audit hooks can be
 bypassed by native code (``ctypes``). The operating-system layers set up by the parent (namespaces,
