@@ -367,7 +367,8 @@ def test_verl_tool_from_the_recipe_yaml():
 def test_verl_tool_reports_why_a_program_was_stopped():
     from vcpo.tools.python_tool import PythonSandboxTool
 
-    tool = PythonSandboxTool({"type": "native", "timeout_s": 1, "max_output_bytes": 5}, None)
+    # A CPU limit above the wall-clock one: at the default (equal) the busy loop can reach either first.
+    tool = PythonSandboxTool({"type": "native", "timeout_s": 1, "cpu_time_s": 5, "max_output_bytes": 5}, None)
     response, _, metrics = asyncio.run(tool.execute("id", {"code": "print('abc')\nwhile True: pass"}))
     assert (response.text, metrics["status"]) == ("abc\n[stopped: wall-clock time limit reached]", "timeout")
     response, _, _ = asyncio.run(tool.execute("id", {"code": "print('abcdefgh')"}))
