@@ -49,8 +49,12 @@ def test_tasks_are_deterministic_and_disjoint(name, tmp_path, monkeypatch):
     assert task.problems("train") == train and task.problems("validation") == validation
     larger = small(name, train_size=250)
     assert larger.problems("validation") == validation and larger.problems("train")[:200] == train
-    with pytest.raises(ValueError, match="test"):
-        task.problems("test")
+    # The test split is the problems after the train split: a larger train split starts with them.
+    test = dataclasses.replace(task, test_size=30).problems("test")
+    assert len(test) == 30 and test == larger.problems("train")[200:230]
+    assert not {p.prompt for p in test} & {p.prompt for p in train + validation}
+    with pytest.raises(ValueError, match="dev"):
+        task.problems("dev")
 
 
 def test_countdown_puzzles_differ_as_numbers_and_target():

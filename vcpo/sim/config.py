@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vcpo.methods import Method, filed_lag, get_method
+from vcpo.methods import Method, filed_lag, get_method, step_rule
 from vcpo.recipes import optimizer_table
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
@@ -76,6 +76,13 @@ class SimConfig:
     eval_problems: int = 200
     eval_samples: int = 4
     eval_temperature: float = 1.0
+    # the final evaluation also scores this many problems of the task's test split (0: none), test_samples
+    # responses each: enough that its sampling noise is small (recipes/sim/evidence.md measures it)
+    test_problems: int = 0
+    test_samples: int = 4
+    # a run folder whose per-step ESS step-size scale (metrics' actor/lr_scale) this run replays in place
+    # of its own: "smaller" without "adaptive" (recipes/sim/evidence.md); only for a method without the ESS rule
+    lr_scale_from: str | None = None
     checkpoint_every: int = 25
     threads: int = 0  # torch threads; 0 = torch's default
     wandb: bool = False  # through verl's Tracking; WANDB_MODE defaults to offline
@@ -155,8 +162,34 @@ def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
     now = config.recorded()
     if config.base is None:  # the cached SFT base of (task, model_size, base_seed), which are compared
         del now["base"]
-    return [f"{key}: {recorded.get(key)!r} -> {value!r}" for key, value in now.items()
-            if key not in RESUMABLE_CHANGES and recorded.get(key) != value]
+    defaults = SimConfig()  # a key added after the run was recorded: the run had its default
+    was = {key: recorded.get(key, getattr(defaults, key, None)) for key in now}
+    return [f"{key}: {was[key]!r} -> {value!r}" for key, value in now.items()
+            if key not in RESUMABLE_CHANGES and was[key] != value]
+
+
+def replayed_lr_scales(run: str | Path, steps: int) -> list[float]:
+    """``actor/lr_scale`` of steps 0 .. steps-1 of the run folder ``run`` (its ``metrics.jsonl``); a
+    missing, repeated or unreadable step is an error naming the run, never a guess."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"config key 'lr_scale_from': no {path}")
+    scales: dict[int, float] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"config key 'lr_scale_from': {path} line {number} is not JSON") from None
+        if "actor/lr_scale" not in record:
+            continue  # the final evaluation's line
+        if record["step"] in scales:
+            raise ConfigError(f"config key 'lr_scale_from': {path} logs step {record['step']} twice")
+        scales[record["step"]] = float(record["actor/lr_scale"])
+    missing = [step for step in range(steps) if step not in scales]
+    if missing:
+        raise ConfigError(f"config key 'lr_scale_from': {path} has no actor/lr_scale for steps {missing[:5]}"
+                          f"{' ...' if len(missing) > 5 else ''} of the {steps} this run takes")
+    return [scales[step] for step in range(steps)]
 
 
 def _parse_value(key: str, text: str) -> Any:
@@ -257,7 +290,7 @@ def validate(config: SimConfig) -> SimConfig:
     """Raise ConfigError naming the key of the first problem; return ``config`` unchanged."""
     from vcpo.sim.base import MODEL_SIZES
     from vcpo.sim.rollout import KV_CACHE_MODES
-    from vcpo.sim.tasks import SIM_TASKS
+    from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
     def fail(key: str, message: str) -> None:
         raise ConfigError(f"config key {key!r}: {message}")
@@ -277,15 +310,23 @@ def validate(config: SimConfig) -> SimConfig:
     for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):
         if getattr(config, key) < 1:
             fail(key, f"must be >= 1, got {getattr(config, key)}")
-    for key in ("lag", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "threads"):
+    for key in ("lag", "warmup_steps", "decay_steps", "eval_every", "eval_problems", "test_problems", "threads"):
         if getattr(config, key) < 0:
             fail(key, f"must be >= 0, got {getattr(config, key)}")
     if config.max_turns is not None and config.max_turns < 0:
         fail("max_turns", f"must be >= 0, got {config.max_turns}")
     if config.tool_workers < 1:
         fail("tool_workers", f"must be >= 1, got {config.tool_workers}")
-    if config.checkpoint_every < 1 or config.eval_samples < 1:
-        fail("checkpoint_every" if config.checkpoint_every < 1 else "eval_samples", "must be >= 1")
+    for key in ("checkpoint_every", "eval_samples", "test_samples"):
+        if getattr(config, key) < 1:
+            fail(key, f"must be >= 1, got {getattr(config, key)}")
+    if config.test_problems > (available := get_sim_task(config.task).test_size):
+        fail("test_problems", f"task {config.task!r} has {available} test problems, got {config.test_problems}")
+    if config.lr_scale_from is not None:
+        if step_rule(method).ess:
+            fail("lr_scale_from", f"method {method.name!r} sets its own step size by the ESS rule; replaying another "
+                 "run's scale would make it another method (use a preset without the ESS step size)")
+        replayed_lr_scales(config.lr_scale_from, config.steps)
     if config.warmup_steps + config.decay_steps > config.steps:
         fail("warmup_steps", f"warmup_steps + decay_steps ({config.warmup_steps + config.decay_steps}) exceed steps ({config.steps})")
     if config.responses_per_prompt < 2:

@@ -106,19 +106,21 @@ def heldout_accuracy(
     return metrics
 
 
-def validation_metrics(task_name: str, result: dict) -> dict[str, float]:
+def validation_metrics(task_name: str, result: dict, split: str = "validation") -> dict[str, float]:
     """``heldout_accuracy``'s result under verl's validation metric names (``val-core`` the headline,
-    ``val-aux`` the rest), and ``val/accuracy``, the accuracy every table and figure reads."""
+    ``val-aux`` the rest), and ``val/accuracy``, the accuracy every table and figure reads; the test
+    split's under the same names with ``test`` for ``val`` (``test/accuracy``, ``test-core/...``)."""
     n = result["num_samples"] // result["num_problems"]
+    prefix = {"validation": "val", "test": "test"}[split]
     return {
-        "val/accuracy": result["mean_at_n"],
-        f"val-core/{task_name}/acc/mean@{n}": result["mean_at_n"],
-        **{f"val-aux/{task_name}/acc/pass@{k}": value for k, value in result["pass_at_k"].items()},
+        f"{prefix}/accuracy": result["mean_at_n"],
+        f"{prefix}-core/{task_name}/acc/mean@{n}": result["mean_at_n"],
+        **{f"{prefix}-aux/{task_name}/acc/pass@{k}": value for k, value in result["pass_at_k"].items()},
         **{
-            f"val-aux/{task_name}/acc_{name}/mean@{n}": format_metrics["mean_at_n"]
+            f"{prefix}-aux/{task_name}/acc_{name}/mean@{n}": format_metrics["mean_at_n"]
             for name, format_metrics in result["by_answer_format"].items()
             if name != result["answer_format"]
         },
-        f"val-aux/{task_name}/response_length/mean": result["mean_response_tokens"],
-        f"val-aux/{task_name}/response_length/clip_ratio": result["truncated"],
+        f"{prefix}-aux/{task_name}/response_length/mean": result["mean_response_tokens"],
+        f"{prefix}-aux/{task_name}/response_length/clip_ratio": result["truncated"],
     }

@@ -205,8 +205,10 @@ class Learner:
         return advantages
 
     # -- the update ------------------------------------------------------------------------------
-    def update(self, batch: Batch, lr_scale: float, prox_log_prob: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns its metrics (verl names)."""
+    def update(self, batch: Batch, lr_scale: float, prox_log_prob: torch.Tensor | None = None,
+               step_scale: float | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns its metrics (verl names). ``step_scale`` replaces the
+        rule's step-size scale (a replayed schedule, ``SimConfig.lr_scale_from``)."""
         timings = {}
         started = time.perf_counter()
         rewards, metrics = self.shaped_rewards(batch)
@@ -226,7 +228,7 @@ class Learner:
         r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
         seq_log_weights = (r * batch.mask).sum(-1)
         ess = float(ess_ratio(seq_log_weights, valid_rows))
-        scale = self.rule.lr_scale(ess)
+        scale = self.rule.lr_scale(ess) if step_scale is None else step_scale
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.base_lr * lr_scale
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))

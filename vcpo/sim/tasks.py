@@ -76,7 +76,7 @@ from typing import Any
 from vcpo.data.countdown import cache_dir
 from vcpo.rewards import REWARD_BY_DATA_SOURCE, countdown_ground_truth
 
-SPLITS = ("train", "validation")
+SPLITS = ("train", "validation", "test")
 # Bump when the way problems are built from Reasoning Gym entries changes: it names the disk cache.
 PROBLEM_FORMAT_VERSION = 1
 # Draws allowed per distinct problem before a configuration is declared too small for its sizes.
@@ -103,6 +103,9 @@ class SimTask:
     solution_templates: tuple[str, ...]
     train_size: int = 5000
     validation_size: int = 200
+    # Problems drawn after the train split for final evaluations whose sampling noise must be small
+    # (recipes/sim/evidence.md); not in settings(): the other splits do not depend on it.
+    test_size: int = 1000
     seed: int = 0
     max_prompt_tokens: int = 40  # budget of a rendered prompt, chat markup included (checked by the tests)
     max_response_tokens: int = 48  # generation budget of a response (rollouts and evaluation, unless a run sets another)
@@ -115,8 +118,8 @@ class SimTask:
             raise ValueError(f"task {self.name!r}: no reward for data_source {self.data_source!r}")
         if self.generator not in _FIELDS:
             raise ValueError(f"task {self.name!r}: no problem builder for generator {self.generator!r}")
-        if self.train_size < 1 or self.validation_size < 1:
-            raise ValueError(f"task {self.name!r}: train_size and validation_size must be >= 1")
+        if self.train_size < 1 or self.validation_size < 1 or self.test_size < 1:
+            raise ValueError(f"task {self.name!r}: train_size, validation_size and test_size must be >= 1")
 
     @property
     def config(self) -> dict[str, Any]:
@@ -129,6 +132,7 @@ class SimTask:
 
         settings = asdict(self)
         del settings["description"], settings["max_prompt_tokens"], settings["max_response_tokens"], settings["paper_task"]
+        del settings["test_size"]
         settings["generator_config"] = self.config
         settings["format_version"] = PROBLEM_FORMAT_VERSION
         settings["reasoning_gym"] = reasoning_gym.__version__
@@ -147,9 +151,11 @@ class SimTask:
         return int(self.paper_settings.get("max_turns", 0))
 
     def problems(self, split: str) -> list[Problem]:
-        """The problems of ``split`` ("train" or "validation"); deterministic, generated once per process."""
+        """The problems of ``split`` ("train", "validation" or "test"); deterministic, generated once per process."""
         if split not in SPLITS:
             raise ValueError(f"task {self.name!r} has no split {split!r}; its splits: {', '.join(SPLITS)}")
+        if split == "test":
+            return list(_test_split(self))
         train, validation = _splits(self)
         return list(train if split == "train" else validation)
 
@@ -187,10 +193,12 @@ _FIELDS = {"countdown": _countdown_fields, "chain_sum": _chain_sum_fields, "prod
 UNCLOSED_PARENTHESIS = "SyntaxError: '(' was never closed"
 
 
-def _problem_dicts(task: SimTask) -> tuple[list[dict], list[dict]]:
+def _problem_dicts(task: SimTask, test_size: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, validation, test): the first distinct problems in generation order, validation first; a
+    test split (``test_size`` > 0) takes the ones after the train split, so the other two are unchanged."""
     import reasoning_gym
 
-    needed = task.validation_size + task.train_size
+    needed = task.validation_size + task.train_size + test_size
     style = random.Random(task.seed)
     limit = needed * _MAX_DRAWS_PER_PROBLEM
     dataset = reasoning_gym.create_dataset(task.generator, size=limit, seed=task.seed, **task.config)
@@ -218,32 +226,66 @@ def _problem_dicts(task: SimTask) -> tuple[list[dict], list[dict]]:
             f"task {task.name!r}: Reasoning Gym gave only {len(problems)} distinct problems in {limit} draws, "
             f"{needed} needed; use smaller splits or a wider configuration"
         )
-    validation, train = problems[: task.validation_size], problems[task.validation_size :]
+    train_end = task.validation_size + task.train_size
+    validation, train, test = problems[: task.validation_size], problems[task.validation_size : train_end], problems[train_end:]
     shared = set(keys[: task.validation_size]) & set(keys[task.validation_size :])
     if shared or {p["prompt"] for p in validation} & {p["prompt"] for p in train}:
+        raise AssertionError(f"task {task.name!r}: train and validation share problems")
+    return train, validation, test
+
+
+def _cached_json(path, build) -> dict:
+    """``path``'s JSON, else ``build()`` written there atomically (a concurrent reader never sees half a file)."""
+    if path.exists():
+        return json.loads(path.read_text())
+    stored = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(stored))
+    partial.replace(path)
+    return stored
+
+
+def _settings_digest(task: SimTask) -> tuple[str, str]:
+    settings = json.dumps(task.settings(), sort_keys=True, default=str)
+    return settings, hashlib.sha256(settings.encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=16)
+def _splits(task: SimTask) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
+    settings, digest = _settings_digest(task)
+
+    def build() -> dict:
+        train, validation, _ = _problem_dicts(task)
+        return {"settings": json.loads(settings), "train": train, "validation": validation}
+
+    stored = _cached_json(cache_dir() / "sim-tasks" / f"{task.name}-{task.train_size}-{task.validation_size}-{digest}.json", build)
+    train = tuple(Problem(**problem) for problem in stored["train"])
+    validation = tuple(Problem(**problem) for problem in stored["validation"])
+    if {p.prompt for p in train} & {p.prompt for p in validation}:
         raise AssertionError(f"task {task.name!r}: train and validation share problems")
     return train, validation
 
 
 @functools.lru_cache(maxsize=16)
-def _splits(task: SimTask) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
-    settings = json.dumps(task.settings(), sort_keys=True, default=str)
-    digest = hashlib.sha256(settings.encode()).hexdigest()[:12]
-    path = cache_dir() / "sim-tasks" / f"{task.name}-{task.train_size}-{task.validation_size}-{digest}.json"
-    if path.exists():
-        stored = json.loads(path.read_text())
-    else:
-        train, validation = _problem_dicts(task)
-        stored = {"settings": json.loads(settings), "train": train, "validation": validation}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(stored))
-        partial.replace(path)  # atomic: a concurrent reader never sees half a file
-    train = tuple(Problem(**problem) for problem in stored["train"])
-    validation = tuple(Problem(**problem) for problem in stored["validation"])
-    if {p.prompt for p in train} & {p.prompt for p in validation}:
-        raise AssertionError(f"task {task.name!r}: train and validation share problems ({path})")
-    return train, validation
+def _test_split(task: SimTask) -> tuple[Problem, ...]:
+    """The ``test_size`` problems after the train split. Generated in one pass with the other splits,
+    which are checked against the cached ones: a generator whose entries depended on the dataset's
+    size would otherwise give a test split that overlaps them."""
+    settings, digest = _settings_digest(task)
+
+    def build() -> dict:
+        train, validation, test = _problem_dicts(task, task.test_size)
+        if (tuple(Problem(**p) for p in train), tuple(Problem(**p) for p in validation)) != _splits(task):
+            raise AssertionError(f"task {task.name!r}: generating a test split changed the train or validation split")
+        return {"settings": json.loads(settings), "test": test}
+
+    name = f"{task.name}-{task.train_size}-{task.validation_size}-test{task.test_size}-{digest}.json"
+    test = tuple(Problem(**problem) for problem in _cached_json(cache_dir() / "sim-tasks" / name, build)["test"])
+    train, validation = _splits(task)
+    if {p.prompt for p in test} & ({p.prompt for p in train} | {p.prompt for p in validation}):
+        raise AssertionError(f"task {task.name!r}: the test split shares problems with train or validation ({name})")
+    return test
 
 
 SIM_TASKS: dict[str, SimTask] = {

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
-from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
+from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
     Generator,
@@ -106,6 +106,8 @@ class Trainer:
 
         self.train_problems = self.task.problems("train")
         self.eval_problems = self.task.problems("validation")[: config.eval_problems]
+        self.test_problems = self.task.problems("test")[: config.test_problems] if config.test_problems else []
+        self.replayed_scales = replayed_lr_scales(config.lr_scale_from, config.steps) if config.lr_scale_from else None
         sampling = Sampling(
             max_response_tokens=config.response_budget,
             temperature=config.temperature,
@@ -218,10 +220,14 @@ class Trainer:
             metrics.write_text("".join(line + "\n" for line in lines))
 
     # -- evaluation ------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, split: str = "validation") -> dict[str, float]:
+        """Held-out metrics under verl's validation names; ``split="test"``: the final evaluation's test
+        problems, under ``test/...`` names."""
         from vcpo.sim.evaluate import heldout_accuracy, validation_metrics
 
-        if not self.eval_problems:
+        problems, samples = (self.eval_problems, self.config.eval_samples) if split == "validation" else (
+            self.test_problems, self.config.test_samples)
+        if not problems:
             return {}
         started = time.perf_counter()
         self.model.eval()
@@ -229,16 +235,18 @@ class Trainer:
             self.model,
             self.tokenizer,
             self.task,
-            self.eval_problems,
+            problems,
             temperature=self.config.eval_temperature,
             max_new_tokens=self.config.response_budget,
-            samples=self.config.eval_samples,
+            samples=samples,
             seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
             tool=self.tool,
             max_turns=self.config.turn_budget,
             tool_workers=self.config.tool_workers,
         )
         self.model.train()
+        if split == "test":
+            return {**validation_metrics(self.task.name, result, split="test"), "timing_s/final_test": time.perf_counter() - started}
         return {**validation_metrics(self.task.name, result), "timing_s/testing": time.perf_counter() - started}
 
     # -- the loop --------------------------------------------------------------------------------
@@ -260,7 +268,8 @@ class Trainer:
 
         update_started = time.perf_counter()
         lr_scale = warmup_stable_decay(self.step, config.steps, config.warmup_steps, config.decay_steps)
-        metrics.update(self.learner.update(batch, lr_scale, self._prox_log_prob(batch)))
+        replayed = None if self.replayed_scales is None else self.replayed_scales[self.step]
+        metrics.update(self.learner.update(batch, lr_scale, self._prox_log_prob(batch), step_scale=replayed))
         metrics["timing_s/update_actor"] = time.perf_counter() - update_started
         metrics.update(self._batch_metrics(batch, trajectories, results))
 
@@ -311,6 +320,7 @@ class Trainer:
             "resolved_rollout_dtype": self.config.resolved_rollout_dtype,
             "method_preset": self.config.method_preset.spec,
             "versions": _versions(),
+            "cpu": cpu_name(),  # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
         }
         (self.out / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
         if self.config.wandb:
@@ -349,7 +359,7 @@ class Trainer:
         bar.close()
         final = self.out / "final"
         if not (final / "eval.json").exists():
-            result = {"step": self.step, **(self.evaluate() if config.eval_every else {})}
+            result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}
             self.model.save_pretrained(final)
             self.tokenizer.save_pretrained(final)
             (final / "eval.json").write_text(json.dumps(result) + "\n")
@@ -358,6 +368,17 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.finish()
         return self.out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _versions() -> dict[str, str]:
