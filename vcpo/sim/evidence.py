@@ -456,12 +456,15 @@ def report(rows: list[dict], design: Design) -> dict:
     """Everything the study reports, computed from the rows alone."""
     result: dict = {"tasks": {}}
     for task in design.configs:
-        task_rows = [row for row in rows if row["task"] == sim_task(design, design.arms[[a.task for a in design.arms].index(task)])]
+        task_arms = [arm for arm in design.arms if arm.task == task]
+        task_rows = [row for row in rows if row["task"] == sim_task(design, task_arms[0])]
         by_arm: dict[str, dict[int, dict]] = {}
         for row in task_rows:
             by_arm.setdefault(row["arm"], {})[row["seed"]] = row
-        arms = {name: arm_summary(list(seeds.values())) for name, seeds in by_arm.items()}
-        entry = {"arms": arms, "comparisons": compare(by_arm, CORE_COMPARISONS.get(task, [])),
+        arms = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in task_arms if arm.name in by_arm}
+        missing = {arm.name: [seed for seed in design.seeds if seed not in by_arm.get(arm.name, {})] for arm in task_arms}
+        missing = {name: seeds for name, seeds in missing.items() if seeds}
+        entry = {"arms": arms, "missing": missing, "comparisons": compare(by_arm, CORE_COMPARISONS.get(task, [])),
                  "comparisons_last_quarter": compare(by_arm, CORE_COMPARISONS.get(task, []), "last_quarter"),
                  "predictor": predictor_report(task_rows)}
         if task == "countdown":

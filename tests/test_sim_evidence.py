@@ -1,0 +1,184 @@
+"""The evidence study's statistics against hand-computed values, its run plan, and the two simulator keys
+it added: the final test-split evaluation and the replayed step-size factor (lr_scale_from)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from test_sim_train import small_config
+from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
+from vcpo.sim.evidence import (
+    Arm,
+    Design,
+    compare,
+    ess_predictor,
+    holm,
+    last_quarter_mean,
+    mean_interval,
+    paired_difference,
+    predictor_report,
+    roc_auc,
+    run_folder,
+    run_settings,
+    wilson_interval,
+)
+from vcpo.sim.train import METRICS, Trainer
+from vcpo.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+
+
+def test_mean_interval_is_the_student_t_interval():
+    # t(0.975, 4) = 2.7764451; SD of 1..5 = sqrt(2.5)
+    mean, low, high = mean_interval([1, 2, 3, 4, 5])
+    assert mean == 3 and high - mean == pytest.approx(2.7764451 * math.sqrt(2.5) / math.sqrt(5), rel=1e-6)
+    assert mean - low == pytest.approx(high - mean)
+
+
+def test_paired_difference_with_one_degree_of_freedom_is_a_cauchy_tail():
+    # two pairs: t has 1 degree of freedom (Cauchy), p = 1 - (2/pi) atan(|t|)
+    a, b = [0.30, 0.50], [0.20, 0.30]
+    differences = np.array([0.10, 0.20])
+    t = differences.mean() / (differences.std(ddof=1) / math.sqrt(2))
+    result = paired_difference(a, b)
+    assert result["n"] == 2 and result["mean"] == pytest.approx(0.15)
+    assert result["p"] == pytest.approx(1 - 2 / math.pi * math.atan(t), rel=1e-9)
+    # pairing: a constant shift is certain however spread the arms are
+    assert paired_difference([0.5, 1.0, 1.5], [0.25, 0.75, 1.25])["p"] == 0.0  # differences exactly 0.25
+
+
+def test_holm_adjusts_step_down_and_stays_monotone():
+    # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-4)
+    assert wilson_interval(10, 10) == pytest.approx((1 - 0.27753, 1.0), abs=1e-4)  # the mirror of 0/10
+
+
+def test_roc_auc_counts_ordered_pairs():
+    # positives 3, 1 against negatives 2, 0: 3 > 2, 3 > 0, 1 < 2, 1 > 0 -> 3/4
+    assert roc_auc([3, 1, 2, 0], [True, True, False, False]) == 0.75
+    assert roc_auc([1, 1], [True, False]) == 0.5
+    assert math.isnan(roc_auc([1, 2], [True, True]))
+
+
+def test_last_quarter_mean_and_the_ess_predictor_read_the_registered_windows():
+    lines = [{"step": s, "val/accuracy": s / 100} for s in range(0, 201, 25)]
+    assert last_quarter_mean(lines, 200) == pytest.approx(np.mean([1.5, 1.75, 2.0]))
+    ess = [{"step": s, "rollout_corr/seq_ess_ratio": 1.0 - s / 100} for s in range(0, 80)]
+    assert ess_predictor(ess, None) == pytest.approx(1.0 - 49 / 100)  # the first 50 steps only
+    assert ess_predictor(ess, 30) == pytest.approx(1.0 - 29 / 100)  # before the fall only
+
+
+def test_predictor_report_counts_hits_false_alarms_and_leads():
+    rows = [
+        {"ess_predictor": 0.05, "collapsed": True, "fall_step": 75, "ess_alarm_step": 20},
+        {"ess_predictor": 0.50, "collapsed": True, "fall_step": 100, "ess_alarm_step": 90},
+        {"ess_predictor": 0.08, "collapsed": False, "fall_step": None, "ess_alarm_step": 30},
+        {"ess_predictor": 0.90, "collapsed": False, "fall_step": None, "ess_alarm_step": None},
+    ]
+    report = predictor_report(rows)
+    assert (report["hits"], report["false_alarms"]) == (1, 1)
+    assert report["lead_steps"] == [55]
+    assert report["auc"] == 0.75  # -0.05 beats both others, -0.50 beats -0.90 only
+
+
+def test_compare_pairs_by_seed_and_names_the_verdict():
+    by_arm = {"a": {s: {"end": 0.3 + 0.01 * s} for s in range(5)}, "b": {s: {"end": 0.1 + 0.01 * s + 0.001 * (s % 2)} for s in range(6)}}
+    (result,) = compare(by_arm, [("a", "b")])
+    assert result["n"] == 5 and result["mean"] == pytest.approx(0.2 - 0.001 * 2 / 5)
+    assert result["verdict"] == "a above b" and result["p_holm"] == result["p"]
+    by_arm["a"] = {s: {"end": 0.1 + 0.01 * s + (0.02 if s % 2 else -0.02)} for s in range(6)}
+    (result,) = compare(by_arm, [("a", "b")])
+    assert result["verdict"] == "no detectable difference"
+
+
+def write_metrics(folder, scales):
+    folder.mkdir(parents=True)
+    lines = [{"step": step, "actor/lr_scale": scale} for step, scale in enumerate(scales)]
+    (folder / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "final").mkdir()
+    (folder / "final" / "eval.json").write_text("{}\n")
+
+
+def test_control_arms_wait_for_their_sources_then_read_them(tmp_path):
+    arms = [Arm("countdown", "vcpo", "vcpo", 1), Arm("countdown", "replay", "seq_tis_c8", 2, lr_scale_from="vcpo"),
+            Arm("countdown", "mean", "seq_tis_c8", 2, lr_from_mean_scale_of="vcpo")]
+    design = Design(seeds=[0, 1], configs={"countdown": "recipes/sim/regime.yaml"}, settings={"countdown": {}}, arms=arms)
+    assert run_settings(design, arms[1], 0, tmp_path) is None and run_settings(design, arms[2], 0, tmp_path) is None
+    write_metrics(run_folder(tmp_path, arms[0], 0), [0.5, 0.25])
+    assert run_settings(design, arms[1], 0, tmp_path)["lr_scale_from"] == str(run_folder(tmp_path, arms[0], 0))
+    assert run_settings(design, arms[2], 0, tmp_path) is None  # seed 1 of the source still missing
+    write_metrics(run_folder(tmp_path, arms[0], 1), [1.0, 0.25])
+    settings = run_settings(design, arms[2], 1, tmp_path)
+    # regime lr 2e-4 x the mean factor over both runs' steps (0.5)
+    assert settings["lr"] == pytest.approx(1e-4) and settings["base_seed"] == 1 and settings["seed"] == 1
+
+
+def test_a_replayed_step_factor_drives_the_optimizer_step(base, tmp_path):
+    write_metrics(tmp_path / "source", [0.5, 0.25, 0.125])
+    config = small_config(base, tmp_path / "run", method="seq_tis_c8", steps=3, lr_scale_from=str(tmp_path / "source"))
+    out = Trainer(config).run()
+    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    assert [line["actor/lr_scale"] for line in lines] == [0.5, 0.25, 0.125]
+    for line in lines:
+        assert line["actor/effective_lr"] == pytest.approx(line["actor/lr"] * line["actor/lr_scale"])
+
+
+@pytest.mark.parametrize(
+    ("scales", "method", "message"),
+    [([0.5, 0.5], "vcpo", "sets its own step size"), ([0.5], "seq_tis_c8", "no actor/lr_scale for steps"), (None, "seq_tis_c8", "no ")],
+)
+def test_a_replay_that_cannot_be_honoured_is_refused(base, tmp_path, scales, method, message):
+    if scales is not None:
+        write_metrics(tmp_path / "source", scales)
+    with pytest.raises(ConfigError, match=message):
+        validate(small_config(base, tmp_path / "run", method=method, lr_scale_from=str(tmp_path / "source")))
+
+
+def test_final_evaluation_scores_the_test_split(base, tmp_path):
+    out = Trainer(small_config(base, tmp_path / "run", method="sync", lag=0, eval_every=2, test_problems=6, test_samples=2)).run()
+    final = json.loads((out / "final" / "eval.json").read_text())
+    assert "val/accuracy" in final and final["test/accuracy"] == final["test-core/countdown/acc/mean@2"]
+    # 6 problems x 2 samples: the accuracy is a multiple of 1/12
+    assert round(final["test/accuracy"] * 12, 9) == round(final["test/accuracy"] * 12)
+    with pytest.raises(ConfigError, match="test_problems"):
+        validate(small_config(base, tmp_path / "x", test_problems=10**6))
+
+
+def test_a_run_recorded_before_a_key_existed_resumes_with_its_default():
+    config = validate(SimConfig())
+    recorded = {key: value for key, value in config.recorded().items() if key not in ("test_problems", "test_samples", "lr_scale_from")}
+    assert settings_changed(recorded, config) == []
+    assert settings_changed(recorded, validate(SimConfig(test_problems=5))) == ["test_problems: 0 -> 5"]
+
+
+def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from_its_table():
+    """The 3-seed comparisons the README states are recomputed from the committed outcomes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = json.loads((root / "tables/regime_study/outcomes.json").read_text())["runs"]
+
+    def ends(method):
+        return {r["seed"]: r["end"] for r in runs if r["method"] == method and (r["lag"] == 48 or method == "sync")}
+
+    readme = " ".join((root / "README.md").read_text().split())
+    for a, b, label in [("vcpo", "seq_tis_c8", "VCPO - seq-TIS is"), ("vcpo", "sync", "VCPO - sync"),
+                        ("vcpo", "tis_ess", "VCPO - ESS step only (0.278)"), ("vcpo", "tis_opob", "VCPO - OPOB only (0.137)"),
+                        ("tis_ess", "seq_tis_c8", "ESS step only - seq-TIS"), ("tis_opob", "seq_tis_c8", "OPOB only - seq-TIS")]:
+        first, second = ends(a), ends(b)
+        seeds = sorted(first.keys() & second.keys())
+        result = paired_difference([first[s] for s in seeds], [second[s] for s in seeds])
+        quoted = (f"{label} {100 * result['mean']:+.1f}{' points' if label.endswith('is') else ''} "
+                  f"[{100 * result['low']:.1f}, {100 * result['high']:.1f}], p = {result['p']:.2g}")
+        assert quoted in readme, quoted

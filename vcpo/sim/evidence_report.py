@@ -1,0 +1,155 @@
+"""The evidence study's written outputs, from ``vcpo.sim.evidence.report``'s statistics alone:
+``stats.json``, ``summary.md`` (tables and the paragraphs that quote them, generated) and ``lr.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+METHOD_LABELS = {"seq_tis_c8": "seq-TIS (c = 8)", "sync": "sync (k = 0)", "vcpo": "VCPO"}
+
+
+def points(value: float) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.1f}"
+
+
+def signed_points(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{100 * value:+.1f}"
+
+
+def interval(low: float, high: float, signed: bool = False) -> str:
+    show = signed_points if signed else points
+    return f"[{show(low)}, {show(high)}]"
+
+
+def p_value(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else ("< 0.001" if value < 0.001 else f"{value:.3f}")
+
+
+def arms_table(arms: dict) -> list[str]:
+    lines = ["| arm | method | lr | lag | n | end, % (95% CI) | SD | last quarter, % (95% CI) | collapses (95% Wilson) | mean ESS step factor |",
+             "|---|---|---:|---:|---:|---|---:|---|---|---:|"]
+    for name, arm in arms.items():
+        lines.append(
+            f"| {name} | {arm['method']} | {arm['lr']:.3g} | {arm['lag']} | {arm['n']} | {points(arm['end'])} "
+            f"{interval(arm['end_low'], arm['end_high'])} | {points(arm['end_sd'])} | {points(arm['last_quarter'])} "
+            f"{interval(arm['last_quarter_low'], arm['last_quarter_high'])} | {arm['collapses']}/{arm['n']} "
+            f"[{100 * arm['collapse_low']:.0f}%, {100 * arm['collapse_high']:.0f}%] | {arm['mean_lr_scale']:.3f} |"
+        )
+    return lines
+
+
+def comparison_table(comparisons: list[dict]) -> list[str]:
+    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict |", "|---|---:|---|---:|---:|---|"]
+    for c in comparisons:
+        lines.append(
+            f"| {c['a']} - {c['b']} | {c['n']} | {signed_points(c['mean'])} {interval(c['low'], c['high'], signed=True)} | "
+            f"{p_value(c['p'])} | {p_value(c.get('p_holm', math.nan))} | {c.get('verdict', 'not tested (fewer than 2 pairs)')} |"
+        )
+    return lines
+
+
+def comparison_sentence(c: dict) -> str:
+    if "verdict" not in c:
+        return f"{c['a']} - {c['b']}: not tested ({c['n']} pairs)"
+    return (f"{c['a']} - {c['b']}: {signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}, "
+            f"n = {c['n']} pairs, Holm p = {p_value(c['p_holm'])}: {c['verdict']}")
+
+
+def predictor_lines(predictor: dict) -> list[str]:
+    low, high = predictor["auc_interval"]
+    auc = "n/a (needs collapsed and other runs)" if not math.isfinite(predictor["auc"]) else (
+        f"{predictor['auc']:.2f} (95% bootstrap {low:.2f}-{high:.2f})")
+    leads = predictor["lead_steps"]
+    return [
+        f"ESS early warning (registered: min sequence-ESS ratio over the first 50 steps, before any fall, <= 0.1), "
+        f"{predictor['runs']} runs, {predictor['collapsed']} collapsed: ROC AUC {auc}; "
+        f"hits {predictor['hits']}/{predictor['collapsed']}, false alarms {predictor['false_alarms']}/"
+        f"{predictor['runs'] - predictor['collapsed']}; lead times (steps from alarm to fall): "
+        f"{', '.join(map(str, leads)) if leads else 'none'}."
+    ]
+
+
+def learning_rate_lines(section: dict, arms: dict) -> list[str]:
+    lines = ["### Does the adaptive step beat a tuned fixed step?", ""]
+    best = section["best_arm"]
+    for method, name in best.items():
+        arm = arms[name]
+        stable = section["stable_range"][method]
+        width = f"{stable['width']:.1f}x ({', '.join(f'{r:.3g}' for r in stable['rates'])})" if stable["rates"] else "none"
+        lines.append(f"- {METHOD_LABELS.get(method, method)}: best fixed rate {arm['lr']:.3g} (arm `{name}`, end "
+                     f"{points(arm['end'])}% {interval(arm['end_low'], arm['end_high'])}, n = {arm['n']}); stable range "
+                     f"among the tested rates ({', '.join(f'{r:.3g}' for r in stable['tested'])}): {width}.")
+    lines.append("")
+    lines += [f"- {comparison_sentence(c)}." for c in section["comparisons"]]
+    lines += ["", f"Note: {section['note']}."]
+    return lines
+
+
+def summary_markdown(stats: dict) -> str:
+    lines = ["# The evidence study: results", "",
+             "Written by `python -m vcpo.sim.evidence report` from `tables/evidence/runs.jsonl` (one row per finished "
+             "run, with the command that re-runs it); the pre-registration is `recipes/sim/evidence.md`. `end` is the "
+             "final test-split accuracy (the primary metric); intervals are 95%.", ""]
+    for task, entry in stats["tasks"].items():
+        lines += [f"## {task}", ""]
+        missing = entry["missing"]
+        if missing:
+            lines += ["Runs not finished yet (left out, never filled in): " + "; ".join(
+                f"{name} seeds {', '.join(map(str, seeds))}" for name, seeds in missing.items()) + ".", ""]
+        if not entry["arms"]:
+            lines += ["No finished runs yet.", ""]
+            continue
+        lines += arms_table(entry["arms"]) + [""]
+        lines += ["Registered comparisons of `end` (paired by seed, Holm over the family):", ""]
+        lines += comparison_table(entry["comparisons"]) + [""]
+        lines += ["Secondary: the same comparisons of the last-quarter mean:", ""]
+        lines += comparison_table(entry["comparisons_last_quarter"]) + [""]
+        lines += predictor_lines(entry["predictor"]) + [""]
+        if "learning_rate" in entry:
+            lines += learning_rate_lines(entry["learning_rate"], entry["arms"]) + ["", "![end accuracy against learning rate](lr.png)", ""]
+    return "\n".join(lines)
+
+
+def draw_learning_rates(stats: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = stats["tasks"].get("countdown", {}).get("arms", {})
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for method, label in METHOD_LABELS.items():
+        members = sorted((arm for name, arm in arms.items() if arm["method"] == method and "vcpo_" not in name), key=lambda a: a["lr"])
+        if not members:
+            continue
+        axis.errorbar([a["lr"] for a in members], [100 * a["end"] for a in members], capsize=3, marker="o", label=label,
+                      yerr=[[100 * (a["end"] - a["end_low"]) for a in members], [100 * (a["end_high"] - a["end"]) for a in members]])
+    for name, marker, label in (("seq_tis_vcpo_mean_lr", "s", "seq-TIS at VCPO's mean rate"),
+                                ("seq_tis_vcpo_replay", "D", "seq-TIS replaying VCPO's factor (nominal lr)")):
+        if name in arms:
+            a = arms[name]
+            axis.errorbar([a["lr"]], [100 * a["end"]], yerr=[[100 * (a["end"] - a["end_low"])], [100 * (a["end_high"] - a["end"])]],
+                          marker=marker, linestyle="none", capsize=3, label=label)
+    bases = [a["base"] for a in arms.values()]
+    if bases:
+        axis.axhline(100 * sum(bases) / len(bases), color="grey", linestyle=":", label="SFT bases (validation, mean)")
+    axis.set_xscale("log")
+    axis.set_xlabel("nominal learning rate")
+    axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
+    n = max((a["n"] for a in arms.values()), default=0)
+    axis.set_title(f"Countdown, k = 48 (sync k = 0), 200 steps, up to n = {n} seeds each", fontsize=10)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(stats: dict, out: Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stats.json").write_text(json.dumps(stats, indent=1, default=float) + "\n")
+    (out / "summary.md").write_text(summary_markdown(stats))
+    draw_learning_rates(stats, out / "lr.png")
+    print(f"wrote {out / 'stats.json'}, {out / 'summary.md'}, {out / 'lr.png'}")
