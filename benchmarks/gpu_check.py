@@ -1,4 +1,4 @@
-"""The GPU check in one command: what the README's GPU numbers are filled from.
+"""The GPU check in one command: what the GPU numbers of docs/per_sequence_gradients.md are filled from.
 
     python benchmarks/gpu_check.py --out gpu_check/          # one CUDA GPU, about 10 minutes
 

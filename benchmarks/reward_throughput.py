@@ -8,9 +8,10 @@ For every reward it scores three mixes with ``vcpo.rewards.score_batch`` and pri
   adversarial  ``vcpo.rewards.adversarial``: exponent towers, megabyte outputs, deep nesting, long
                sums, code and non-ASCII text, cycling through the kinds.
 math-verify workers are started (and timed out of the measurement) before the first mix. Data: the
-folder in ``--data``, else ``VCPO_SHARED_DATA``, else the project's 20-row fixtures.
+folder in ``--data`` (one ``<benchmark>/test.jsonl`` per benchmark, as in ``tests/fixtures/data``), else
+``VCPO_SHARED_DATA``, else the project's 20-row fixtures.
 
-    python benchmarks/reward_throughput.py --data ../shared/data --workers 2
+    python benchmarks/reward_throughput.py --data DATA --workers 2
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ def run(*args, cwd=None):
 
 
 def test_an_evaluation_of_no_benchmark_is_refused_before_a_model_loads(tmp_path):
-    result = run("eval", "--model", str(tmp_path / "no-model"), "--benchmarks", " , ", "--out", str(tmp_path / "out"))
+    result = run("vcpo.evaluation", "--model", str(tmp_path / "no-model"), "--benchmarks", " , ", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "--benchmarks: no benchmark named" in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -28,7 +28,7 @@ def test_the_overhead_figure_draws_no_runs_so_it_needs_no_runs_folder(tmp_path):
     out = tmp_path / "fig3.png"
     result = run(
         "vcpo.tables", "figure", "fig3", "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out),
-        "--overhead-json", str(tmp_path / "none.json"),
+        "--measured", str(tmp_path / "none.json"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 0 and result.stdout.strip() == str(out)
@@ -63,7 +63,7 @@ def test_an_evaluation_checks_its_folders_before_generating(tmp_path, args, mess
     afile = tmp_path / "afile"
     afile.write_text("x")
     args = [arg.format(tmp=tmp_path, file=afile) for arg in args]
-    result = run("eval", *args, "--benchmarks", "gsm8k")
+    result = run("vcpo.evaluation", *args, "--benchmarks", "gsm8k")
     assert result.returncode == 2 and message.format(tmp=tmp_path) in result.stderr, result.stderr
 
 
@@ -75,8 +75,8 @@ def test_an_evaluation_checks_its_folders_before_generating(tmp_path, args, mess
         (["vcpo.sim.base", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
         (["vcpo.methods", "show", "nonesuch"], "unknown method 'nonesuch'"),
         (["vcpo.tiny", "{file}"], "is a file, not a folder"),
-        (["vcpo.verl_plugin.cpu", "--out", "{file}"], "is a file, not a folder"),
-        (["vcpo.verl_plugin.cpu", "--out", "{tmp}/run", "--method", "nonesuch"], "unknown method 'nonesuch'"),
+        (["vcpo.launch.cpu", "--out", "{file}"], "is a file, not a folder"),
+        (["vcpo.launch.cpu", "--out", "{tmp}/run", "--method", "nonesuch"], "unknown method 'nonesuch'"),
     ],
 )
 def test_other_entry_points_refuse_bad_input_in_one_line_before_any_work(tmp_path, args, message):

@@ -1,4 +1,4 @@
-"""Multi-turn evaluation with tools (python -m eval --tool-config): verl's tool agent loop, turn by turn,
+"""Multi-turn evaluation with tools (python -m vcpo.evaluation --tool-config): verl's tool agent loop, turn by turn,
 with the real sandboxed Python tool and a scripted policy whose every turn is known."""
 
 import json
@@ -151,7 +151,7 @@ def test_every_sample_is_its_own_dialogue_with_its_own_seeds(tokenizer):
 
 def test_the_eval_options_of_a_multi_turn_config_read_back_as_the_same_settings(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    from eval.__main__ import parse_args
+    from vcpo.evaluation.__main__ import parse_args
 
     multi_turn = {**verl_multi_turn_defaults(), "enable": True, "max_assistant_turns": 5,
                   "tool_config_path": str(TOOL_CONFIG), "max_tool_response_length": 1024}  # fmt: skip
@@ -176,7 +176,7 @@ def test_the_eval_options_of_a_multi_turn_config_read_back_as_the_same_settings(
 
 def test_a_tool_evaluation_of_a_tiny_model_records_its_settings(benchmark_data, tiny_model_dir, tmp_path):
     summary = run_evaluation(
-        tiny_model_dir, ["gsm8k"], tmp_path, benchmarks_file=REPO / "eval" / "benchmarks.yaml",
+        tiny_model_dir, ["gsm8k"], tmp_path, benchmarks_file=REPO / "recipes" / "benchmarks.yaml",
         sampling_overrides={"n": 2, "max_new_tokens": 12}, backend="hf", limit=2, source_dir=benchmark_data.root,
         tool_use=tool_use(max_turns=2),
     )  # fmt: skip
@@ -198,7 +198,7 @@ def test_the_paper_workflow_evaluates_simpletir_with_its_rollouts_tool_settings(
                    str(REPO / "workflows/config/paper.yaml"), "--config", f"results={tmp_path}", "--", str(target)]  # fmt: skip
         output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert output.returncode == 0, output.stdout + output.stderr
-        (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m eval")]
+        (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m vcpo.evaluation")]
         return shlex.split(line.removeprefix("Shell command: ").split(">")[0])
 
     arguments = eval_arguments("simpletir")

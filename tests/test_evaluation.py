@@ -22,7 +22,7 @@ from vcpo.evaluation import (
 from vcpo.evaluation.generation import is_hub_id
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS_FILE = REPO / "eval" / "benchmarks.yaml"
+BENCHMARKS_FILE = REPO / "recipes" / "benchmarks.yaml"
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -201,7 +201,7 @@ def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
 
 def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    from eval.__main__ import main
+    from vcpo.evaluation.__main__ import main
 
     out = tmp_path / "out"
     argv = [
@@ -265,7 +265,7 @@ def test_cli_end_to_end_on_a_tiny_model(benchmark_data, tiny_model_dir, tmp_path
 
 def test_cli_answer_format_option(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    from eval.__main__ import parse_args
+    from vcpo.evaluation.__main__ import parse_args
 
     required = ["--model", "m", "--benchmarks", "gsm8k", "--out", "o"]
     assert parse_args(required).answer_format is None  # each benchmark's own (strict unless it says)

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,3 +51,117 @@ def test_the_product_points_at_its_own_docs_not_at_the_developers_shared_folder(
     cited = {int(n) for text in texts.values() for group in re.findall(r"docs/ALGORITHMS\.md (§[\d§, -]+)", text)
              for n in re.findall(r"\d+", group)}
     assert cited and cited <= sections, f"cited sections missing from docs/ALGORITHMS.md: {sorted(cited - sections)}"
+
+
+# The package's layers, lowest first: a first-level module imports only modules before it (docs/DESIGN.md).
+LAYERS = [
+    "vcpo", "vcpo.core", "vcpo.cli", "vcpo.recipes", "vcpo.tiny", "vcpo.methods", "vcpo.rewards", "vcpo.tools",
+    "vcpo.verl_shared", "vcpo.data", "vcpo.evaluation", "vcpo.verl_plugin", "vcpo.launch", "vcpo.tables", "vcpo.sim",
+    "vcpo.reproduction",
+]  # fmt: skip
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the vcpo modules it imports (anywhere in the file, type-checking imports included)."""
+    import ast
+
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in (ROOT / "vcpo").rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    imported.add(name)
+        graph[module] = imported
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while (other := stack.pop()) != node:
+                component.append(other)
+            if component:
+                found.append(sorted([node, *component]))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_files_of_the_package_import_each_other_in_a_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_first_level_modules_import_only_the_layers_below_them():
+    def layer(module):
+        return ".".join(module.split(".")[:2])
+
+    wrong = sorted(
+        f"{module} imports {other}"
+        for module, imported in import_graph().items()
+        for other in imported
+        if layer(other) != layer(module) and LAYERS.index(layer(other)) > LAYERS.index(layer(module))
+    )
+    assert set(map(layer, import_graph())) <= set(LAYERS)
+    assert wrong == []
+
+
+def test_a_verl_user_imports_the_losses_engine_rewards_and_tool_without_the_reproduction_stack():
+    """`pip install vcpo` (no extras) covers these: none of them loads a package of the `repro` extra."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, vcpo.core, vcpo.methods, vcpo.rewards, vcpo.tools, vcpo.verl_plugin, vcpo.verl_plugin.engine, "
+        "vcpo.launch, vcpo.evaluation; print(sorted(m for m in ('snakemake', 'reasoning_gym', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow
+def test_the_evaluation_entry_point_runs_from_the_wheel(tmp_path):
+    """The wheel carries `python -m vcpo.evaluation` and the benchmark settings it reads (as vcpo/_recipes)."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)], check=True, timeout=600)
+    (wheel,) = tmp_path.glob("vcpo-*.whl")
+    unpacked = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(unpacked)
+    assert (unpacked / "vcpo" / "evaluation" / "__main__.py").is_file()
+    assert (unpacked / "vcpo" / "_recipes" / "benchmarks.yaml").is_file()
+    # outside the checkout, with only the wheel's files on the path: its help lists the benchmark file's names
+    result = subprocess.run([sys.executable, "-m", "vcpo.evaluation", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(unpacked)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "--benchmarks" in result.stdout
+    probe = "import vcpo.evaluation.__main__ as m; print(m.BENCHMARKS_FILE)"
+    located = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(unpacked)}, check=True).stdout
+    assert located.strip() == str(unpacked / "vcpo" / "_recipes" / "benchmarks.yaml")

@@ -275,14 +275,14 @@ def test_the_paper_provenance_lists_where_each_data_file_came_from(tmp_path, ben
 
 @pytest.mark.slow
 def test_the_base_row_evaluates_the_model_the_runs_start_from(tmp_path):
-    """Table 1's base row at paper scale: python -m eval on the model vcpo.launch composes for the task,
+    """Table 1's base row at paper scale: python -m vcpo.evaluation on the model vcpo.launch composes for the task,
     the config's own launch.args included (here a local model in place of the recipe's hub id)."""
     command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "-p", "--configfile",
                str(CONFIGS / "paper.yaml"), "--config", f"results={tmp_path}",
                'launch={"args": ["actor_rollout_ref.model.path=/models/my base"]}', "--", str(tmp_path / "runs/math/base/eval/summary.json")]  # fmt: skip
     output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert output.returncode == 0, output.stdout + output.stderr
-    (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m eval")]
+    (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m vcpo.evaluation")]
     arguments = shlex.split(line.removeprefix("Shell command: ").split(">")[0])
     assert arguments[arguments.index("--model") + 1] == "/models/my base"
     assert arguments[arguments.index("--benchmarks") + 1] == "math500"  # workflows/config/paper.yaml, task math
@@ -308,7 +308,7 @@ def test_the_paper_workflow_checks_its_launch_args_before_any_job(tmp_path, over
 @pytest.mark.slow
 def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_path):
     """workflows/config/verl-cpu.yaml: the verl backend's own rules end to end on CPU (data, trainings by
-    verl's trainer, python -m eval of verl's Hugging Face checkpoints and of the base model, Table 1 and
+    verl's trainer, python -m vcpo.evaluation of verl's Hugging Face checkpoints and of the base model, Table 1 and
     Figure 5 from verl's metrics), then the report."""
     results, data = tmp_path / "results", tmp_path / "data"
     base = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "--configfile", str(CONFIGS / "verl-cpu.yaml"),
@@ -332,3 +332,20 @@ def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_p
     assert "actor/opob_baseline" in vcpo_metrics and "rollout_corr/seq_ess_ratio" in vcpo_metrics
     assert (results / "figures" / "fig5.png").stat().st_size > 10_000
     assert (results / "report.html").stat().st_size > 100_000
+
+
+def test_plain_snakemake_at_the_root_plans_the_smoke_reproduction(tmp_path):
+    """`snakemake` at the repository root (the root Snakefile) plans the same jobs as workflows/Snakefile,
+    with the smoke config as default."""
+
+    def jobs(*snakefile):
+        command = [sys.executable, "-m", "snakemake", *snakefile, "-n", "--quiet", "rules", "--config", f"results={tmp_path}"]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        table = result.stdout.split("Job stats:", 1)[1]
+        rows = [line.split() for line in table.splitlines()]
+        return {row[0]: int(row[1]) for row in rows if len(row) == 2 and row[1].isdigit()}
+
+    root, workflow = jobs(), jobs("-s", "workflows/Snakefile")
+    assert workflow["train"] > 50 and workflow["sft_base"] == 2
+    assert root.pop("reproduce") == workflow.pop("all") == 1 and root == workflow  # the same jobs, target aside

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from vcpo.recipes import base_path
+from vcpo.sim.grad_norms import main as grad_norms_main
 from vcpo.tables import figure_specs, read_metrics, runs_needed
 from vcpo.tables.__main__ import main
 from vcpo.tables.figures import draw_figure
@@ -34,7 +35,7 @@ def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None):
 
 
 def write_evaluation(folder, **accuracy):
-    """python -m eval's summary.json under folder/eval, one mean@n per benchmark."""
+    """python -m vcpo.evaluation's summary.json under folder/eval, one mean@n per benchmark."""
     (folder / "eval").mkdir(parents=True)
     summary = {"results": {name: {"mean_at_n": value} for name, value in accuracy.items()}}
     (folder / "eval" / "summary.json").write_text(json.dumps(summary))
@@ -137,7 +138,7 @@ def test_table1_paper_scale_uses_evaluation_and_gpu_hours(tmp_path):
 def test_a_verl_base_row_is_the_base_model_evaluation_never_verls_step_0_validation(tmp_path):
     verl_run(tmp_path, "math", "sync", 0, 0)  # step-0 validation 0.4 at verl's sampling settings
     assert table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]["base"] is None
-    write_evaluation(tmp_path / base_path("math"), math500=0.25, math=0.5)  # python -m eval of the base model
+    write_evaluation(tmp_path / base_path("math"), math500=0.25, math=0.5)  # python -m vcpo.evaluation of the base model
     row = table1_data(tmp_path, "paper", {"math": "math"})["tasks"]["math"]
     assert row["base"] == {"mean": 0.25, "min": 0.25, "max": 0.25, "n": 1}  # MATH-500, Table 1's benchmark
     assert row["sync"]["accuracy"]["mean"] == 0.7
@@ -224,6 +225,17 @@ def test_figures_without_data_say_so(tmp_path, monkeypatch):
         assert says in texts and not drawn[-1].axes, (figure, texts)
 
 
+def test_fig14_without_a_finished_sync_run_says_so(tmp_path, monkeypatch):
+    import vcpo.tables.figures as figures
+
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out: drawn.append(fig) or out)
+    measured = tmp_path / "fig14.json"
+    assert grad_norms_main(["--runs", str(tmp_path), "--task", "countdown", "--out", str(measured)]) == 0
+    draw_figure("fig14", tmp_path, "smoke", tmp_path / "fig14.png", measured=measured)
+    assert "No data: no finished run countdown/sync/lag0/seed*/final" in " ".join(t.get_text() for t in drawn[-1].texts)
+
+
 @pytest.fixture(scope="module")
 def fig14(tmp_path_factory):
     """Figure 14 drawn from a sync run whose final checkpoint is a random tiny model, in float64."""
@@ -235,13 +247,15 @@ def fig14(tmp_path_factory):
     config = {"task": "countdown", "learner_dtype": "float64", "temperature": 1.0, "max_response_tokens": 8}
     (run / "config.json").write_text(json.dumps(config))
     save_tiny_model(run / "final", vocab_size=320, hidden_size=32, num_layers=1)
-    out = draw_figure("fig14", root, "smoke", root / "fig14.png", task="countdown")
-    return run, out, json.loads(out.with_suffix(".json").read_text())
+    measured = root / "fig14.json"
+    assert grad_norms_main(["--runs", str(root), "--task", "countdown", "--out", str(measured)]) == 0
+    out = draw_figure("fig14", root, "smoke", root / "fig14.png", task="countdown", measured=measured)
+    return run, out, json.loads(measured.read_text())
 
 
 def test_fig14_writes_the_scatter_and_its_numbers(fig14):
     _, out, result = fig14
-    assert result["figure"] == "VCPO Figure 14" and result["scale"] == "smoke" and result["sequences"] == 32
+    assert out.stat().st_size > 0 and result["task"] == "countdown" and result["sequences"] == 32
     for proxy in ("otb_proxy", "opo_length"):
         assert all(-1 <= value <= 1 for value in result[proxy].values()), result[proxy]
     assert all(value > 0 for value in result["exact_sq_norms"] + result["logit_energy_proxy"])
@@ -253,9 +267,9 @@ def test_fig14_exact_norms_are_per_sequence_autograd_norms(fig14):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vcpo.core import logit_energy_proxy
+    from vcpo.sim.grad_norms import sample_responses
     from vcpo.sim.learner import response_log_probs
     from vcpo.sim.tasks import get_sim_task
-    from vcpo.tables.figures import sample_responses
 
     run, _, result = fig14
     model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float64)

@@ -1,6 +1,6 @@
 """verl 0.9.1's own PPO trainer, end to end on CPU, through ``vcpo.verl_plugin.cpu`` (no verl file patched).
 
-The slow tests run ``python -m vcpo.verl_plugin.cpu`` (which runs ``python -m verl.trainer.main_ppo`` with
+The slow tests run ``python -m vcpo.launch.cpu`` (which runs ``python -m verl.trainer.main_ppo`` with
 the recipe's Hydra overrides: Ray, TaskRunnerV1, the V1 trainer, FSDP2 on gloo, the ``hf`` rollout
 replica, the agent loop, the reward loop, TransferQueue) on a tiny model, and check verl's own outputs:
 the metrics its file logger wrote and the checkpoint it saved. The fast tests check the plugin pieces
@@ -29,7 +29,7 @@ RUN_TIMEOUT_S = 480
 def run_cpu_recipe(out: Path, *args: str) -> tuple[list[dict], str]:
     """Run the launcher in its own process group; returns (metrics per step, combined output)."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "vcpo.verl_plugin.cpu", "--out", str(out), *args]
+    command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), *args]
     proc = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -204,7 +204,7 @@ def test_hf_server_abort_pauses_and_resume_reopens():
 
 @pytest.mark.parametrize(("method", "lag", "mode"), [("vcpo", 1, "separate_async"), ("sync", None, "sync")])
 def test_cpu_run_is_the_launch_run_with_cpu_sizes(tmp_path, capsys, method, lag, mode):
-    from vcpo.verl_plugin.cpu.__main__ import main
+    from vcpo.launch.cpu import main
     from vcpo.verl_plugin.cpu.recipe import write_data
 
     paths = write_data(tmp_path / "data")

@@ -136,5 +136,5 @@ def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
 
 def base_path(task: str) -> Path:
     """Where a task's base-model evaluation lives below a runs root (``<base_path>/eval/summary.json``,
-    python -m eval's layout): beside the task's methods, a folder no method is named after."""
+    python -m vcpo.evaluation's layout): beside the task's methods, a folder no method is named after."""
     return Path(task) / "base"

@@ -208,7 +208,7 @@ def sim_settings(config: dict[str, Any], task: str, method: str) -> dict[str, An
 def _check_data(config: dict[str, Any]) -> None:
     source = (config.get("data") or {}).get("source_dir")
     if source and not Path(source).is_dir():
-        raise ConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files, laid out as shared/data)")
+        raise ConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files: <benchmark>/<split>.jsonl, see docs/data_rewards_evaluation.md)")
 
 
 def plan(config: dict[str, Any]) -> Plan:

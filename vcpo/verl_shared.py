@@ -18,7 +18,7 @@ ENGINE_MODULE = "vcpo.verl_plugin.engine"
 ENGINE_MODEL_TYPE = "vcpo_language_model"
 # verl imports the modules listed (comma-separated) in this environment variable inside `import verl`.
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
-# The CPU platform and rollout of `python -m vcpo.verl_plugin.cpu` (verl on a CPU-only torch).
+# The CPU platform and rollout of `python -m vcpo.launch.cpu` (verl on a CPU-only torch).
 CPU_PLATFORM_MODULE = "vcpo.verl_plugin.cpu"
 # The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner, which trains in fp32),
 # as a mapping and in Hydra's override grammar.

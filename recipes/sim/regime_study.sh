@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The study in the regime (README "The regime study"): every run starts from recipes/sim/regime.yaml and
+# The study in the regime (docs/studies.md, "The regime study"): every run starts from recipes/sim/regime.yaml and
 # the presets as written (no method gets settings of its own beyond what its preset needs to run).
 #   recipes/sim/regime_study.sh [RUNS_DIR] [FIGURES_DIR]
 # Every run is resumable and a finished run is skipped, so the script can be re-run after a stop.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU-scale study (README "CPU study"): sync, seq-TIS and VCPO with 3 seeds at a high lag, the other
+# The CPU-scale study (docs/studies.md): sync, seq-TIS and VCPO with 3 seeds at a high lag, the other
 # corrections at that lag, a lag sweep of sequence TIS, then the figures and tables.
 #   recipes/sim/study.sh [RUNS_DIR] [FIGURES_DIR]      (extra key=value settings: STUDY_OVERRIDES)
 # Every run is resumable and a finished run is skipped, so the script can be re-run after a stop.

@@ -30,7 +30,7 @@ from vcpo.core.losses import (
 )
 from vcpo.core.per_sequence_grads import PerSequenceGradients
 from vcpo.core.proxies import logit_energy_proxy
-from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, token_log_ratio
+from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, sequence_log_ratio, token_log_ratio
 from vcpo.core.registry import POLICY_LOSSES, get_policy_loss
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "p3o_two_anchor_loss",
     "reinforce_is_loss",
     "scaled_learning_rate",
+    "sequence_log_ratio",
     "token_log_ratio",
     "topr_loss",
     "vaco_loss",

@@ -5,7 +5,7 @@ user turn), ``ability``, ``reward_model`` ``{"style": "rule", "ground_truth": ..
 ``{"split", "index", "question", "answer"}``. Sources are the Hugging Face hub or a local json, jsonl
 or parquet file; Countdown is generated offline with Reasoning Gym.
 
-    python -m vcpo.data build gsm8k --out data --source ../shared/data/gsm8k/test.jsonl
+    python -m vcpo.data build gsm8k --out data --source DATA/gsm8k/test.jsonl
 """
 
 from vcpo.data.build import build, load_rows

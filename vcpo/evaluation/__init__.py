@@ -3,7 +3,7 @@
 Every sample is scored under both answer formats (``strict``, ``lenient``); see ``vcpo.evaluation.harness``
 for the record and summary layout.
 
-``python -m eval`` (top-level ``eval/``) is the command-line entry point over ``run_evaluation``.
+``python -m vcpo.evaluation`` (``__main__.py``) is the command-line entry point over ``run_evaluation``.
 """
 
 from vcpo.evaluation.generation import BACKENDS, Completion, HFGenerator, SamplingParams, make_generator

@@ -3,7 +3,7 @@
 Every completion is scored under each answer format of ``vcpo.rewards.ANSWER_FORMATS``: ``strict`` (the
 answer in the format the prompt asks for: ``\\boxed{}``, ``#### N``, ``<answer>`` tags) and ``lenient``
 (also a bare final number or expression). A benchmark's ``answer_format`` (benchmarks YAML, default
-``strict``; ``python -m eval --answer-format`` overrides it) names the primary one.
+``strict``; ``python -m vcpo.evaluation --answer-format`` overrides it) names the primary one.
 
 Output layout, for each benchmark B under ``out_dir``:
     B/samples.jsonl   one record per completion: problem_id, sample_index, completion, tokens, truncated,

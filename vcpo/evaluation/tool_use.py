@@ -25,7 +25,7 @@ from vcpo.evaluation.generation import Completion, Conversation, SamplingParams
 TRUNCATE_SIDES = ("left", "middle", "right")
 
 
-# ToolUse field <- verl's actor_rollout_ref.rollout.multi_turn key, and the python -m eval option of each.
+# ToolUse field <- verl's actor_rollout_ref.rollout.multi_turn key, and the python -m vcpo.evaluation option of each.
 MULTI_TURN_KEYS = {
     "tool_config": "tool_config_path",
     "max_turns": "max_assistant_turns",
@@ -70,7 +70,7 @@ def verl_multi_turn_defaults() -> dict[str, Any]:
 
 
 def tool_use_options(multi_turn: Mapping[str, Any]) -> list[str]:
-    """The ``python -m eval`` options that evaluate the way rollouts with this ``rollout.multi_turn``
+    """The ``python -m vcpo.evaluation`` options that evaluate the way rollouts with this ``rollout.multi_turn``
     config sample; none where multi-turn rollouts are off. ValueError for the settings the evaluation
     does not reproduce (no turn limit, a user-turn limit, function tools)."""
     if not multi_turn.get("enable"):
@@ -123,7 +123,7 @@ class _Dialogue:
 
 
 class ToolAgentGenerator:
-    """The harness's generator for tool-using checkpoints (``python -m eval --tool-config``): ``sampling.n``
+    """The harness's generator for tool-using checkpoints (``python -m vcpo.evaluation --tool-config``): ``sampling.n``
     multi-turn dialogues per conversation, a turn of every unfinished dialogue per ``continue_tokens``
     call. A completion's text is the whole response, tool answers included; its token count is that of
     the generated tokens; ``max_new_tokens`` bounds generated and tool tokens together, as verl's

@@ -252,7 +252,7 @@ def engine_overrides(run: Run) -> list[str]:
 
 
 def asynchrony_overrides(run: Run) -> list[str]:
-    """PipelineRL-k on verl 0.9.1's V1 trainers (README, "Asynchrony on verl").
+    """PipelineRL-k on verl 0.9.1's V1 trainers (docs/verl.md, "Asynchrony: PipelineRL-k on verl").
 
     k = 0: the synchronous trainer, rollout and training colocated on all the task's GPUs.
     k >= 1: ``separate_async``: the sampler GPUs serve the rollout (vLLM), the trainer GPUs the FSDP

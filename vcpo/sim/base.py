@@ -28,7 +28,7 @@ tir         800    45.0%     1.0%    17.1                 205 s / 138 s
 tool (up to 5 calls); with the tool switched off the same base solves 0.0% at T=1 (its programs get no
 output, its bare answers are guesses), so the tool is what solves the task. Greedy decoding picks the
 bare answer (half the demonstrations) and so solves 1%; at T=1 the base calls the tool in part of its
-responses only (README: calls per response in the first batch of the smoke runs). Calling the tool
+responses only (docs/simulator.md: calls per response in the first batch of the smoke runs). Calling the tool
 every time is what RL has to learn.
 
 Other seeds (same steps): Countdown seed 1 21.0% / 31.5% greedy; arithmetic seed 1 35.0% / 62.5%,
@@ -60,8 +60,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
-from vcpo.sim.config import SimConfig
-from vcpo.sim.rollout import TOOL_OUTPUT, sandbox_tool, tool_output_ids
+from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
 
@@ -277,7 +276,7 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     model.eval()
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
     # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout
-    tool = {"tool": sandbox_tool(SimConfig.tool_timeout_s), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
+    tool = {"tool": sandbox_tool(SIM_TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
     if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
         model = model.cpu()
     sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)

@@ -17,6 +17,7 @@ from typing import Any
 
 from vcpo.methods import Method, filed_lag, get_method, step_rule
 from vcpo.recipes import optimizer_table
+from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -55,10 +56,10 @@ class SimConfig:
     max_response_tokens: int | None = None  # None: the task's budget (vcpo.sim.tasks.SimTask.max_response_tokens)
     temperature: float = 1.0  # VCPO Tables 3-5
     max_turns: int | None = None  # tool calls per response (>0: multi-turn with the sandboxed Python tool); None: the task's
-    tool_timeout_s: float = 5.0
-    tool_workers: int = 4  # tool calls of one generation round run at once (README: calls/s and latency)
+    tool_timeout_s: float = SIM_TOOL_TIMEOUT_S
+    tool_workers: int = 4  # tool calls of one generation round run at once (docs/simulator.md: calls/s and latency)
     # optimizer: AdamW with VCPO Table 2's settings (recipes/optimizer.yaml, as the verl launcher uses them)
-    lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, README); presets scale it by lr / 1e-6
+    lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, docs/simulator.md); presets scale it by lr / 1e-6
     weight_decay: float = TABLE_2["weight_decay"]
     betas: tuple[float, float] = tuple(TABLE_2["betas"])
     eps: float = TABLE_2["eps"]

@@ -34,6 +34,7 @@ from vcpo.core import (
     opob_normaliser,
     opob_sequence_scores,
     scaled_learning_rate,
+    sequence_log_ratio,
     token_log_ratio,
 )
 from vcpo.core.registry import POLICY_LOSSES
@@ -226,7 +227,7 @@ class Learner:
 
         started = time.perf_counter()
         r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
-        seq_log_weights = (r * batch.mask).sum(-1)
+        seq_log_weights = sequence_log_ratio(r, batch.mask)
         ess = float(ess_ratio(seq_log_weights, valid_rows))
         scale = self.rule.lr_scale(ess) if step_scale is None else step_scale
         for group in self.optimizer.param_groups:
@@ -327,7 +328,7 @@ class Learner:
                 backward += time.perf_counter() - started
             sq_norms = self.opob.sq_norms
             if scope_group:
-                seq_log_weights = (coefficients.log_ratio * mb.mask).sum(-1)
+                seq_log_weights = sequence_log_ratio(coefficients.log_ratio, mb.mask)
                 baseline = rule.baseline(rewards[start:stop], sq_norms, seq_log_weights, mb.groups)
                 self.opob.combine(baseline)
                 baselines.append(baseline)
@@ -337,7 +338,7 @@ class Learner:
         sq_norms = torch.cat(norms)
         if not scope_group:
             r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
-            baseline = rule.baseline(rewards, sq_norms, (r * batch.mask).sum(-1), None)
+            baseline = rule.baseline(rewards, sq_norms, sequence_log_ratio(r, batch.mask), None)
             self.opob.combine(baseline)
             baselines.append(baseline)
         baseline = torch.cat(baselines)

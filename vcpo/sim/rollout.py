@@ -377,6 +377,12 @@ def _row_cache(cache, row: int, fed: torch.Tensor, fed_ids: list[int], trajector
     return [(layer.keys[row][:, columns].clone(), layer.values[row][:, columns].clone()) for layer in cache.layers]
 
 
+# The simulator's tool calls are one-line programs of a tiny policy that finish in ~40 ms; 5 s bounds
+# what a stuck program costs a step at half the paper-scale tool's 10 s (recipes/tools/python_sandbox.yaml,
+# written for a 7B model's longer programs).
+SIM_TOOL_TIMEOUT_S = 5.0
+
+
 def sandbox_tool(timeout_s: float) -> Callable[[str], ToolResult]:
     """The tool of multi-turn rollouts: run the program in vcpo.tools' sandbox; the policy reads stdout,
     the exception's last line, or the limit that stopped the program (``Error: timeout``, ...)."""

@@ -4,7 +4,7 @@ Writes into ``out``: ``config.json`` (the resolved configuration, method preset 
 ``metrics.jsonl`` (one object per optimizer step, verl metric names plus the paper's diagnostics),
 ``checkpoint.pt`` (everything needed to continue: weights, optimizer, the rollout engine's queue,
 the snapshots the lag model still needs) and, at the end, ``final/`` (a save_pretrained model that
-``python -m eval`` reads). A run restarted with the same ``out`` continues from its checkpoint and
+``python -m vcpo.evaluation`` reads). A run restarted with the same ``out`` continues from its checkpoint and
 writes the same metrics an uninterrupted run would (generation seeds derive from (seed, step)).
 """
 

@@ -1,7 +1,7 @@
 """python -m vcpo.tables {figure,table1,hyperparams} ...: write a table or figure, print its path.
 
 python -m vcpo.tables figure ID --runs RUNS --scale smoke|paper --out PNG [--task T]... [--lag K]
-                                [--seeds core|all] [--overhead-json JSON]
+                                [--seeds core|all] [--measured JSON]
 python -m vcpo.tables table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
                                [--lag-map PAPER_LAG=LAG]...
 python -m vcpo.tables hyperparams --out DIR
@@ -13,7 +13,7 @@ import argparse
 import re
 from pathlib import Path
 
-from vcpo.tables.figures import SCALES, draw_figure
+from vcpo.tables.figures import MEASURED_KINDS, SCALES, draw_figure
 from vcpo.tables.hyperparams import write_hyperparams
 from vcpo.tables.specs import figure_specs
 from vcpo.tables.table1 import write_table1
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--runs {args.runs}: no such folder (RUNS/<task>/<method>/lag<k>/seed<s>/)")
     if args.command == "figure":
         print(
-            draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.overhead_json)
+            draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.measured)
         )
     elif args.command == "table1":
         lag_map = {int(paper): int(scaled) for paper, scaled in (pair.split("=") for pair in args.lag_map or [])}
@@ -50,7 +50,7 @@ def _bad_lag_map(text: str):
 
 def _draws_runs(args: argparse.Namespace) -> bool:
     if args.command == "figure":
-        return figure_specs()[args.id]["kind"] != "overhead"
+        return figure_specs()[args.id]["kind"] not in MEASURED_KINDS
     return args.command == "table1"
 
 
@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
         default="all",
         help="core: only the seeds every drawn run has; all: every seed found",
     )
-    figure.add_argument("--overhead-json", type=Path, help="kind overhead: benchmarks/opob_overhead.py --json output")
+    figure.add_argument(
+        "--measured",
+        type=Path,
+        help="kind overhead: benchmarks/opob_overhead.py --json output; kind grad_norm_proxy: python -m vcpo.sim.grad_norms output",
+    )
     table1.add_argument(
         "--task",
         action="append",

@@ -28,6 +28,8 @@ PANEL_NAMES = {
     "actor/effective_lr": "effective learning rate",
     "actor/kept_token_frac": "trusted-token fraction",
 }
+# Figure kinds drawn from a measurement file (--measured), not from run metrics.
+MEASURED_KINDS = ("overhead", "grad_norm_proxy")
 X_LABELS = {"step": "optimizer step", "wall_clock": "wall-clock hours (training + evaluation)"}
 
 
@@ -235,74 +237,9 @@ def draw_overhead(spec, measured: Path | None, scale: str, out: Path) -> Path:
     return save(fig, out)
 
 
-def sample_responses(model, tokenizer, problems, max_response_tokens: int, temperature: float, seed: int):
-    """One response per problem, sampled with the simulator's rollout code, as a learner ``Batch``."""
-    import torch
-
-    from vcpo.sim.learner import collate
-    from vcpo.sim.rollout import Generator, Sampling, Trajectory
-    from vcpo.sim.tasks import render_prompt
-
-    eos = model.generation_config.eos_token_id
-    eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
-    sampling = Sampling(max_response_tokens, temperature, eos, tokenizer.pad_token_id)
-    prompts = [tokenizer.encode(render_prompt(tokenizer, p), add_special_tokens=False) for p in problems]
-    trajectories = [Trajectory(i, i, prompt, admitted_at=0) for i, prompt in enumerate(prompts)]
-    with torch.random.fork_rng(devices=[]):
-        Generator(tokenizer, sampling).extend(model.eval(), 0, trajectories, max_response_tokens, seed)
-    dtype = torch.promote_types(model.dtype, torch.float32)
-    return collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id, dtype)
-
-
-def exact_and_proxy(model, batch, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per sequence: ||∇_θ Σ_t log π(y_t)||² over all trainable parameters (`PerSequenceGradients`, one
-    backward) and OTB's `logit_energy_proxy` from the same forward's logits, both float64 (B,)."""
-    import torch
-
-    from vcpo.core import PerSequenceGradients, logit_energy_proxy
-    from vcpo.sim.learner import response_log_probs
-
-    logits = []
-
-    def forward(**inputs):
-        output = model(**inputs)
-        logits.append(output.logits)
-        return output
-
-    engine = PerSequenceGradients(model)
-    ones = torch.ones(batch.size, dtype=torch.float64)
-    with engine.micro_batch(ones, torch.zeros_like(ones)):
-        response_log_probs(forward, batch, temperature).sum().backward()
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        scaled = logits[0].detach()[:, batch.prompt_width - 1 : -1] / temperature
-        proxy = logit_energy_proxy(scaled, batch.response_ids, batch.mask)
-    return engine.sq_norms.numpy(), proxy.numpy()
-
-
-def correlations(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    """Pearson (of the values and of their logs) and Spearman (Pearson of average ranks) correlations."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        _, inverse = np.unique(v, return_inverse=True)
-        order = np.empty(len(v))
-        order[np.argsort(v, kind="stable")] = np.arange(len(v))
-        return (np.bincount(inverse, order) / np.bincount(inverse))[inverse]
-
-    def pearson(a: np.ndarray, b: np.ndarray) -> float:
-        return float(np.corrcoef(a, b)[0, 1])
-
-    return {
-        "pearson": pearson(x, y),
-        "pearson_log": pearson(np.log(x), np.log(y)),
-        "spearman": pearson(ranks(x), ranks(y)),
-    }
-
-
-def draw_grad_norm_proxy(spec, root: Path, scale: str, out: Path, task=None, sequences: int = 32) -> Path:
+def draw_grad_norm_proxy(spec, measured: Path | None, scale: str, out: Path) -> Path:
     """Kind ``grad_norm_proxy``: exact per-sequence squared gradient norms against OTB's proxy (and OPO's,
-    the response length) on one batch of held-out prompts, sampled from the final checkpoint of the
-    figure's sync run; the numbers go to a JSON beside the PNG."""
+    the response length), as ``python -m vcpo.sim.grad_norms`` measured them (its JSON)."""
     if scale == "paper":
         reason = (
             "not produced at paper scale: this generator samples with the CPU simulator's rollout code and "
@@ -310,34 +247,13 @@ def draw_grad_norm_proxy(spec, root: Path, scale: str, out: Path, task=None, seq
             "checkpoint (checkpoints/global_step_N/actor/huggingface) would need a GPU generation harness."
         )
         return message_figure(out, spec, scale, reason)
-    name = spec_tasks(spec, task)[0]
-    found = [d for d in run_dirs(root, name, "sync", 0) if (d / "final").is_dir() and (d / "config.json").exists()]
-    if not found:
-        return message_figure(out, spec, scale, f"No data: no finished run {name}/sync/lag0/seed*/final below {root}.")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from vcpo.sim.tasks import get_sim_task
-
-    run = found[0]
-    config = json.loads((run / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=getattr(torch, config["learner_dtype"]))
-    tokenizer = AutoTokenizer.from_pretrained(run / "final")
-    problems = get_sim_task(config["task"]).problems("validation")[:sequences]
-    temperature, max_tokens = config["temperature"], config["max_response_tokens"]
-    batch = sample_responses(model, tokenizer, problems, max_tokens, temperature, seed_of(run))
-    exact, proxy = exact_and_proxy(model, batch, temperature)
-    lengths = batch.mask.sum(-1).numpy().astype(float)
-    otb, opo = correlations(exact, proxy), correlations(exact, lengths)
-    result = {
-        "figure": spec["paper"], "scale": scale, "run": str(run), "task": config["task"],
-        "sequences": len(exact), "temperature": temperature, "max_response_tokens": max_tokens,
-        "score": "sum_t log pi(y_t), gradient over all trainable parameters",
-        "otb_proxy": otb, "opo_length": opo, "exact_sq_norms": exact.tolist(),
-        "logit_energy_proxy": proxy.tolist(), "response_tokens": lengths.tolist(),
-    }  # fmt: skip
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    if measured is None or not Path(measured).exists():
+        return message_figure(out, spec, scale, f"No data: no measurement {measured} (python -m vcpo.sim.grad_norms).")
+    result = json.loads(Path(measured).read_text())
+    if "missing" in result:
+        return message_figure(out, spec, scale, f"No data: {result['missing']}.")
+    exact, proxy, lengths = (np.array(result[key]) for key in ("exact_sq_norms", "logit_energy_proxy", "response_tokens"))
+    otb, opo = result["otb_proxy"], result["opo_length"]
     fig, ax = pyplot().subplots(figsize=(7, 5.2), layout="constrained")
     points = ax.scatter(proxy, exact, c=lengths, cmap="viridis", s=22)
     fig.colorbar(points, ax=ax, label="response tokens (OPO's proxy)")
@@ -351,7 +267,7 @@ def draw_grad_norm_proxy(spec, root: Path, scale: str, out: Path, task=None, seq
         f"length: Pearson {opo['pearson']:.2f}, Spearman {opo['spearman']:.2f}",
         fontsize=9,
     )
-    note = f"{len(exact)} held-out {config['task']} prompts, one response each (T = {temperature}), {run}"
+    note = f"{len(exact)} held-out {result['task']} prompts, one response each (T = {result['temperature']}), {result['run']}"
     label_figure(fig, spec["title"], spec["paper"], scale, [note])
     return save(fig, out)
 
@@ -364,7 +280,7 @@ def draw_figure(
     task: str | list[str] | None = None,
     lag: int | None = None,
     seeds: str = "all",
-    overhead_json: Path | None = None,
+    measured: Path | None = None,
 ) -> Path:
     """Figure ``figure_id`` of figures.yaml from the runs below ``runs``; returns the PNG written."""
     specs = figure_specs()
@@ -376,5 +292,5 @@ def draw_figure(
     if spec["kind"] == "lag_sweep":
         return draw_lag_sweep(spec, runs, scale, out, task, lag)
     if spec["kind"] == "overhead":
-        return draw_overhead(spec, overhead_json, scale, out)
-    return draw_grad_norm_proxy(spec, runs, scale, out, task)
+        return draw_overhead(spec, measured, scale, out)
+    return draw_grad_norm_proxy(spec, measured, scale, out)

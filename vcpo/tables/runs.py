@@ -3,7 +3,7 @@
 Runs live at ``RUNS/<task>/<method>/lag<k>/seed<s>/``; a sync run is always read at lag 0. Two layouts:
   simulator (``python -m vcpo.sim``): ``metrics.jsonl`` of flat objects, ``final/eval.json`` when finished;
   verl (``python -m vcpo.launch``): ``metrics.jsonl`` of ``{"step", "data": {...}}`` objects from verl's
-  file logger, ``eval/summary.json`` from ``python -m eval``, ``launch.json`` (settings).
+  file logger, ``eval/summary.json`` from ``python -m vcpo.evaluation``, ``launch.json`` (settings).
 Both become a list of flat dicts ``{"step": int, **metrics}``, so every consumer is backend-agnostic.
 """
 
@@ -149,7 +149,7 @@ def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[di
 
 
 def evaluated_accuracy(run_dir: Path, benchmark: str | None) -> float | None:
-    """``mean_at_n`` of ``benchmark`` in ``run_dir/eval/summary.json`` (python -m eval), if evaluated."""
+    """``mean_at_n`` of ``benchmark`` in ``run_dir/eval/summary.json`` (python -m vcpo.evaluation), if evaluated."""
     summary = Path(run_dir) / "eval" / "summary.json"
     if benchmark is None or not summary.exists():
         return None

@@ -2,7 +2,7 @@
 
 Each number is the mean and min-max over seeds, beside the paper's published value
 (``paper_results.yaml``). Every accuracy comes from ``vcpo.evaluation``'s harness: at paper scale
-``python -m eval`` of the final checkpoints and of the base model (``<task>/base/eval``); at smoke scale
+``python -m vcpo.evaluation`` of the final checkpoints and of the base model (``<task>/base/eval``); at smoke scale
 the simulator's evaluations, the base row being its step-0 evaluation of the SFT base (verl's own
 step-0 validation samples at other settings, so a verl run has no base row without the base evaluation). Compute: at smoke scale CPU-hours = the logged ``timing_s/step`` +
 ``timing_s/testing`` of one process / 3600 (not comparable to the paper's GPU-hours); at paper scale

@@ -215,10 +215,14 @@ class SandboxResult:
         return self.status is SandboxStatus.TIMEOUT
 
 
+# Wall-clock limit of a program when the caller names none: the paper-scale tool's (recipes/tools).
+DEFAULT_TIMEOUT_S = 10.0
+
+
 def run_python(
     code: str,
     *,
-    timeout_s: float = 10.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     cpu_time_s: int | None = None,
     memory_mb: int = 1024,
     max_output_bytes: int = 64 * 1024,

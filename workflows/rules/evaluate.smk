@@ -1,7 +1,7 @@
 # Evaluation. Smoke scale: the simulator evaluates every run on its held-out split during training and
 # at the end (final/eval.json, written by the train rule) through vcpo.evaluation, the harness behind
-# python -m eval; python -m eval itself would ask the simulator's tiny models prompts in another format.
-# Paper scale: python -m eval, with the paper's sampling settings (eval/benchmarks.yaml) and the
+# python -m vcpo.evaluation; python -m vcpo.evaluation itself would ask the simulator's tiny models prompts in another format.
+# Paper scale: python -m vcpo.evaluation, with the paper's sampling settings (recipes/benchmarks.yaml) and the
 # benchmarks the config lists per task, on the Hugging Face weights of each run's final checkpoint and
 # on the base model the runs start from (Table 1's base row). Accuracy against step comes from verl's
 # own validation (trainer.test_freq), so intermediate checkpoints are not evaluated.
@@ -17,7 +17,7 @@ if config["backend"] == "verl":
         return next(paper for paper, task in config["tasks"].items() if task == scale_task)
 
     def eval_params(wildcards):
-        """python -m eval options shared by the run and base evaluations: the task's benchmarks, and its
+        """python -m vcpo.evaluation options shared by the run and base evaluations: the task's benchmarks, and its
         rollouts' multi-turn tool settings (SimpleTIR), so that a checkpoint is measured as it was trained."""
         source = config["data"].get("source_dir")
         return " ".join(
@@ -55,7 +55,7 @@ if config["backend"] == "verl":
         shell:
             # the latest checkpoint verl saved (with its Hugging Face weights: recipes/verl.yaml)
             "step=$(cat {params.checkpoints:q}/latest_checkpointed_iteration.txt);"
-            " python -m eval --model {params.checkpoints:q}/global_step_$step/actor/huggingface"
+            " python -m vcpo.evaluation --model {params.checkpoints:q}/global_step_$step/actor/huggingface"
             ' --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
 
     rule evaluate_base:
@@ -71,7 +71,7 @@ if config["backend"] == "verl":
         log:
             f"{R}/logs/eval/{{task}}-base.log",
         shell:
-            'python -m eval --model {params.model:q} --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
+            'python -m vcpo.evaluation --model {params.model:q} --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
 
 
 def run_outputs(runs):

@@ -1,11 +1,17 @@
 # Tables, figures and the provenance, each marked for the report (snakemake --report).
 
 
+# Figures drawn from a measurement file instead of run metrics, and that file.
+MEASUREMENTS = {"overhead": f"{R}/benchmarks/opob_overhead.json", "grad_norm_proxy": f"{R}/measurements/{{figure}}.json"}
+
+
+def measurement(figure):
+    return MEASUREMENTS[figure.kind].format(figure=figure.name)
+
+
 def figure_inputs(wildcards):
     figure = PLAN.figures[wildcards.figure]
-    if figure.kind == "overhead":
-        return [f"{R}/benchmarks/opob_overhead.json"]
-    return run_outputs(figure.runs)
+    return [measurement(figure)] if figure.kind in MEASUREMENTS else run_outputs(figure.runs)
 
 
 def figure_args(wildcards):
@@ -13,9 +19,23 @@ def figure_args(wildcards):
     args = [f"--task {task}" for task in figure.tasks]
     if figure.lag is not None:
         args.append(f"--lag {figure.lag}")
-    if figure.kind == "overhead":
-        args.append(f"--overhead-json {shlex.quote(R + '/benchmarks/opob_overhead.json')}")
+    if figure.kind in MEASUREMENTS:
+        args.append(f"--measured {shlex.quote(measurement(figure))}")
     return " ".join(args)
+
+
+rule grad_norm_measurement:
+    input:
+        lambda wildcards: run_outputs(PLAN.figures[wildcards.figure].runs),
+    output:
+        f"{R}/measurements/{{figure}}.json",
+    params:
+        task=lambda wildcards: PLAN.figures[wildcards.figure].tasks[0],
+    log:
+        f"{R}/logs/measurements/{{figure}}.log",
+    threads: 1
+    shell:
+        "python -m vcpo.sim.grad_norms --runs {R:q}/runs --task {params.task} --out {output:q} > {log:q} 2>&1"
 
 
 rule figure:

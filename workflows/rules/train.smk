@@ -100,7 +100,7 @@ else:
     if workflow.is_main_process:
         check_launch_args()
 
-    # launch.cpu_steps: every run goes through python -m vcpo.verl_plugin.cpu instead, verl's own trainer on
+    # launch.cpu_steps: every run goes through python -m vcpo.launch.cpu instead, verl's own trainer on
     # this CPU with the tiny sizes of vcpo.verl_plugin.cpu.recipe, for that many steps, from one tiny model
     # (CPU_MODEL) in place of the recipe's: the paper workflow's rules executed without a GPU.
     CPU_STEPS = config.get("launch", {}).get("cpu_steps")
@@ -117,7 +117,7 @@ else:
                 "python -m vcpo.tiny {CPU_MODEL:q} > {log:q} 2>&1"
 
     def launch_command(wildcards):
-        """The run's command line: vcpo.launch on GPUs, or vcpo.verl_plugin.cpu (absolute paths: it runs
+        """The run's command line: vcpo.launch on GPUs, or vcpo.launch.cpu (absolute paths: it runs
         verl from the run's folder)."""
         q = shlex.quote
         run = [f"--task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag} --seed {wildcards.seed}"]
@@ -127,7 +127,7 @@ else:
         files = launcher_run(wildcards)
         train, val = (str(Path(files.data_files(which)[0]).resolve()) for which in ("train", "val"))
         return " ".join(
-            ["python -m vcpo.verl_plugin.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
+            ["python -m vcpo.launch.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
              f"--model {q(str(Path(CPU_MODEL).resolve()))} --train {q(train)} --val {q(val)} --", args]
         )  # fmt: skip
 

@@ -97,7 +97,6 @@ from torch import nn
 from vcpo.core.per_sequence_grads.functions import (
     HF_RMS_NORM_CLASSES,
     _check_module_options,
-    _check_same_forward,
     module_kind,
 )
 from vcpo.core.per_sequence_grads.reductions import (
@@ -109,7 +108,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     check_cu_seqlens,
     wide_dtype,
 )
-from vcpo.core.per_sequence_grads.sites import _buckets, _MicroBatch, _Site
+from vcpo.core.per_sequence_grads.sites import _buckets, _check_same_forward, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 

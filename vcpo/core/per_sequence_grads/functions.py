@@ -3,16 +3,9 @@ module's site instead, and the module kinds they serve (Linear, Conv1D, Embeddin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from vcpo.core.per_sequence_grads.reductions import rms_normalize
-
-if TYPE_CHECKING:
-    from vcpo.core.per_sequence_grads.sites import _Site
 
 # HF RMSNorm classes whose forward is  weight * (x·rsqrt(mean(x²) + eps)) computed in float32.
 # Matched by name so that vcpo.core does not import transformers; every matched module is
@@ -126,31 +119,3 @@ def _check_module_options(name: str, kind: str, module: nn.Module) -> None:
         )
 
 
-def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:
-    """The module's forward with its parameters routed through the per-sequence functions."""
-    module, kind = site.module, site.kind
-    if kind in ("linear", "conv1d"):
-        return _OuterProductFunction.apply(x, module.weight, module.bias, site)
-    if kind == "embedding":
-        return _EmbeddingFunction.apply(x, module.weight, site)
-    if kind == "layer_norm":
-        x_hat = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
-    else:
-        x_hat = rms_normalize(x, module.variance_epsilon)
-    return _AffineFunction.apply(x_hat, module.weight, module.bias if kind == "layer_norm" else None, site)
-
-
-def _check_same_forward(name: str, site: _Site) -> None:
-    """The handler must reproduce the module's own forward (guards name-matched HF classes)."""
-    module = site.module
-    width = module.nx if site.kind == "conv1d" else module.weight.shape[-1]
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(2, 3, width, generator=generator).to(module.weight.device, module.weight.dtype)
-    with torch.no_grad():
-        expected = type(module).forward(module, probe)
-        actual = _kind_forward(site, probe)
-    tolerance = 1e-2 if module.weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
-    if expected.shape != actual.shape or not torch.allclose(expected, actual, rtol=tolerance, atol=tolerance):
-        raise ValueError(
-            f"module {name!r} ({type(module).__name__}) does not compute what its handler assumes; it is not supported"
-        )

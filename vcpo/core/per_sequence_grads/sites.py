@@ -4,12 +4,13 @@ per-sequence gradients to squared norms and to the coefficient combinations (G_R
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vcpo.core.per_sequence_grads.functions import _kind_forward
+from vcpo.core.per_sequence_grads.functions import _AffineFunction, _EmbeddingFunction, _OuterProductFunction
 from vcpo.core.per_sequence_grads.reductions import (
     BUCKET_SLACK,
     MIN_BLOCK_ROWS,
@@ -19,20 +20,32 @@ from vcpo.core.per_sequence_grads.reductions import (
     length_buckets,
     per_sample_outer,
     prefers_ghost,
+    rms_normalize,
     rows_at_ids,
     sparse_rows_sq_norms,
     wide_dtype,
     widened,
 )
 
-if TYPE_CHECKING:
-    from vcpo.core.per_sequence_grads import PerSequenceGradients
+
+class Engine(Protocol):
+    """What a site reads of its ``PerSequenceGradients`` (which builds the sites, so this module cannot
+    import it)."""
+
+    mode: str
+    tied_params: set[int]
+
+    def active_micro_batch(self, name: str) -> _MicroBatch: ...
+    def block_bytes(self, like: torch.Tensor) -> int: ...
+    def pass_cost(self, like: torch.Tensor) -> float: ...
+    def score_buffer(self, label, param: torch.Tensor) -> torch.Tensor: ...
+    def reward_buffer(self, param: torch.Tensor) -> torch.Tensor: ...
 
 @dataclass(eq=False)
 class _Site:
     """One handled module: installs its per-sequence forward and routes its backward to the micro-batch."""
 
-    engine: PerSequenceGradients
+    engine: Engine
     name: str
     module: nn.Module
     kind: str
@@ -202,7 +215,7 @@ class _TiedState:
 class _MicroBatch:
     """Accumulates one micro-batch: squared norms, and k combinations into p.grad and the score buffers."""
 
-    engine: PerSequenceGradients
+    engine: Engine
     coefficients: torch.Tensor  # (k, B) float64: row 0 = c^R, row 1 + j = c^S of the sequences of labels[j]
     labels: list
     sq_norms: torch.Tensor  # (B,) float64
@@ -384,3 +397,33 @@ class _MicroBatch:
                 f"modules {missing[:3]} ran a forward inside `micro_batch` but their backward did not run inside "
                 "it; call backward() inside the `with engine.micro_batch(...)` block"
             )
+
+
+def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward with its parameters routed through the per-sequence functions."""
+    module, kind = site.module, site.kind
+    if kind in ("linear", "conv1d"):
+        return _OuterProductFunction.apply(x, module.weight, module.bias, site)
+    if kind == "embedding":
+        return _EmbeddingFunction.apply(x, module.weight, site)
+    if kind == "layer_norm":
+        x_hat = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    else:
+        x_hat = rms_normalize(x, module.variance_epsilon)
+    return _AffineFunction.apply(x_hat, module.weight, module.bias if kind == "layer_norm" else None, site)
+
+
+def _check_same_forward(name: str, site: _Site) -> None:
+    """The handler must reproduce the module's own forward (guards name-matched HF classes)."""
+    module = site.module
+    width = module.nx if site.kind == "conv1d" else module.weight.shape[-1]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(2, 3, width, generator=generator).to(module.weight.device, module.weight.dtype)
+    with torch.no_grad():
+        expected = type(module).forward(module, probe)
+        actual = _kind_forward(site, probe)
+    tolerance = 1e-2 if module.weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    if expected.shape != actual.shape or not torch.allclose(expected, actual, rtol=tolerance, atol=tolerance):
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) does not compute what its handler assumes; it is not supported"
+        )

@@ -12,7 +12,7 @@ its workers, agent loop, rollout replicas and reward loop). Nothing here edits v
 * :mod:`.checkpoint`: a checkpoint engine over Ray's object store (``checkpoint_engine.backend=ray``) for
   the ``separate_async`` trainer, whose device transports (NCCL, ...) do not exist on CPU;
 * :mod:`.recipe`: the Hydra overrides of the tiny CPU recipe and its data, and the launcher
-  ``python -m vcpo.verl_plugin.cpu``.
+  ``python -m vcpo.launch.cpu``.
 
 Loading: every verl process must import this package before its first device question. verl imports
 the modules listed in ``VERL_USE_EXTERNAL_MODULES`` inside ``import verl``, so the launcher sets

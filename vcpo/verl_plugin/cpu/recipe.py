@@ -2,7 +2,7 @@
 
 Why it exists: one place that says how verl 0.9.1's real trainer is run on a 2-core CPU machine
 (a tiny ``vcpo.tiny`` model, 4 prompts x 2 responses, 16-token responses), so that the slow test, the
-launcher ``python -m vcpo.verl_plugin.cpu`` share one list. It is applied on top of a ``vcpo.launch`` run
+launcher ``python -m vcpo.launch.cpu`` share one list. It is applied on top of a ``vcpo.launch`` run
 (task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout engine
 and device replaced. Every override is explained next to it in :func:`cpu_overrides`.
 

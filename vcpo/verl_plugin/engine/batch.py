@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
-from vcpo.core import token_log_ratio
+from vcpo.core import sequence_log_ratio, token_log_ratio
 from vcpo.core.per_sequence_grads.reductions import widened
 
 
@@ -63,7 +63,7 @@ def response_log_probs(model_output: dict, data: TensorDict) -> tuple[torch.Tens
 
 def sequence_log_weights(log_prob: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     r = token_log_ratio(log_prob, behav, mask)
-    return (r * mask).sum(-1).to(torch.float64)
+    return sequence_log_ratio(r, mask).to(torch.float64)
 
 
 def reward_key(data: TensorDict) -> str:

@@ -1,4 +1,4 @@
-"""python -m eval --model PATH --benchmarks gsm8k,math500 --out DIR [options]
+"""python -m vcpo.evaluation --model PATH --benchmarks gsm8k,math500 --out DIR [options]
 
 Samples n completions per problem (vLLM on GPU machines, transformers otherwise), scores them with
 vcpo.rewards under both answer formats (strict: the format the prompt asks for; lenient: also a bare
@@ -17,13 +17,14 @@ from verl.experimental.agent_loop.tool_parser import ToolParser
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation import BACKENDS, run_evaluation
 from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl_multi_turn_defaults
+from vcpo.recipes import recipes_dir
 from vcpo.rewards import ANSWER_FORMATS
 
-BENCHMARKS_FILE = Path(__file__).with_name("benchmarks.yaml")
+BENCHMARKS_FILE = recipes_dir() / "benchmarks.yaml"  # the paper's sampling settings per benchmark
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.evaluation", description=__doc__.split("\n\n")[1])
     parser.add_argument(
         "--model",
         required=True,
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--limit", type=int, help="evaluate only the first K problems of each benchmark")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
-    parser.add_argument("--source-dir", type=Path, help="local benchmark files (as in shared/data) instead of the hub")
+    parser.add_argument("--source-dir", type=Path, help="local benchmark files (<benchmark>/<split>.jsonl) instead of the hub")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (transformers backend)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""``python -m vcpo.verl_plugin.cpu --out DIR [--task T] [--method M] [--lag K] [--steps N] [--print] [-- OVERRIDES]``.
+"""``python -m vcpo.launch.cpu --out DIR [--task T] [--method M] [--lag K] [--steps N] [--print] [-- OVERRIDES]``.
 
 Runs a ``vcpo.launch`` run (task x method x lag: its loss, engine keys, asynchrony mapping and optimizer)
 through verl 0.9.1's own trainer (``python -m verl.trainer.main_ppo``) on this CPU machine, with the tiny
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m vcpo.verl_plugin.cpu", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.launch.cpu", description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", required=True, help="run folder (model, data, metrics.jsonl, checkpoints)")
     parser.add_argument("--task", default="gsm8k", help="vcpo.launch task recipe")
     parser.add_argument("--method", default="vcpo", help="method preset (vcpo: seq-TIS + OPOB + ESS step size)")
