@@ -155,3 +155,19 @@ def test_unknown_task_or_size_is_named():
         base.sft_base("nonesuch")
     with pytest.raises(ValueError, match="huge.*known: tiny"):
         base.sft_base("countdown", "huge")
+
+
+def test_a_base_trains_on_one_thread_whatever_its_builder_has(tmp_path, monkeypatch):
+    """The thread count changes the order of floating-point reductions: the SFT runs on SFT_THREADS, and the
+    caller's setting comes back afterwards."""
+    task = small("arithmetic", train_size=64, validation_size=8)
+    seen = []
+    train_sft = base.train_sft
+    monkeypatch.setattr(base, "train_sft", lambda *a, **k: seen.append(torch.get_num_threads()) or train_sft(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        base.sft_base(task, "tiny", steps=3, cache_dir=tmp_path, progress=False)
+        assert seen == [base.SFT_THREADS] == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

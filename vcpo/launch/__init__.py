@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, step_rule
+from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, run_lag, step_rule
 from vcpo.recipes import Task, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
 
@@ -95,25 +95,20 @@ def make_run(
     seed: int = 0,
     data_dir: Path | str = "data",
     output_dir: Path | str = "results/verl",
+    default_lag: int | None = None,
 ) -> Run:
-    """The run for ``--task --method [--lag] [--seed]``; the lag defaults to the task's (paper) value.
-
-    A method that fixes its lag (``max_lag`` in the preset: sync = 0) refuses another ``--lag``.
-    """
+    """The run for ``--task --method [--lag] [--seed]``; the lag defaults to ``default_lag``, else the task's
+    (paper) value (``vcpo.methods.run_lag``: a method that fixes its lag refuses another ``--lag``)."""
     task_recipe = get_task(task)
     try:
         method_preset = get_method(method)
     except ValueError as error:
         raise LaunchError(f"{error} (--method)") from None
-    forced = method_preset.spec.get("max_lag")
-    if forced is not None and lag is not None and lag != forced:
-        raise LaunchError(f"--lag {lag}: method {method!r} fixes the policy lag to {forced} (max_lag in its preset)")
-    if lag is not None and lag < 0:
-        raise LaunchError(f"--lag must be >= 0, got {lag}")
-    steps = task_recipe.paper["training_steps"]
-    if lag is not None and lag > steps:
-        raise LaunchError(f"--lag {lag}: task {task!r} trains {steps} steps, a lag above that cannot be reached (lag <= steps)")
-    resolved_lag = forced if forced is not None else (lag if lag is not None else task_recipe.paper["max_lag"])
+    try:
+        default = task_recipe.paper["max_lag"] if default_lag is None else default_lag
+        resolved_lag = run_lag(method, lag, default, task_recipe.paper["training_steps"])
+    except ValueError as error:
+        raise LaunchError(f"--lag: {error} (task {task!r})") from None
     return Run(task_recipe, method_preset, resolved_lag, seed, Path(data_dir), Path(output_dir))
 
 

@@ -14,7 +14,6 @@ it must be set before ``import verl``, so verl's trainer is never imported here)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import subprocess
 import sys
@@ -37,7 +36,8 @@ from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_d
 def build(args: argparse.Namespace, extra: list[str]):
     """The run, its checked config, command and environment (writes the tiny model and data if missing)."""
     out = Path(args.out).resolve()
-    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out)
+    # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
+    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
@@ -49,8 +49,6 @@ def build(args: argparse.Namespace, extra: list[str]):
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
         train, val = args.train, args.val
-    if args.lag is None and run.method.spec.get("max_lag") is None:
-        run = dataclasses.replace(run, lag=1)  # a few CPU steps would not reach the task's lag
     env = environment(out, run_environment(run))
     overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0)
     overrides += [

@@ -72,12 +72,12 @@ def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimCon
     return configs
 
 
-def _run_subprocess(config: SimConfig, threads: int) -> int:
+def _run_subprocess(config: SimConfig) -> int:
     overrides = [f"{field.name}={as_override_text(getattr(config, field.name))}" for field in dataclasses.fields(config)
                  if field.name not in ("extra",) and getattr(config, field.name) != getattr(SimConfig(), field.name)]
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "vcpo.sim", "train", *overrides, f"threads={threads}", "progress=false"]
+    command = [sys.executable, "-m", "vcpo.sim", "train", *overrides, "progress=false"]
     with open(out / "train.log", "a") as log:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}).returncode
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--lag-model", dest="lag_model")
     sweep.add_argument("--steps", type=int)
     sweep.add_argument("--out", type=Path, required=True)
-    sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel, one torch thread each")
+    sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel (each with the config's threads, default one)")
     commands.add_parser("keys", help="list configuration keys and defaults")
     args, overrides = parser.parse_known_args(argv)
     unknown_flags = [item for item in overrides if item.startswith("--")]
@@ -131,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     todo = [config for config in configs if not is_finished(Path(config.out))]
     print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {args.jobs} at a time")
-    threads = 1 if args.jobs > 1 else 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        codes = list(pool.map(lambda config: _run_subprocess(config, threads), todo))
+        codes = list(pool.map(_run_subprocess, todo))
     failed = [config.out for config, code in zip(todo, codes, strict=True) if code != 0]
     for out in failed:
         print(f"failed: {out} (see {out}/train.log)", file=sys.stderr)

@@ -190,7 +190,7 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None) -> 
             kind, payload = job
             if kind == "base":
                 task, seed = payload
-                command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed), "--threads", "1"]
+                command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed)]
                 log_path = Path(root) / "bases" / f"{task}-seed{seed}.log"
                 label = f"SFT base {task} seed {seed}"
             else:

@@ -102,7 +102,7 @@ class Trainer:
         if method.spec.get("kl_in_reward_beta"):
             ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.learner = Learner(self.model, method, config, ref_model=ref_model)
-        self.lag = config.effective_lag
+        self.lag = config.lag
 
         self.train_problems = self.task.problems("train")
         self.eval_problems = self.task.problems("validation")[: config.eval_problems]
@@ -315,7 +315,7 @@ class Trainer:
         resolved = {
             **self.config.recorded(),
             "base": str(self.base),
-            "effective_lag": self.lag,
+            "effective_lag": self.lag,  # what the study tables read (the same as lag since validation enforces it)
             "base_lr": self.config.base_lr,
             "resolved_rollout_dtype": self.config.resolved_rollout_dtype,
             "method_preset": self.config.method_preset.spec,

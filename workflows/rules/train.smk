@@ -20,18 +20,17 @@ def training_priority(wildcards):
 
 
 if config["backend"] == "sim":
-    BASE_TASKS = {run.task for run in PLAN.runs}
 
     rule sft_base:
         output:
             f"{R}/bases/{{task}}.txt",
         log:
             f"{R}/logs/sft_base/{{task}}.log",
-        # Every training waits for its base: the bases are built side by side, sharing the cores
-        # (SFT runs only 1.45x faster on two threads than on one).
-        threads: lambda wildcards: max(1, workflow.cores // len(BASE_TASKS))
+        # Every training waits for its base; a base trains on one thread (vcpo.sim.base.SFT_THREADS: the
+        # same base whatever the cores), so the bases are built side by side.
+        threads: 1
         shell:
-            f"python -m vcpo.sim.base --task {{wildcards.task}} {sim_base_args(config)} --threads {{threads}}"
+            f"python -m vcpo.sim.base --task {{wildcards.task}} {sim_base_args(config)}"
             " > {output:q} 2> {log:q}"
 
     rule train:
