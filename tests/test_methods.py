@@ -207,3 +207,24 @@ def test_the_step_rule_is_read_from_the_preset_once():
     # ρ_ess = 0.25 under the sqrt rule with ρ_on = 1: the step shrinks to sqrt(0.25) = 0.5 (VCPO Eq. 5)
     assert vcpo.lr_scale(0.25) == pytest.approx(0.5) and step_rule("tis_opob").lr_scale(0.25) == 1.0
     assert not step_rule("seq_tis_c8").active and step_rule("opob_only") == step_rule("tis_opob")
+
+
+def test_the_preset_schemas_enums_are_the_codes_constants():
+    """The schema's choices are the ones the code implements, each named once in Python."""
+    from vcpo.core.aggregation import LOSS_AGG_MODES
+    from vcpo.core.ess import STEP_SIZE_RULES
+    from vcpo.methods import ADVANTAGE_ESTIMATORS, PRECISION_DTYPES
+    from vcpo.recipes import read_yaml, recipes_dir
+
+    schema = read_yaml(recipes_dir() / "methods" / "schema.yaml")
+
+    def enum_of(*path):
+        node = schema
+        for key in path:
+            node = node[key]
+        return node["enum"]
+
+    assert enum_of("properties", "loss", "properties", "agg") == list(LOSS_AGG_MODES)
+    assert enum_of("properties", "advantage", "properties", "estimator") == list(ADVANTAGE_ESTIMATORS)
+    assert enum_of("properties", "step_size", "properties", "params", "properties", "form") == list(STEP_SIZE_RULES)
+    assert enum_of("properties", "precision") == list(PRECISION_DTYPES)

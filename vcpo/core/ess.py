@@ -16,6 +16,8 @@ import torch
 from vcpo.core.validation import as_bool_mask, check_float, check_sequence_inputs
 
 STEP_SIZE_RULES = ("sqrt", "linear")
+# The ESS step size as VCPO states it (Eq. 5): square-root form, on-policy ratio 1, capped at the base rate.
+DEFAULT_RHO_ON, DEFAULT_STEP_SIZE_RULE, DEFAULT_CLAMP = 1.0, "sqrt", True
 
 
 def log_effective_sample_size(seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,7 +46,12 @@ def ess_ratio(seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) 
     return torch.exp(log_effective_sample_size(seq_log_weights, valid) - math.log(count))
 
 
-def ess_step_scale(ess_ratio_value: float | torch.Tensor, rho_on: float = 1.0, rule: str = "sqrt", clamp: bool = True) -> float:
+def ess_step_scale(
+    ess_ratio_value: float | torch.Tensor,
+    rho_on: float = DEFAULT_RHO_ON,
+    rule: str = DEFAULT_STEP_SIZE_RULE,
+    clamp: bool = DEFAULT_CLAMP,
+) -> float:
     """Learning-rate multiplier η_eff/η for one optimizer step (VCPO Eq. 5).
 
     rule "sqrt": sqrt(ρ_ess/ρ_on) (the paper); "linear": ρ_ess/ρ_on (offered by the official code).

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import VERL_POLICY_LOSSES, Method, get_method, run_lag, step_rule
+from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import Task, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
 
@@ -216,7 +216,7 @@ def method_overrides(run: Run) -> list[str]:
     if "norm_by_std" in advantage["params"]:
         settings.append(_set("algorithm.norm_adv_by_std_in_grpo", advantage["params"]["norm_by_std"]))
 
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}[spec["precision"]]
+    dtype = PRECISION_DTYPES[spec["precision"]]
     settings += [_set(f"{actor}.fsdp_config.dtype", dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
 
     beta = spec.get("kl_in_reward_beta")
@@ -241,8 +241,8 @@ def engine_overrides(run: Run) -> list[str]:
         # every Ray worker imports the engine module inside `import verl`, on a cluster started by `ray start` too
         _set(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}", ENGINE_MODULE),
     ]
-    if rule.ess:
-        settings.append(_set(f"+{actor}.policy_loss.rho_on", run.task.paper["rho_on"]))
+    if rule.ess and (rho_on := run_rho_on(None, run.task.paper)) is not None:
+        settings.append(_set(f"+{actor}.policy_loss.rho_on", rho_on))
     return settings
 
 

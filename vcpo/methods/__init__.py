@@ -22,6 +22,7 @@ import torch
 from vcpo.core import OpobCoefficients, ess_step_scale, group_reward_std, opob_baseline, opob_coefficients
 from vcpo.core.aggregation import OPOB_AGG_MODES
 from vcpo.core.baselines import OPOB_WEIGHT_LEVELS
+from vcpo.core.ess import DEFAULT_CLAMP, DEFAULT_RHO_ON, DEFAULT_STEP_SIZE_RULE
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
 
@@ -154,6 +155,12 @@ def get_method(name: str) -> Method:
     return methods[name]
 
 
+# A preset's ``precision`` (recipes/methods/schema.yaml) as a torch dtype name.
+PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# A preset's ``advantage.estimator`` (schema.yaml): verl's GRPO and OTB estimators, or OPOB (vcpo.core).
+ADVANTAGE_ESTIMATORS = ("grpo", "opob", "optimal_token_baseline")
+
+
 def fixed_lag(method: str) -> int | None:
     """The policy lag ``method``'s preset fixes (``max_lag``: 0 for the synchronous oracle), else None."""
     return get_method(method).spec.get("max_lag")
@@ -196,9 +203,9 @@ class StepRule:
     agg: str
     loss_params: dict[str, Any]
     ess: bool = False
-    rho_on: float = 1.0
-    form: str = "sqrt"
-    clamp: bool = True
+    rho_on: float = DEFAULT_RHO_ON
+    form: str = DEFAULT_STEP_SIZE_RULE
+    clamp: bool = DEFAULT_CLAMP
     opob: bool = False
     scope: str = "group"
     variant: str = "paper"
@@ -250,20 +257,31 @@ def step_rule(method: Method | str) -> StepRule:
     spec = method.spec
     step, advantage = spec["step_size"], spec["advantage"]
     step_params, adv_params = step.get("params", {}) or {}, advantage["params"]
-    return StepRule(
+    given = {key: step_params[key] for key in ("rho_on", "form", "clamp") if key in step_params}
+    given |= {key: adv_params[key] for key in ("scope", "variant", "norm_by_std") if key in adv_params}
+    return StepRule(  # what the preset does not state takes StepRule's defaults
         method=method.name,
         loss_name=method.loss_name,
         agg=spec["loss"]["agg"],
         loss_params=method.loss_params,
         ess=step["rule"] == "ess",
-        rho_on=float(step_params.get("rho_on", 1.0)),
-        form=step_params.get("form", "sqrt"),
-        clamp=bool(step_params.get("clamp", True)),
         opob=advantage["estimator"] == "opob",
-        scope=adv_params.get("scope", "group"),
-        variant=adv_params.get("variant", "paper"),
-        norm_by_std=bool(adv_params.get("norm_by_std", True)),
+        **given,
     )
+
+
+def check_loss_mode(method: str, loss_mode: str) -> None:
+    """A preset names the loss it parameterises: pairing it with another ``loss_mode`` would train another
+    method under its name. Raises ValueError."""
+    loss_name = get_method(method).loss_name
+    if loss_mode != loss_name:
+        raise ValueError(f"policy_loss.method={method!r} is a preset of loss {loss_name!r}, not of loss_mode {loss_mode!r}")
+
+
+def run_rho_on(explicit: float | None, task_paper: dict[str, Any]) -> float | None:
+    """The on-policy ESS ratio a run gives its ESS rule over its preset's (None: the preset's own): an
+    explicit setting, else its task's paper value (VCPO Table 5: 0.55 for multi-turn)."""
+    return explicit if explicit is not None else task_paper.get("rho_on")
 
 
 def default_method(loss_name: str) -> Method:

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vcpo.methods import Method, filed_lag, get_method, run_lag, step_rule
+from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ROLLOUT_DTYPES = (*DTYPES, "preset")
-PRESET_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
 # factor applied to the simulator's own reference learning rate (low_lr: 1e-7 -> x0.1).
 PAPER_REFERENCE_LR = 1.0e-6
@@ -119,11 +118,9 @@ class SimConfig:
     @property
     def resolved_rho_on(self) -> float | None:
         """The ESS rule's on-policy ratio: ``rho_on``, else the task's paper value, else None (the preset's)."""
-        if self.rho_on is not None:
-            return self.rho_on
         from vcpo.sim.tasks import get_sim_task
 
-        return get_sim_task(self.task).paper_settings.get("rho_on")
+        return run_rho_on(self.rho_on, get_sim_task(self.task).paper_settings)
 
     @property
     def batch_size(self) -> int:
@@ -136,7 +133,7 @@ class SimConfig:
     @property
     def resolved_rollout_dtype(self) -> str:
         if self.rollout_dtype == "preset":
-            return PRESET_PRECISION_DTYPE[self.method_preset.spec["precision"]]
+            return PRECISION_DTYPES[self.method_preset.spec["precision"]]
         return self.rollout_dtype
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config import PolicyLossConfig
 
 from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
-from vcpo.methods import default_method, get_method
+from vcpo.methods import check_loss_mode, default_method, get_method
 from vcpo.verl_shared import check_step_rule_applied, metrics_to_floats
 
 
@@ -59,10 +59,7 @@ def resolve_params(loss_name: str, policy_loss_config: Any) -> dict[str, Any]:
     get = getattr(policy_loss_config, "get", None)
     method_name = get("method", None) if get else None
     method = get_method(method_name) if method_name else default_method(loss_name)
-    if method.loss_name != loss_name:
-        raise ValueError(
-            f"policy_loss.method={method.name!r} is a preset of loss {method.loss_name!r}, not of loss_mode {loss_name!r}"
-        )
+    check_loss_mode(method.name, loss_name)
     params = method.loss_params
     overrides = dict(get("params", None) or {}) if get else {}
     unknown = sorted(set(overrides) - set(params))

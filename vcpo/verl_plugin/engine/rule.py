@@ -3,7 +3,7 @@ config), and the checks that refuse a configuration whose step the engine would 
 
 from __future__ import annotations
 
-from vcpo.methods import StepRule, step_rule
+from vcpo.methods import StepRule, check_loss_mode, step_rule
 from vcpo.verl_shared import ENGINE_MODEL_TYPE
 
 
@@ -19,9 +19,7 @@ def rule_from_loss_function(loss_function) -> StepRule | None:
         return None
     rule = step_rule(name).with_rho_on(getter("rho_on", None))
     if rule.active:
-        loss_mode = getter("loss_mode", None)
-        if loss_mode != rule.loss_name:
-            raise ValueError(f"policy_loss.method={name!r} is a preset of loss {rule.loss_name!r}, not {loss_mode!r}")
+        check_loss_mode(name, getter("loss_mode", None))
         agg = config.get("loss_agg_mode", None) if hasattr(config, "get") else None
         if agg is not None and agg != rule.agg:
             raise ValueError(
