@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from vcpo.methods import list_methods
-from vcpo.reproduction import ConfigError, PlannedRun, plan, provenance, sim_settings
+from vcpo.reproduction import PlannedRun, WorkflowConfigError, plan, provenance, sim_settings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
@@ -125,7 +125,7 @@ def test_a_broken_config_fails_when_the_plan_is_made_naming_the_key(name, change
     if message is None:
         plan(broken(name, **changes))
         return
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(WorkflowConfigError, match=re.escape(message)):
         plan(broken(name, **changes))
 
 
@@ -154,10 +154,10 @@ def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
     assert sim_base_args(config("ci")) == "--size tiny --seed 0"
     plan(with_file)
     regime.write_text("lr: 1.5e-4\nlag_modle: fixed\n")
-    with pytest.raises(ConfigError, match=re.escape(f"config file {str(regime)!r}: unknown config key 'lag_modle'")):
+    with pytest.raises(WorkflowConfigError, match=re.escape(f"config file {str(regime)!r}: unknown config key 'lag_modle'")):
         plan(with_file)
     regime.write_text("warmup_steps: 50\n")  # more than the CI runs' 12-20 steps
-    with pytest.raises(ConfigError, match="sim: run countdown/.*warmup_steps"):
+    with pytest.raises(WorkflowConfigError, match="sim: run countdown/.*warmup_steps"):
         plan(with_file)
 
 

@@ -11,7 +11,7 @@ from vcpo.core import opob_baseline
 from vcpo.methods import get_method
 from vcpo.sim.config import SimConfig
 from vcpo.sim.learner import Learner, collate, response_log_probs
-from vcpo.sim.rollout import TOOL_TOKEN, Generator, Rollouts, Sampling, ToolResult
+from vcpo.sim.rollout import TOOL_TOKEN, Rollouts, RolloutSampler, Sampling, ToolResult
 from vcpo.tiny import build_tiny_model, build_tiny_tokenizer
 
 GROUPS, GROUP_SIZE = 3, 4
@@ -46,7 +46,7 @@ class Run:
         self.step = 0
         self.rollouts = Rollouts(
             lag_model=lag_model, lag=lag, prompts_per_step=GROUPS, responses_per_prompt=GROUP_SIZE,
-            update_tokens=update_tokens, seed=1, prompts=prompts(tokenizer).__getitem__, num_problems=40, generator=Generator(tokenizer, sampling),
+            update_tokens=update_tokens, seed=1, prompts=prompts(tokenizer).__getitem__, num_problems=40, generator=RolloutSampler(tokenizer, sampling),
             model=copy.deepcopy(self.model).eval(), weights=lambda version: self.versions[version],
         )
 
@@ -174,7 +174,7 @@ def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):
     sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
     rollouts = Rollouts(
         lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=4, seed=0,
-        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, tool),
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=RolloutSampler(tokenizer, sampling, tool),
         model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
     )
     trajectories = rollouts.batch(0)
@@ -202,7 +202,7 @@ def test_tool_calls_beyond_the_budget_end_the_episode(tokenizer):
     sampling = Sampling(max_response_tokens=128, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=1)
     rollouts = Rollouts(
         lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=4, seed=0,
-        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=Generator(tokenizer, sampling, lambda code: ToolResult("1\n")),
+        prompts=prompts(tokenizer, 2).__getitem__, num_problems=2, generator=RolloutSampler(tokenizer, sampling, lambda code: ToolResult("1\n")),
         model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
     )
     for t in rollouts.batch(0):
@@ -244,7 +244,7 @@ def test_sampling_draws_what_generate_draws(tokenizer, sampler_model, attention)
     if attention == "grouped_query":
         use_grouped_query_sdpa(rollout_model)
     assert sampler_model.config.num_key_value_heads < sampler_model.config.num_attention_heads
-    Generator(tokenizer, sampling).extend(rollout_model, 0, trajectories, 12, seed=5)
+    RolloutSampler(tokenizer, sampling).extend(rollout_model, 0, trajectories, 12, seed=5)
 
     from vcpo.sim.rollout import left_padded, sampling_log_probs
 
@@ -267,7 +267,7 @@ def test_a_kept_cache_gives_what_a_full_prefill_gives(tokenizer, sampler_model, 
     """Rounds of 3 tokens with the same weights: the cache carried between rounds changes nothing."""
     sampling = Sampling(max_response_tokens=12, temperature=1.0, eos_token_ids=(0, 2), pad_token_id=0, kv_cache=kv_cache)
     cached, fresh = _trajectories(tokenizer), _trajectories(tokenizer)
-    generator = Generator(tokenizer, sampling)
+    generator = RolloutSampler(tokenizer, sampling)
     for round_ in range(4):
         generator.extend(sampler_model, 0, cached, 3, seed=round_)
         for t in fresh:
@@ -292,7 +292,7 @@ def test_keep_samples_the_new_weights_over_the_old_cache(tokenizer, sampler_mode
     for mode in ("keep", "recompute"):
         sampling = Sampling(max_response_tokens=20, temperature=1.0, eos_token_ids=(), pad_token_id=0, kv_cache=mode)
         trajectories = _trajectories(tokenizer, 2)
-        generator = Generator(tokenizer, sampling)
+        generator = RolloutSampler(tokenizer, sampling)
         generator.extend(sampler_model, 0, trajectories, 4, seed=0)
         generator.extend(newer, 1, trajectories, 1, seed=1)
         runs[mode] = trajectories
@@ -340,7 +340,7 @@ def test_multi_turn_behaviour_log_probs_cover_exactly_the_generated_tokens_acros
     rollouts = Rollouts(
         lag_model="pipeline", lag=2, prompts_per_step=2, responses_per_prompt=2, update_tokens=3, seed=0,
         prompts=prompts(tokenizer, 40).__getitem__, num_problems=40,
-        generator=Generator(tokenizer, sampling, lambda code: ToolResult("42\n")),
+        generator=RolloutSampler(tokenizer, sampling, lambda code: ToolResult("42\n")),
         model=model, weights=lambda version: {"scale": 0.5 * version},
     )
     spanning = 0
@@ -373,7 +373,7 @@ def test_a_tool_call_the_round_ended_after_still_runs(tokenizer, lag_model):
     rollouts = Rollouts(
         lag_model=lag_model, lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=64, seed=0,
         prompts=prompts(tokenizer, 2).__getitem__, num_problems=2,
-        generator=Generator(tokenizer, sampling, lambda code: ToolResult("42\n")),
+        generator=RolloutSampler(tokenizer, sampling, lambda code: ToolResult("42\n")),
         model=ScriptedModel(tokenizer, turns), weights=lambda version: {},
     )  # fmt: skip
     for t in rollouts.batch(0):

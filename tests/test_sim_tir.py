@@ -15,8 +15,8 @@ from vcpo.sim.rollout import (
     TOOL_CALL,
     TOOL_OUTPUT,
     TOOL_TOKEN,
-    Generator,
     Rollouts,
+    RolloutSampler,
     Sampling,
     ToolLog,
     ToolResult,
@@ -121,7 +121,7 @@ def test_the_tool_calls_of_a_round_run_concurrently():
         time.sleep(0.3)
         return ToolResult(code)
 
-    generator = Generator(tokenizer, sampling, sleepy)
+    generator = RolloutSampler(tokenizer, sampling, sleepy)
     calls = [(Trajectory(group=i, problem=i, prompt_ids=[1], admitted_at=0), f"print({i})") for i in range(8)]
     started = time.perf_counter()
     generator._run_tool_calls(calls + calls[:2])  # two responses repeat a program: it runs once
@@ -165,7 +165,7 @@ def test_a_policys_bad_program_costs_bounded_time_counts_as_an_error_and_leaves_
     im_end = tokenizer.convert_tokens_to_ids(END)
     timeout = 2.0
     sampling = Sampling(max_response_tokens=256, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
-    generator = Generator(tokenizer, sampling, sandbox_tool(timeout))
+    generator = RolloutSampler(tokenizer, sampling, sandbox_tool(timeout))
     rollouts = Rollouts(
         lag_model="fixed", lag=0, prompts_per_step=1, responses_per_prompt=2, update_tokens=8, seed=0,
         prompts=lambda i: tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), num_problems=1,

@@ -102,7 +102,7 @@ def load_folder(directory: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
 
 
 @dataclass(frozen=True)
-class Task:
+class TaskRecipe:
     """A resolved, schema-checked task recipe (``spec`` is the merged YAML mapping)."""
 
     name: str
@@ -123,9 +123,9 @@ class Task:
 
 
 @functools.cache
-def load_tasks() -> dict[str, Task]:
+def load_tasks() -> dict[str, TaskRecipe]:
     """Every task recipe of ``recipes/tasks``, by name."""
-    return {name: Task(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
+    return {name: TaskRecipe(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
 
 
 def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:

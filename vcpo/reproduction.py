@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
+class WorkflowConfigError(ValueError):
     """A workflow config that cannot run; the message starts with the config key at fault."""
 
 
@@ -83,38 +83,38 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
     """Figures, figure groups and tasks the config names exist (figure_specs checks the figures' methods)."""
     unknown = sorted(set(config["figures"]) - set(specs))
     if unknown:
-        raise ConfigError(f"figures: unknown figure(s) {unknown}; known: {sorted(specs)}")
+        raise WorkflowConfigError(f"figures: unknown figure(s) {unknown}; known: {sorted(specs)}")
     for key in ("core_figures", "full_length_figures"):
         unknown = sorted(set(config.get(key, [])) - set(config["figures"]))
         if unknown:
-            raise ConfigError(f"{key}: {unknown} are not in figures")
+            raise WorkflowConfigError(f"{key}: {unknown} are not in figures")
     known_tasks = _backend_tasks(config["backend"])
     for paper_task, task in config["tasks"].items():
         if task not in known_tasks:
-            raise ConfigError(
+            raise WorkflowConfigError(
                 f"tasks.{paper_task}: {task!r} is not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
             )
     for key, named in (("sim_tasks", config.get("sim_tasks") or {}), ("steps.tasks", config["steps"].get("tasks") or {})):
         unknown = sorted(set(named) - known_tasks)
         if unknown:
-            raise ConfigError(f"{key}: {unknown} are not tasks of the {config['backend']} backend; known: {sorted(known_tasks)}")
+            raise WorkflowConfigError(f"{key}: {unknown} are not tasks of the {config['backend']} backend; known: {sorted(known_tasks)}")
     from vcpo.methods import get_method
     from vcpo.recipes import load_tasks
 
     paper_tasks = set(load_tasks())
     unknown = sorted(set(config["tasks"]) - paper_tasks)
     if unknown:
-        raise ConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
+        raise WorkflowConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
     paper_lags = {str(spec["lag"]) for spec in specs.values() if spec.get("lag") is not None}
     paper_lags |= {str(task.paper["max_lag"]) for task in load_tasks().values()}
     unknown = sorted(set(config.get("lags", {})) - paper_lags, key=str)
     if unknown:
-        raise ConfigError(f"lags: {unknown} are not lags of the paper's figures or tasks; known: {sorted(paper_lags, key=int)}")
+        raise WorkflowConfigError(f"lags: {unknown} are not lags of the paper's figures or tasks; known: {sorted(paper_lags, key=int)}")
     for method in config.get("sim_methods", {}):
         try:
             get_method(method)
         except ValueError as error:
-            raise ConfigError(f"sim_methods: {error}") from None
+            raise WorkflowConfigError(f"sim_methods: {error}") from None
     if config["backend"] == "sim":
         _check_sim_entries(config)
 
@@ -128,13 +128,13 @@ def _check_sim_entries(config: dict[str, Any]) -> None:
         for name, settings in (config.get(key) or {}).items():
             base_keys = sorted(set(settings) & set(SIM_BASE_KEYS))
             if base_keys:
-                raise ConfigError(
+                raise WorkflowConfigError(
                     f"{key}.{name}: {base_keys} pick the SFT base every run of a task starts from; set them in sim"
                 )
             try:
                 apply_overrides(sim_start(config), {item: str(value) for item, value in settings.items()})
             except ValueError as error:
-                raise ConfigError(f"{key}.{name}: {error}") from None
+                raise WorkflowConfigError(f"{key}.{name}: {error}") from None
 
 
 def _backend_tasks(backend: str) -> set[str]:
@@ -173,7 +173,7 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
                 make_run(run.task, run.method, run.lag, run.seed)
         except ValueError as error:
             key = "sim" if config["backend"] == "sim" else "lags"
-            raise ConfigError(f"{key}: {where}: {error}") from None
+            raise WorkflowConfigError(f"{key}: {where}: {error}") from None
 
 
 def sim_start(config: dict[str, Any]):
@@ -208,7 +208,7 @@ def sim_settings(config: dict[str, Any], task: str, method: str) -> dict[str, An
 def _check_data(config: dict[str, Any]) -> None:
     source = (config.get("data") or {}).get("source_dir")
     if source and not Path(source).is_dir():
-        raise ConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files: <benchmark>/<split>.jsonl, see docs/data_rewards_evaluation.md)")
+        raise WorkflowConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files: <benchmark>/<split>.jsonl, see docs/data_rewards_evaluation.md)")
 
 
 def plan(config: dict[str, Any]) -> Plan:
@@ -239,7 +239,7 @@ def plan(config: dict[str, Any]) -> Plan:
     table1 = []
     for paper_task in config.get("table1_tasks", []):
         if paper_task not in config["tasks"]:
-            raise ConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
+            raise WorkflowConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
         task = config["tasks"][paper_task]
         high_lag = _scale_lag(config, paper_lag(paper_task))
         for key in ((task, "sync", 0), (task, "vcpo", high_lag)):

@@ -10,6 +10,6 @@ or parquet file; Countdown is generated offline with Reasoning Gym.
 
 from vcpo.data.build import build, load_rows
 from vcpo.data.sources import HubUnavailableError
-from vcpo.data.tasks import TASKS, Task
+from vcpo.data.tasks import TASKS, DatasetSpec
 
-__all__ = ["TASKS", "HubUnavailableError", "Task", "build", "load_rows"]
+__all__ = ["TASKS", "HubUnavailableError", "DatasetSpec", "build", "load_rows"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from vcpo.cli import output_folder_problem
 from vcpo.data.build import build, splits_for_source
 from vcpo.data.sources import HubUnavailableError
-from vcpo.data.tasks import TASKS, get_task
+from vcpo.data.tasks import TASKS, get_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if problem := output_folder_problem(Path(args.out)):
         parser.error(f"--out {args.out}: {problem}")
-    task = get_task(args.task)
+    task = get_dataset(args.task)
     written = []
     try:
         for split in [args.split] if args.split else splits_for_source(task, args.source):

@@ -15,7 +15,7 @@ from vcpo import __version__
 from vcpo.data.countdown import countdown_split, default_size
 from vcpo.data.fields import gold_of, original_answer_of, question_of
 from vcpo.data.sources import read_hub, read_local
-from vcpo.data.tasks import Task, check_split, get_task
+from vcpo.data.tasks import DatasetSpec, check_split, get_dataset
 from vcpo.rewards.countdown import countdown_ground_truth
 
 _PROGRESS_FROM_RECORDS = 10_000
@@ -30,7 +30,7 @@ def load_rows(
     it is the size of the whole generated set instead (default 10,000: 9,000 train and 1,000
     validation) and ``seed`` is the generation seed.
     """
-    spec = get_task(task)
+    spec = get_dataset(task)
     check_split(spec, split)
     if size is not None and size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
@@ -59,7 +59,7 @@ def build(
     With a local ``source`` and no ``split``, the split is the file's name (``test.jsonl`` -> test) or
     the task's only split.
     """
-    spec = get_task(task)
+    spec = get_dataset(task)
     splits = [split] if split is not None else splits_for_source(spec, source)
     if split is not None and source is not None:
         warn_if_the_name_says_another_split(spec, split, Path(source))
@@ -70,7 +70,7 @@ def build(
     return paths
 
 
-def _benchmark_rows(spec: Task, split: str, records: list[dict], source) -> list[dict[str, Any]]:
+def _benchmark_rows(spec: DatasetSpec, split: str, records: list[dict], source) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     gold_by_question: dict[str, str] = {}
     conflicts = 0
@@ -90,12 +90,12 @@ def _benchmark_rows(spec: Task, split: str, records: list[dict], source) -> list
     return rows
 
 
-def _countdown_row(spec: Task, split: str, index: int, entry: dict[str, Any]) -> dict[str, Any]:
+def _countdown_row(spec: DatasetSpec, split: str, index: int, entry: dict[str, Any]) -> dict[str, Any]:
     gold = countdown_ground_truth(entry["metadata"]["numbers"], entry["metadata"]["target"])
     return _row(spec, split, index, entry["question"], gold, entry["answer"])
 
 
-def _row(spec: Task, split: str, index: int, question: str, gold: str, original_answer: str) -> dict[str, Any]:
+def _row(spec: DatasetSpec, split: str, index: int, question: str, gold: str, original_answer: str) -> dict[str, Any]:
     return {
         "data_source": spec.data_source,
         "prompt": [{"role": "user", "content": spec.template.format(question=question)}],
@@ -115,7 +115,7 @@ def _seeded_subset(rows: list[dict], size: int | None, seed: int) -> list[dict]:
 SPLIT_NAMES = ("train", "test", "validation", "val", "dev")
 
 
-def warn_if_the_name_says_another_split(spec: Task, split: str, source: Path) -> None:
+def warn_if_the_name_says_another_split(spec: DatasetSpec, split: str, source: Path) -> None:
     """A source file named after another split (``--split train --source test.jsonl``) is written as asked,
     with a warning: its name suggests the run would train on held-out problems."""
     named = source.stem.lower()
@@ -124,7 +124,7 @@ def warn_if_the_name_says_another_split(spec: Task, split: str, source: Path) ->
                    "the manifest records the source", file=sys.stderr)
 
 
-def splits_for_source(spec: Task, source) -> list[str]:
+def splits_for_source(spec: DatasetSpec, source) -> list[str]:
     """The splits ``build`` writes when none is named: all, or the one a local ``source`` holds."""
     if source is None:
         return list(spec.splits)
@@ -138,7 +138,7 @@ def splits_for_source(spec: Task, source) -> list[str]:
     )
 
 
-def _describe_source(spec: Task, split: str, source, size: int | None, seed: int) -> dict[str, Any]:
+def _describe_source(spec: DatasetSpec, split: str, source, size: int | None, seed: int) -> dict[str, Any]:
     if spec.hub_id is None:
         import reasoning_gym
 
@@ -151,7 +151,7 @@ def _describe_source(spec: Task, split: str, source, size: int | None, seed: int
     return {"source": str(Path(source).resolve()), "source_sha256": _sha256(Path(source)), **subset}
 
 
-def _write_split(spec: Task, split: str, rows: list[dict], out_dir: Path, provenance: dict[str, Any]) -> Path:
+def _write_split(spec: DatasetSpec, split: str, rows: list[dict], out_dir: Path, provenance: dict[str, Any]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 

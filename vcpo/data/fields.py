@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from vcpo.data.tasks import GOLD_AFTER_HASHES, Task
+from vcpo.data.tasks import GOLD_AFTER_HASHES, DatasetSpec
 from vcpo.rewards.extract import last_boxed
 
 _QUESTION_KEYS = ("problem", "question", "prompt")
@@ -32,7 +32,7 @@ def question_of(record: dict[str, Any]) -> str:
     return _strip_dapo_wrapper(value.strip())
 
 
-def gold_of(record: dict[str, Any], task: Task) -> str:
+def gold_of(record: dict[str, Any], task: DatasetSpec) -> str:
     """The gold final answer of ``record`` as a normalised string."""
     answer = _answer_field(record)
     if task.gold_rule == GOLD_AFTER_HASHES:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from vcpo.data.tasks import Task
+from vcpo.data.tasks import DatasetSpec
 
 HUB_PROBE_TIMEOUT_S = 3.0
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -49,7 +49,7 @@ def read_local(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def read_hub(task: Task, split: str) -> list[dict[str, Any]]:
+def read_hub(task: DatasetSpec, split: str) -> list[dict[str, Any]]:
     """Every record of ``split`` of the task's hub dataset (or the local datasets cache when offline)."""
     if not _offline_mode() and not _hub_reachable():
         raise HubUnavailableError(_unreachable_message(task, split))
@@ -92,7 +92,7 @@ def _hub_reachable() -> bool:
     return connected == [True]
 
 
-def _unreachable_message(task: Task, split: str) -> str:
+def _unreachable_message(task: DatasetSpec, split: str) -> str:
     example = f" such as ../shared/data/{task.shared_files[split]}" if split in task.shared_files else ""
     return (
         f"cannot reach the Hugging Face hub for {task.hub_id} (split {split!r}); pass --source PATH "

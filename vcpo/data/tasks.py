@@ -23,7 +23,7 @@ GOLD_FINAL_ANSWER = "final_answer"
 
 
 @dataclass(frozen=True)
-class Task:
+class DatasetSpec:
     name: str
     ability: str
     template: str
@@ -47,14 +47,14 @@ class Task:
         return self.name
 
 
-def _math_task(name: str, hub_id: str, splits: tuple[str, ...], **details) -> Task:
-    return Task(name=name, ability="math", template=MATH_TEMPLATE, splits=splits, hub_id=hub_id, **details)
+def _math_task(name: str, hub_id: str, splits: tuple[str, ...], **details) -> DatasetSpec:
+    return DatasetSpec(name=name, ability="math", template=MATH_TEMPLATE, splits=splits, hub_id=hub_id, **details)
 
 
-TASKS: dict[str, Task] = {
+TASKS: dict[str, DatasetSpec] = {
     task.name: task
     for task in [
-        Task(
+        DatasetSpec(
             name="gsm8k",
             ability="math",
             template=GSM8K_TEMPLATE,
@@ -81,7 +81,7 @@ TASKS: dict[str, Task] = {
         _math_task("aime25", "math-ai/aime25", ("test",), shared_files={"test": "aime25/test.jsonl"}),
         _math_task("amc23", "math-ai/amc23", ("test",), shared_files={"test": "amc23/test.jsonl"}),
         _math_task("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", ("train",), dedupe_by_question=True),
-        Task(
+        DatasetSpec(
             name="countdown",
             ability="arithmetic",
             template=COUNTDOWN_TEMPLATE,
@@ -91,13 +91,13 @@ TASKS: dict[str, Task] = {
 }
 
 
-def get_task(name: str) -> Task:
+def get_dataset(name: str) -> DatasetSpec:
     try:
         return TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
 
 
-def check_split(task: Task, split: str) -> None:
+def check_split(task: DatasetSpec, split: str) -> None:
     if split not in task.splits:
         raise ValueError(f"task {task.name!r} has no split {split!r}; its splits: {', '.join(task.splits)}")

@@ -31,7 +31,7 @@ from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
-from vcpo.recipes import Task, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
+from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
@@ -46,7 +46,7 @@ class LaunchError(ValueError):
     """A run that cannot launch; the message names the recipe key or verl key at fault."""
 
 
-def get_task(name: str) -> Task:
+def get_task_recipe(name: str) -> TaskRecipe:
     """The task recipe of ``--task`` (a LaunchError naming the flag if there is none)."""
     tasks = load_tasks()
     if name not in tasks:
@@ -56,14 +56,14 @@ def get_task(name: str) -> Task:
 
 def paper_lag(task: str) -> int:
     """The paper's policy lag k of a task (its recipe's ``paper.max_lag``: Tables 3-5, Table 1's async row)."""
-    return int(get_task(task).paper["max_lag"])
+    return int(get_task_recipe(task).paper["max_lag"])
 
 
 @dataclass(frozen=True)
 class Run:
     """One training run: what `overrides` composes."""
 
-    task: Task
+    task: TaskRecipe
     method: Method
     lag: int
     seed: int = 0
@@ -99,7 +99,7 @@ def make_run(
 ) -> Run:
     """The run for ``--task --method [--lag] [--seed]``; the lag defaults to ``default_lag``, else the task's
     (paper) value (``vcpo.methods.run_lag``: a method that fixes its lag refuses another ``--lag``)."""
-    task_recipe = get_task(task)
+    task_recipe = get_task_recipe(task)
     try:
         method_preset = get_method(method)
     except ValueError as error:

@@ -9,7 +9,7 @@ import torch
 
 from vcpo.evaluation import Completion, HFGenerator, SamplingParams, evaluate_rows
 from vcpo.evaluation.generation import Conversation, encode_prompts, end_token_ids
-from vcpo.sim.rollout import TOOL_TOKEN, Generator, Sampling, ToolResult, Trajectory
+from vcpo.sim.rollout import TOOL_TOKEN, RolloutSampler, Sampling, ToolResult, Trajectory
 from vcpo.sim.tasks import Problem, SimTask, evaluation_rows
 
 # Sequences generated per model.generate call; a batch holds this many // samples problems.
@@ -35,7 +35,7 @@ class ToolUseGenerator:
         self.max_turns, self.tool_workers = max_turns, tool_workers
 
     def generate(self, conversations: list[Conversation], sampling: SamplingParams, desc: str) -> list[list[Completion]]:
-        sampler = Generator(
+        sampler = RolloutSampler(
             self.tokenizer,
             Sampling(sampling.max_new_tokens, sampling.temperature, end_token_ids(self.model.generation_config), self.tokenizer.pad_token_id,
                      max_turns=self.max_turns, tool_workers=self.tool_workers),

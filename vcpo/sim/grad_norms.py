@@ -22,7 +22,7 @@ def sample_responses(model, tokenizer, problems, max_response_tokens: int, tempe
     import torch
 
     from vcpo.sim.learner import collate
-    from vcpo.sim.rollout import Generator, Sampling, Trajectory
+    from vcpo.sim.rollout import RolloutSampler, Sampling, Trajectory
     from vcpo.sim.tasks import render_prompt
 
     eos = model.generation_config.eos_token_id
@@ -31,7 +31,7 @@ def sample_responses(model, tokenizer, problems, max_response_tokens: int, tempe
     prompts = [tokenizer.encode(render_prompt(tokenizer, p), add_special_tokens=False) for p in problems]
     trajectories = [Trajectory(i, i, prompt, admitted_at=0) for i, prompt in enumerate(prompts)]
     with torch.random.fork_rng(devices=[]):
-        Generator(tokenizer, sampling).extend(model.eval(), 0, trajectories, max_response_tokens, seed)
+        RolloutSampler(tokenizer, sampling).extend(model.eval(), 0, trajectories, max_response_tokens, seed)
     dtype = torch.promote_types(model.dtype, torch.float32)
     return collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id, dtype)
 

@@ -148,7 +148,7 @@ class ToolLog:
         return taken
 
 
-class Generator:
+class RolloutSampler:
     """One generation round: extend every given trajectory by up to ``max_new`` tokens with one model."""
 
     def __init__(self, tokenizer, sampling: Sampling, run_tool: Callable[[str], ToolResult] | None = None):
@@ -427,7 +427,7 @@ class Rollouts:
         seed: int,
         prompts: Callable[[int], list[int]],
         num_problems: int,
-        generator: Generator,
+        generator: RolloutSampler,
         model,
         weights: Callable[[int], dict],
     ):

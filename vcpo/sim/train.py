@@ -27,8 +27,8 @@ from vcpo.evaluation.generation import end_token_ids
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
-    Generator,
     Rollouts,
+    RolloutSampler,
     Sampling,
     ToolLog,
     Trajectory,
@@ -118,7 +118,7 @@ class Trainer:
             kv_cache=config.kv_cache,
         )
         self.tool = sandbox_tool(config.tool_timeout_s) if config.turn_budget else None
-        self.generator = Generator(self.tokenizer, sampling, self.tool)
+        self.generator = RolloutSampler(self.tokenizer, sampling, self.tool)
         self.snapshots: dict[int, dict] = {}
         self.rollouts = Rollouts(
             lag_model=config.lag_model,
