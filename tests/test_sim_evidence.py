@@ -183,3 +183,27 @@ def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from
         quoted = (f"{label} {100 * result['mean']:+.1f}{' points' if label.endswith('is') else ''} "
                   f"[{100 * result['low']:.1f}, {100 * result['high']:.1f}], p = {result['p']:.2g}")
         assert quoted in doc, quoted
+
+
+def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
+    from vcpo.sim.evidence import load_design, report
+    from vcpo.sim.evidence_report import write_report
+
+    design = load_design()
+
+    def row(arm, method, seed, end, lr=2e-4, lag=48, collapsed=False):
+        return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "end": end, "lr": lr, "lag": lag,
+                "last_quarter": end, "base": 0.2, "collapsed": collapsed, "mean_lr_scale": 1.0, "ess_predictor": 0.5,
+                "fall_step": None, "ess_alarm_step": None}
+
+    rows = [row("vcpo", "vcpo", s, 0.25 + 0.01 * s) for s in range(3)]
+    rows += [row("seq_tis", "seq_tis_c8", s, 0.10 + 0.01 * s + 0.001 * s * s) for s in range(3)]
+    rows += [row("sync", "sync", s, 0.30, lag=0) for s in range(2)]
+    stats = report(rows, design)
+    write_report(stats, tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    # vcpo - seq_tis per seed: 0.150, 0.149, 0.146 -> mean 14.8 points
+    assert "| vcpo - seq_tis | 3 | +14.8 " in summary
+    assert "sync seeds 2, 3, 4, 5, 6, 7, 8, 9" in summary and "No finished runs yet." in summary  # tir
+    assert (tmp_path / "lr.png").stat().st_size > 0
+    assert json.loads((tmp_path / "stats.json").read_text())["tasks"]["countdown"]["arms"]["vcpo"]["n"] == 3

@@ -8,6 +8,9 @@ import math
 from pathlib import Path
 
 METHOD_LABELS = {"seq_tis_c8": "seq-TIS (c = 8)", "sync": "sync (k = 0)", "vcpo": "VCPO"}
+# item 4's controls (recipes/sim/evidence.yaml), drawn apart from their method's learning-rate line
+CONTROLS = {"seq_tis_vcpo_mean_lr": ("s", "seq-TIS at VCPO's mean rate"),
+            "seq_tis_vcpo_replay": ("D", "seq-TIS replaying VCPO's factor (nominal lr)")}
 
 
 def points(value: float) -> str:
@@ -120,23 +123,25 @@ def draw_learning_rates(stats: dict, path: Path) -> None:
 
     arms = stats["tasks"].get("countdown", {}).get("arms", {})
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
-    for method, label in METHOD_LABELS.items():
-        members = sorted((arm for name, arm in arms.items() if arm["method"] == method and "vcpo_" not in name), key=lambda a: a["lr"])
+    # each method's points sit a few percent apart along the log axis, so that bars at one rate do not overlap
+    for offset, (method, label) in zip((0.92, 1.0, 1.08), METHOD_LABELS.items(), strict=True):
+        members = sorted((arm for name, arm in arms.items() if arm["method"] == method and name not in CONTROLS), key=lambda a: a["lr"])
         if not members:
             continue
-        axis.errorbar([a["lr"] for a in members], [100 * a["end"] for a in members], capsize=3, marker="o", label=label,
+        axis.errorbar([a["lr"] * offset for a in members], [100 * a["end"] for a in members], capsize=3, marker="o", label=label,
                       yerr=[[100 * (a["end"] - a["end_low"]) for a in members], [100 * (a["end_high"] - a["end"]) for a in members]])
-    for name, marker, label in (("seq_tis_vcpo_mean_lr", "s", "seq-TIS at VCPO's mean rate"),
-                                ("seq_tis_vcpo_replay", "D", "seq-TIS replaying VCPO's factor (nominal lr)")):
+    for name, (marker, label) in CONTROLS.items():
         if name in arms:
             a = arms[name]
             axis.errorbar([a["lr"]], [100 * a["end"]], yerr=[[100 * (a["end"] - a["end_low"])], [100 * (a["end_high"] - a["end"])]],
                           marker=marker, linestyle="none", capsize=3, label=label)
-    bases = [a["base"] for a in arms.values()]
-    if bases:
-        axis.axhline(100 * sum(bases) / len(bases), color="grey", linestyle=":", label="SFT bases (validation, mean)")
     axis.set_xscale("log")
-    axis.set_xlabel("nominal learning rate")
+    rates = sorted({a["lr"] for a in arms.values()})
+    if rates:  # ticks at the tested rates only: the side-by-side offsets are not rates
+        axis.set_xlim(rates[0] / 1.6, rates[-1] * 1.6)
+        axis.set_xticks(rates, [f"{rate:.3g}" for rate in rates])
+        axis.minorticks_off()
+    axis.set_xlabel("nominal learning rate (methods side by side at each tested rate)")
     axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
     n = max((a["n"] for a in arms.values()), default=0)
     axis.set_title(f"Countdown, k = 48 (sync k = 0), 200 steps, up to n = {n} seeds each", fontsize=10)
