@@ -105,7 +105,8 @@ def test_sft_base_writes_a_loadable_model_once(tmp_path, monkeypatch):
     assert path.parent == tmp_path and path.name.startswith("sft-arithmetic-tiny-seed0-")
     info = (path / base.INFO_FILE).read_text()
     assert '"steps": 5' in info and '"heldout_accuracy"' in info
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary folder left behind
+    # no temporary folder left behind; the lock file stays (removing it could let two builders in)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, f".{path.name}.lock"])
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == "qwen2" and model.config.hidden_size == base.MODEL_SIZES["tiny"]["hidden"]

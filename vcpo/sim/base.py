@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
+from vcpo.locks import cache_entry_lock
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
@@ -184,6 +185,14 @@ def sft_base(
     path = root / f"sft-{sim_task.name}-{size}-seed{seed}-{digest}"
     if (path / INFO_FILE).exists():
         return path
+    with cache_entry_lock(path):  # one builder per base: a second one waits, then finds it built
+        if not (path / INFO_FILE).exists():
+            _build_base(path, sim_task, size, seed, settings, progress, device)
+    return path
+
+
+def _build_base(path: Path, sim_task: SimTask, size: str, seed: int, settings: dict, progress: bool, device: str) -> None:
+    root = path.parent
     root.mkdir(parents=True, exist_ok=True)
     partial = root / f".{path.name}.{os.getpid()}.tmp"
     shutil.rmtree(partial, ignore_errors=True)
@@ -197,15 +206,10 @@ def sft_base(
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        try:
-            partial.rename(path)  # atomic: a folder at ``path`` is always complete
-        except OSError:
-            if not (path / INFO_FILE).exists():  # not a concurrent builder that finished first
-                raise
+        partial.rename(path)  # atomic: a folder at ``path`` is always complete
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(partial, ignore_errors=True)
-    return path
 
 
 def _sim_task(task: str | SimTask) -> SimTask:

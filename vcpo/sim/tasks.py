@@ -68,12 +68,12 @@ import functools
 import hashlib
 import json
 import math
-import os
 import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vcpo.data.countdown import cache_dir
+from vcpo.locks import cache_entry_lock, write_atomic
 from vcpo.rewards import REWARD_BY_DATA_SOURCE, countdown_ground_truth
 
 SPLITS = ("train", "validation", "test")
@@ -235,15 +235,13 @@ def _problem_dicts(task: SimTask, test_size: int = 0) -> tuple[list[dict], list[
 
 
 def _cached_json(path, build) -> dict:
-    """``path``'s JSON, else ``build()`` written there atomically (a concurrent reader never sees half a file)."""
-    if path.exists():
-        return json.loads(path.read_text())
-    stored = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(stored))
-    partial.replace(path)
-    return stored
+    """``path``'s JSON, else ``build()`` written there atomically (a concurrent reader never sees half a
+    file) by one process (a concurrent builder waits, then reads it)."""
+    if not path.exists():
+        with cache_entry_lock(path):
+            if not path.exists():
+                write_atomic(path, json.dumps(build()))
+    return json.loads(path.read_text())
 
 
 def _settings_digest(task: SimTask) -> tuple[str, str]:

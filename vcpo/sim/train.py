@@ -10,11 +10,13 @@ writes the same metrics an uninterrupted run would (generation seeds derive from
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
 import platform
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +26,7 @@ from tqdm.auto import tqdm
 
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
+from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
@@ -84,6 +87,12 @@ class Trainer:
             raise ConfigError("config key 'out': a run needs an output folder (--out DIR)")
         if problem := output_folder_problem(Path(config.out)):
             raise ConfigError(f"config key 'out' ({config.out}): {problem}")
+        # one writer per run folder, from before any work to the end of run() (or this object's end)
+        self._lock = contextlib.ExitStack()
+        try:
+            self._lock.enter_context(run_folder_lock(Path(config.out)))
+        except FolderInUse as error:
+            raise ConfigError(f"config key 'out': {error}") from None
         self._check_resumable(Path(config.out))
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -216,8 +225,8 @@ class Trainer:
         self.step = state["step"]
         metrics = self.out / METRICS
         if metrics.exists():  # drop the lines of steps after the checkpoint: they are redone
-            lines = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] < self.step]
-            metrics.write_text("".join(line + "\n" for line in lines))
+            kept = [line for step, line in metric_lines(metrics) if step < self.step]
+            write_atomic(metrics, "".join(line + "\n" for line in kept))
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, split: str = "validation") -> dict[str, float]:
@@ -322,7 +331,7 @@ class Trainer:
             "versions": _versions(),
             "cpu": cpu_name(),  # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
         }
-        (self.out / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        write_atomic(self.out / "config.json", json.dumps(resolved, indent=2, default=str) + "\n")
         if self.config.wandb:
             from verl.utils.tracking import Tracking
 
@@ -337,6 +346,10 @@ class Trainer:
             self.tracker.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=metrics["step"])
 
     def run(self) -> Path:
+        with self._lock:
+            return self._run()
+
+    def _run(self) -> Path:
         self._start()
         config = self.config
         bar = tqdm(total=config.steps, initial=self.step, desc=f"{config.method} k={self.lag} seed={config.seed}",
@@ -362,12 +375,31 @@ class Trainer:
             result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}
             self.model.save_pretrained(final)
             self.tokenizer.save_pretrained(final)
-            (final / "eval.json").write_text(json.dumps(result) + "\n")
+            write_atomic(final / "eval.json", json.dumps(result) + "\n")  # the finished mark, written last
             if result.get("val/accuracy") is not None:
                 self._log(result)
         if self.tracker is not None:
             self.tracker.finish()
         return self.out
+
+
+def metric_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every complete line of a run's ``metrics.jsonl``. A last line without its newline is
+    a write cut short (it belongs to a step after the checkpoint): it is left out, with one line saying so.
+    Any other line that cannot be read is an error naming the file and line."""
+    *complete, torn = path.read_text().split("\n")
+    if torn:
+        print(f"{path}: ignoring a partial last line ({len(torn)} characters: a write cut short)", file=sys.stderr)
+    lines = []
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            lines.append((int(json.loads(line)["step"]), line))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ConfigError(f"config key 'out': {path} line {number} cannot be read as a metrics record; "
+                              "repair or remove that line, or start the run over in another folder") from None
+    return lines
 
 
 def cpu_name() -> str:

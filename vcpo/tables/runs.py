@@ -10,6 +10,7 @@ Both become a list of flat dicts ``{"step": int, **metrics}``, so every consumer
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 from vcpo.methods import filed_lag
 from vcpo.recipes import run_path
 
+LOG = logging.getLogger(__name__)
 ACCURACY = "val/accuracy"
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
 VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
@@ -42,9 +44,25 @@ def _flat(record: dict) -> dict:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``."""
-    text = (Path(run_dir) / "metrics.jsonl").read_text()
-    return [_flat(json.loads(line)) for line in text.splitlines() if line.strip()]
+    """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``. What cannot be
+    one run's record is said in one line naming the run: a partial last line (a write cut short) is left
+    out; steps logged more than once (two writers, or a copy) keep their first line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    *complete, torn = path.read_text().split("\n")
+    if torn.strip():
+        LOG.warning("%s: a partial last line is left out (a write cut short)", path)
+    lines, seen, repeated = [], set(), set()
+    for line in (line for line in complete if line.strip()):
+        flat = _flat(json.loads(line))
+        if flat["step"] in seen:
+            repeated.add(flat["step"])
+            continue
+        seen.add(flat["step"])
+        lines.append(flat)
+    if repeated:
+        LOG.warning("%s: steps %s are logged more than once (two writers on one folder?); the first line of each is read",
+                    path, sorted(repeated)[:5])
+    return lines
 
 
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:

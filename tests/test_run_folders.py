@@ -1,0 +1,206 @@
+"""A run folder survives crashes and careless hands: one writer per folder (and per cached SFT base), torn
+metrics lines, an interrupted rewrite, and readers that say what they skip."""
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted  # noqa: F401 (fixtures)
+
+from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
+from vcpo.sim.__main__ import main as sim_main
+from vcpo.sim.train import METRICS
+from vcpo.tables.runs import read_metrics
+
+
+def command(base_dir, out):
+    return [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base_dir}",
+            f"out={out}"]
+
+
+def hold_lock(folder, ready, release):
+    with run_folder_lock(folder):
+        ready.set()
+        release.wait(60)
+
+
+def test_a_second_process_on_a_locked_folder_is_refused_at_once(tmp_path):
+    context = multiprocessing.get_context("fork")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=hold_lock, args=(tmp_path, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        started = time.monotonic()
+        with pytest.raises(FolderInUse, match=rf"{tmp_path} is in use by process {holder.pid} on "), run_folder_lock(tmp_path):
+            pass
+        assert time.monotonic() - started < 1  # no waiting
+    finally:
+        release.set()
+        holder.join()
+    with run_folder_lock(tmp_path):  # free again once its holder ended
+        pass
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
+    context = multiprocessing.get_context("fork")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=hold_lock, args=(tmp_path, ready, release))
+    holder.start()
+    assert ready.wait(30)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    assert str(holder.pid) in (tmp_path / LOCK_FILE).read_text()  # the file stays, its lock does not
+    with run_folder_lock(tmp_path):
+        pass
+
+
+@pytest.mark.slow
+def test_two_writers_on_one_run_folder(base, tmp_path, uninterrupted, capsys):  # noqa: F811
+    """The second is refused before any work with one line naming the folder and the first; the first's run
+    is the one a lone run writes."""
+    out = tmp_path / "run"
+    first = subprocess.Popen(command(base, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ((out / LOCK_FILE).exists() and str(first.pid) in (out / LOCK_FILE).read_text()):
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.02)
+    started = time.monotonic()
+    assert sim_main(["train", *command(base, out)[4:]]) == 2
+    assert time.monotonic() - started < 30
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"{out} is in use by process {first.pid}" in error[0]
+    assert first.wait(300) == 0
+    assert _metrics_without_timing(out / METRICS) == uninterrupted
+
+
+def build_one(cache_dir, log):
+    import dataclasses
+
+    from vcpo.sim import base as sim_base
+    from vcpo.sim.tasks import get_sim_task
+
+    calls = []
+    train_sft = sim_base.train_sft
+    sim_base.train_sft = lambda *a, **k: calls.append(1) or train_sft(*a, **k)
+    task = dataclasses.replace(get_sim_task("arithmetic"), train_size=64, validation_size=8)
+    path = sim_base.sft_base(task, "tiny", steps=3, cache_dir=cache_dir, progress=False)
+    log.put((str(path), len(calls)))
+
+
+def test_two_processes_building_one_base_build_it_once(tmp_path):
+    context = multiprocessing.get_context("fork")
+    log = context.Queue()
+    builders = [context.Process(target=build_one, args=(tmp_path, log)) for _ in range(2)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join(300)
+    results = [log.get(timeout=5) for _ in builders]
+    assert len({path for path, _ in results}) == 1 and sorted(calls for _, calls in results) == [0, 1]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_cache_entry_lock_waits_instead_of_refusing(tmp_path):
+    context = multiprocessing.get_context("fork")
+    ready, release = context.Event(), context.Event()
+
+    def hold():
+        with cache_entry_lock(tmp_path / "entry"):
+            ready.set()
+            release.wait(60)
+
+    holder = context.Process(target=hold)
+    holder.start()
+    assert ready.wait(30)
+    context.Process(target=lambda: (time.sleep(0.3), release.set())).start()
+    started = time.monotonic()
+    with cache_entry_lock(tmp_path / "entry"):
+        assert time.monotonic() - started >= 0.2
+    holder.join()
+
+
+def interrupted_run(base_dir, out, stop_after_lines):
+    """A real run stopped by SIGKILL once ``stop_after_lines`` metric lines are written."""
+    process = subprocess.Popen(command(base_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not ((out / METRICS).exists() and len((out / METRICS).read_text().splitlines()) >= stop_after_lines):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.slow
+def test_a_torn_last_line_is_reported_and_the_run_resumes(base, tmp_path, uninterrupted):  # noqa: F811
+    out = tmp_path / "run"
+    interrupted_run(base, out, 5)
+    with open(out / METRICS, "a") as handle:
+        handle.write('{"step": 7, "critic/score/me')  # a write cut short
+    result = subprocess.run(command(base, out), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"{out / METRICS}: ignoring a partial last line" in result.stderr
+    assert _metrics_without_timing(out / METRICS) == uninterrupted
+
+
+@pytest.mark.slow
+def test_a_torn_line_in_the_middle_is_an_error_naming_file_and_line(base, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    interrupted_run(base, out, 5)
+    lines = (out / METRICS).read_text().splitlines()
+    lines[1] = lines[1][: len(lines[1]) // 2]
+    (out / METRICS).write_text("".join(line + "\n" for line in lines))
+    result = subprocess.run(command(base, out), capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{out / METRICS} line 2 cannot be read as a metrics record" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_crash_during_the_resumes_rewrite_keeps_the_history(base, tmp_path, uninterrupted, monkeypatch):  # noqa: F811
+    """The rewrite goes to a file beside and is renamed into place: a crash before the rename leaves the old
+    file whole, and the next resume ends where an uninterrupted run does."""
+    out = tmp_path / "run"
+    interrupted_run(base, out, 5)
+    before = (out / METRICS).read_text()
+    import vcpo.sim.train as train_module
+    from vcpo.sim.config import SimConfig, apply_overrides
+
+    def crash(path, text):
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_text(text[: len(text) // 2])
+        raise OSError("disk full")  # before the rename
+
+    monkeypatch.setattr(train_module, "write_atomic", crash)
+    config = apply_overrides(SimConfig(), {**RESUME, "base": str(base), "out": str(out)})
+    with pytest.raises(OSError, match="disk full"):
+        train_module.Trainer(config).run()
+    assert (out / METRICS).read_text() == before
+    monkeypatch.undo()
+    subprocess.run(command(base, out), check=True, capture_output=True)
+    assert _metrics_without_timing(out / METRICS) == uninterrupted
+
+
+def test_write_atomic_replaces_whole(tmp_path):
+    target = tmp_path / "f.json"
+    target.write_text("old")
+    write_atomic(target, "new")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_readers_say_what_they_skip(tmp_path, caplog):
+    run = tmp_path / "countdown" / "sync" / "lag0" / "seed0"
+    run.mkdir(parents=True)
+    records = [{"step": 0, "val/accuracy": 0.1}, {"step": 1, "x": 1}, {"step": 1, "x": 2}, {"step": 2, "x": 3}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "x"')
+    with caplog.at_level(logging.WARNING):
+        lines = read_metrics(run)
+    assert [line["step"] for line in lines] == [0, 1, 2] and lines[1]["x"] == 1
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(str(run) in m and "partial last line" in m for m in messages)
+    assert any(str(run) in m and "steps [1] are logged more than once" in m for m in messages)
