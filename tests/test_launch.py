@@ -20,7 +20,7 @@ from vcpo.launch import (
     run_environment,
 )
 from vcpo.launch.__main__ import main
-from vcpo.methods import get_method, list_methods
+from vcpo.methods import get_method, list_methods, step_rule
 from vcpo.recipes import recipes_dir
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -289,3 +289,15 @@ def test_the_users_overrides_are_checked_beyond_hydra(override, message):
     run = make_run("gsm8k", "seq_tis_c8")
     with pytest.raises(LaunchError, match=re.escape(message)):
         check(run, compose(run, [override]), check_paths=False)
+
+
+@pytest.mark.parametrize("method", [m.name for m in list_methods() if step_rule(m).active])
+def test_the_dry_run_admits_fsdp1_for_the_ess_step_size_only(method, capsys):
+    """One rule (StepRule.strategies), read by the engine and by the launcher's check: OPOB needs FSDP2, the
+    ESS step size runs on either."""
+    code = main(["--task", "math", "--method", method, "--dry-run", "--", "actor_rollout_ref.actor.strategy=fsdp"])
+    error = capsys.readouterr().err
+    if step_rule(method).opob:
+        assert code == 2 and "actor_rollout_ref.actor.strategy=fsdp2 (got fsdp)" in error
+    else:
+        assert code == 0, error

@@ -294,6 +294,8 @@ def test_the_base_row_evaluates_the_model_the_runs_start_from(tmp_path):
     [
         ("actor_rollout_ref.actor.policy_loss.loss_mode=nonesuch", "'nonesuch' is not a registered policy loss"),
         ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr"),
+        # FSDP1 admits the ESS step size but not OPOB (StepRule.strategies): the paper's VCPO runs are refused
+        ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy=fsdp2 (got fsdp)"),
     ],
 )
 def test_the_paper_workflow_checks_its_launch_args_before_any_job(tmp_path, override, message):

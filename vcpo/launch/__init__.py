@@ -237,7 +237,7 @@ def engine_overrides(run: Run) -> list[str]:
         return []
     settings = [
         _set("+actor_rollout_ref.model.model_type", ENGINE_MODEL_TYPE),
-        _set(f"{actor}.strategy", "fsdp2"),
+        _set(f"{actor}.strategy", rule.strategies[0]),
         # every Ray worker imports the engine module inside `import verl`, on a cluster started by `ray start` too
         _set(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}", ENGINE_MODULE),
     ]
@@ -394,7 +394,7 @@ def check_engine(config) -> None:
     # key -> (its value, the values the engine accepts; the first is what vcpo.launch sets)
     needs = {
         "+actor_rollout_ref.model.model_type": (_select(config, "actor_rollout_ref.model.model_type"), (ENGINE_MODEL_TYPE,)),
-        "actor_rollout_ref.actor.strategy": (actor.strategy, ("fsdp2", "fsdp")),
+        "actor_rollout_ref.actor.strategy": (actor.strategy, rule.strategies),
         "trainer.use_v1": (config.trainer.use_v1, (True,)),
         "actor_rollout_ref.actor.policy_loss.loss_mode": (actor.policy_loss.loss_mode, (rule.loss_name,)),
         "actor_rollout_ref.actor.loss_agg_mode": (actor.loss_agg_mode, (rule.agg,)),

@@ -217,6 +217,14 @@ class StepRule:
         return self.ess or self.opob
 
     @property
+    def strategies(self) -> tuple[str, ...]:
+        """verl actor strategies on which the vcpo engine applies this rule, the first the one vcpo.launch
+        sets: OPOB writes each module's per-sequence gradient into its parameter's gradient, which FSDP1's
+        flat parameters do not expose (fsdp2 only); the ESS step size touches only log-probs and the
+        learning rate (fsdp2 and fsdp)."""
+        return ("fsdp2",) if self.opob else ("fsdp2", "fsdp")
+
+    @property
     def needs(self) -> str:
         """What the step needs beyond a backward pass, in words (for error messages)."""
         return " and ".join(name for name, used in (("the ESS step size", self.ess), ("OPOB", self.opob)) if used)

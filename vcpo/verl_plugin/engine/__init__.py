@@ -238,13 +238,15 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return loss
 
     # -- OPOB --------------------------------------------------------------------------------------
-    def _per_sequence_gradients(self, fsdp2: bool) -> PerSequenceGradients:
+    def _per_sequence_gradients(self, fsdp2: bool, rule: StepRule) -> PerSequenceGradients:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if isinstance(self.module, FullyShardedDataParallel):
+        strategy = "fsdp" if isinstance(self.module, FullyShardedDataParallel) else "fsdp2"
+        if strategy not in rule.strategies:
             raise NotImplementedError(
-                "OPOB's per-sequence gradient hooks cannot write into FSDP1 flat-parameter gradients; use "
-                "actor_rollout_ref.actor.strategy=fsdp2 (supported), or a method without OPOB (e.g. tis_ess)"
+                f"method {rule.method!r} runs on actor_rollout_ref.actor.strategy={'|'.join(rule.strategies)} only, got "
+                f"{strategy}: OPOB's per-sequence gradients cannot be written into FSDP1 flat-parameter gradients "
+                "(or use a method without OPOB, e.g. tis_ess)"
             )
         if fsdp2:
             # the unsharded Parameters of this step (FSDP2 may re-create them between steps)
@@ -324,7 +326,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if getattr(self, "scaler", None) is not None:
             # fp16's loss scaling would scale every per-sequence norm (and its logged statistics) by the scale
             raise NotImplementedError("OPOB in the vcpo engine does not support fp16 loss scaling; train in bf16 or fp32")
-        self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
+        self._per_sequence_gradients(fsdp2=bool(state.fsdp2), rule=state.rule)
         remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
         state.packed = bool(remove_padding)
         mask = padded(data["response_mask"]).to(torch.bool)
