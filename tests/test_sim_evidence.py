@@ -207,3 +207,29 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     assert "sync seeds 2, 3, 4, 5, 6, 7, 8, 9" in summary and "No finished runs yet." in summary  # tir
     assert (tmp_path / "lr.png").stat().st_size > 0
     assert json.loads((tmp_path / "stats.json").read_text())["tasks"]["countdown"]["arms"]["vcpo"]["n"] == 3
+
+
+def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
+    """The archive keeps only the metrics the study reads, and the rows computed from it are the full run's."""
+    from vcpo.sim.evidence import archive_run, load_design, run_row
+
+    design = load_design()
+    arm = design.arm("countdown", "sync")
+    folder = run_folder(tmp_path / "runs", arm, 0)
+    (folder / "final").mkdir(parents=True)
+    config = {"task": "countdown", "lag": 0, "lr": 2e-4, "base_seed": 0, "steps": 8, "test_problems": 1000,
+              "test_samples": 4, "config_file": "recipes/sim/regime.yaml", "threads": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    lines = [{"step": s, "rollout_corr/seq_ess_ratio": 1.0 - 0.1 * s, "actor/lr_scale": 1.0, "actor/effective_lr": 2e-4,
+              "timing_s/step": 0.5, "async/lag_hist": [1, 2]} | ({"val/accuracy": 0.2 + 0.01 * s} if s % 4 == 0 else {})
+             for s in range(8)]
+    lines.append({"step": 8, "val/accuracy": 0.3, "test/accuracy": 0.25})
+    (folder / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "final" / "eval.json").write_text(json.dumps({"step": 8, "val/accuracy": 0.3, "test/accuracy": 0.25}))
+    archived = run_folder(tmp_path / "archive", arm, 0)
+    archive_run(folder, archived)
+    kept = [json.loads(line) for line in (archived / METRICS).read_text().splitlines()]
+    assert all("timing_s/step" not in line and "async/lag_hist" not in line for line in kept) and len(kept) == 9
+    assert run_row(design, arm, 0, tmp_path / "archive") == run_row(design, arm, 0, tmp_path / "runs")
+    assert run_row(design, arm, 0, tmp_path / "archive")["command"].endswith(
+        "--out RUNS/countdown/sync/seed0 test_problems=1000 test_samples=4 base_seed=0 lag=0 threads=1 progress=false")

@@ -5,13 +5,16 @@ the functions below, as evidence.md registers them.
 
     python -m vcpo.sim.evidence noise --task countdown --problems 1000 --samples 4 --seeds 10
     python -m vcpo.sim.evidence run --out RUNS [--jobs 2] [--phase 1]
-    python -m vcpo.sim.evidence rows RUNS [--table tables/evidence/runs.jsonl]
+    python -m vcpo.sim.evidence archive RUNS          # finished runs -> tables/evidence/runs/ (committed)
+    python -m vcpo.sim.evidence rows [--table tables/evidence/runs.jsonl]
     python -m vcpo.sim.evidence report [--table tables/evidence/runs.jsonl] [--out tables/evidence]
 
 ``run`` builds each replicate's SFT base first (one process per base), then trains every run not
 finished yet, ``--jobs`` at a time with one torch thread each; an interrupted run resumes from its
-checkpoint. Runs live at ``RUNS/<task>/<arm>/seed<s>/``. ``rows`` writes one JSON line per finished
-run (what ``report`` reads, and the command that re-runs it); ``report`` writes the statistics.
+checkpoint. Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each finished one is archived (``ARCHIVE``, the same
+layout, committed: config, final evaluation, the metrics the study reads), and a run archived there counts as
+done on any machine. ``rows`` writes one JSON line per archived run (what ``report`` reads, and the command
+that re-runs it); ``report`` writes the statistics.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from vcpo.sim.train import cpu_name
 
 DESIGN = "sim/evidence.yaml"
 TABLE = Path("tables/evidence/runs.jsonl")
+# Every finished run's config, final evaluation and the metrics below, committed (RUNS/<task>/<arm>/seed<s>/
+# layout): the rows are computed from it, and the controls read their sources there, on any machine.
+ARCHIVE = TABLE.parent / "runs"
+ARCHIVED_METRICS = ("step", "val/accuracy", "test/accuracy", "rollout_corr/seq_ess_ratio", "rollout_corr/kl",
+                    "actor/lr_scale", "actor/effective_lr", "actor/grad_norm", "critic/score/mean")
+# how the rows name the folder a reader's run of a command goes to
+RUNS_PLACEHOLDER = "RUNS"
 TEST_ACCURACY = "test/accuracy"
 # evidence.md: the ESS early warning, fixed before the new runs (the study's alarm level, its 50-step window)
 PREDICTOR_STEPS = 50
@@ -104,6 +114,18 @@ def is_finished(folder: Path) -> bool:
     return (folder / "final" / "eval.json").exists()
 
 
+def archive_run(folder: Path, target: Path) -> None:
+    """A finished run's record as the study keeps it in the repository: its config, its final evaluation and
+    the metrics the rows and the controls read (ARCHIVED_METRICS) of every line, in the run's own layout."""
+    from vcpo.locks import write_atomic
+
+    (target / "final").mkdir(parents=True, exist_ok=True)
+    write_atomic(target / "config.json", (folder / "config.json").read_text())
+    lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_lines(folder)]
+    write_atomic(target / "metrics.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+    write_atomic(target / "final" / "eval.json", (folder / "final" / "eval.json").read_text())
+
+
 def read_lines(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -155,13 +177,14 @@ def sim_task(design: Design, arm: Arm) -> str:
     return design.settings[arm.task].get("task") or load_config_file(design.configs[arm.task]).task
 
 
-def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None) -> int:
+def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
     """Every unfinished run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
     SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
     (``lr_scale_from``, ``lr_from_mean_scale_of``). Returns the number of failed jobs."""
     arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
     order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds), key=lambda t: t[:3])
-    pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(root, arm, seed))]
+    pending = [(arm, seed) for _, seed, _, arm in order
+               if not (is_finished(run_folder(root, arm, seed)) or is_finished(run_folder(archive, arm, seed)))]
     print(f"evidence: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
     lock, failed, running, bases = threading.Lock(), [], set(), {}  # bases: (task, seed) -> "building" | "done"
 
@@ -175,7 +198,7 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None) -> 
                     return ("base", base)
                 if bases[base] != "done" or item in running:
                     continue
-                settings = run_settings(design, arm, seed, root)
+                settings = run_settings(design, arm, seed, archive)  # sources: the archived runs
                 if settings is not None:
                     pending.remove(item)
                     running.add(item)
@@ -203,6 +226,8 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None) -> 
             started = time.time()
             with open(log_path, "a") as log:
                 code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+            if kind == "run" and not code:
+                archive_run(out, run_folder(archive, arm, seed))
             with lock:
                 if kind == "base":
                     bases[payload] = "failed" if code else "done"
@@ -283,7 +308,9 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     lines = read_lines(folder)
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
-    command = command_line(design, arm, settings, str(folder))
+    if "lr_scale_from" in settings:
+        settings["lr_scale_from"] = str(run_folder(Path(RUNS_PLACEHOLDER), design.arm(arm.task, arm.lr_scale_from), seed))
+    command = command_line(design, arm, settings, str(run_folder(Path(RUNS_PLACEHOLDER), arm, seed)))
     command[0] = "python"
     step_lines = [line for line in lines if "actor/lr_scale" in line]
     return {
@@ -297,7 +324,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         "ess_predictor": ess_predictor(lines, judged.fall_step),
         "mean_lr_scale": float(np.mean([line["actor/lr_scale"] for line in step_lines])),
         "mean_effective_lr": float(np.mean([line["actor/effective_lr"] for line in step_lines])),
-        "lr_scale_from": recorded.get("lr_scale_from"), "config_file": recorded["config_file"],
+        "config_file": recorded["config_file"],
         "threads": recorded["threads"], "cpu": recorded.get("cpu"), "versions": recorded.get("versions"),
         "command": " ".join(command),
     }
@@ -513,8 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--jobs", type=int, default=2)
     run.add_argument("--phase", type=int, action="append", help="only these phases (repeatable)")
     run.add_argument("--list", action="store_true", help="print the runs still to do and their commands, run nothing")
-    rows = commands.add_parser("rows", help="write the table of finished runs")
-    rows.add_argument("runs", type=Path)
+    run.add_argument("--archive", type=Path, default=ARCHIVE, help="where finished runs are kept (and found)")
+    archive = commands.add_parser("archive", help="keep every finished run below RUNS in the archive")
+    archive.add_argument("runs", type=Path)
+    archive.add_argument("--archive", type=Path, default=ARCHIVE)
+    rows = commands.add_parser("rows", help="write the table of archived runs")
+    rows.add_argument("--archive", type=Path, default=ARCHIVE)
     rows.add_argument("--table", type=Path, default=TABLE)
     summary = commands.add_parser("report", help="statistics, summary and figure from the table")
     summary.add_argument("--table", type=Path, default=TABLE)
@@ -528,16 +559,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             for arm in design.arms:
                 for seed in design.seeds:
-                    if (args.phase is None or arm.phase in args.phase) and not is_finished(run_folder(args.out, arm, seed)):
-                        settings = run_settings(design, arm, seed, args.out)
+                    done = is_finished(run_folder(args.out, arm, seed)) or is_finished(run_folder(args.archive, arm, seed))
+                    if (args.phase is None or arm.phase in args.phase) and not done:
+                        settings = run_settings(design, arm, seed, args.archive)
                         print(" ".join(command_line(design, arm, settings, str(run_folder(args.out, arm, seed))))
                               if settings else f"{arm.task}/{arm.name} seed {seed}: waits for the runs it reads")
             return 0
         if args.jobs < 1:
             parser.error("--jobs must be >= 1")
-        return 1 if run_all(design, args.out, args.jobs, args.phase) else 0
+        return 1 if run_all(design, args.out, args.jobs, args.phase, args.archive) else 0
+    if args.command == "archive":
+        kept = [(arm, seed) for arm in design.arms for seed in design.seeds if is_finished(run_folder(args.runs, arm, seed))]
+        for arm, seed in kept:
+            archive_run(run_folder(args.runs, arm, seed), run_folder(args.archive, arm, seed))
+        print(f"{len(kept)} finished runs -> {args.archive}")
+        return 0
     if args.command == "rows":
-        print(f"{len(write_rows(design, args.runs, args.table))} finished runs -> {args.table}")
+        print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
         return 0
     from vcpo.sim.evidence_report import write_report
 
