@@ -95,7 +95,7 @@ def build_one(cache_dir, log):
 
 
 def test_two_processes_building_one_base_build_it_once(tmp_path):
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # the builders train with torch: no fork of its thread pools
     log = context.Queue()
     builders = [context.Process(target=build_one, args=(tmp_path, log)) for _ in range(2)]
     for builder in builders:
