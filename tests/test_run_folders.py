@@ -204,3 +204,43 @@ def test_readers_say_what_they_skip(tmp_path, caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert any(str(run) in m and "partial last line" in m for m in messages)
     assert any(str(run) in m and "steps [1] are logged more than once" in m for m in messages)
+
+
+def test_rerunning_a_finished_run_keeps_its_metrics_and_a_failed_setup_frees_the_folder(base, tmp_path):  # noqa: F811
+    from test_sim_train import small_config
+
+    from vcpo.sim.config import ConfigError
+    from vcpo.sim.train import Trainer
+
+    out = tmp_path / "run"
+    Trainer(small_config(base, out, eval_every=1)).run()
+    before = (out / METRICS).read_text()
+    assert json.loads(before.splitlines()[-1])["step"] == 2  # the final evaluation's line
+    Trainer(small_config(base, out, eval_every=1)).run()  # the same command again: nothing to redo, nothing lost
+    assert (out / METRICS).read_text() == before
+    with pytest.raises(ConfigError, match="holds a checkpoint of a run with other settings"):
+        Trainer(small_config(base, out, eval_every=1, lr=1e-3))
+    with run_folder_lock(out):  # the refused setup did not keep the lock
+        pass
+    trainer = Trainer(small_config(base, out, eval_every=1))
+    trainer.run()
+    with pytest.raises(RuntimeError, match="runs once"):
+        trainer.run()
+
+
+def test_a_reader_names_the_run_and_line_it_cannot_read(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "x"\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"run/metrics.jsonl line 2 cannot be read"):
+        read_metrics(run)
+
+
+def test_the_evidence_runner_says_what_it_could_not_do(tmp_path, capsys):
+    from vcpo.sim.evidence import Arm, Design, run_all
+
+    design = Design(seeds=[0], configs={"countdown": str(tmp_path / "missing.yaml")}, settings={"countdown": {}},
+                    arms=[Arm("countdown", "sync", "sync", 1)])
+    assert run_all(design, tmp_path / "runs", 1, None, archive=tmp_path / "archive") == 2
+    error = capsys.readouterr().err
+    assert "failed: planning: config file" in error and "not run: countdown/sync seed 0" in error

@@ -178,13 +178,17 @@ def sim_task(design: Design, arm: Arm) -> str:
 
 
 def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
-    """Every unfinished run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
+    """Every unarchived run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
     SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
-    (``lr_scale_from``, ``lr_from_mean_scale_of``). Returns the number of failed jobs."""
+    (``lr_scale_from``, ``lr_from_mean_scale_of``); each finished run is archived. Returns the number of
+    jobs that failed plus the runs left undone (whose sources never came)."""
+    for arm in design.arms:  # finished under RUNS but not archived (stopped between the two): archive now
+        for seed in design.seeds:
+            if is_finished(run_folder(root, arm, seed)) and not is_finished(run_folder(archive, arm, seed)):
+                archive_run(run_folder(root, arm, seed), run_folder(archive, arm, seed))
     arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
     order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds), key=lambda t: t[:3])
-    pending = [(arm, seed) for _, seed, _, arm in order
-               if not (is_finished(run_folder(root, arm, seed)) or is_finished(run_folder(archive, arm, seed)))]
+    pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(archive, arm, seed))]
     print(f"evidence: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
     lock, failed, running, bases = threading.Lock(), [], set(), {}  # bases: (task, seed) -> "building" | "done"
 
@@ -205,38 +209,52 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
                     return ("run", (arm, seed, settings))
             return "wait" if running or "building" in bases.values() else None
 
+    def run_job(kind, payload) -> tuple[str, int]:
+        if kind == "base":
+            task, seed = payload
+            command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed)]
+            log_path, label = Path(root) / "bases" / f"{task}-seed{seed}.log", f"SFT base {task} seed {seed}"
+        else:
+            arm, seed, settings = payload
+            out = run_folder(root, arm, seed)
+            command = command_line(design, arm, settings, str(out))
+            log_path, label = out / "train.log", f"{arm.task}/{arm.name} seed {seed}"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        if kind == "run" and not code:
+            archive_run(out, run_folder(archive, arm, seed))
+        return label, code
+
     def worker():
-        while (job := next_job()) is not None:
+        while True:
+            try:
+                job = next_job()
+            except Exception as error:  # a design or config that cannot be read: say so, stop this worker
+                with lock:
+                    failed.append(f"planning: {error}")
+                return
+            if job is None:
+                return
             if job == "wait":
                 time.sleep(5)
                 continue
             kind, payload = job
-            if kind == "base":
-                task, seed = payload
-                command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed)]
-                log_path = Path(root) / "bases" / f"{task}-seed{seed}.log"
-                label = f"SFT base {task} seed {seed}"
-            else:
-                arm, seed, settings = payload
-                out = run_folder(root, arm, seed)
-                command = command_line(design, arm, settings, str(out))
-                log_path = out / "train.log"
-                label = f"{arm.task}/{arm.name} seed {seed}"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            started = time.time()
-            with open(log_path, "a") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-            if kind == "run" and not code:
-                archive_run(out, run_folder(archive, arm, seed))
-            with lock:
-                if kind == "base":
-                    bases[payload] = "failed" if code else "done"
-                else:
-                    running.discard((arm, seed))
-                if code:
-                    failed.append(label)
-                print(f"{'FAILED' if code else 'done'}: {label} in {time.time() - started:.0f} s "
-                      f"({len(pending)} runs waiting)", flush=True)
+            started, label, code = time.time(), f"{kind} {payload[:2]}", 1
+            try:
+                label, code = run_job(kind, payload)
+            except Exception as error:
+                label = f"{label}: {error}"
+            finally:
+                with lock:
+                    if kind == "base":
+                        bases[payload] = "failed" if code else "done"
+                    else:
+                        running.discard(payload[:2])
+                    if code:
+                        failed.append(label)
+                    print(f"{'FAILED' if code else 'done'}: {label} in {time.time() - started:.0f} s "
+                          f"({len(pending)} runs waiting)", flush=True)
 
     workers = [threading.Thread(target=worker) for _ in range(jobs)]
     for thread in workers:
@@ -245,7 +263,9 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
         thread.join()
     for label in failed:
         print(f"failed: {label}", file=sys.stderr)
-    return len(failed)
+    for arm, seed in pending:
+        print(f"not run: {arm.task}/{arm.name} seed {seed} (its base or the runs it reads did not finish)", file=sys.stderr)
+    return len(failed) + len(pending)
 
 
 # -- the evaluation's noise -------------------------------------------------------------------------
@@ -308,6 +328,8 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     lines = read_lines(folder)
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
+    if settings is None:
+        raise ValueError(f"{folder}: a run it read ({arm.lr_scale_from or arm.lr_from_mean_scale_of}) is not below {root}")
     if "lr_scale_from" in settings:
         settings["lr_scale_from"] = str(run_folder(Path(RUNS_PLACEHOLDER), design.arm(arm.task, arm.lr_scale_from), seed))
     command = command_line(design, arm, settings, str(run_folder(Path(RUNS_PLACEHOLDER), arm, seed)))

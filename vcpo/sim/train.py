@@ -78,10 +78,6 @@ class Trainer:
     """Builds every part of a run from its config; ``run()`` trains to ``config.steps``."""
 
     def __init__(self, config: SimConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from vcpo.sim.tasks import get_sim_task, render_prompt
-
         self.config = validate(config)
         if config.out is None:
             raise ConfigError("config key 'out': a run needs an output folder (--out DIR)")
@@ -93,6 +89,17 @@ class Trainer:
             self._lock.enter_context(run_folder_lock(Path(config.out)))
         except FolderInUse as error:
             raise ConfigError(f"config key 'out': {error}") from None
+        try:
+            self._build(config)
+        except BaseException:
+            self._lock.close()  # a failed setup leaves the folder free at once, not at garbage collection
+            raise
+
+    def _build(self, config: SimConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from vcpo.sim.tasks import get_sim_task, render_prompt
+
         self._check_resumable(Path(config.out))
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -145,6 +152,7 @@ class Trainer:
             weights=self.snapshot,
         )
         self.step = 0
+        self._ran = False
         self.tracker = None
         self._prox_model = None
 
@@ -224,7 +232,8 @@ class Trainer:
         self.snapshots = state["snapshots"]
         self.step = state["step"]
         metrics = self.out / METRICS
-        if metrics.exists():  # drop the lines of steps after the checkpoint: they are redone
+        finished = (self.out / "final" / "eval.json").exists()  # a finished run's lines are all kept, its final one too
+        if metrics.exists() and not finished:  # drop the lines of steps after the checkpoint: they are redone
             kept = [line for step, line in metric_lines(metrics) if step < self.step]
             write_atomic(metrics, "".join(line + "\n" for line in kept))
 
@@ -346,6 +355,9 @@ class Trainer:
             self.tracker.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=metrics["step"])
 
     def run(self) -> Path:
+        if self._ran:
+            raise RuntimeError("a Trainer runs once (its folder lock ends with its run): build another to run again")
+        self._ran = True
         with self._lock:
             return self._run()
 
@@ -375,9 +387,9 @@ class Trainer:
             result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}
             self.model.save_pretrained(final)
             self.tokenizer.save_pretrained(final)
-            write_atomic(final / "eval.json", json.dumps(result) + "\n")  # the finished mark, written last
             if result.get("val/accuracy") is not None:
                 self._log(result)
+            write_atomic(final / "eval.json", json.dumps(result) + "\n")  # the finished mark, written last
         if self.tracker is not None:
             self.tracker.finish()
         return self.out

@@ -52,8 +52,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if torn.strip():
         LOG.warning("%s: a partial last line is left out (a write cut short)", path)
     lines, seen, repeated = [], set(), set()
-    for line in (line for line in complete if line.strip()):
-        flat = _flat(json.loads(line))
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            flat = _flat(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path} line {number} cannot be read as a metrics record") from None
         if flat["step"] in seen:
             repeated.add(flat["step"])
             continue
