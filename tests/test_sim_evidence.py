@@ -194,7 +194,7 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     def row(arm, method, seed, end, lr=2e-4, lag=48, collapsed=False):
         return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "end": end, "lr": lr, "lag": lag,
                 "last_quarter": end, "base": 0.2, "collapsed": collapsed, "mean_lr_scale": 1.0, "ess_predictor": 0.5,
-                "fall_step": None, "ess_alarm_step": None}
+                "fall_step": None, "ess_alarm_step": None, "end_validation": end}
 
     rows = [row("vcpo", "vcpo", s, 0.25 + 0.01 * s) for s in range(3)]
     rows += [row("seq_tis", "seq_tis_c8", s, 0.10 + 0.01 * s + 0.001 * s * s) for s in range(3)]

@@ -453,6 +453,7 @@ def arm_summary(rows: list[dict]) -> dict:
         "end": end, "end_low": low, "end_high": high, "end_sd": float(np.std([r["end"] for r in rows], ddof=1)) if len(rows) > 1 else math.nan,
         "last_quarter": quarter, "last_quarter_low": quarter_low, "last_quarter_high": quarter_high,
         "base": float(np.mean([row["base"] for row in rows])),
+        "end_validation": float(np.mean([row["end_validation"] for row in rows])),
         "collapses": collapses, "collapse_low": wilson_interval(collapses, len(rows))[0], "collapse_high": wilson_interval(collapses, len(rows))[1],
         "mean_lr_scale": float(np.mean([row["mean_lr_scale"] for row in rows])),
         "seeds": sorted(row["seed"] for row in rows),
@@ -538,13 +539,20 @@ def learning_rate_report(by_arm: dict[str, dict[int, dict]], arms: dict[str, dic
         names = arms_of(method)
         if names:
             best[method] = max(names, key=lambda n: arms[n]["end"])
-            rates = sorted(arms[n]["lr"] for n in names if arms[n]["collapses"] == 0 and arms[n]["end"] >= arms[n]["base"] + SYNC_MIN_GAIN)
-            stable[method] = {"rates": rates, "width": rates[-1] / rates[0] if rates else None,
-                              "tested": sorted(arms[n]["lr"] for n in names)}
+            stable[method] = {"tested": sorted(arms[n]["lr"] for n in names)}
+            for rule, end_key in (("registered", "end"), ("same_split", "end_validation")):
+                rates = sorted(arms[n]["lr"] for n in names
+                               if arms[n]["collapses"] == 0 and arms[n][end_key] >= arms[n]["base"] + SYNC_MIN_GAIN)
+                stable[method][rule] = {"rates": rates, "width": rates[-1] / rates[0] if rates else None}
     pairs = [("vcpo", best[m]) for m in ("seq_tis_c8", "sync") if m in best]
     pairs += [("vcpo", name) for name in arms_of("seq_tis_c8", controls=True)]
     return {"best_arm": best, "stable_range": stable, "comparisons": compare(by_arm, pairs),
-            "note": "each method's best arm is chosen on these same runs: its mean is biased upwards (winner's curse)"}
+            "note": "each method's best arm is chosen on these same runs: its mean is biased upwards (winner's curse)",
+            "stable_range_note": (
+                "the registered stable range compares the final test-split accuracy with the step-0 validation-split "
+                "base, and the test split scores lower (base seed 0: 18.2% against 21.5%), so it is stricter than "
+                "intended; 'same split' (a deviation added after phase 2 began, not registered) compares the final "
+                "validation accuracy with the validation base")}
 
 
 def main(argv: list[str] | None = None) -> int:

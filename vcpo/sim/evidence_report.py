@@ -80,13 +80,17 @@ def learning_rate_lines(section: dict, arms: dict) -> list[str]:
     for method, name in best.items():
         arm = arms[name]
         stable = section["stable_range"][method]
-        width = f"{stable['width']:.1f}x ({', '.join(f'{r:.3g}' for r in stable['rates'])})" if stable["rates"] else "none"
+
+        def width_text(rule: dict) -> str:
+            return f"{rule['width']:.1f}x ({', '.join(f'{r:.3g}' for r in rule['rates'])})" if rule["rates"] else "none"
+
+        width = f"{width_text(stable['registered'])} as registered; {width_text(stable['same_split'])} on the same split"
         lines.append(f"- {METHOD_LABELS.get(method, method)}: best fixed rate {arm['lr']:.3g} (arm `{name}`, end "
                      f"{points(arm['end'])}% {interval(arm['end_low'], arm['end_high'])}, n = {arm['n']}); stable range "
                      f"among the tested rates ({', '.join(f'{r:.3g}' for r in stable['tested'])}): {width}.")
     lines.append("")
     lines += [f"- {comparison_sentence(c)}." for c in section["comparisons"]]
-    lines += ["", f"Note: {section['note']}."]
+    lines += ["", f"Note: {section['note']}; {section['stable_range_note']}."]
     return lines
 
 
