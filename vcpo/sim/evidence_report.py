@@ -13,6 +13,12 @@ CONTROLS = {"seq_tis_vcpo_mean_lr": ("s", "seq-TIS at VCPO's mean rate"),
             "seq_tis_vcpo_replay": ("D", "seq-TIS replaying VCPO's factor (nominal lr)")}
 
 
+def rate_label(rate: float) -> str:
+    """1.5e-4, not 0.00015."""
+    mantissa, exponent = f"{rate:.2e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 def points(value: float) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.1f}"
 
@@ -140,10 +146,10 @@ def draw_learning_rates(stats: dict, path: Path) -> None:
             axis.errorbar([a["lr"]], [100 * a["end"]], yerr=[[100 * (a["end"] - a["end_low"])], [100 * (a["end_high"] - a["end"])]],
                           marker=marker, linestyle="none", capsize=3, label=label)
     axis.set_xscale("log")
-    rates = sorted({a["lr"] for a in arms.values()})
-    if rates:  # ticks at the tested rates only: the side-by-side offsets are not rates
+    rates = sorted({a["lr"] for name, a in arms.items() if name not in CONTROLS})
+    if rates:  # ticks at the grid's rates only: the side-by-side offsets are not rates
         axis.set_xlim(rates[0] / 1.6, rates[-1] * 1.6)
-        axis.set_xticks(rates, [f"{rate:.3g}" for rate in rates])
+        axis.set_xticks(rates, [rate_label(rate) for rate in rates])
         axis.minorticks_off()
     axis.set_xlabel("nominal learning rate (methods side by side at each tested rate)")
     axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
