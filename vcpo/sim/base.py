@@ -66,7 +66,7 @@ from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
 
 # Bump when the SFT procedure changes in a way the settings below do not capture: it changes every hash.
-SFT_VERSION = 1
+SFT_VERSION = 2  # 2: every base trains on SFT_THREADS (a cached base of 1 may have trained on more)
 INFO_FILE = "sft_info.json"
 
 # hidden, layers, heads, kv_heads, intermediate: the Qwen2 dimensions; vocab: the BPE vocabulary;
