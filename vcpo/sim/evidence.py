@@ -35,6 +35,7 @@ import numpy as np
 from vcpo.recipes import recipes_dir
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
 from vcpo.sim.train import cpu_name
+from vcpo.tables.runs import read_metrics
 
 DESIGN = "sim/evidence.yaml"
 TABLE = Path("tables/evidence/runs.jsonl")
@@ -121,18 +122,14 @@ def archive_run(folder: Path, target: Path) -> None:
 
     (target / "final").mkdir(parents=True, exist_ok=True)
     write_atomic(target / "config.json", (folder / "config.json").read_text())
-    lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_lines(folder)]
+    lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_metrics(folder)]
     write_atomic(target / "metrics.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
     write_atomic(target / "final" / "eval.json", (folder / "final" / "eval.json").read_text())
 
 
-def read_lines(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def mean_step_scale(folders: list[Path]) -> float:
     """The mean of ``actor/lr_scale`` over every step of ``folders`` (evidence.md: the constant-rate control)."""
-    scales = [line["actor/lr_scale"] for folder in folders for line in read_lines(folder) if "actor/lr_scale" in line]
+    scales = [line["actor/lr_scale"] for folder in folders for line in read_metrics(folder) if "actor/lr_scale" in line]
     return float(np.mean(scales))
 
 
@@ -325,7 +322,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     folder = run_folder(root, arm, seed)
     recorded = json.loads((folder / "config.json").read_text())
     final = json.loads((folder / "final" / "eval.json").read_text())
-    lines = read_lines(folder)
+    lines = read_metrics(folder)
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
     if settings is None:
