@@ -399,19 +399,15 @@ def metric_lines(path: Path) -> list[tuple[int, str]]:
     """(step, line) of every complete line of a run's ``metrics.jsonl``. A last line without its newline is
     a write cut short (it belongs to a step after the checkpoint): it is left out, with one line saying so.
     Any other line that cannot be read is an error naming the file and line."""
-    *complete, torn = path.read_text().split("\n")
+    from vcpo.tables.runs import complete_records
+
+    try:
+        records, torn = complete_records(path)
+    except ValueError as error:
+        raise ConfigError(f"config key 'out': {error}; repair or remove that line, or start the run over in another folder") from None
     if torn:
         print(f"{path}: ignoring a partial last line ({len(torn)} characters: a write cut short)", file=sys.stderr)
-    lines = []
-    for number, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        try:
-            lines.append((int(json.loads(line)["step"]), line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ConfigError(f"config key 'out': {path} line {number} cannot be read as a metrics record; "
-                              "repair or remove that line, or start the run over in another folder") from None
-    return lines
+    return [(int(record["step"]), line) for line, record in records]
 
 
 def cpu_name() -> str:

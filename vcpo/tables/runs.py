@@ -43,22 +43,34 @@ def _flat(record: dict) -> dict:
     return flat
 
 
+def complete_records(path: Path) -> tuple[list[tuple[str, dict]], str]:
+    """(line, record) of every complete line of a ``metrics.jsonl``, and its unterminated tail ('' if none: a
+    write cut short leaves one). A complete line that is not a record with a step raises ValueError naming
+    the file and line."""
+    *complete, torn = Path(path).read_text().split("\n")
+    records = []
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path} line {number} cannot be read as a metrics record") from None
+        records.append((line, record))
+    return records, torn
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``. What cannot be
     one run's record is said in one line naming the run: a partial last line (a write cut short) is left
     out; steps logged more than once (two writers, or a copy) keep their first line."""
     path = Path(run_dir) / "metrics.jsonl"
-    *complete, torn = path.read_text().split("\n")
+    records, torn = complete_records(path)
     if torn.strip():
         LOG.warning("%s: a partial last line is left out (a write cut short)", path)
     lines, seen, repeated = [], set(), set()
-    for number, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        try:
-            flat = _flat(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{path} line {number} cannot be read as a metrics record") from None
+    for flat in (_flat(record) for _, record in records):
         if flat["step"] in seen:
             repeated.add(flat["step"])
             continue
