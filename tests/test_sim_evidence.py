@@ -233,3 +233,101 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
     assert run_row(design, arm, 0, tmp_path / "archive") == run_row(design, arm, 0, tmp_path / "runs")
     assert run_row(design, arm, 0, tmp_path / "archive")["command"].endswith(
         "--out RUNS/countdown/sync/seed0 test_problems=1000 test_samples=4 base_seed=0 lag=0 threads=1 progress=false")
+
+
+def evidence_prose(path):
+    """The evidence study's section of a document, whitespace-joined, with typographic minus signs as '-'."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    if path == "docs/studies.md":
+        text = text[text.index("## The evidence study"):]
+    else:
+        text = text[text.index("<!-- evidence -->"):text.index("<!-- /evidence -->")]
+    return " ".join(text.replace("\u2212", "-").split())
+
+
+@pytest.mark.parametrize("path", ["docs/studies.md", "README.md"])
+def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
+    """Each 'X% [a, b]' is an arm's end or last-quarter mean with its interval, and each '+X points [a, b], Holm p = P'
+    a registered comparison of the committed stats.json, so no number can drift from the table by hand."""
+    import re
+    from pathlib import Path
+
+    from vcpo.sim.evidence_report import interval, p_value, points, signed_points
+
+    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    arm_quotes, comparison_quotes = set(), set()
+    for entry in stats["tasks"].values():
+        for arm in entry["arms"].values():
+            arm_quotes.add(f"{points(arm['end'])}% {interval(arm['end_low'], arm['end_high'])}")
+            arm_quotes.add(f"{points(arm['last_quarter'])}% {interval(arm['last_quarter_low'], arm['last_quarter_high'])}")
+        for c in entry["comparisons"] + entry["comparisons_last_quarter"] + entry.get("learning_rate", {}).get("comparisons", []):
+            if "verdict" in c:
+                comparison_quotes.add((f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}",
+                                       p_value(c["p_holm"]), p_value(c["p"])))
+    prose = evidence_prose(path)
+    quoted_arms = re.findall(r"\d+\.\d% \[\d+\.\d, \d+\.\d\]", prose)
+    quoted_comparisons = re.findall(r"([+-]\d+\.\d points \[[+-]\d+\.\d, [+-]\d+\.\d\])(?:,? \(?(?:unadjusted p = (\d\.\d{3}), )?"
+                                    r"Holm p (?:= )?(< 0\.001|\d\.\d{3}))?", prose)
+    assert quoted_arms and quoted_comparisons
+    assert set(quoted_arms) <= arm_quotes, set(quoted_arms) - arm_quotes
+    for quote, unadjusted, holm in quoted_comparisons:
+        matches = [c for c in comparison_quotes if c[0] == quote]
+        assert matches, quote
+        assert not holm or any(c[1] == holm for c in matches), (quote, holm)
+        assert not unadjusted or any(c[2] == unadjusted for c in matches), (quote, unadjusted)
+
+
+def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed_ones():
+    from pathlib import Path
+
+    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    countdown = stats["tasks"]["countdown"]
+    arms, predictor = countdown["arms"], countdown["predictor"]
+    prose = evidence_prose("docs/studies.md")
+    low, high = predictor["auc_interval"]
+    assert (f"ROC AUC {predictor['auc']:.2f} (95% bootstrap {low:.2f}-{high:.2f}), hits {predictor['hits']} of "
+            f"{predictor['collapsed']} collapses, false alarms in {predictor['false_alarms']} of the "
+            f"{predictor['runs'] - predictor['collapsed']} runs") in prose
+    assert f"lead times of {min(predictor['lead_steps'])}-{max(predictor['lead_steps'])} steps" in prose
+    assert f"on the {predictor['runs']} new runs" in prose
+    for name, label in [("seq_tis", "seq-TIS 13.8% [8.5, 19.1]"), ("tis_opob", "12.2% [9.6, 14.7]")]:
+        assert f"{label} ({arms[name]['collapses']} of {arms[name]['n']} collapse" in prose
+    assert f"{arms['vcpo']['mean_lr_scale']:.2f}× the nominal rate" in prose
+    assert f"as a constant ({arms['seq_tis_vcpo_mean_lr']['lr']:.3g})".replace("0.000112", "1.12e-4") in prose
+    assert (f"{100 * arms['sync']['end_sd']:.1f} points for sync, {100 * arms['vcpo']['end_sd']:.1f} for VCPO, "
+            f"{100 * arms['seq_tis']['end_sd']:.1f} for seq-TIS") in prose
+    vcpo_rates = [arm for arm in arms.values() if arm["method"] == "vcpo"]
+    assert f"none of its {sum(a['n'] for a in vcpo_rates)} runs" in prose and not any(a["collapses"] for a in vcpo_rates)
+    assert [arms[a]["collapses"] for a in ("seq_tis_lr5e-5", "seq_tis_lr1e-4", "seq_tis_lr1.5e-4", "seq_tis")] == [0, 1, 0, 3]
+
+
+def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
+    """'A - B +X' must be the comparison a - b (not b - a, nor another pair that happens to share the interval)."""
+    from pathlib import Path
+
+    from vcpo.sim.evidence_report import interval, signed_points
+
+    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    countdown = stats["tasks"]["countdown"]
+    comparisons = {(c["a"], c["b"]): c for c in countdown["comparisons"] + countdown["learning_rate"]["comparisons"]}
+
+    def quote(a, b):
+        c = comparisons[(a, b)]
+        return f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}"
+
+    studies, readme = evidence_prose("docs/studies.md"), evidence_prose("README.md")
+    for prose, label, pair in [
+        (studies, "VCPO - seq-TIS", ("vcpo", "seq_tis")), (studies, "ESS step alone - seq-TIS", ("tis_ess", "seq_tis")),
+        (studies, "VCPO - ESS step alone is", ("vcpo", "tis_ess")), (studies, "OPOB alone - seq-TIS", ("tis_opob", "seq_tis")),
+        (studies, "VCPO against sync:", ("vcpo", "sync")), (studies, "against tuned seq-TIS:", ("vcpo", "seq_tis_lr5e-5")),
+        (studies, "against sync at 1e-4:", ("vcpo", "sync_lr1e-4")), (studies, "(1.12e-4) VCPO is", ("vcpo", "seq_tis_vcpo_mean_lr")),
+        (studies, "per-step factor", ("vcpo", "seq_tis_vcpo_replay")),
+        (readme, "VCPO - seq-TIS is", ("vcpo", "seq_tis")), (readme, "VCPO - the ESS step size alone", ("vcpo", "tis_ess")),
+        (readme, "VCPO - sync", ("vcpo", "sync")), (readme, "(5e-5) is", ("vcpo", "seq_tis_lr5e-5")),
+        (readme, "per-step factor", ("vcpo", "seq_tis_vcpo_replay")),
+    ]:
+        assert f"{label} {quote(*pair)}" in prose, (label, quote(*pair))
+    arms = countdown["arms"]
+    assert f"SD of {100 * arms['sync']['end_sd']:.1f} points (sync) to {100 * arms['vcpo']['end_sd']:.1f} (VCPO)" in readme
