@@ -129,6 +129,25 @@ def test_the_first_level_modules_import_only_the_layers_below_them():
     assert wrong == []
 
 
+# A simulator run is set up in one direction: the sampler and the tasks, then the base built on them, then the
+# settings resolved against those registries (vcpo.sim.config.validate fills in the task's defaults once), then
+# the learner and the trainer that composes them; the studies' tools read runs on top.
+SIM_ORDER = [
+    "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.evaluate", "vcpo.sim.base", "vcpo.sim.config", "vcpo.sim.learner",
+    "vcpo.sim.train", "vcpo.sim.__main__", "vcpo.sim.grad_norms", "vcpo.sim.stability", "vcpo.sim.plots",
+    "vcpo.sim.regime_report", "vcpo.sim.evidence_report", "vcpo.sim.evidence",
+]  # fmt: skip
+
+
+def test_the_simulators_modules_import_only_those_before_them():
+    graph = import_graph()
+    modules = {m for m in graph if m.startswith("vcpo.sim.")}
+    assert modules == set(SIM_ORDER), modules ^ set(SIM_ORDER)
+    wrong = sorted(f"{module} imports {other}" for module in SIM_ORDER for other in graph[module]
+                   if other in modules and SIM_ORDER.index(other) > SIM_ORDER.index(module))
+    assert wrong == []
+
+
 def test_a_verl_user_imports_the_losses_engine_rewards_and_tool_without_the_reproduction_stack():
     """`pip install vcpo` (no extras) covers these: none of them loads a package of the `repro` extra."""
     import subprocess

@@ -10,7 +10,7 @@ import pytest
 from scripted import END, ScriptedModel
 
 from vcpo.sim.base import solution_tokens, task_tokenizer
-from vcpo.sim.config import SimConfig
+from vcpo.sim.config import SimConfig, validate
 from vcpo.sim.rollout import (
     TOOL_CALL,
     TOOL_OUTPUT,
@@ -86,11 +86,15 @@ def test_tir_runs_multi_turn_with_simpletirs_budget_and_rho_on_by_default():
     from vcpo.tiny import build_tiny_model
 
     paper = load_tasks()["simpletir"].paper
-    config = SimConfig(task="tir", method="vcpo")
-    assert (config.turn_budget, config.resolved_rho_on) == (paper["max_turns"], paper["rho_on"]) == (5, 0.55)
+    config = validate(SimConfig(task="tir", method="vcpo"))
+    assert (config.max_turns, config.rho_on) == (paper["max_turns"], paper["rho_on"]) == (5, 0.55)
     assert config.recorded()["max_turns"] == 5 and config.recorded()["rho_on"] == 0.55
-    assert (SimConfig(task="countdown").turn_budget, SimConfig(task="countdown").resolved_rho_on) == (0, None)
-    assert SimConfig(task="tir", max_turns=0, rho_on=1.0).turn_budget == 0
+    assert validate(config) == config  # resolved once: validating again changes nothing
+    countdown = validate(SimConfig(task="countdown"))
+    assert (countdown.max_turns, countdown.rho_on, countdown.max_response_tokens) == (0, None, 48)
+    assert validate(SimConfig(task="tir", max_turns=0, rho_on=1.0)).max_turns == 0
+    with pytest.raises(ValueError, match="validate"):
+        SimConfig(task="tir").recorded()
     learner = Learner(build_tiny_model(build_tiny_tokenizer(), hidden_size=16, num_layers=1), get_method("vcpo"), config)
     assert learner.rule.rho_on == 0.55
 

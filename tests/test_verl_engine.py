@@ -507,7 +507,7 @@ def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_di
     backend[0] = "sim"
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
     config = SimpleNamespace(
-        base_lr=BASE_LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1e9, resolved_rho_on=None, temperature=1.0,
+        base_lr=BASE_LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1e9, rho_on=None, temperature=1.0,
         responses_per_prompt=GROUP, prompts_per_step=B // GROUP, micro_batch_size=GROUP,
     )
     learner = Learner(model, get_method(method), config)

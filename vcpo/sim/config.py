@@ -17,7 +17,9 @@ from typing import Any
 
 from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
-from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S
+from vcpo.sim.base import MODEL_SIZES
+from vcpo.sim.rollout import KV_CACHE_MODES, SIM_TOOL_TIMEOUT_S
+from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
 LAG_MODELS = ("pipeline", "fixed", "minibatch")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -98,31 +100,6 @@ class SimConfig:
         return get_method(self.method)
 
     @property
-    def response_budget(self) -> int:
-        """Most tokens a response may have (rollouts and held-out evaluation)."""
-        if self.max_response_tokens is not None:
-            return self.max_response_tokens
-        from vcpo.sim.tasks import get_sim_task
-
-        return get_sim_task(self.task).max_response_tokens
-
-    @property
-    def turn_budget(self) -> int:
-        """Tool calls allowed per response: ``max_turns``, else the task's (0: single-turn)."""
-        if self.max_turns is not None:
-            return self.max_turns
-        from vcpo.sim.tasks import get_sim_task
-
-        return get_sim_task(self.task).max_turns
-
-    @property
-    def resolved_rho_on(self) -> float | None:
-        """The ESS rule's on-policy ratio: ``rho_on``, else the task's paper value, else None (the preset's)."""
-        from vcpo.sim.tasks import get_sim_task
-
-        return run_rho_on(self.rho_on, get_sim_task(self.task).paper_settings)
-
-    @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.responses_per_prompt
 
@@ -140,10 +117,11 @@ class SimConfig:
         return dataclasses.asdict(self)
 
     def recorded(self) -> dict[str, Any]:
-        """The settings as a run's ``config.json`` records them: JSON types, task defaults resolved."""
-        settings = json.loads(json.dumps(self.to_dict(), default=str))  # tuples as lists
-        settings.update(max_response_tokens=self.response_budget, max_turns=self.turn_budget, rho_on=self.resolved_rho_on)
-        return settings
+        """The settings as a run's ``config.json`` records them (JSON types); of a ``validate``d config, so
+        that the task's defaults are filled in."""
+        if self.max_response_tokens is None or self.max_turns is None:
+            raise ValueError("SimConfig.recorded() needs a validate()d config (the task's defaults filled in)")
+        return json.loads(json.dumps(self.to_dict(), default=str))  # tuples as lists
 
 
 FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
@@ -282,10 +260,10 @@ def _split(item: str) -> tuple[str, str]:
 
 
 def validate(config: SimConfig) -> SimConfig:
-    """Raise ConfigError naming the key of the first problem; return ``config`` unchanged."""
-    from vcpo.sim.base import MODEL_SIZES
-    from vcpo.sim.rollout import KV_CACHE_MODES
-    from vcpo.sim.tasks import SIM_TASKS, get_sim_task
+    """The run's settings resolved once: raise ConfigError naming the key of the first problem, else return
+    ``config`` with the task's defaults filled in (``max_response_tokens``, ``max_turns``, and ``rho_on`` where
+    the task has a paper value), so that nothing downstream consults the task for a setting again.
+    Idempotent; a copy changed afterwards (``dataclasses.replace``) must be validated again."""
 
     def fail(key: str, message: str) -> None:
         raise ConfigError(f"config key {key!r}: {message}")
@@ -315,7 +293,8 @@ def validate(config: SimConfig) -> SimConfig:
     for key in ("checkpoint_every", "eval_samples", "test_samples"):
         if getattr(config, key) < 1:
             fail(key, f"must be >= 1, got {getattr(config, key)}")
-    if config.test_problems > (available := get_sim_task(config.task).test_size):
+    task = get_sim_task(config.task)
+    if config.test_problems > (available := task.test_size):
         fail("test_problems", f"task {config.task!r} has {available} test problems, got {config.test_problems}")
     if config.lr_scale_from is not None:
         if step_rule(method).ess:
@@ -358,4 +337,9 @@ def validate(config: SimConfig) -> SimConfig:
         fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
     if config.rho_on is not None and not config.rho_on > 0:
         fail("rho_on", "must be positive")
-    return config
+    return dataclasses.replace(
+        config,
+        max_response_tokens=task.max_response_tokens if config.max_response_tokens is None else config.max_response_tokens,
+        max_turns=task.max_turns if config.max_turns is None else config.max_turns,
+        rho_on=run_rho_on(config.rho_on, task.paper_settings),
+    )

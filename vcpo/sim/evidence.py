@@ -283,12 +283,12 @@ def evaluation_noise(task_name: str, problems: int, samples: int, seeds: int, sp
     task = get_sim_task(task_name)
     path = sft_base(task_name, config.model_size, seed=base_seed)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    tool = sandbox_tool(config.tool_timeout_s) if config.turn_budget else None
+    tool = sandbox_tool(config.tool_timeout_s) if config.max_turns else None
     accuracies, seconds = [], []
     for seed in range(seeds):
         started = time.perf_counter()
         result = heldout_accuracy(model, tokenizer, task, task.problems(split)[:problems], samples=samples, seed=seed,
-                                  tool=tool, max_turns=config.turn_budget)
+                                  tool=tool, max_turns=config.max_turns)
         seconds.append(time.perf_counter() - started)
         accuracies.append(result["mean_at_n"])
         print(f"{task_name} {split} {problems} x {samples}, evaluation seed {seed}: {accuracies[-1]:.4f} ({seconds[-1]:.1f} s)", flush=True)

@@ -147,7 +147,7 @@ class Learner:
         spec = method.spec
         self.loss_name, self.agg = method.loss_name, spec["loss"]["agg"]
         self.estimator, self.adv_params = spec["advantage"]["estimator"], spec["advantage"]["params"]
-        self.rule = step_rule(method).with_rho_on(config.resolved_rho_on)
+        self.rule = step_rule(method).with_rho_on(config.rho_on)
         self.kl_beta = spec.get("kl_in_reward_beta")
         self.policy_loss = get_policy_loss_fn(self.loss_name)
         self.needs_prox = getattr(POLICY_LOSSES.get(self.loss_name), "needs_prox", False)

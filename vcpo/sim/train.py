@@ -90,7 +90,7 @@ class Trainer:
         except FolderInUse as error:
             raise ConfigError(f"config key 'out': {error}") from None
         try:
-            self._build(config)
+            self._build(self.config)
         except BaseException:
             self._lock.close()  # a failed setup leaves the folder free at once, not at garbage collection
             raise
@@ -104,8 +104,8 @@ class Trainer:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.out = Path(config.out)
-        self.base = load_base(config)
         self.task = get_sim_task(config.task)
+        self.base = load_base(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base)
         learner_dtype = DTYPES[config.learner_dtype]
         torch.manual_seed(config.seed)
@@ -125,15 +125,15 @@ class Trainer:
         self.test_problems = self.task.problems("test")[: config.test_problems] if config.test_problems else []
         self.replayed_scales = replayed_lr_scales(config.lr_scale_from, config.steps) if config.lr_scale_from else None
         sampling = Sampling(
-            max_response_tokens=config.response_budget,
+            max_response_tokens=config.max_response_tokens,
             temperature=config.temperature,
             eos_token_ids=end_token_ids(self.model.generation_config),
             pad_token_id=self.tokenizer.pad_token_id,
-            max_turns=config.turn_budget,
+            max_turns=config.max_turns,
             tool_workers=config.tool_workers,
             kv_cache=config.kv_cache,
         )
-        self.tool = sandbox_tool(config.tool_timeout_s) if config.turn_budget else None
+        self.tool = sandbox_tool(config.tool_timeout_s) if config.max_turns else None
         self.generator = RolloutSampler(self.tokenizer, sampling, self.tool)
         self.snapshots: dict[int, dict] = {}
         self.rollouts = Rollouts(
@@ -255,11 +255,11 @@ class Trainer:
             self.task,
             problems,
             temperature=self.config.eval_temperature,
-            max_new_tokens=self.config.response_budget,
+            max_new_tokens=self.config.max_response_tokens,
             samples=samples,
             seed=self.config.seed,  # the same random numbers at every evaluation: checkpoints differ by less noise
             tool=self.tool,
-            max_turns=self.config.turn_budget,
+            max_turns=self.config.max_turns,
             tool_workers=self.config.tool_workers,
         )
         self.model.train()
