@@ -272,10 +272,10 @@ def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
                                     r"Holm p (?:= )?(< 0\.001|\d\.\d{3}))?", prose)
     assert quoted_arms and quoted_comparisons
     assert set(quoted_arms) <= arm_quotes, set(quoted_arms) - arm_quotes
-    for quote, unadjusted, holm in quoted_comparisons:
+    for quote, unadjusted, holm_p in quoted_comparisons:
         matches = [c for c in comparison_quotes if c[0] == quote]
         assert matches, quote
-        assert not holm or any(c[1] == holm for c in matches), (quote, holm)
+        assert not holm_p or any(c[1] == holm_p for c in matches), (quote, holm_p)
         assert not unadjusted or any(c[2] == unadjusted for c in matches), (quote, unadjusted)
 
 
