@@ -13,7 +13,7 @@ Three parts, each in its own process, each logged under OUT and summarised in OU
               float32 against the per-sequence backward loop, packed micro-batches, bf16/fp16 within 4x
               of autograd's own error.
 Needs torch, transformers and pytest (``pip install -e ".[test]"``); not verl, vLLM or Ray.
-``--device cpu --model tiny --seq-len 64`` runs the same parts on a CPU in a minute (the test does).
+``--device cpu --model 0.1m --seq-len 64`` runs the same parts on a CPU in a minute (the test does).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live
     python benchmarks/opob_overhead.py --model 50m --threads 1
     python benchmarks/opob_overhead.py --model 50m --threads 1 --autocast bfloat16   # fp32 params, bf16 compute
     python benchmarks/opob_overhead.py --model 0.5b --device cuda --dtype bfloat16 --seq-len 2048
-    python benchmarks/opob_overhead.py --json overhead.json   # also the ratios as JSON (vcpo.tables fig3)
+    python benchmarks/opob_overhead.py --json overhead.json   # also the ratios as JSON (vcpo.reporting fig3)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ VARIANTS = ("plain", "opob", "naive", "per_sequence")
 
 # Qwen2 shapes; "0.5b" is the Qwen2-0.5B architecture (tied embeddings), with random weights.
 MODEL_SHAPES = {
-    "tiny": dict(
+    "0.1m": dict(
         hidden_size=64,
         intermediate_size=176,
         num_hidden_layers=2,
@@ -342,7 +342,7 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
 
 
 def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict) -> None:
-    """The measured times, peaks and their ratios to plain, for ``python -m vcpo.tables figure fig3``."""
+    """The measured times, peaks and their ratios to plain, for ``python -m vcpo.reporting figure fig3``."""
     ratios = {"step_time_ratio": {v: timing["step_s"][v] / timing["step_s"]["plain"] for v in args.variants}}
     if memory:
         ratios["memory_ratio"] = {v: memory[v] / memory["plain"] for v in args.variants}
@@ -355,7 +355,7 @@ def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict) 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="tiny")
+    parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="0.1m")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4, help="responses per prompt (plain's group-mean baseline)")

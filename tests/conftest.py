@@ -35,7 +35,7 @@ def benchmark_data() -> BenchmarkData:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 checkpoint with a locally trained tokenizer (vcpo.tiny), saved once per session."""
-    from vcpo.tiny import save_tiny_model
+    """A tiny random Qwen2 checkpoint with a locally trained tokenizer (vcpo.local_models), saved once per session."""
+    from vcpo.local_models import save_random_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), vocab_size=320, hidden_size=32, num_layers=1)
+    return save_random_model(tmp_path_factory.mktemp("tiny-model"), vocab_size=320, hidden_size=32, num_layers=1)

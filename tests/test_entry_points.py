@@ -19,7 +19,7 @@ def test_an_evaluation_of_no_benchmark_is_refused_before_a_model_loads(tmp_path)
 @pytest.mark.parametrize("command", [["figure", "fig5"], ["table1"]])
 def test_tables_over_a_missing_runs_folder_are_refused(tmp_path, command):
     out = tmp_path / "out.md"
-    result = run("vcpo.tables", *command, "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out))
+    result = run("vcpo.reporting", *command, "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out))
     assert result.returncode == 2 and f"--runs {tmp_path / 'nothing'}: no such folder" in result.stderr
     assert not out.exists()
 
@@ -27,7 +27,7 @@ def test_tables_over_a_missing_runs_folder_are_refused(tmp_path, command):
 def test_the_overhead_figure_draws_no_runs_so_it_needs_no_runs_folder(tmp_path):
     out = tmp_path / "fig3.png"
     result = run(
-        "vcpo.tables", "figure", "fig3", "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out),
+        "vcpo.reporting", "figure", "fig3", "--runs", str(tmp_path / "nothing"), "--scale", "smoke", "--out", str(out),
         "--measured", str(tmp_path / "none.json"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -74,7 +74,7 @@ def test_an_evaluation_checks_its_folders_before_generating(tmp_path, args, mess
         (["vcpo.sim.base", "--task", "nonesuch"], "argument --task: invalid choice: 'nonesuch'"),
         (["vcpo.sim.base", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
         (["vcpo.methods", "show", "nonesuch"], "unknown method 'nonesuch'"),
-        (["vcpo.tiny", "{file}"], "is a file, not a folder"),
+        (["vcpo.local_models", "{file}"], "is a file, not a folder"),
         (["vcpo.launch.cpu", "--out", "{file}"], "is a file, not a folder"),
         (["vcpo.launch.cpu", "--out", "{tmp}/run", "--method", "nonesuch"], "unknown method 'nonesuch'"),
     ],

@@ -18,7 +18,7 @@ from vcpo.evaluation.tool_use import (
     truncate_tool_response,
     verl_multi_turn_defaults,
 )
-from vcpo.tiny import IM_END, build_tiny_tokenizer
+from vcpo.local_models import IM_END, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL_CONFIG = REPO / "recipes" / "tools" / "python_sandbox.yaml"
@@ -46,7 +46,7 @@ class ScriptedSampler:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tiny_tokenizer()
+    return build_tokenizer()
 
 
 def tool_use(**changes) -> ToolUse:

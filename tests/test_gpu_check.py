@@ -25,7 +25,7 @@ def test_without_a_gpu_the_default_device_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_cpu_dry_check_measures_every_part(tmp_path):
-    result = gpu_check("--out", str(tmp_path), "--device", "cpu", "--model", "tiny", "--seq-len", "64", "--repeats", "1")
+    result = gpu_check("--out", str(tmp_path), "--device", "cpu", "--model", "0.1m", "--seq-len", "64", "--repeats", "1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     overhead, exactness = report["overhead"], report["exactness"]

@@ -326,7 +326,7 @@ def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_p
         assert max(steps) == 3  # verl's file logger, three steps
         summary = json.loads((runs / run / "eval" / "summary.json").read_text())
         assert "global_step_3/actor/huggingface" in summary["model"] and summary["results"]["countdown"]["num_problems"] == 8
-    assert json.loads((runs / "base" / "eval" / "summary.json").read_text())["model"].endswith("tiny_model")
+    assert json.loads((runs / "base" / "eval" / "summary.json").read_text())["model"].endswith("random_model")
     table = (results / "tables" / "table1.md").read_text()
     assert "missing" not in table.split("| Base")[1].split("\n")[0]  # the base model's evaluation
     assert "missing" not in table.split("| Sync (k=0)")[1].split("\n")[0]

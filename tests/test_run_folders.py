@@ -14,9 +14,9 @@ import pytest
 from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted  # noqa: F401 (fixtures)
 
 from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
+from vcpo.reporting.runs import read_metrics
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.train import METRICS
-from vcpo.tables.runs import read_metrics
 
 
 def command(base_dir, out):

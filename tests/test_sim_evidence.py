@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_sim_train import small_config
 
+from vcpo.local_models import save_random_model
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.evidence import (
     Arm,
@@ -25,12 +26,11 @@ from vcpo.sim.evidence import (
     wilson_interval,
 )
 from vcpo.sim.train import METRICS, Trainer
-from vcpo.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return str(save_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+    return str(save_random_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
 
 
 def test_mean_interval_is_the_student_t_interval():

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from vcpo.local_models import save_random_model
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, load_config_file
 from vcpo.sim.stability import outcome
-from vcpo.tiny import save_tiny_model
 
 SHORT = [
     "prompts_per_step=2", "responses_per_prompt=2", "micro_batch_size=4", "max_response_tokens=8",
@@ -17,7 +17,7 @@ SHORT = [
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return str(save_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+    return str(save_random_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
 
 
 def test_config_file_values_then_flags_then_key_values(base, tmp_path):

@@ -8,11 +8,11 @@ import torch
 from scripted import ScriptedModel
 
 from vcpo.core import opob_baseline
+from vcpo.local_models import build_random_model, build_tokenizer
 from vcpo.methods import get_method
 from vcpo.sim.config import SimConfig
 from vcpo.sim.learner import Learner, collate, response_log_probs
 from vcpo.sim.rollout import TOOL_TOKEN, Rollouts, RolloutSampler, Sampling, ToolResult
-from vcpo.tiny import build_tiny_model, build_tiny_tokenizer
 
 GROUPS, GROUP_SIZE = 3, 4
 END = "<|im_end|>"
@@ -20,7 +20,7 @@ END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tiny_tokenizer()
+    return build_tokenizer()
 
 
 def prompts(tokenizer, count=40):
@@ -35,7 +35,7 @@ class Run:
 
     def __init__(self, tokenizer, method="seq_tis_c8", lag_model="pipeline", lag=3, max_tokens=6, update_tokens=3):
         torch.manual_seed(0)
-        self.model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2).double().train()
+        self.model = build_random_model(tokenizer, hidden_size=32, num_layers=2).double().train()
         self.config = SimConfig(
             method=method, lag=lag, lag_model=lag_model, prompts_per_step=GROUPS,
             responses_per_prompt=GROUP_SIZE, micro_batch_size=2 * GROUP_SIZE, lr=3e-3,
@@ -228,7 +228,7 @@ def _trajectories(tokenizer, count=6):
 @pytest.fixture(scope="module")
 def sampler_model(tokenizer):
     torch.manual_seed(3)
-    return build_tiny_model(tokenizer, hidden_size=32, num_layers=2).eval()
+    return build_random_model(tokenizer, hidden_size=32, num_layers=2).eval()
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "grouped_query"])

@@ -9,6 +9,7 @@ import time
 import pytest
 from scripted import END, ScriptedModel
 
+from vcpo.local_models import build_tokenizer
 from vcpo.sim.base import solution_tokens, task_tokenizer
 from vcpo.sim.config import SimConfig, validate
 from vcpo.sim.rollout import (
@@ -25,7 +26,6 @@ from vcpo.sim.rollout import (
 )
 from vcpo.sim.tasks import UNCLOSED_PARENTHESIS, get_sim_task
 from vcpo.sim.train import tool_metrics
-from vcpo.tiny import build_tiny_tokenizer
 
 TIR = get_sim_task("tir")
 
@@ -80,10 +80,10 @@ def test_sft_trains_the_policy_tokens_and_not_the_tool_outputs(tir_tokenizer):
 
 
 def test_tir_runs_multi_turn_with_simpletirs_budget_and_rho_on_by_default():
+    from vcpo.local_models import build_random_model
     from vcpo.methods import get_method
     from vcpo.recipes import load_tasks
     from vcpo.sim.learner import Learner
-    from vcpo.tiny import build_tiny_model
 
     paper = load_tasks()["simpletir"].paper
     config = validate(SimConfig(task="tir", method="vcpo"))
@@ -95,7 +95,7 @@ def test_tir_runs_multi_turn_with_simpletirs_budget_and_rho_on_by_default():
     assert validate(SimConfig(task="tir", max_turns=0, rho_on=1.0)).max_turns == 0
     with pytest.raises(ValueError, match="validate"):
         SimConfig(task="tir").recorded()
-    learner = Learner(build_tiny_model(build_tiny_tokenizer(), hidden_size=16, num_layers=1), get_method("vcpo"), config)
+    learner = Learner(build_random_model(build_tokenizer(), hidden_size=16, num_layers=1), get_method("vcpo"), config)
     assert learner.rule.rho_on == 0.55
 
 
@@ -118,7 +118,7 @@ def test_tool_metrics_by_hand():
 
 def test_the_tool_calls_of_a_round_run_concurrently():
     """Eight distinct programs that each sleep 0.3 s, four workers: two waves, not eight."""
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tokenizer()
     sampling = Sampling(max_response_tokens=64, temperature=1.0, eos_token_ids=(0,), pad_token_id=0, max_turns=1, tool_workers=4)
 
     def sleepy(code):
@@ -165,7 +165,7 @@ def test_a_policys_bad_program_costs_bounded_time_counts_as_an_error_and_leaves_
     completes within the timeout plus slack, the call is an error, and no process, sandbox folder or
     file descriptor is left behind."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids(END)
     timeout = 2.0
     sampling = Sampling(max_response_tokens=256, temperature=1.0, eos_token_ids=(im_end,), pad_token_id=0, max_turns=2)
@@ -195,7 +195,7 @@ def test_multi_turn_evaluation_runs_the_tool_and_scores_the_answer():
     from vcpo.evaluation import SamplingParams, evaluate_rows
     from vcpo.sim.evaluate import ToolUseGenerator
 
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tokenizer()
     calls = []
 
     def tool(code):

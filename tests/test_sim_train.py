@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from vcpo.local_models import save_random_model
 from vcpo.methods import filed_lag, list_methods
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
 from vcpo.sim.train import METRICS, TIMING_PREFIXES, Trainer
-from vcpo.tiny import save_tiny_model
 
 SMALL = {
     "steps": 2,
@@ -36,7 +36,7 @@ SMALL = {
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A random-init tiny model: the pipeline needs a base, not a good one."""
-    return str(save_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+    return str(save_random_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
 
 
 def small_config(base_dir, out, **changes) -> SimConfig:

@@ -1,16 +1,16 @@
-"""vcpo.tables from hand-made run outputs of both backends, with answers computed by hand."""
+"""vcpo.reporting from hand-made run outputs of both backends, with answers computed by hand."""
 
 import json
 
 import pytest
 
 from vcpo.recipes import base_path
+from vcpo.reporting import figure_specs, read_metrics, runs_needed
+from vcpo.reporting.__main__ import main
+from vcpo.reporting.figures import draw_figure
+from vcpo.reporting.specs import validate_spec
+from vcpo.reporting.table1 import table1_data
 from vcpo.sim.grad_norms import main as grad_norms_main
-from vcpo.tables import figure_specs, read_metrics, runs_needed
-from vcpo.tables.__main__ import main
-from vcpo.tables.figures import draw_figure
-from vcpo.tables.specs import validate_spec
-from vcpo.tables.table1 import table1_data
 
 
 def write_lines(folder, lines):
@@ -197,7 +197,7 @@ def test_figure_with_missing_runs_names_them_and_the_config_file_of_the_drawn_on
     (vcpo / "config.json").write_text(json.dumps({"config_file": None}))
     (tmp_path / "countdown/gspo/lag2/seed0/config.json").write_text(json.dumps({"config_file": "other.yaml"}))
     notes = []
-    import vcpo.tables.figures as figures
+    import vcpo.reporting.figures as figures
 
     original, drawn = figures.label_figure, []
     monkeypatch.setattr(figures, "label_figure", lambda fig, *args: notes.append(args) or original(fig, *args))
@@ -215,7 +215,7 @@ def test_figure_with_missing_runs_names_them_and_the_config_file_of_the_drawn_on
 
 
 def test_figures_without_data_say_so(tmp_path, monkeypatch):
-    import vcpo.tables.figures as figures
+    import vcpo.reporting.figures as figures
 
     drawn = []
     monkeypatch.setattr(figures, "save", lambda fig, out: drawn.append(fig) or out)
@@ -226,7 +226,7 @@ def test_figures_without_data_say_so(tmp_path, monkeypatch):
 
 
 def test_fig14_without_a_finished_sync_run_says_so(tmp_path, monkeypatch):
-    import vcpo.tables.figures as figures
+    import vcpo.reporting.figures as figures
 
     drawn = []
     monkeypatch.setattr(figures, "save", lambda fig, out: drawn.append(fig) or out)
@@ -239,14 +239,14 @@ def test_fig14_without_a_finished_sync_run_says_so(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def fig14(tmp_path_factory):
     """Figure 14 drawn from a sync run whose final checkpoint is a random tiny model, in float64."""
-    from vcpo.tiny import save_tiny_model
+    from vcpo.local_models import save_random_model
 
     root = tmp_path_factory.mktemp("runs")
     run = root / "countdown" / "sync" / "lag0" / "seed0"
     write_lines(run, [{"step": 0}])
     config = {"task": "countdown", "learner_dtype": "float64", "temperature": 1.0, "max_response_tokens": 8}
     (run / "config.json").write_text(json.dumps(config))
-    save_tiny_model(run / "final", vocab_size=320, hidden_size=32, num_layers=1)
+    save_random_model(run / "final", vocab_size=320, hidden_size=32, num_layers=1)
     measured = root / "fig14.json"
     assert grad_norms_main(["--runs", str(root), "--task", "countdown", "--out", str(measured)]) == 0
     out = draw_figure("fig14", root, "smoke", root / "fig14.png", task="countdown", measured=measured)
@@ -295,8 +295,8 @@ def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path
     import dataclasses
 
     import vcpo.methods as methods
-    from vcpo.tables.figures import method_label
-    from vcpo.tables.runs import run_dirs
+    from vcpo.reporting.figures import method_label
+    from vcpo.reporting.runs import run_dirs
 
     presets = dict(methods._methods())
     presets["oracle"] = dataclasses.replace(presets["sync"], name="oracle")

@@ -130,9 +130,9 @@ def test_sync_through_verls_sync_trainer(tmp_path):
 # ------------------------------------------------------------------------------------------------- fast
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from vcpo.tiny import save_tiny_model
+    from vcpo.local_models import save_random_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return save_random_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def test_cpu_platform_answers_verls_device_questions():
@@ -222,7 +222,7 @@ def test_cpu_run_is_the_launch_run_with_cpu_sizes(tmp_path, capsys, method, lag,
 
 
 def test_tiny_reward_adds_the_dense_term():
-    from vcpo.verl_plugin.cpu.recipe import tiny_reward
+    from vcpo.verl_plugin.cpu.recipe import shaped_reward
 
-    reward = tiny_reward("gsm8k", "#### 7", "7")
+    reward = shaped_reward("gsm8k", "#### 7", "7")
     assert reward["score"] == pytest.approx(1.0 + 0.1 * 1 / 6) and reward["acc"]

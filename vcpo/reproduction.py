@@ -5,7 +5,7 @@ run list is unit-tested and so that a broken config (an unknown figure, method o
 schema refuses, a missing data folder) fails when the DAG is built, with a message naming the
 config key, not hours into a run.
 
-A figure of ``vcpo/tables/figures.yaml`` names paper tasks and lags. The config maps each paper task to
+A figure of ``vcpo/reporting/figures.yaml`` names paper tasks and lags. The config maps each paper task to
 the task this scale trains on (``tasks``; smoke: a ``vcpo.sim`` task, paper: the ``recipes/tasks``
 name) and each paper lag to this scale's (``lags``). Runs are keyed by (task, method, lag, seed); a run
 that a ``core_figures`` figure needs gets the core seeds and step count, a run of a
@@ -213,7 +213,7 @@ def _check_data(config: dict[str, Any]) -> None:
 
 def plan(config: dict[str, Any]) -> Plan:
     """Every figure's runs, merged; Table 1's runs; checked against the methods and the backend."""
-    from vcpo.tables import figure_specs, runs_needed
+    from vcpo.reporting import figure_specs, runs_needed
 
     specs = figure_specs()
     _check_known(config, specs)

@@ -1,8 +1,8 @@
 """``python -m vcpo.launch.cpu --out DIR [--task T] [--method M] [--lag K] [--steps N] [--print] [-- OVERRIDES]``.
 
 Runs a ``vcpo.launch`` run (task x method x lag: its loss, engine keys, asynchrony mapping and optimizer)
-through verl 0.9.1's own trainer (``python -m verl.trainer.main_ppo``) on this CPU machine, with the tiny
-sizes of :mod:`vcpo.verl_plugin.cpu.recipe`: writes a ``vcpo.tiny`` model and short prompts under ``DIR``
+through verl 0.9.1's own trainer (``python -m verl.trainer.main_ppo``) on this CPU machine, with the small
+sizes of :mod:`vcpo.verl_plugin.cpu.recipe`: writes a ``vcpo.local_models`` model and short prompts under ``DIR``
 (unless ``--model`` / ``--train`` / ``--val`` are given), checks the composed config like ``vcpo.launch``
 does, then starts verl in a child process whose environment selects the CPU platform (:data:`recipe.ENV`;
 it must be set before ``import verl``, so verl's trainer is never imported here). Metrics go to
@@ -34,7 +34,7 @@ from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_d
 
 
 def build(args: argparse.Namespace, extra: list[str]):
-    """The run, its checked config, command and environment (writes the tiny model and data if missing)."""
+    """The run, its checked config, command and environment (writes the random model and data if missing)."""
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
     run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1)
@@ -43,7 +43,7 @@ def build(args: argparse.Namespace, extra: list[str]):
     if model is None:
         model = out / "model"
         if not (model / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "vcpo.tiny", str(model)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL)
     if args.train is None or args.val is None:
         paths = write_data(out / "data")
         train, val = args.train or paths["train"], args.val or paths["val"]
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lag", type=int, default=None, help="policy lag k (0: verl's sync trainer; k >= 1: separate_async); default 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", default=None, help="a local model folder (default: a new vcpo.tiny model)")
+    parser.add_argument("--model", default=None, help="a local model folder (default: a new vcpo.local_models model)")
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
     parser.add_argument("--print", action="store_true", help="print the command and exit")

@@ -60,10 +60,10 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
+from vcpo.local_models import IM_END, IM_START, build_random_model, build_tokenizer
 from vcpo.locks import cache_entry_lock
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
-from vcpo.tiny import IM_END, IM_START, build_tiny_model, build_tiny_tokenizer
 
 # Bump when the SFT procedure changes in a way the settings below do not capture: it changes every hash.
 SFT_VERSION = 2  # 2: every base trains on SFT_THREADS (a cached base of 1 may have trained on more)
@@ -224,7 +224,7 @@ def chat_text(prompt: str, solution: str) -> str:
 def task_tokenizer(sim_task: SimTask, vocab_size: int, *, seed: int = 0):
     """The byte-level BPE tokenizer of a base: merges learned from the task's train conversations."""
     corpus = [chat_text(problem.prompt, problem.solution) for problem in sim_task.problems("train")]
-    return build_tiny_tokenizer(vocab_size, seed=seed, corpus=corpus, split_digits=SPLIT_DIGITS)
+    return build_tokenizer(vocab_size, seed=seed, corpus=corpus, split_digits=SPLIT_DIGITS)
 
 
 def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: bool = True, device: str = "cpu"):
@@ -237,7 +237,7 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     dims = model_size(size)
     train = sim_task.problems("train")
     tokenizer = task_tokenizer(sim_task, dims["vocab"], seed=seed)
-    model = build_tiny_model(
+    model = build_random_model(
         tokenizer,
         hidden_size=dims["hidden"],
         num_layers=dims["layers"],

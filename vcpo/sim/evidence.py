@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.recipes import recipes_dir
+from vcpo.reporting.runs import read_metrics
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
 from vcpo.sim.train import cpu_name
-from vcpo.tables.runs import read_metrics
 
 DESIGN = "sim/evidence.yaml"
 TABLE = Path("tables/evidence/runs.jsonl")

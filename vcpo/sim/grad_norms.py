@@ -1,6 +1,6 @@
 """Figure 14's measurement: exact per-sequence squared gradient norms against OTB's logit-energy proxy
 (and OPO's, the response length) on one batch of held-out prompts, sampled from the final checkpoint of
-a finished synchronous simulator run. It needs the model, so it lives with the simulator; ``vcpo.tables``
+a finished synchronous simulator run. It needs the model, so it lives with the simulator; ``vcpo.reporting``
 draws the JSON it writes.
 
     python -m vcpo.sim.grad_norms --runs RUNS --task countdown --out JSON [--sequences 32]
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.tables.runs import run_dirs, seed_of
+from vcpo.reporting.runs import run_dirs, seed_of
 
 
 def sample_responses(model, tokenizer, problems, max_response_tokens: int, temperature: float, seed: int):

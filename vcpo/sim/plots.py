@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vcpo.tables.figures import (
+from vcpo.reporting.figures import (
     draw_lag_sweep_axes,
     draw_method,
     lag_sweep_rows,
@@ -22,9 +22,9 @@ from vcpo.tables.figures import (
     save,
     style_panel,
 )
-from vcpo.tables.runs import read_metrics, run_dirs, seed_band, series, smooth, summary_rows
+from vcpo.reporting.runs import read_metrics, run_dirs, seed_band, series, smooth, summary_rows
 
-# The shared readers and drawing live in vcpo.tables; they are re-exported here for this CLI's users.
+# The shared readers and drawing live in vcpo.reporting; they are re-exported here for this CLI's users.
 __all__ = ["plot_lag_sweep", "plot_sweep", "read_metrics", "run_dirs", "seed_band", "series", "smooth", "summary_rows"]
 
 PANELS = (

@@ -16,11 +16,11 @@ import json
 from pathlib import Path
 
 from vcpo.recipes import run_path
+from vcpo.reporting.figures import draw_curves, draw_lag_sweep
+from vcpo.reporting.runs import read_metrics, series, summary_rows
 from vcpo.sim.config import load_config_file
 from vcpo.sim.plots import summary_markdown
 from vcpo.sim.stability import ESS_ALARM, judge_root, markdown
-from vcpo.tables.figures import draw_curves, draw_lag_sweep
-from vcpo.tables.runs import read_metrics, series, summary_rows
 
 CORE = ["sync", "seq_tis_c8", "vcpo"]
 ABLATION = ["seq_tis_c8", "tis_ess", "tis_opob", "vcpo"]

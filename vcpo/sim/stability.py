@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vcpo.methods import is_synchronous
-from vcpo.tables.runs import ACCURACY, read_metrics, series
+from vcpo.reporting.runs import ACCURACY, read_metrics, series
 
 SYNC_MIN_GAIN = 0.05
 SYNC_KEEP = 0.8
@@ -171,7 +171,7 @@ def map_cells(rows: list[dict], method: str, seed: int = 0) -> dict[tuple[float,
 
 def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[float, int] | None = None) -> Path:
     """Heat map of the final held-out accuracy over learning rate (x) and lag (y), one seed per cell."""
-    from vcpo.tables.figures import pyplot, save
+    from vcpo.reporting.figures import pyplot, save
 
     cells = map_cells(rows, method)
     lrs, lags = sorted({lr for lr, _ in cells}), sorted({lag for _, lag in cells})

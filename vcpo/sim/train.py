@@ -399,7 +399,7 @@ def metric_lines(path: Path) -> list[tuple[int, str]]:
     """(step, line) of every complete line of a run's ``metrics.jsonl``. A last line without its newline is
     a write cut short (it belongs to a step after the checkpoint): it is left out, with one line saying so.
     Any other line that cannot be read is an error naming the file and line."""
-    from vcpo.tables.runs import complete_records
+    from vcpo.reporting.runs import complete_records
 
     try:
         records, torn = complete_records(path)

@@ -53,7 +53,7 @@ rule figure:
     log:
         f"{R}/logs/figures/{{figure}}.log",
     shell:
-        "python -m vcpo.tables figure {wildcards.figure} --runs {R:q}/runs --scale {SCALE} {params.args}"
+        "python -m vcpo.reporting figure {wildcards.figure} --runs {R:q}/runs --scale {SCALE} {params.args}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -88,7 +88,7 @@ rule table1:
     log:
         f"{R}/logs/tables/table1.log",
     shell:
-        "python -m vcpo.tables table1 --runs {R:q}/runs --scale {SCALE} {params.args} --out {output:q} > {log:q} 2>&1"
+        "python -m vcpo.reporting table1 --runs {R:q}/runs --scale {SCALE} {params.args} --out {output:q} > {log:q} 2>&1"
 
 
 rule hyperparameters:
@@ -105,7 +105,7 @@ rule hyperparameters:
     log:
         f"{R}/logs/tables/hyperparameters.log",
     shell:
-        "python -m vcpo.tables hyperparams --out {R:q}/tables > {log:q} 2>&1"
+        "python -m vcpo.reporting hyperparams --out {R:q}/tables > {log:q} 2>&1"
 
 
 rule provenance:

@@ -100,20 +100,20 @@ else:
         check_launch_args()
 
     # launch.cpu_steps: every run goes through python -m vcpo.launch.cpu instead, verl's own trainer on
-    # this CPU with the tiny sizes of vcpo.verl_plugin.cpu.recipe, for that many steps, from one tiny model
+    # this CPU with the small sizes of vcpo.verl_plugin.cpu.recipe, for that many steps, from one random model
     # (CPU_MODEL) in place of the recipe's: the paper workflow's rules executed without a GPU.
     CPU_STEPS = config.get("launch", {}).get("cpu_steps")
-    CPU_MODEL = f"{DATA}/tiny_model"
+    CPU_MODEL = f"{DATA}/random_model"
 
     if CPU_STEPS:
 
-        rule tiny_model:
+        rule random_model:
             output:
                 f"{CPU_MODEL}/config.json",
             log:
-                f"{R}/logs/tiny_model.log",
+                f"{R}/logs/random_model.log",
             shell:
-                "python -m vcpo.tiny {CPU_MODEL:q} > {log:q} 2>&1"
+                "python -m vcpo.local_models {CPU_MODEL:q} > {log:q} 2>&1"
 
     def launch_command(wildcards):
         """The run's command line: vcpo.launch on GPUs, or vcpo.launch.cpu (absolute paths: it runs

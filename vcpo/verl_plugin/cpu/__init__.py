@@ -11,7 +11,7 @@ its workers, agent loop, rollout replicas and reward loop). Nothing here edits v
 * :mod:`.training`: verl's FSDP engines registered for the ``cpu`` device;
 * :mod:`.checkpoint`: a checkpoint engine over Ray's object store (``checkpoint_engine.backend=ray``) for
   the ``separate_async`` trainer, whose device transports (NCCL, ...) do not exist on CPU;
-* :mod:`.recipe`: the Hydra overrides of the tiny CPU recipe and its data, and the launcher
+* :mod:`.recipe`: the Hydra overrides of the CPU recipe and its data, and the launcher
   ``python -m vcpo.launch.cpu``.
 
 Loading: every verl process must import this package before its first device question. verl imports

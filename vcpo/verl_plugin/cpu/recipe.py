@@ -1,7 +1,7 @@
-"""The tiny CPU recipe: data, reward and the exact Hydra overrides of ``verl.trainer.main_ppo``.
+"""The CPU recipe: data, reward and the exact Hydra overrides of ``verl.trainer.main_ppo``.
 
 Why it exists: one place that says how verl 0.9.1's real trainer is run on a 2-core CPU machine
-(a tiny ``vcpo.tiny`` model, 4 prompts x 2 responses, 16-token responses), so that the slow test, the
+(a small random ``vcpo.local_models`` model, 4 prompts x 2 responses, 16-token responses), so that the slow test, the
 launcher ``python -m vcpo.launch.cpu`` share one list. It is applied on top of a ``vcpo.launch`` run
 (task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout engine
 and device replaced. Every override is explained next to it in :func:`cpu_overrides`.
@@ -10,7 +10,7 @@ Environment every verl process needs (see :data:`ENV`): ``VERL_PLATFORM=cpu`` se
 platform, ``VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.cpu`` makes ``import verl`` register it (and the
 ``hf`` rollout, the cpu engines and the ``ray`` checkpoint engine) in the driver and in every Ray worker.
 
-Reward: :func:`tiny_reward` is ``vcpo.rewards.compute_score`` plus a small dense term (the fraction of
+Reward: :func:`shaped_reward` is ``vcpo.rewards.compute_score`` plus a small dense term (the fraction of
 digit characters in the response). A randomly initialised model never answers correctly, so with the
 verifiable reward alone every GRPO advantage is 0 and the loss, the gradient and the weight update are
 exactly zero; the dense term makes the 2-3 optimizer steps of the smoke run move the policy.
@@ -36,7 +36,7 @@ ENV = {
 
 
 
-def tiny_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any):
+def shaped_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any):
     """``vcpo.rewards.compute_score`` + 0.1 x (digit fraction of the response); keeps its extra keys."""
     from vcpo.rewards import compute_score
 
@@ -101,9 +101,9 @@ def cpu_overrides(
         "data.max_prompt_length=64",
         "data.max_response_length=16",
         "data.dataloader_num_workers=0",  # default 8 worker processes
-        # --- reward: vcpo.rewards (+ a dense term, see tiny_reward) in one reward worker (default 8)
+        # --- reward: vcpo.rewards (+ a dense term, see shaped_reward) in one reward worker (default 8)
         "reward.custom_reward_function.path=pkg://vcpo.verl_plugin.cpu.recipe",
-        "reward.custom_reward_function.name=tiny_reward",
+        "reward.custom_reward_function.name=shaped_reward",
         "reward.num_workers=1",
         # --- model: FSDP2 in float32 with SDPA attention (no flash-attn, no torch.compile); verl's default
         # remove-padding packing stays on (transformers' SDPA separates the packed sequences by position_ids)

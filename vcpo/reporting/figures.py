@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from vcpo.methods import is_synchronous
-from vcpo.tables.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
-from vcpo.tables.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
+from vcpo.reporting.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
+from vcpo.reporting.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
 
 SCALES = {"smoke": "smoke scale (CPU)", "paper": "paper scale (verl)"}
 PANEL_NAMES = {

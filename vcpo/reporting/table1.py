@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from vcpo.recipes import base_path
-from vcpo.tables.figures import SCALES
-from vcpo.tables.runs import (
+from vcpo.reporting.figures import SCALES
+from vcpo.reporting.runs import (
     compute_hours,
     evaluated_accuracy,
     final_accuracy,
@@ -30,7 +30,7 @@ from vcpo.tables.runs import (
     run_gpus,
     start_accuracy,
 )
-from vcpo.tables.specs import paper_results
+from vcpo.reporting.specs import paper_results
 
 HOURS = {"smoke": "CPU-hours", "paper": "GPU-hours"}
 

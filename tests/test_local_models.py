@@ -1,15 +1,15 @@
-"""Tiny local Qwen2 models: built offline, saved, and loadable by path like a hub checkpoint."""
+"""Local random Qwen2 models (vcpo.local_models): built offline, saved, and loadable by path like a hub checkpoint."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vcpo.tiny import IM_END, build_tiny_model, build_tiny_tokenizer, save_tiny_model
+from vcpo.local_models import IM_END, build_random_model, build_tokenizer, save_random_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tiny_tokenizer(vocab_size=400)
+    return build_tokenizer(vocab_size=400)
 
 
 def test_tokenizer_round_trips_any_text(tokenizer):
@@ -30,7 +30,7 @@ def test_chat_template_marks_turns_with_single_special_tokens(tokenizer):
 
 
 def test_model_is_deterministic_in_its_seed(tokenizer):
-    first, same, other = (build_tiny_model(tokenizer, seed=seed) for seed in (0, 0, 1))
+    first, same, other = (build_random_model(tokenizer, seed=seed) for seed in (0, 0, 1))
     input_ids = torch.tensor([[1, 5, 9, 42]])
     logits = first(input_ids).logits
     assert logits.shape == (1, 4, len(tokenizer))
@@ -39,7 +39,7 @@ def test_model_is_deterministic_in_its_seed(tokenizer):
 
 
 def test_saved_model_loads_by_path_and_generates(tmp_path):
-    path = save_tiny_model(tmp_path / "tiny", vocab_size=300, hidden_size=32, num_layers=1)
+    path = save_random_model(tmp_path / "tiny", vocab_size=300, hidden_size=32, num_layers=1)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 1
@@ -54,12 +54,12 @@ def test_saved_model_loads_by_path_and_generates(tmp_path):
 
 def test_vocab_too_small_for_bytes_is_rejected():
     with pytest.raises(ValueError, match="vocab_size"):
-        build_tiny_tokenizer(vocab_size=100)
+        build_tokenizer(vocab_size=100)
 
 
 def test_tokenizer_from_a_corpus_with_split_digits_keeps_numbers_as_digits():
     corpus = [f"<|im_start|>user\nUse {a}, {a + 7} once each.<|im_end|>\n" for a in range(10, 90)] * 5
-    tokenizer = build_tiny_tokenizer(vocab_size=300, corpus=corpus, split_digits=True)
+    tokenizer = build_tokenizer(vocab_size=300, corpus=corpus, split_digits=True)
     text = "Use 17, 24 once each. <answer>(17 - 8)/9</answer> ü"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
@@ -70,5 +70,5 @@ def test_tokenizer_from_a_corpus_with_split_digits_keeps_numbers_as_digits():
 
 
 def test_model_mlp_width_can_be_set(tokenizer):
-    assert build_tiny_model(tokenizer, hidden_size=32, intermediate_size=96).config.intermediate_size == 96
-    assert build_tiny_model(tokenizer, hidden_size=32).config.intermediate_size == 64
+    assert build_random_model(tokenizer, hidden_size=32, intermediate_size=96).config.intermediate_size == 96
+    assert build_random_model(tokenizer, hidden_size=32).config.intermediate_size == 64

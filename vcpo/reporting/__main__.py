@@ -1,10 +1,10 @@
-"""python -m vcpo.tables {figure,table1,hyperparams} ...: write a table or figure, print its path.
+"""python -m vcpo.reporting {figure,table1,hyperparams} ...: write a table or figure, print its path.
 
-python -m vcpo.tables figure ID --runs RUNS --scale smoke|paper --out PNG [--task T]... [--lag K]
+python -m vcpo.reporting figure ID --runs RUNS --scale smoke|paper --out PNG [--task T]... [--lag K]
                                 [--seeds core|all] [--measured JSON]
-python -m vcpo.tables table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
+python -m vcpo.reporting table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
                                [--lag-map PAPER_LAG=LAG]...
-python -m vcpo.tables hyperparams --out DIR
+python -m vcpo.reporting hyperparams --out DIR
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import re
 from pathlib import Path
 
-from vcpo.tables.figures import MEASURED_KINDS, SCALES, draw_figure
-from vcpo.tables.hyperparams import write_hyperparams
-from vcpo.tables.specs import figure_specs
-from vcpo.tables.table1 import write_table1
+from vcpo.reporting.figures import MEASURED_KINDS, SCALES, draw_figure
+from vcpo.reporting.hyperparams import write_hyperparams
+from vcpo.reporting.specs import figure_specs
+from vcpo.reporting.table1 import write_table1
 
 
 def task_map(entries: list[str] | None) -> dict[str, str] | None:
@@ -55,10 +55,10 @@ def _draws_runs(args: argparse.Namespace) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vcpo.tables", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.reporting", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    figure = commands.add_parser("figure", help="draw a figure of vcpo/tables/figures.yaml")
-    figure.add_argument("id", choices=tuple(figure_specs()), help="figure id of vcpo/tables/figures.yaml")
+    figure = commands.add_parser("figure", help="draw a figure of vcpo/reporting/figures.yaml")
+    figure.add_argument("id", choices=tuple(figure_specs()), help="figure id of vcpo/reporting/figures.yaml")
     table1 = commands.add_parser("table1", help="VCPO Table 1 as markdown + JSON")
     for sub in (figure, table1):
         sub.add_argument("--runs", type=Path, required=True, help="RUNS/<task>/<method>/lag<k>/seed<s>/")

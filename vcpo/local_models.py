@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised Qwen2-family models with a locally trained tokenizer.
+"""Small, randomly initialised Qwen2-family models with a locally trained tokenizer (no hub needed).
 
 For tests, CI smoke runs and the CPU simulator, on machines that cannot reach the Hugging Face hub.
 The tokenizer is a byte-level BPE trained on a few KB of generated arithmetic text, so it encodes any
@@ -6,7 +6,7 @@ string; it carries Qwen's chat markup (``<|im_start|>role ... <|im_end|>``) as s
 matching chat template. The model is a ``Qwen2ForCausalLM`` with a few thousand parameters per layer;
 its outputs are random text, which is all a pipeline test needs.
 
-    python -m vcpo.tiny OUT_DIR      # writes a directory loadable with from_pretrained(OUT_DIR)
+    python -m vcpo.local_models OUT_DIR      # writes a directory loadable with from_pretrained(OUT_DIR)
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def training_corpus(seed: int = 0, problems: int = 120) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(
+def build_tokenizer(
     vocab_size: int = 512, seed: int = 0, corpus: Iterable[str] | None = None, *, split_digits: bool = False
 ) -> PreTrainedTokenizerFast:
     """Byte-level BPE tokenizer with Qwen-style chat special tokens, trained in memory.
@@ -69,7 +69,7 @@ def build_tiny_tokenizer(
     """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
-            f"build_tiny_tokenizer: vocab_size must cover the 256 bytes and special tokens, got {vocab_size}"
+            f"build_tokenizer: vocab_size must cover the 256 bytes and special tokens, got {vocab_size}"
         )
     tokenizer = Tokenizer(models.BPE())
     if split_digits:
@@ -99,7 +99,7 @@ def build_tiny_tokenizer(
     )
 
 
-def tiny_qwen2(
+def qwen2_config(
     vocab_size: int,
     *,
     hidden_size: int = 64,
@@ -130,10 +130,10 @@ def tiny_qwen2(
     return Qwen2ForCausalLM(config).eval()
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **shape) -> Qwen2ForCausalLM:
-    """``tiny_qwen2`` sized for ``tokenizer``, stopping at the end of an assistant turn as well as at
+def build_random_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **shape) -> Qwen2ForCausalLM:
+    """``qwen2_config`` sized for ``tokenizer``, stopping at the end of an assistant turn as well as at
     end-of-text, as Qwen chat models do."""
-    model = tiny_qwen2(
+    model = qwen2_config(
         len(tokenizer), seed=seed, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **shape,
     )
@@ -144,18 +144,18 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **sha
     return model
 
 
-def save_tiny_model(output_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, **model_kwargs) -> Path:
-    """Build a tiny tokenizer and model and save both to ``output_dir`` (loadable by path)."""
+def save_random_model(output_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, **model_kwargs) -> Path:
+    """Build a tokenizer and a random model and save both to ``output_dir`` (loadable by path)."""
     output_dir = Path(output_dir)
-    tokenizer = build_tiny_tokenizer(vocab_size, seed=seed)
-    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    tokenizer = build_tokenizer(vocab_size, seed=seed)
+    model = build_random_model(tokenizer, seed=seed, **model_kwargs)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vcpo.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.local_models", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=64)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if problem := output_folder_problem(args.output_dir):
         parser.error(f"{args.output_dir}: {problem}")
-    path = save_tiny_model(
+    path = save_random_model(
         args.output_dir,
         vocab_size=args.vocab_size,
         seed=args.seed,
