@@ -194,7 +194,8 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     def row(arm, method, seed, end, lr=2e-4, lag=48, collapsed=False):
         return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "end": end, "lr": lr, "lag": lag,
                 "last_quarter": end, "base": 0.2, "collapsed": collapsed, "mean_lr_scale": 1.0, "ess_predictor": 0.5,
-                "fall_step": None, "ess_alarm_step": None, "end_validation": end}
+                "fall_step": None, "ess_alarm_step": None, "end_validation": end,
+                "ess_mean": 0.5 + 0.1 * seed, "ess_min": 0.1, "grad_norm_max": 1.0 + seed}
 
     rows = [row("vcpo", "vcpo", s, 0.25 + 0.01 * s) for s in range(3)]
     rows += [row("seq_tis", "seq_tis_c8", s, 0.10 + 0.01 * s + 0.001 * s * s) for s in range(3)]
@@ -204,6 +205,7 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     # vcpo - seq_tis per seed: 0.150, 0.149, 0.146 -> mean 14.8 points
     assert "| vcpo - seq_tis | 3 | +14.8 " in summary
+    assert "| vcpo | 0.600 / 0.100 | 3.00 |" in summary  # ESS means 0.5, 0.6, 0.7; the largest of norms 1, 2, 3
     assert "sync seeds 2, 3, 4, 5, 6, 7, 8, 9" in summary and "No finished runs yet." in summary  # tir
     assert (tmp_path / "lr.png").stat().st_size > 0
     assert json.loads((tmp_path / "stats.json").read_text())["tasks"]["countdown"]["arms"]["vcpo"]["n"] == 3
@@ -221,6 +223,7 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
               "test_samples": 4, "config_file": "recipes/sim/regime.yaml", "threads": 1}
     (folder / "config.json").write_text(json.dumps(config))
     lines = [{"step": s, "rollout_corr/seq_ess_ratio": 1.0 - 0.1 * s, "actor/lr_scale": 1.0, "actor/effective_lr": 2e-4,
+              "actor/grad_norm": 0.5 + s % 3, "tool/calls_per_response": 0.5 + 0.1 * s, "tool/error_frac": 0.2,
               "timing_s/step": 0.5, "async/lag_hist": [1, 2]} | ({"val/accuracy": 0.2 + 0.01 * s} if s % 4 == 0 else {})
              for s in range(8)]
     lines.append({"step": 8, "val/accuracy": 0.3, "test/accuracy": 0.25})
@@ -230,7 +233,10 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
     archive_run(folder, archived)
     kept = [json.loads(line) for line in (archived / METRICS).read_text().splitlines()]
     assert all("timing_s/step" not in line and "async/lag_hist" not in line for line in kept) and len(kept) == 9
-    assert run_row(design, arm, 0, tmp_path / "archive") == run_row(design, arm, 0, tmp_path / "runs")
+    row = run_row(design, arm, 0, tmp_path / "archive")
+    assert row == run_row(design, arm, 0, tmp_path / "runs")
+    assert (row["grad_norm_max"], row["tool_calls_first"], row["tool_calls_last"], row["tool_error_last"]) == (2.5, 0.5, 0.5 + 0.1 * 7, 0.2)
+    assert row["ess_mean"] == pytest.approx(1.0 - 0.1 * 3.5)
     assert run_row(design, arm, 0, tmp_path / "archive")["command"].endswith(
         "--out RUNS/countdown/sync/seed0 test_problems=1000 test_samples=4 base_seed=0 lag=0 threads=1 progress=false")
 

@@ -43,7 +43,8 @@ TABLE = Path("tables/evidence/runs.jsonl")
 # layout): the rows are computed from it, and the controls read their sources there, on any machine.
 ARCHIVE = TABLE.parent / "runs"
 ARCHIVED_METRICS = ("step", "val/accuracy", "test/accuracy", "rollout_corr/seq_ess_ratio", "rollout_corr/kl",
-                    "actor/lr_scale", "actor/effective_lr", "actor/grad_norm", "critic/score/mean")
+                    "actor/lr_scale", "actor/effective_lr", "actor/grad_norm", "critic/score/mean",
+                    "tool/calls_per_response", "tool/error_frac")
 # how the rows name the folder a reader's run of a command goes to
 RUNS_PLACEHOLDER = "RUNS"
 TEST_ACCURACY = "test/accuracy"
@@ -332,6 +333,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     command = command_line(design, arm, settings, str(run_folder(Path(RUNS_PLACEHOLDER), arm, seed)))
     command[0] = "python"
     step_lines = [line for line in lines if "actor/lr_scale" in line]
+    tool_lines = [line for line in step_lines if "tool/calls_per_response" in line]
     return {
         "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["lr"],
         "seed": seed, "base_seed": recorded["base_seed"], "steps": recorded["steps"],
@@ -343,6 +345,13 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         "ess_predictor": ess_predictor(lines, judged.fall_step),
         "mean_lr_scale": float(np.mean([line["actor/lr_scale"] for line in step_lines])),
         "mean_effective_lr": float(np.mean([line["actor/effective_lr"] for line in step_lines])),
+        "ess_mean": float(np.mean([line["rollout_corr/seq_ess_ratio"] for line in step_lines])),
+        "grad_norm_max": float(max(line["actor/grad_norm"] for line in step_lines)),
+        # multi-turn runs: tool calls per response in the first and the last step's batch, and the last
+        # step's share of calls that failed (None for a single-turn task)
+        "tool_calls_first": tool_lines[0]["tool/calls_per_response"] if tool_lines else None,
+        "tool_calls_last": tool_lines[-1]["tool/calls_per_response"] if tool_lines else None,
+        "tool_error_last": tool_lines[-1]["tool/error_frac"] if tool_lines else None,
         "config_file": recorded["config_file"],
         "threads": recorded["threads"], "cpu": recorded.get("cpu"), "versions": recorded.get("versions"),
         "command": " ".join(command),
@@ -453,6 +462,10 @@ def arm_summary(rows: list[dict]) -> dict:
         "end_validation": float(np.mean([row["end_validation"] for row in rows])),
         "collapses": collapses, "collapse_low": wilson_interval(collapses, len(rows))[0], "collapse_high": wilson_interval(collapses, len(rows))[1],
         "mean_lr_scale": float(np.mean([row["mean_lr_scale"] for row in rows])),
+        "ess_mean": float(np.mean([row["ess_mean"] for row in rows])), "ess_min": float(np.mean([row["ess_min"] for row in rows])),
+        "grad_norm_max": float(max(row["grad_norm_max"] for row in rows)),
+        **{key: float(np.mean([row[key] for row in rows])) for key in ("tool_calls_first", "tool_calls_last", "tool_error_last")
+           if all(row.get(key) is not None for row in rows)},
         "seeds": sorted(row["seed"] for row in rows),
     }
 

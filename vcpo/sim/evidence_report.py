@@ -49,6 +49,20 @@ def arms_table(arms: dict) -> list[str]:
     return lines
 
 
+def run_statistics_table(arms: dict) -> list[str]:
+    tools = any("tool_calls_first" in arm for arm in arms.values())
+    lines = ["| arm | ESS ratio: mean / min (mean over seeds) | largest gradient norm (any seed) |"
+             + (" tool calls per response: first step -> last step | failed calls, last step |" if tools else ""),
+             "|---|---|---:|" + ("---|---:|" if tools else "")]
+    for name, arm in arms.items():
+        line = f"| {name} | {arm['ess_mean']:.3f} / {arm['ess_min']:.3f} | {arm['grad_norm_max']:.2f} |"
+        if tools:
+            line += (f" {arm['tool_calls_first']:.2f} -> {arm['tool_calls_last']:.2f} | {100 * arm['tool_error_last']:.1f}% |"
+                     if "tool_calls_first" in arm else " n/a | n/a |")
+        lines.append(line)
+    return lines
+
+
 def comparison_table(comparisons: list[dict]) -> list[str]:
     lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict |", "|---|---:|---|---:|---:|---|"]
     for c in comparisons:
@@ -115,6 +129,8 @@ def summary_markdown(stats: dict) -> str:
             lines += ["No finished runs yet.", ""]
             continue
         lines += arms_table(entry["arms"]) + [""]
+        lines += ["Per run, averaged over the arm's seeds (tool calls: the batch of the first and of the last step):", ""]
+        lines += run_statistics_table(entry["arms"]) + [""]
         lines += ["Registered comparisons of `end` (paired by seed, Holm over the family):", ""]
         lines += comparison_table(entry["comparisons"]) + [""]
         lines += ["Secondary: the same comparisons of the last-quarter mean:", ""]
