@@ -74,7 +74,7 @@ def main(argv=None) -> dict[str, float]:
     workdir = tempfile.mkdtemp(prefix="opob_engine_")
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.FileStore(f"{workdir}/store", 1), rank=0, world_size=1)
-    model_dir = cpu.save_tiny_qwen2(
+    model_dir = cpu.save_random_qwen2(
         f"{workdir}/model",
         vocab_size=args.vocab,
         hidden_size=args.hidden,

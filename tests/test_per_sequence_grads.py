@@ -23,7 +23,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     rows_at_ids,
     sparse_rows_sq_norms,
 )
-from vcpo.local_models import qwen2_config
+from vcpo.local_models import random_qwen2
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def tiny_model(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0, **o
         max_position_embeddings=64,
     )
     if kind in ("qwen2", "qwen2_tied"):
-        model = qwen2_config(VOCAB, hidden_size=32, intermediate_size=48, max_positions=64, seed=seed,
+        model = random_qwen2(VOCAB, hidden_size=32, intermediate_size=48, max_positions=64, seed=seed,
                            tie_word_embeddings=kind == "qwen2_tied", **overrides)
     elif kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shapes, **overrides}))

@@ -331,9 +331,10 @@ def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
         (studies, "against sync at 1e-4:", ("vcpo", "sync_lr1e-4")), (studies, "(1.12e-4) VCPO is", ("vcpo", "seq_tis_vcpo_mean_lr")),
         (studies, "per-step factor", ("vcpo", "seq_tis_vcpo_replay")),
         (readme, "VCPO - seq-TIS is", ("vcpo", "seq_tis")), (readme, "VCPO - the ESS step size alone", ("vcpo", "tis_ess")),
-        (readme, "VCPO - sync", ("vcpo", "sync")), (readme, "(5e-5) is", ("vcpo", "seq_tis_lr5e-5")),
+        (readme, "VCPO - sync", ("vcpo", "sync")), (readme, "chosen on the same runs) is", ("vcpo", "seq_tis_lr5e-5")),
         (readme, "per-step factor", ("vcpo", "seq_tis_vcpo_replay")),
     ]:
         assert f"{label} {quote(*pair)}" in prose, (label, quote(*pair))
     arms = countdown["arms"]
-    assert f"SD of {100 * arms['sync']['end_sd']:.1f} points (sync) to {100 * arms['vcpo']['end_sd']:.1f} (VCPO)" in readme
+    assert (f"SD of {100 * arms['sync']['end_sd']:.1f} points (sync) to {100 * arms['vcpo']['end_sd']:.1f} (VCPO), and "
+            f"{100 * arms['seq_tis']['end_sd']:.1f} for seq-TIS") in readme

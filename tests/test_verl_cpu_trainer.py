@@ -221,7 +221,7 @@ def test_cpu_run_is_the_launch_run_with_cpu_sizes(tmp_path, capsys, method, lag,
         assert "env_vars.VERL_USE_EXTERNAL_MODULES='\"'\"'vcpo.verl_plugin.cpu,vcpo.verl_plugin.engine" in command
 
 
-def test_tiny_reward_adds_the_dense_term():
+def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 
     reward = shaped_reward("gsm8k", "#### 7", "7")

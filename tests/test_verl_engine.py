@@ -43,7 +43,7 @@ def process_group(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return cpu.save_tiny_qwen2(tmp_path_factory.mktemp("tiny"), vocab_size=VOCAB)
+    return cpu.save_random_qwen2(tmp_path_factory.mktemp("tiny"), vocab_size=VOCAB)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp import transformer_impl
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from vcpo.local_models import qwen2_config
+from vcpo.local_models import random_qwen2
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
 from vcpo.verl_shared import FP32_MIXED_PRECISION
@@ -66,10 +66,10 @@ def cpu_patches() -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def save_tiny_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **shape) -> Path:
-    """``vcpo.local_models.qwen2_config`` (hidden 32 and MLP 64 unless ``shape`` says otherwise) saved for
+def save_random_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **shape) -> Path:
+    """``vcpo.local_models.random_qwen2`` (hidden 32 and MLP 64 unless ``shape`` says otherwise) saved for
     ``from_pretrained`` with SDPA attention."""
-    model = qwen2_config(vocab_size, seed=seed, **{"hidden_size": 32, "intermediate_size": 64, **shape})
+    model = random_qwen2(vocab_size, seed=seed, **{"hidden_size": 32, "intermediate_size": 64, **shape})
     model.config._attn_implementation = "sdpa"
     model.save_pretrained(path)
     return Path(path)
@@ -217,4 +217,4 @@ def actor_batch(
     return td, raw
 
 
-__all__ = ["CPU_PATCHES", "RawBatch", "actor_batch", "actor_config", "build_engine", "cpu_patches", "save_tiny_qwen2"]
+__all__ = ["CPU_PATCHES", "RawBatch", "actor_batch", "actor_config", "build_engine", "cpu_patches", "save_random_qwen2"]

@@ -99,7 +99,7 @@ def build_tokenizer(
     )
 
 
-def qwen2_config(
+def random_qwen2(
     vocab_size: int,
     *,
     hidden_size: int = 64,
@@ -131,9 +131,9 @@ def qwen2_config(
 
 
 def build_random_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **shape) -> Qwen2ForCausalLM:
-    """``qwen2_config`` sized for ``tokenizer``, stopping at the end of an assistant turn as well as at
+    """``random_qwen2`` sized for ``tokenizer``, stopping at the end of an assistant turn as well as at
     end-of-text, as Qwen chat models do."""
-    model = qwen2_config(
+    model = random_qwen2(
         len(tokenizer), seed=seed, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **shape,
     )

@@ -346,7 +346,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         "mean_lr_scale": float(np.mean([line["actor/lr_scale"] for line in step_lines])),
         "mean_effective_lr": float(np.mean([line["actor/effective_lr"] for line in step_lines])),
         "ess_mean": float(np.mean([line["rollout_corr/seq_ess_ratio"] for line in step_lines])),
-        "grad_norm_max": float(max(line["actor/grad_norm"] for line in step_lines)),
+        "grad_norm_max": float(np.max([line["actor/grad_norm"] for line in step_lines])),  # NaN stays NaN
         # multi-turn runs: tool calls per response in the first and the last step's batch, and the last
         # step's share of calls that failed (None for a single-turn task)
         "tool_calls_first": tool_lines[0]["tool/calls_per_response"] if tool_lines else None,
@@ -463,7 +463,7 @@ def arm_summary(rows: list[dict]) -> dict:
         "collapses": collapses, "collapse_low": wilson_interval(collapses, len(rows))[0], "collapse_high": wilson_interval(collapses, len(rows))[1],
         "mean_lr_scale": float(np.mean([row["mean_lr_scale"] for row in rows])),
         "ess_mean": float(np.mean([row["ess_mean"] for row in rows])), "ess_min": float(np.mean([row["ess_min"] for row in rows])),
-        "grad_norm_max": float(max(row["grad_norm_max"] for row in rows)),
+        "grad_norm_max": float(np.max([row["grad_norm_max"] for row in rows])),
         **{key: float(np.mean([row[key] for row in rows])) for key in ("tool_calls_first", "tool_calls_last", "tool_error_last")
            if all(row.get(key) is not None for row in rows)},
         "seeds": sorted(row["seed"] for row in rows),

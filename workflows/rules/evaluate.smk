@@ -36,7 +36,7 @@ if config["backend"] == "verl":
         return composed_config(["--task", task, "--method", "sync", "--data-dir", DATA, *LAUNCH_ARGS])
 
     def base_model(wildcards):
-        """The model the task's runs start from, or on CPU (launch.cpu_steps) the tiny model every run
+        """The model the task's runs start from, or on CPU (launch.cpu_steps) the random model every run
         starts from."""
         return CPU_MODEL if CPU_STEPS else task_config(wildcards.task).actor_rollout_ref.model.path
 
