@@ -338,3 +338,52 @@ def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
     arms = countdown["arms"]
     assert (f"SD of {100 * arms['sync']['end_sd']:.1f} points (sync) to {100 * arms['vcpo']['end_sd']:.1f} (VCPO), and "
             f"{100 * arms['seq_tis']['end_sd']:.1f} for seq-TIS") in readme
+
+
+def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
+    from pathlib import Path
+
+    from vcpo.sim.evidence_report import interval, signed_points
+
+    root = Path(__file__).resolve().parents[1]
+    tir = json.loads((root / "tables/evidence/stats.json").read_text())["tasks"]["tir"]
+    rows = [json.loads(line) for line in (root / "tables/evidence/runs.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["task"] == "tir"]
+    arms, prose = tir["arms"], evidence_prose("docs/studies.md")
+    pick = {(c["a"], c["b"]): c for c in tir["comparisons"]}
+    secondary = {(c["a"], c["b"]): c for c in tir["comparisons_last_quarter"]}
+
+    def quote(c):
+        return f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}"
+
+    for label, c in [("VCPO - seq-TIS", pick[("vcpo", "seq_tis")]), ("VCPO - sync", pick[("vcpo", "sync")]),
+                     ("VCPO - OPOB at k = 0", pick[("vcpo", "tis_opob_sync")]), ("OPOB at k = 0 - sync", pick[("tis_opob_sync", "sync")]),
+                     ("VCPO - seq-TIS", secondary[("vcpo", "seq_tis")]), ("VCPO - sync", secondary[("vcpo", "sync")])]:
+        assert f"{label} {quote(c)}" in prose, (label, quote(c))
+    assert all(c["verdict"] == "no detectable difference" for c in tir["comparisons"])
+    assert not any(arm["collapses"] for arm in arms.values()) and "no run collapses" in prose
+    sds = sorted(100 * arm["end_sd"] for name, arm in arms.items() if name != "sync")
+    assert f"an SD of {100 * arms['sync']['end_sd']:.1f} points (sync; {sds[0]:.1f}-{sds[-1]:.1f} for the others)" in prose
+    assert f"the ten bases score {100 * min(r['base'] for r in rows):.0f}-{100 * max(r['base'] for r in rows):.0f}% at step 0" in prose
+    by_seed = {}
+    for row in rows:
+        by_seed.setdefault(row["seed"], []).append(row["end"])
+    assert f"end within {100 * max(max(v) - min(v) for v in by_seed.values()):.1f} points of each other" in prose
+    assert f"(mean step factor {arms['vcpo']['mean_lr_scale']:.3f} at" in prose
+    assert (f"lowest ESS ratio is {arms['seq_tis']['ess_min']:.3f} on average against VCPO's {arms['vcpo']['ess_min']:.3f}, its "
+            f"largest gradient norm {arms['seq_tis']['grad_norm_max']:.2f} against {arms['vcpo']['grad_norm_max']:.2f} "
+            f"(sync {arms['sync']['grad_norm_max']:.2f})") in prose
+    first = sorted(arm["tool_calls_first"] for arm in arms.values())
+    last = sorted(arm["tool_calls_last"] for arm in arms.values())
+    assert f"from {first[0]:.2f}-{first[-1]:.2f} in the first step's batch to {last[0]:.2f}-{last[-1]:.2f} in the last" in prose
+    errors = {name: f"{100 * arm['tool_error_last']:.1f}%" for name, arm in arms.items()}
+    assert (f"{errors['sync']} for sync and {errors['seq_tis']} for seq-TIS against {errors['vcpo']} for VCPO and "
+            f"{errors['tis_opob_sync']} for OPOB at k = 0") in prose
+    predictor = tir["predictor"]
+    assert predictor["collapsed"] == 0 and f"the alarm fired in {predictor['false_alarms']} of {predictor['runs']}" in prose
+    readme = " ".join((root / "README.md").read_text().split())
+    countdown = json.loads((root / "tables/evidence/stats.json").read_text())["tasks"]["countdown"]["arms"]
+    assert (f"an arm's end has an SD of {100 * arms['sync']['end_sd']:.1f} points across bases "
+            f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown)") in readme
+    for label, c in [("VCPO - sync", pick[("vcpo", "sync")]), ("VCPO - seq-TIS", pick[("vcpo", "seq_tis")])]:
+        assert f"{label} {quote(c)}" in evidence_prose("README.md")
