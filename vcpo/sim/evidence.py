@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vcpo.locks import write_atomic
 from vcpo.recipes import recipes_dir
 from vcpo.reporting.runs import read_metrics
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
@@ -119,13 +120,20 @@ def is_finished(folder: Path) -> bool:
 def archive_run(folder: Path, target: Path) -> None:
     """A finished run's record as the study keeps it in the repository: its config, its final evaluation and
     the metrics the rows and the controls read (ARCHIVED_METRICS) of every line, in the run's own layout."""
-    from vcpo.locks import write_atomic
-
     (target / "final").mkdir(parents=True, exist_ok=True)
     write_atomic(target / "config.json", (folder / "config.json").read_text())
     lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_metrics(folder)]
     write_atomic(target / "metrics.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
     write_atomic(target / "final" / "eval.json", (folder / "final" / "eval.json").read_text())
+
+
+def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) -> int:
+    """Archive every run finished below ``runs`` (``again=False``: only those not archived yet); returns how many."""
+    kept = [(arm, seed) for arm in design.arms for seed in design.seeds if is_finished(run_folder(runs, arm, seed))
+            and (again or not is_finished(run_folder(archive, arm, seed)))]
+    for arm, seed in kept:
+        archive_run(run_folder(runs, arm, seed), run_folder(archive, arm, seed))
+    return len(kept)
 
 
 def mean_step_scale(folders: list[Path]) -> float:
@@ -180,10 +188,7 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
     SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
     (``lr_scale_from``, ``lr_from_mean_scale_of``); each finished run is archived. Returns the number of
     jobs that failed plus the runs left undone (whose sources never came)."""
-    for arm in design.arms:  # finished under RUNS but not archived (stopped between the two): archive now
-        for seed in design.seeds:
-            if is_finished(run_folder(root, arm, seed)) and not is_finished(run_folder(archive, arm, seed)):
-                archive_run(run_folder(root, arm, seed), run_folder(archive, arm, seed))
+    archive_finished(design, root, archive, again=False)  # finished but not archived (stopped between the two)
     arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
     order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds), key=lambda t: t[:3])
     pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(archive, arm, seed))]
@@ -362,9 +367,7 @@ def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
     rows = [run_row(design, arm, seed, root) for arm in design.arms for seed in design.seeds
             if is_finished(run_folder(root, arm, seed))]
     table.parent.mkdir(parents=True, exist_ok=True)
-    partial = table.with_suffix(".tmp")
-    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    partial.replace(table)
+    write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
 
@@ -609,10 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--jobs must be >= 1")
         return 1 if run_all(design, args.out, args.jobs, args.phase, args.archive) else 0
     if args.command == "archive":
-        kept = [(arm, seed) for arm in design.arms for seed in design.seeds if is_finished(run_folder(args.runs, arm, seed))]
-        for arm, seed in kept:
-            archive_run(run_folder(args.runs, arm, seed), run_folder(args.archive, arm, seed))
-        print(f"{len(kept)} finished runs -> {args.archive}")
+        print(f"{archive_finished(design, args.runs, args.archive, again=True)} finished runs -> {args.archive}")
         return 0
     if args.command == "rows":
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
