@@ -3,6 +3,7 @@ it added: the final test-split evaluation and the replayed step-size factor (lr_
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,15 +166,13 @@ def test_a_run_recorded_before_a_key_existed_resumes_with_its_default():
 def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from_its_table():
     """The 3-seed comparisons the regime study's write-up (docs/studies.md) states are recomputed from the
     committed outcomes."""
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    runs = json.loads((root / "tables/regime_study/outcomes.json").read_text())["runs"]
+    runs = json.loads((ROOT / "tables/regime_study/outcomes.json").read_text())["runs"]
 
     def ends(method):
         return {r["seed"]: r["end"] for r in runs if r["method"] == method and (r["lag"] == 48 or method == "sync")}
 
-    doc = " ".join((root / "docs" / "studies.md").read_text().split())
+    doc = " ".join((ROOT / "docs" / "studies.md").read_text().split())
     for a, b, label in [("vcpo", "seq_tis_c8", "VCPO - seq-TIS is"), ("vcpo", "sync", "VCPO - sync"),
                         ("vcpo", "tis_ess", "VCPO - ESS step only (0.278)"), ("vcpo", "tis_opob", "VCPO - OPOB only (0.137)"),
                         ("tis_ess", "seq_tis_c8", "ESS step only - seq-TIS"), ("tis_opob", "seq_tis_c8", "OPOB only - seq-TIS")]:
@@ -241,11 +240,18 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
         "--out RUNS/countdown/sync/seed0 test_problems=1000 test_samples=4 base_seed=0 lag=0 threads=1 progress=false")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def committed_stats() -> dict:
+    """The evidence study's committed statistics (tables/evidence/stats.json), which the prose quotes."""
+    return json.loads((ROOT / "tables/evidence/stats.json").read_text())
+
+
 def evidence_prose(path):
     """The evidence study's section of a document, whitespace-joined, with typographic minus signs as '-'."""
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    text = (ROOT / path).read_text()
     if path == "docs/studies.md":
         text = text[text.index("## The evidence study"):]
     else:
@@ -258,11 +264,10 @@ def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
     """Each 'X% [a, b]' is an arm's end or last-quarter mean with its interval, and each '+X points [a, b], Holm p = P'
     a registered comparison of the committed stats.json, so no number can drift from the table by hand."""
     import re
-    from pathlib import Path
 
     from vcpo.sim.evidence_report import interval, p_value, points, signed_points
 
-    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    stats = committed_stats()
     arm_quotes, comparison_quotes = set(), set()
     for entry in stats["tasks"].values():
         for arm in entry["arms"].values():
@@ -286,9 +291,8 @@ def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
 
 
 def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed_ones():
-    from pathlib import Path
 
-    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    stats = committed_stats()
     countdown = stats["tasks"]["countdown"]
     arms, predictor = countdown["arms"], countdown["predictor"]
     prose = evidence_prose("docs/studies.md")
@@ -311,11 +315,10 @@ def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed
 
 def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
     """'A - B +X' must be the comparison a - b (not b - a, nor another pair that happens to share the interval)."""
-    from pathlib import Path
 
     from vcpo.sim.evidence_report import interval, signed_points
 
-    stats = json.loads((Path(__file__).resolve().parents[1] / "tables/evidence/stats.json").read_text())
+    stats = committed_stats()
     countdown = stats["tasks"]["countdown"]
     comparisons = {(c["a"], c["b"]): c for c in countdown["comparisons"] + countdown["learning_rate"]["comparisons"]}
 
@@ -341,13 +344,11 @@ def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
 
 
 def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
-    from pathlib import Path
 
     from vcpo.sim.evidence_report import interval, signed_points
 
-    root = Path(__file__).resolve().parents[1]
-    tir = json.loads((root / "tables/evidence/stats.json").read_text())["tasks"]["tir"]
-    rows = [json.loads(line) for line in (root / "tables/evidence/runs.jsonl").read_text().splitlines()]
+    tir = committed_stats()["tasks"]["tir"]
+    rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
     rows = [row for row in rows if row["task"] == "tir"]
     arms, prose = tir["arms"], evidence_prose("docs/studies.md")
     pick = {(c["a"], c["b"]): c for c in tir["comparisons"]}
@@ -381,8 +382,8 @@ def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
             f"{errors['tis_opob_sync']} for OPOB at k = 0") in prose
     predictor = tir["predictor"]
     assert predictor["collapsed"] == 0 and f"the alarm fired in {predictor['false_alarms']} of {predictor['runs']}" in prose
-    readme = " ".join((root / "README.md").read_text().split())
-    countdown = json.loads((root / "tables/evidence/stats.json").read_text())["tasks"]["countdown"]["arms"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    countdown = committed_stats()["tasks"]["countdown"]["arms"]
     assert (f"an arm's end has an SD of {100 * arms['sync']['end_sd']:.1f} points across bases "
             f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown)") in readme
     for label, c in [("VCPO - sync", pick[("vcpo", "sync")]), ("VCPO - seq-TIS", pick[("vcpo", "seq_tis")])]:
