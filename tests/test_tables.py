@@ -306,3 +306,18 @@ def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path
     assert run_dirs(tmp_path, "countdown", "oracle", 12) == [folder]
     assert run_dirs(tmp_path, "countdown", "seq_tis_c8", 12) == []  # a lagged preset is read at the lag asked for
     assert method_label("oracle", 3) == "oracle (k=0), 3 seeds" and method_label("seq_tis_c8", 1) == "seq_tis_c8, 1 seed"
+
+
+def test_the_readme_quotes_the_committed_smoke_table1():
+    """Every accuracy cell of the committed smoke Table 1 (ours: mean (min-max)) appears in the README's table, in
+    its order, and the README quotes no other."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    committed = (root / "tables/tir/table1_smoke.md").read_text()
+    ours = [line.split("|")[2].strip() for line in committed.splitlines() if re.match(r"\| (Base|Sync|Async VCPO)", line)]
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| task: ours (paper's) |"):readme.index("What it shows:")]
+    quoted = [line.split("|")[3].strip() for line in table.splitlines()[2:] if line.startswith("|")]
+    assert len(ours) == 6 and quoted == ours
