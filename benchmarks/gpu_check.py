@@ -8,7 +8,7 @@ Three parts, each in its own process, each logged under OUT and summarised in OU
               micro-batch (the authors' release) and of the naive two-backward step, each against a plain
               backward (target: OPOB <= 1.10x plain; the paper's Megatron implementation measured 1.19x);
   calibrate   the cost model's machine balance on this GPU (opob_overhead.py --calibrate; the engine's
-              CUDA default, DEFAULT_PASS_COST["cuda"], is an estimate until this has run);
+              CUDA default, DEFAULT_PASS_COST["cuda"], is an H200 measurement: tables/gpu_check/);
   exactness   the PerSequenceGradients exactness tests on this device (VCPO_TEST_DEVICE): float64 and
               float32 against the per-sequence backward loop, packed micro-batches, bf16/fp16 within 4x
               of autograd's own error.

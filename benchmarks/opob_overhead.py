@@ -18,6 +18,7 @@ step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live
     python benchmarks/opob_overhead.py --model 50m --threads 1 --autocast bfloat16   # fp32 params, bf16 compute
     python benchmarks/opob_overhead.py --model 0.5b --device cuda --dtype bfloat16 --seq-len 2048
     python benchmarks/opob_overhead.py --json overhead.json   # also the ratios as JSON (vcpo.reporting fig3)
+    python benchmarks/opob_overhead.py --profile opob         # one step's operators by self time
 """
 
 from __future__ import annotations
@@ -320,6 +321,22 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     return (per_sequence_s - plain_s) / plain_s * 2 * tokens
 
 
+def profile_step(args: argparse.Namespace, variant: str, rows: int = 25) -> None:
+    """Where one step of ``variant`` spends its time: operators by self time (device time on CUDA), after
+    two warm-up steps, so that a speed-up starts from a measured breakdown."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, engine, optimizer, batch = setup(args)
+    for _ in range(2):
+        timed_step(variant, model, engine, optimizer, batch, args)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as profiler:
+        timed_step(variant, model, engine, optimizer, batch, args)
+    sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(f"{variant}: one step, {args.model} {args.device}/{args.dtype}, batch {args.batch_size} x {args.seq_len}, mode {args.mode}")
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
+
+
 def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
     plain_step, plain_bwd = timing["step_s"]["plain"], timing["fwd_bwd_s"]["plain"]
     print(
@@ -385,6 +402,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results and ratios to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile",
+        choices=VARIANTS,
+        help="instead of timing: one step of this variant under torch.profiler, the top kernels by self time",
+    )
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.variants = [v for v in args.variants.split(",") if v]
@@ -402,6 +424,9 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
         print(json.dumps({"peak_bytes": measure_peak_memory(args, args.memory_probe)}))
+        return
+    if args.profile:
+        profile_step(args, args.profile)
         return
     if args.calibrate:
         print(f"pass_cost (κ of prefers_ghost) on {args.device}/{args.dtype}: {calibrate_pass_cost(args):.1f}")

@@ -35,3 +35,26 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     assert report["calibrate"]["pass_cost"] > 0
     # the device-following exactness tests ran and passed (float64, float32, packed, bf16/fp16)
     assert exactness["tests"] >= 80 and exactness["passed"] == exactness["tests"] and exactness["failures"] == 0
+
+
+def test_the_documented_gpu_numbers_are_the_committed_gpu_check():
+    """docs/per_sequence_gradients.md's GPU table and the README's status quote tables/gpu_check/gpu_check.json."""
+    report = json.loads((REPO / "tables/gpu_check/gpu_check.json").read_text())
+    overhead = report["overhead"]
+    doc = (REPO / "docs/per_sequence_gradients.md").read_text().split("## On a GPU")[1].split("\n## ")[0]
+    names = {"plain": "plain backward", "opob": "single-backward OPOB", "naive": "naive two-backward",
+             "per_sequence": "one trajectory per micro-batch"}  # fmt: skip
+    for variant, name in names.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {name}"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[1] == f"{overhead['step_s'][variant]:.3f}"
+        assert cells[2] == f"{overhead['ratios']['step_time_ratio'][variant]:.2f}"
+        assert cells[3] == f"{overhead['peak_bytes'][variant] / 2**30:.1f}"
+        assert cells[4] == f"{overhead['ratios']['memory_ratio'][variant]:.2f}"
+    opob = f"{overhead['ratios']['step_time_ratio']['opob']:.2f}×"
+    assert f"missed: {opob}" in doc and f"OPOB at {opob}" in (REPO / "README.md").read_text()
+    assert f"{report['exactness']['passed']} device-following" in doc and report["exactness"]["failures"] == 0
+    assert f"κ = {report['calibrate']['pass_cost']:.0f}" in doc
+    from vcpo.core.per_sequence_grads.reductions import DEFAULT_PASS_COST
+
+    assert DEFAULT_PASS_COST["cuda"] == round(report["calibrate"]["pass_cost"])

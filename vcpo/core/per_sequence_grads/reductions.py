@@ -26,9 +26,9 @@ BUCKET_SLACK = 1.25
 
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
 # a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
-# --calibrate` measured 43-74 on a 2-core AVX-512 EPYC (512x1536 float32 layer, T = 32-256). CUDA: an
-# estimate, ~4 accesses of 2 bytes per element at ~7 TB/s of L2 against ~400 T bf16 multiply-adds/s.
-DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 512.0}
+# --calibrate` measured 43-74 on a 2-core AVX-512 EPYC (512x1536 float32 layer, T = 32-256). CUDA: 1143
+# measured on an H200 (896x4864 bf16 layer, T = 2048; tables/gpu_check/calibrate.log).
+DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 1143.0}
 
 
 
