@@ -32,7 +32,7 @@ import torch
 
 from vcpo.sim import rollout
 from vcpo.sim.config import apply_overrides, start_config
-from vcpo.sim.rollout import Generator, left_padded, sampling_log_probs
+from vcpo.sim.rollout import RolloutSampler, left_padded, sampling_log_probs
 from vcpo.sim.train import METRICS, Trainer
 
 PARTS = (
@@ -48,7 +48,7 @@ VARIANTS = ("generate", "recompute", "keep")
 
 @torch.no_grad()
 def _generate_sample(self, model, todo, contexts, steps):
-    """The baseline: one ``generate`` call from a full prefill; returns what ``Generator._sample`` returns,
+    """The baseline: one ``generate`` call from a full prefill; returns what ``RolloutSampler._sample`` returns,
     with an empty cache (every round starts again from the whole context)."""
     s = self.sampling
     for trajectory in todo:
@@ -70,12 +70,12 @@ def generation_variant(variant: str):
     if variant != "generate":
         yield
         return
-    sample, row_cache = Generator._sample, rollout._row_cache
-    Generator._sample, rollout._row_cache = _generate_sample, lambda *args: None
+    sample, row_cache = RolloutSampler._sample, rollout._row_cache
+    RolloutSampler._sample, rollout._row_cache = _generate_sample, lambda *args: None
     try:
         yield
     finally:
-        Generator._sample, rollout._row_cache = sample, row_cache
+        RolloutSampler._sample, rollout._row_cache = sample, row_cache
 
 
 def run(method: str, variant: str, args, overrides: list[str], folder: Path) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from vcpo.methods import list_methods
-from vcpo.reproduction import PlannedRun, WorkflowConfigError, plan, provenance, sim_settings
+from vcpo.reproduction import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
@@ -47,7 +47,7 @@ def test_smoke_runs_every_method_briefly_and_the_core_study_fully():
     assert all(smoke.steps(run) == (200 if run.core or (run.method, run.lag) in sweep else 60) for run in countdown_runs)
     assert sum(smoke.steps(run) == 200 for run in smoke.runs) == 9 + 5  # the sweep's lags 2, 4, 8, 12, 24 at full length
     assert {smoke.steps(run) for run in smoke.runs if run.task == "tir"} == {40}
-    assert sim_settings(smoke.config, "tir", "vcpo")["eval_problems"] == 50
+    assert sim_settings(smoke.config, "tir", "vcpo", 2)["eval_problems"] == 50
     # every run starts from the regime file; the paper's lags 10 and 12 train at the regime's 48, sync at 0;
     # the lag sweep keeps its lags and reaches the regime's
     assert smoke.config["sim_config"] == "recipes/sim/regime.yaml"
@@ -163,8 +163,19 @@ def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
 
 def test_method_settings_apply_to_that_method_only():
     smoke = config("smoke")
-    assert sim_settings(smoke, "countdown", "fp16")["rollout_dtype"] == "preset"
-    assert "rollout_dtype" not in sim_settings(smoke, "countdown", "vcpo") and sim_settings(smoke, "countdown", "vcpo")["threads"] == 1
+    assert sim_settings(smoke, "countdown", "fp16", 48)["rollout_dtype"] == "preset"
+    assert "rollout_dtype" not in sim_settings(smoke, "countdown", "vcpo", 48) and sim_settings(smoke, "countdown", "vcpo", 48)["threads"] == 1
+
+
+def test_sync_and_async_settings_apply_by_lag_and_the_workflow_reserves_each_runs_cores():
+    """Smoke: lagged runs generate in their own process (two cores), sync runs get two torch threads."""
+    smoke = config("smoke")
+    lagged, sync = sim_settings(smoke, "countdown", "vcpo", 48), sim_settings(smoke, "countdown", "sync", 0)
+    assert lagged["execution"] == "concurrent" and lagged["threads"] == 1 and "execution" not in sync and sync["threads"] == 2
+    assert sim_cores(smoke, "countdown", "vcpo", 48) == 2 and sim_cores(smoke, "tir", "sync", 0) == 2
+    assert sim_cores(config("ci"), "countdown", "vcpo", 12) == 1  # CI runs serial, one core each
+    with pytest.raises(WorkflowConfigError, match="countdown/cispo/lag48/seed0: config key 'execution': must be one of"):
+        plan(smoke | {"sim_async": {"execution": "parallel"}})
 
 
 def test_run_paths_follow_the_sweep_and_launch_layout():

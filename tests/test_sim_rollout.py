@@ -69,10 +69,10 @@ def version_log_probs(model, weights, batch):
         return response_log_probs(model, batch, 1.0)
 
 
-@pytest.mark.parametrize("lag_model", ["pipeline", "fixed", "minibatch"])
+@pytest.mark.parametrize("lag_model", ["pipeline", "pipeline_overlap", "fixed", "minibatch"])
 def test_behaviour_log_prob_is_that_of_the_generating_version(tokenizer, lag_model):
     run = Run(tokenizer, lag_model=lag_model)
-    seen_lags, inflight, group_lags = set(), 0, []
+    seen_lags, inflight, group_lags, newest_lags = set(), 0, [], []
     for _ in range(7):
         trajectories, batch = run.batch()
         generated = batch.versions >= 0
@@ -83,22 +83,39 @@ def test_behaviour_log_prob_is_that_of_the_generating_version(tokenizer, lag_mod
         lags = run.step - batch.versions[generated]
         assert int(lags.max()) <= 3 and int(lags.min()) >= 0
         seen_lags |= set(lags.tolist())
+        newest_lags.append(int(lags.min()))
         inflight += sum(len(set(t.versions)) > 1 for t in trajectories)
         group_lags.append({run.step - t.versions[0] for t in trajectories})
         run.update(batch)
     assert seen_lags == {0, 1, 2, 3}
-    if lag_model == "pipeline":
+    if lag_model.startswith("pipeline"):
         assert inflight > 0, "no response spans two policy versions: in-flight updates are not simulated"
         assert any(len(lags) > 1 for lags in group_lags), "groups of one batch never have mixed staleness"
     else:
         assert inflight == 0
+    if lag_model in ("pipeline_overlap", "fixed"):  # the overlapping models: no token of batch n >= 1 from θ_n
+        assert newest_lags[0] == 0 and min(newest_lags[1:]) >= 1
+    else:  # θ_n generates some of batch n: it cannot be generated while θ_n is being computed
+        assert 0 in newest_lags[1:]
     if lag_model == "fixed":
         assert [min(lags) for lags in group_lags] == [0, 1, 2, 3, 3, 3, 3]
     if lag_model == "minibatch":
         assert [min(lags) for lags in group_lags] == [0, 1, 2, 3, 0, 1, 2]
 
 
-@pytest.mark.parametrize("lag_model", ["pipeline", "fixed", "minibatch"])
+@pytest.mark.parametrize("lag_model, admitted", [("pipeline", 3 * GROUPS + 2), ("pipeline_overlap", 2 * GROUPS + 2)])
+def test_the_engine_holds_k_and_a_half_batches_or_one_fewer_when_it_overlaps(tokenizer, lag_model, admitted):
+    """At k = 3 with 3 groups a step: `pipeline` keeps 3.5 batches admitted and unconsumed (rounded up), the
+    overlapping engine, whose groups wait one step less for the learner, 2.5."""
+    run = Run(tokenizer, lag_model=lag_model)
+    for step in range(5):
+        _, batch = run.batch()
+        # (the overlapping engine's batch 0 is generated whole before the learner starts)
+        assert len(run.rollouts.held) + GROUPS == (admitted if step or lag_model == "pipeline" else GROUPS)
+        run.update(batch)
+
+
+@pytest.mark.parametrize("lag_model", ["pipeline", "pipeline_overlap", "fixed", "minibatch"])
 def test_lag_zero_is_on_policy(tokenizer, lag_model):
     run = Run(tokenizer, lag_model=lag_model, lag=0)
     for _ in range(3):

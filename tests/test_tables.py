@@ -18,8 +18,9 @@ def write_lines(folder, lines):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None):
-    """A simulator run: flat lines, evaluation at steps 0 and 2, ``final/eval.json`` when ``final`` is given."""
+def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None, cores=None):
+    """A simulator run: flat lines, evaluation at steps 0 and 2 (10 s each, inside the step's time), and when
+    ``final`` is given the final evaluation's line and ``final/eval.json``; ``config.json`` with ``cores``."""
     folder = root / task / method / f"lag{lag}" / f"seed{seed}"
     lines = []
     for step in range(3):
@@ -27,10 +28,14 @@ def sim_run(root, task, method, lag, seed, accuracy, step_seconds, final=None):
         if step in accuracy:
             line |= {"val/accuracy": accuracy[step], "timing_s/testing": 10.0}
         lines.append(line)
+    if final is not None:
+        lines.append({"step": 3, "val/accuracy": final, "timing_s/testing": 10.0})
     write_lines(folder, lines)
     if final is not None:
         (folder / "final").mkdir()
         (folder / "final" / "eval.json").write_text(json.dumps({"step": 3, "val/accuracy": final}))
+    if cores is not None:
+        (folder / "config.json").write_text(json.dumps({"cores": cores, "cpu": "Hand-made CPU"}))
     return folder
 
 
@@ -83,18 +88,25 @@ def test_reader_flattens_both_formats(tmp_path):
 
 
 def test_table1_smoke_numbers(tmp_path):
-    sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 60.0, final=0.4)
-    sim_run(tmp_path, "countdown", "sync", 0, 1, {0: 0.2, 2: 0.3}, 120.0, final=0.6)
-    sim_run(tmp_path, "countdown", "vcpo", 4, 0, {0: 0.1, 2: 0.2}, 30.0)  # unfinished: last val/accuracy
+    sim_run(tmp_path, "countdown", "sync", 0, 0, {0: 0.1, 2: 0.3}, 60.0, final=0.4, cores=1)
+    sim_run(tmp_path, "countdown", "sync", 0, 1, {0: 0.2, 2: 0.3}, 120.0, final=0.6, cores=1)
+    sim_run(tmp_path, "countdown", "vcpo", 4, 0, {0: 0.1, 2: 0.55}, 30.0, cores=2)  # unfinished: last val/accuracy
     data = table1_data(tmp_path, "smoke", {"countdown": "countdown"}, lag=4)
     row = data["tasks"]["countdown"]
     assert row["base"] == {"mean": pytest.approx(0.15), "min": 0.1, "max": 0.2, "n": 2}
     assert row["sync"]["accuracy"] == {"mean": pytest.approx(0.5), "min": 0.4, "max": 0.6, "n": 2}
     assert row["sync"]["steps"]["mean"] == 3 and row["async"]["steps"]["mean"] == 2
-    # CPU-hours: 3 steps x step seconds + 2 evaluations x 10 s, over 3600.
-    assert row["sync"]["hours"]["min"] == pytest.approx((3 * 60 + 20) / 3600)
-    assert row["sync"]["hours"]["max"] == pytest.approx((3 * 120 + 20) / 3600)
-    assert row["async"]["accuracy"]["mean"] == 0.2 and row["async"]["lag"] == 4
+    # wall-clock: 3 steps (their evaluations inside) + the final evaluation's 10 s; core-hours: x the cores held
+    assert row["sync"]["wall_hours"]["min"] == pytest.approx((3 * 60 + 10) / 3600)
+    assert row["sync"]["hours"]["max"] == pytest.approx((3 * 120 + 10) / 3600)
+    assert row["async"]["wall_hours"]["mean"] == pytest.approx(3 * 30 / 3600)
+    assert row["async"]["hours"]["mean"] == pytest.approx(2 * 3 * 30 / 3600)
+    # time to sync's mean final accuracy (0.5): seed 1 of sync at its final evaluation, after its 3 steps;
+    # seed 0 never; VCPO at its step-2 evaluation, after 2 steps of 30 s and that evaluation's 10 s
+    assert row["target"] == pytest.approx(0.5) and (row["sync"]["reached"], row["async"]["reached"]) == (1, 1)
+    assert row["sync"]["hours_to_target"]["mean"] == pytest.approx((3 * 120 + 10) / 3600)
+    assert row["async"]["hours_to_target"]["mean"] == pytest.approx((2 * 30 + 10) / 3600)
+    assert row["async"]["accuracy"]["mean"] == 0.55 and row["async"]["lag"] == 4
     assert row["paper"]["sync"] == {"accuracy": 38.4, "steps": 400, "gpu_hours": 143.2}
     assert row["paper_lag"] == 10  # recipes/tasks/countdown.yaml paper.max_lag, Table 1's k
     # without --lag the async row is read at the recipe's lag (no second copy of it to disagree with)
@@ -105,8 +117,12 @@ def test_table1_smoke_numbers(tmp_path):
         ["table1", "--runs", str(tmp_path), "--scale", "smoke", "--out", str(out), "--task", "countdown", "--lag", "4"]
     )
     text = out.read_text()
-    assert "smoke scale" in text and "CPU-hours" in text and "| Base | 15.0% (10.0-20.0) | 1.6% |" in text
+    assert "smoke scale" in text and "| Base | 15.0% (10.0-20.0) | 1.6% |" in text
     assert "| Sync (k=0) [paper k=0] | 50.0% (40.0-60.0) | 38.4% | 3 | 400 |" in text
+    assert "Wall-clock minutes (ours) | Core-minutes (ours) | GPU hours (paper)" in text  # smoke runs take minutes
+    assert "| 1.17 [1/1] | seed0 |" in text and "6.17 [1/2]" in text  # minutes to sync's accuracy [reached/seeds]
+    assert "Async VCPO / sync: wall-clock 0.32, core-minutes 0.64 (paper, GPU-hours: 0.63)" in text  # 90 / 280 s
+    assert "Machine: Hand-made CPU." in text
     assert json.loads(out.with_suffix(".json").read_text())["tasks"]["countdown"]["sync"]["seeds"] == ["seed0", "seed1"]
 
 
@@ -321,3 +337,32 @@ def test_the_readme_quotes_the_committed_smoke_table1():
     table = readme[readme.index("| task: ours (paper's) |"):readme.index("What it shows:")]
     quoted = [line.split("|")[3].strip() for line in table.splitlines()[2:] if line.startswith("|")]
     assert len(ours) == 6 and quoted == ours
+    # the time columns: wall-clock minutes and minutes to sync's accuracy of the sync and VCPO rows
+    timed = [(cells[6].strip(), cells[9].strip()) for cells in (line.split("|") for line in committed.splitlines()
+             if re.match(r"\| (Sync|Async VCPO)", line))]  # fmt: skip
+    quoted_times = [(cells[6].strip(), cells[7].strip()) for cells in (line.split("|") for line in table.splitlines()[2:]
+                    if line.startswith("|")) if cells[2].strip().startswith(("sync", "VCPO"))]  # fmt: skip
+    assert len(timed) == 4 and quoted_times == timed
+
+
+def test_the_readmes_time_paragraph_quotes_the_committed_smoke_table1():
+    """The ratios and the Countdown breakdown that "What it shows" quotes are the committed table's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "tables/tir/table1_smoke.json").read_text())["tasks"]
+    readme = (root / "README.md").read_text()
+    text = readme[readme.index("What it shows:"):readme.index("How far to trust it:")]
+    minutes = lambda value: f"{value['mean'] * 60:.2f}"  # noqa: E731
+    for task in ("countdown", "simpletir"):
+        row = data[task]
+        assert f"takes {row['async']['wall_hours']['mean'] / row['sync']['wall_hours']['mean']:.2f} of sync's" in text
+        assert f"{row['async']['accuracy']['mean'] * 100:.1f}%" in text and f"{row['sync']['accuracy']['mean'] * 100:.1f}%" in text
+    tir, countdown = data["simpletir"], data["countdown"]
+    assert f"(the paper: {tir['paper']['async']['gpu_hours'] / tir['paper']['sync']['gpu_hours']:.2f} of its GPU-hours)" in text
+    assert f"in {minutes(tir['async']['hours_to_target'])} minutes against\nsync's own {minutes(tir['sync']['hours_to_target'])}" in text
+    assert f"spends {minutes(countdown['async']['update'])} minutes\nin updates" in text
+    assert f"against sync's {minutes(countdown['sync']['update'])} on two threads" in text
+    assert f"costs {minutes(countdown['async']['generation'])} minutes against\nsync's {minutes(countdown['sync']['generation'])}" in text
+    assert f"sync's whole run ({minutes(countdown['sync']['wall_hours'])} minutes)" in text

@@ -120,21 +120,20 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
 
 
 def _check_sim_entries(config: dict[str, Any]) -> None:
-    """Every ``sim_tasks`` / ``sim_methods`` entry has known keys with readable values, whether or not a
-    planned run uses it, and none picks the SFT base (one per task: ``sim`` sets it for all runs)."""
+    """Every ``sim_tasks`` / ``sim_sync`` / ``sim_async`` / ``sim_methods`` entry has known keys with readable values, whether or
+    not a planned run uses it, and none picks the SFT base (one per task: ``sim`` sets it for all runs)."""
     from vcpo.sim.config import apply_overrides
 
-    for key in ("sim_tasks", "sim_methods"):
-        for name, settings in (config.get(key) or {}).items():
-            base_keys = sorted(set(settings) & set(SIM_BASE_KEYS))
-            if base_keys:
-                raise WorkflowConfigError(
-                    f"{key}.{name}: {base_keys} pick the SFT base every run of a task starts from; set them in sim"
-                )
-            try:
-                apply_overrides(sim_start(config), {item: str(value) for item, value in settings.items()})
-            except ValueError as error:
-                raise WorkflowConfigError(f"{key}.{name}: {error}") from None
+    entries = [(f"{key}.{name}", settings) for key in ("sim_tasks", "sim_methods") for name, settings in (config.get(key) or {}).items()]
+    entries += [(key, config[key]) for key in ("sim_sync", "sim_async") if config.get(key)]
+    for where, settings in entries:
+        base_keys = sorted(set(settings) & set(SIM_BASE_KEYS))
+        if base_keys:
+            raise WorkflowConfigError(f"{where}: {base_keys} pick the SFT base every run of a task starts from; set them in sim")
+        try:
+            apply_overrides(sim_start(config), {item: str(value) for item, value in settings.items()})
+        except ValueError as error:
+            raise WorkflowConfigError(f"{where}: {error}") from None
 
 
 def _backend_tasks(backend: str) -> set[str]:
@@ -163,7 +162,7 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
             if config["backend"] == "sim":
                 from vcpo.sim.config import apply_overrides, validate
 
-                settings = {key: str(value) for key, value in sim_settings(config, run.task, run.method).items()}
+                settings = {key: str(value) for key, value in sim_settings(config, run.task, run.method, run.lag).items()}
                 given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed}
                 given["steps"] = steps_of(config, run)
                 validate(apply_overrides(apply_overrides(sim_start(config), given), settings))
@@ -196,13 +195,27 @@ def sim_base_args(config: dict[str, Any]) -> str:
     return f"--size {shared.get('model_size', start.model_size)} --seed {shared.get('base_seed', start.base_seed)}"
 
 
-def sim_settings(config: dict[str, Any], task: str, method: str) -> dict[str, Any]:
-    """The ``vcpo.sim`` settings of a run: ``sim``, then ``sim_tasks.<task>``, then ``sim_methods.<method>``."""
+def sim_settings(config: dict[str, Any], task: str, method: str, lag: int) -> dict[str, Any]:
+    """The ``vcpo.sim`` settings of a run: ``sim``, then ``sim_tasks.<task>``, then ``sim_sync`` (lag 0) or
+    ``sim_async`` (lag >= 1), then ``sim_methods.<method>``."""
     return {
         **(config.get("sim") or {}),
         **(config.get("sim_tasks") or {}).get(task, {}),
+        **(config.get("sim_async" if lag >= 1 else "sim_sync") or {}),
         **(config.get("sim_methods") or {}).get(method, {}),
     }
+
+
+def sim_cores(config: dict[str, Any], task: str, method: str, lag: int) -> int:
+    """The CPU cores a simulator run holds, which the workflow reserves for it: its torch threads per process
+    (0: torch's default, all cores) x its processes (2 with ``execution=concurrent``)."""
+    import os
+
+    from vcpo.sim.config import apply_overrides
+
+    settings = apply_overrides(sim_start(config), {key: str(value) for key, value in sim_settings(config, task, method, lag).items()})
+    threads = settings.threads or len(os.sched_getaffinity(0))
+    return threads * (2 if settings.execution == "concurrent" else 1)
 
 
 def _check_data(config: dict[str, Any]) -> None:

@@ -24,8 +24,6 @@ ACCURACY = "val/accuracy"
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
 VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
 VERL_ACTOR_PREFIX = "actor/"
-# The time one step costs: training plus the evaluation done at that step (both backends log these).
-TIME_KEYS = ("timing_s/step", "timing_s/testing")
 
 
 def _flat(record: dict) -> dict:
@@ -111,11 +109,20 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(padded, kernel, mode="valid")
 
 
+def line_seconds(line: dict) -> float:
+    """The wall-clock seconds one metrics line accounts for: its step's (both backends time the evaluation at
+    the start of a step inside the step), or for a line without a step time (the simulator's final
+    evaluation) its evaluation's."""
+    if "timing_s/step" in line:
+        return float(line["timing_s/step"])
+    return float(line.get("timing_s/testing", 0.0))
+
+
 def elapsed_hours(lines: list[dict]) -> dict[int, float]:
     """Step -> hours of training and evaluation spent before that step began (the wall-clock x axis)."""
     per_step: dict[int, float] = {}
     for line in lines:
-        per_step[line["step"]] = per_step.get(line["step"], 0.0) + sum(float(line.get(k, 0.0)) for k in TIME_KEYS)
+        per_step[line["step"]] = per_step.get(line["step"], 0.0) + line_seconds(line)
     elapsed, total = {}, 0.0
     for step in sorted(per_step):
         elapsed[step] = total / 3600
@@ -224,9 +231,34 @@ def last_step(run_dir: Path, lines: list[dict]) -> int:
     return max((line["step"] for line in lines), default=0)
 
 
-def compute_hours(lines: list[dict]) -> float:
-    """Hours of training and evaluation summed over the logged steps."""
-    return sum(float(line.get(k, 0.0)) for line in lines for k in TIME_KEYS) / 3600
+def wall_clock_hours(lines: list[dict]) -> float:
+    """Hours of training and evaluation, summed over the logged lines (start-up not included)."""
+    return sum(line_seconds(line) for line in lines) / 3600
+
+
+def hours_to_accuracy(lines: list[dict], target: float) -> float | None:
+    """Wall-clock hours until the held-out accuracy first reached ``target``: the hours before the step whose
+    evaluation reached it, plus that evaluation's; None when no evaluation reached it."""
+    before = 0.0
+    for line in sorted(lines, key=lambda line: line["step"]):
+        accuracy = line.get(ACCURACY)
+        if isinstance(accuracy, int | float) and accuracy >= target:
+            return (before + float(line.get("timing_s/testing", 0.0))) / 3600
+        before += line_seconds(line)
+    return None
+
+
+def run_cores(run_dir: Path) -> int | None:
+    """CPU cores a simulator run held (``cores`` of its ``config.json``: threads per process x processes);
+    None for a run that did not record them."""
+    path = Path(run_dir) / "config.json"
+    cores = json.loads(path.read_text()).get("cores") if path.exists() else None
+    return cores if isinstance(cores, int) else None
+
+
+def run_cpu(run_dir: Path) -> str | None:
+    path = Path(run_dir) / "config.json"
+    return json.loads(path.read_text()).get("cpu") if path.exists() else None
 
 
 def run_gpus(run_dir: Path) -> int | None:

@@ -1,12 +1,18 @@
-"""VCPO Table 1 from run outputs: base, sync (k = 0) and async VCPO accuracy, steps and compute hours.
+"""VCPO Table 1 from run outputs: base, sync (k = 0) and async VCPO accuracy, steps and time.
 
 Each number is the mean and min-max over seeds, beside the paper's published value
 (``paper_results.yaml``). Every accuracy comes from ``vcpo.evaluation``'s harness: at paper scale
 ``python -m vcpo.evaluation`` of the final checkpoints and of the base model (``<task>/base/eval``); at smoke scale
 the simulator's evaluations, the base row being its step-0 evaluation of the SFT base (verl's own
-step-0 validation samples at other settings, so a verl run has no base row without the base evaluation). Compute: at smoke scale CPU-hours = the logged ``timing_s/step`` +
-``timing_s/testing`` of one process / 3600 (not comparable to the paper's GPU-hours); at paper scale
-GPU-hours = those wall-clock hours x the GPUs of the run's ``launch.json`` (unknown if it does not say).
+step-0 validation samples at other settings, so a verl run has no base row without the base evaluation).
+
+Time (``vcpo.reporting.runs.line_seconds``): wall-clock hours = the logged step times (each with the evaluation at
+its start) and the final evaluation, start-up not included. Compute = wall-clock hours x what the run held:
+at smoke scale CPU cores (``cores`` of the run's ``config.json``: 2 for a concurrent run on one thread per
+process), at paper scale GPUs (the run's ``launch.json``). Time to sync's accuracy: the wall-clock hours until
+the run's held-out accuracy first reached the mean final accuracy of the sync runs (at an evaluation; the
+final one included), over the seeds that reached it. Where the time went: the logged generation, update,
+evaluation and (concurrent runs) learner-waiting seconds, summed over the steps.
 """
 
 from __future__ import annotations
@@ -20,19 +26,28 @@ import numpy as np
 from vcpo.recipes import base_path
 from vcpo.reporting.figures import SCALES
 from vcpo.reporting.runs import (
-    compute_hours,
     evaluated_accuracy,
     final_accuracy,
+    hours_to_accuracy,
     is_verl_run,
     last_step,
     read_metrics,
+    run_cores,
+    run_cpu,
     run_dirs,
     run_gpus,
     start_accuracy,
+    wall_clock_hours,
 )
 from vcpo.reporting.specs import paper_results
 
-HOURS = {"smoke": "CPU-hours", "paper": "GPU-hours"}
+HOURS = {"smoke": "Core-hours", "paper": "GPU-hours"}
+# Where a run's time went: the logged seconds of each part, summed over its steps (a concurrent simulator
+# run logs its generator's work beside the learner's; the learner's wait for batches is its own key).
+BREAKDOWN = {"generation": "timing_s/gen", "update": "timing_s/update_actor", "evaluation": "timing_s/testing",
+             "learner waiting": "timing_s/wait_gen"}  # fmt: skip
+# The unit the markdown shows times in (the data keeps hours): smoke runs take minutes.
+TIME_UNITS = {"smoke": ("minutes", 60.0), "paper": ("hours", 1.0)}
 
 
 def spread(values: list[float | None]) -> dict[str, Any] | None:
@@ -43,27 +58,32 @@ def spread(values: list[float | None]) -> dict[str, Any] | None:
     return {"mean": float(np.mean(known)), "min": float(min(known)), "max": float(max(known)), "n": len(known)}
 
 
-def run_numbers(run_dir: Path, scale: str, benchmark: str | None) -> dict[str, float | None]:
-    """One run's base and final accuracy (fractions), steps and compute hours."""
+def run_numbers(run_dir: Path, scale: str, benchmark: str | None, target: float | None = None) -> dict[str, float | None]:
+    """One run's base and final accuracy (fractions), steps, wall-clock and compute hours, and the hours it
+    took to reach ``target`` accuracy (None: not reached, or no target)."""
     lines = read_metrics(run_dir)
-    hours = compute_hours(lines)
-    if scale == "paper":
-        gpus = run_gpus(run_dir)
-        hours = None if gpus is None else hours * gpus
+    wall = wall_clock_hours(lines)
+    held = run_gpus(run_dir) if scale == "paper" else run_cores(run_dir)
     return {
         "base": None if is_verl_run(run_dir) else start_accuracy(lines),
         "accuracy": final_accuracy(run_dir, lines, benchmark),
         "steps": last_step(run_dir, lines),
-        "hours": hours,
+        "wall_hours": wall,
+        "hours": None if held is None else wall * held,
+        "hours_to_target": None if target is None else hours_to_accuracy(lines, target),
+        **{part: sum(float(line.get(key, 0.0)) for line in lines) / 3600 for part, key in BREAKDOWN.items()},
     }
 
 
-def row_numbers(root: Path, task: str, method: str, lag: int, scale: str, benchmark: str | None) -> dict[str, Any]:
-    """Per quantity the spread over the seeds of (task, method, lag), and the seeds read."""
+def row_numbers(root: Path, task: str, method: str, lag: int, scale: str, benchmark: str | None,
+                target: float | None = None) -> dict[str, Any]:
+    """Per quantity the spread over the seeds of (task, method, lag), the seeds read and the CPUs they ran on."""
     dirs = run_dirs(root, task, method, lag)
-    per_run = [run_numbers(d, scale, benchmark) for d in dirs]
-    keys = ("base", "accuracy", "steps", "hours")
-    return {"task": task, "method": method, "lag": lag, "seeds": [d.name for d in dirs]} | {
+    per_run = [run_numbers(d, scale, benchmark, target) for d in dirs]
+    keys = ("base", "accuracy", "steps", "wall_hours", "hours", "hours_to_target", *BREAKDOWN)
+    return {"task": task, "method": method, "lag": lag, "seeds": [d.name for d in dirs],
+            "reached": sum(numbers["hours_to_target"] is not None for numbers in per_run),
+            "cpus": sorted({cpu for d in dirs if (cpu := run_cpu(d))})} | {  # fmt: skip
         key: spread([numbers[key] for numbers in per_run]) for key in keys
     }
 
@@ -100,23 +120,27 @@ def table1_data(
         paper = published["tasks"][paper_task]
         k = (lag_map or {}).get(paper_lag(paper_task), paper_lag(paper_task)) if lag is None else lag
         sync = row_numbers(root, run_task, "sync", 0, scale, paper["benchmark"])
+        target = None if sync["accuracy"] is None else sync["accuracy"]["mean"]
+        if target is not None:
+            sync = row_numbers(root, run_task, "sync", 0, scale, paper["benchmark"], target)
         data["tasks"][paper_task] = {
             "label": paper["label"],
             "run_task": run_task,
             "paper": paper,
             "paper_lag": paper_lag(paper_task),
             "base": base_accuracy(root, run_task, paper["benchmark"]) or sync["base"],
+            "target": target,
             "sync": sync,
-            "async": row_numbers(root, run_task, "vcpo", k, scale, paper["benchmark"]),
+            "async": row_numbers(root, run_task, "vcpo", k, scale, paper["benchmark"], target),
         }
     return data
 
 
-def cell(value: dict | None, percent: bool = False, form: str = ".1f") -> str:
-    """``mean (min-max)`` over seeds, or "missing"."""
+def cell(value: dict | None, percent: bool = False, form: str = ".1f", factor: float = 1.0) -> str:
+    """``mean (min-max)`` over seeds (times ``factor``), or "missing"."""
     if value is None:
         return "missing"
-    scale = 100 if percent else 1
+    scale = 100 if percent else factor
     unit = "%" if percent else ""
     text = f"{value['mean'] * scale:{form}}{unit}"
     if value["min"] != value["max"]:
@@ -132,38 +156,68 @@ def ours_label(row: dict[str, Any], scale: str) -> str:
     return row["label"]
 
 
+def reached(row: dict[str, Any], form: str, factor: float) -> str:
+    """Time to sync's accuracy over the seeds that reached it, and how many did."""
+    if not row["seeds"]:
+        return "missing"
+    time = cell(row["hours_to_target"], form=form, factor=factor) if row["reached"] else "not reached"
+    return f"{time} [{row['reached']}/{len(row['seeds'])}]"
+
+
+def ratio(numerator: dict | None, denominator: dict | None) -> str:
+    if numerator is None or denominator is None:
+        return "missing"
+    return f"{numerator['mean'] / denominator['mean']:.2f}"
+
+
 def table1_markdown(data: dict[str, Any]) -> str:
     """The paper's layout, one block per task, ours beside the published numbers."""
-    hours = data["hours"]
-    note = (
-        "CPU-hours: the wall-clock seconds the runs logged (timing_s/step + timing_s/testing) / 3600; "
-        "not comparable to the paper's GPU-hours."
-        if data["scale"] == "smoke"
-        else "GPU-hours: logged wall-clock hours (timing_s/step + timing_s/testing) x the run's GPUs (launch.json)."
-    )
+    unit, factor = TIME_UNITS[data["scale"]]
+    compute = data["hours"].replace("hours", unit)
+    held = "CPU cores (2 for a concurrent run, one per process, and for a run on two threads)" if data["scale"] == "smoke" else "GPUs (launch.json)"
     lines = [
         f"# {data['reference']}",
         "",
-        f"**{data['scale_label']}.** Ours: mean (min-max) over seeds. {note}",
+        f"**{data['scale_label']}.** Ours: mean (min-max) over seeds. Wall-clock {unit}: the logged step times (each with "
+        f"the evaluation at its start) and the final evaluation, start-up not included. {compute}: wall-clock {unit} x the "
+        f"{held} the run held. Time to sync's accuracy: wall-clock {unit} until the run's held-out accuracy first reached "
+        "the mean final accuracy of the sync runs (at one of its evaluations, the final one included), mean (min-max) "
+        "over the seeds that reached it [seeds that reached it / seeds].",
         "",
     ]
-    hours_form = ".1f" if data["scale"] == "paper" else ".3g"  # smoke runs take minutes: significant digits
+    form = ".1f" if data["scale"] == "paper" else ".2f"
     for paper_task, row in data["tasks"].items():
         paper = row["paper"]
+        cpus = sorted(set(row["sync"]["cpus"]) | set(row["async"]["cpus"]))
         lines += [
             f"| Method ({paper_task} runs: {row['run_task']}) | {ours_label(row, data['scale'])} (ours) | {row['label']} (paper) | "
-            f"Steps (ours) | Steps (paper) | {hours} (ours) | GPU hours (paper) | Seeds |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
-            f"| Base | {cell(row['base'], percent=True)} | {paper['base']}% | | | | | {len(row['sync']['seeds'])} |",
+            f"Steps (ours) | Steps (paper) | Wall-clock {unit} (ours) | {compute} (ours) | GPU hours (paper) | "
+            f"Time to sync's accuracy, {unit} (ours) | Seeds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            f"| Base | {cell(row['base'], percent=True)} | {paper['base']}% | | | | | | | {len(row['sync']['seeds'])} |",
         ]
         for key, name, their_lag in (("sync", "Sync (k=0)", 0), ("async", f"Async VCPO (k={row['async']['lag']})", row["paper_lag"])):
             ours, theirs = row[key], paper[key]
             lines.append(
                 f"| {name} [paper k={their_lag}] | {cell(ours['accuracy'], percent=True)} | {theirs['accuracy']}% | "
-                f"{cell(ours['steps'], form='.0f')} | {theirs['steps']} | {cell(ours['hours'], form=hours_form)} | "
-                f"{theirs['gpu_hours']} | {', '.join(ours['seeds']) or 'none'} |"
+                f"{cell(ours['steps'], form='.0f')} | {theirs['steps']} | {cell(ours['wall_hours'], form=form, factor=factor)} | "
+                f"{cell(ours['hours'], form=form, factor=factor)} | {theirs['gpu_hours']} | {reached(ours, form, factor)} | "
+                f"{', '.join(ours['seeds']) or 'none'} |"
             )
-        lines.append("")
+        for key, name in (("sync", "sync"), ("async", "async VCPO")):
+            parts = [f"{part} {cell(row[key][part], form=form, factor=factor)}" for part in BREAKDOWN
+                     if row[key][part] is not None and row[key][part]["max"] > 0]  # fmt: skip
+            beside = " (a concurrent run's generation runs in its own process, beside the rest)" if row[key]["learner waiting"] and row[key]["learner waiting"]["max"] > 0 else ""
+            lines += ["", f"Where {name}'s time went{beside}, wall-clock {unit} summed over its steps: {', '.join(parts) or 'missing'}."]
+        paper_ratio = paper["async"]["gpu_hours"] / paper["sync"]["gpu_hours"]
+        target = "missing" if row["target"] is None else f"{row['target'] * 100:.1f}%"
+        lines += [
+            "",
+            f"Async VCPO / sync: wall-clock {ratio(row['async']['wall_hours'], row['sync']['wall_hours'])}, "
+            f"{compute.lower()} {ratio(row['async']['hours'], row['sync']['hours'])} (paper, GPU-hours: {paper_ratio:.2f}); "
+            f"sync's accuracy (the target): {target}. Machine: {', '.join(cpus) or 'not recorded'}.",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -18,10 +18,10 @@ from typing import Any
 from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
 from vcpo.sim.base import MODEL_SIZES
-from vcpo.sim.rollout import KV_CACHE_MODES, SIM_TOOL_TIMEOUT_S
+from vcpo.sim.rollout import KV_CACHE_MODES, LAG_MODELS, OVERLAPPING_LAG_MODELS, SIM_TOOL_TIMEOUT_S
 from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
-LAG_MODELS = ("pipeline", "fixed", "minibatch")
+EXECUTIONS = ("serial", "concurrent")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ROLLOUT_DTYPES = (*DTYPES, "preset")
 # The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
@@ -50,6 +50,9 @@ class SimConfig:
     lag_model: str = "pipeline"
     lag: int = 0  # max policy lag k in optimizer steps (0: synchronous oracle)
     update_tokens: int = 8  # pipeline: tokens every in-flight sequence generates between two weight updates
+    # "concurrent": generation in a process of its own while the learner trains (vcpo.sim.concurrent), the
+    # same metrics as "serial"; only for a lag model that overlaps (fixed or pipeline_overlap, lag >= 1)
+    execution: str = "serial"
     kv_cache: str = "recompute"  # after a weight update mid-response: "recompute" the cache (exact l^μ of each version) or "keep" it (PipelineRL, vLLM)
     # batch and sampling (shape of VCPO Table 3: 8 prompts x 8 completions)
     prompts_per_step: int = 8
@@ -126,7 +129,7 @@ class SimConfig:
 
 FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
 # Keys a restart may change: they do not change what the run computes.
-RESUMABLE_CHANGES = ("progress", "wandb", "checkpoint_every", "out", "config_file", "extra", "tool_workers")
+RESUMABLE_CHANGES = ("progress", "wandb", "checkpoint_every", "out", "config_file", "extra", "tool_workers", "execution")
 
 
 def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
@@ -278,6 +281,12 @@ def validate(config: SimConfig) -> SimConfig:
         fail("kv_cache", f"must be one of {KV_CACHE_MODES}, got {config.kv_cache!r}")
     if config.lag_model not in LAG_MODELS:
         fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
+    if config.execution not in EXECUTIONS:
+        fail("execution", f"must be one of {EXECUTIONS}, got {config.execution!r}")
+    if config.execution == "concurrent" and not (config.lag >= 1 and config.lag_model in OVERLAPPING_LAG_MODELS):
+        fail("execution", f"'concurrent' needs a lag model whose generation can overlap the update ({', '.join(OVERLAPPING_LAG_MODELS)} "
+             f"at lag >= 1); lag_model={config.lag_model!r} at lag {config.lag} generates every batch with the weights "
+             "of the step that trains on it (use execution=serial, or threads=2 to give one run both cores)")
     if config.max_response_tokens is not None and config.max_response_tokens < 1:
         fail("max_response_tokens", f"must be >= 1, got {config.max_response_tokens}")
     for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):

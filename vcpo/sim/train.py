@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
 from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
+from vcpo.sim.concurrent import ConcurrentEngine, Produced
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
@@ -42,8 +43,9 @@ from vcpo.sim.rollout import (
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run.
-TIMING_PREFIXES = ("timing_s/", "perf/")
+# Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run,
+# and between a serial and a concurrent one.
+TIMING_PREFIXES = ("timing_s/", "perf/", "tool/time_", "tool/calls_per_s", "tool/latency_")
 
 
 def tool_metrics(trajectories: list[Trajectory], log: ToolLog, step_seconds: float) -> dict[str, float]:
@@ -155,6 +157,8 @@ class Trainer:
         self._ran = False
         self.tracker = None
         self._prox_model = None
+        self.engine: ConcurrentEngine | None = None  # execution=concurrent: the generator process, while run() runs
+        self._rollout_state: dict | None = None  # the engine's state after the last batch trained on, at checkpoint steps
 
     # -- snapshots of policy versions ---------------------------------------------------------------
     def snapshot(self, version: int) -> dict:
@@ -195,12 +199,15 @@ class Trainer:
             return response_log_probs(self._prox_model, batch, self.config.temperature)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_due(self, steps_done: int) -> bool:
+        return steps_done % self.config.checkpoint_every == 0 or steps_done == self.config.steps
+
     def save_checkpoint(self) -> None:
         state = {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.learner.optimizer.state_dict(),
-            "rollouts": self.rollouts.state_dict(),
+            "rollouts": self._rollout_state,
             "snapshots": self.snapshots,
         }
         partial = self.out / f"{CHECKPOINT}.{os.getpid()}.tmp"
@@ -268,20 +275,41 @@ class Trainer:
         return {**validation_metrics(self.task.name, result), "timing_s/testing": time.perf_counter() - started}
 
     # -- the loop --------------------------------------------------------------------------------
+    def produce(self, step: int) -> Produced:
+        """The generator side of a step: the batch of ``step`` and its rewards (in the generator process
+        under execution=concurrent), with the engine's state where the learner will checkpoint."""
+        started = time.perf_counter()
+        trajectories = self.rollouts.batch(step)
+        generated = time.perf_counter()
+        results = self._score(trajectories)
+        return Produced(
+            step=step,
+            trajectories=trajectories,
+            results=results,
+            tool_log=self.generator.tool_log.take() if self.tool is not None else None,
+            timings={"timing_s/gen": generated - started, "timing_s/reward": time.perf_counter() - generated},
+            rollout_state=self.rollouts.state_dict() if self.checkpoint_due(step + 1) else None,
+        )
+
+    def _read_weights_through(self, get) -> None:
+        self.rollouts.weights = get
+
     def train_step(self) -> dict:
         config = self.config
         started = time.perf_counter()
         metrics: dict = {"step": self.step, "training/global_step": self.step}
         if config.eval_every and self.step % config.eval_every == 0:
             metrics.update(self.evaluate())
-
-        generation_started = time.perf_counter()
-        trajectories = self.rollouts.batch(self.step)
-        metrics["timing_s/gen"] = time.perf_counter() - generation_started
-
-        reward_started = time.perf_counter()
-        results = self._score(trajectories)
-        metrics["timing_s/reward"] = time.perf_counter() - reward_started
+        if self.engine is None:
+            produced = self.produce(self.step)
+        else:
+            waiting = time.perf_counter()
+            produced = self.engine.next_batch(self.step)
+            metrics["timing_s/wait_gen"] = time.perf_counter() - waiting
+        metrics.update(produced.timings)
+        if produced.rollout_state is not None:
+            self._rollout_state = produced.rollout_state
+        trajectories, results = produced.trajectories, produced.results
         batch = collate(trajectories, [r["score"] for r in results], self.tokenizer.pad_token_id, self.model.dtype)
 
         update_started = time.perf_counter()
@@ -293,11 +321,13 @@ class Trainer:
 
         self.step += 1
         self._keep_snapshots()
+        if self.engine is not None:
+            self.engine.publish(self.step, self.model.state_dict())
         elapsed = time.perf_counter() - started
         metrics["timing_s/step"] = elapsed
         metrics["perf/throughput"] = int(batch.mask.sum()) / elapsed
         if self.tool is not None:  # the share of the step's rollout and update (the evaluation's calls are its own)
-            metrics.update(tool_metrics(trajectories, self.generator.tool_log.take(), elapsed - metrics.get("timing_s/testing", 0.0)))
+            metrics.update(tool_metrics(trajectories, produced.tool_log, elapsed - metrics.get("timing_s/testing", 0.0)))
         return metrics
 
     def _score(self, trajectories) -> list[dict]:
@@ -339,6 +369,8 @@ class Trainer:
             "method_preset": self.config.method_preset.spec,
             "versions": _versions(),
             "cpu": cpu_name(),  # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
+            # the cores the run holds (threads per process x processes): its wall-clock hours x these are its core-hours
+            "cores": torch.get_num_threads() * (2 if self.config.execution == "concurrent" else 1),
         }
         write_atomic(self.out / "config.json", json.dumps(resolved, indent=2, default=str) + "\n")
         if self.config.wandb:
@@ -347,6 +379,27 @@ class Trainer:
             os.environ.setdefault("WANDB_MODE", "offline")
             # verl's Tracking reads trainer.* (e.g. trainer.wandb_proxy) from the config it logs
             self.tracker = Tracking("vcpo-sim", self.out.name, default_backend=["wandb"], config={"trainer": {}, **resolved})
+
+    def _train_steps(self) -> None:
+        config = self.config
+        bar = tqdm(total=config.steps, initial=self.step, desc=f"{config.method} k={self.lag} seed={config.seed}",
+                   unit="step", disable=not config.progress, dynamic_ncols=True)
+        last_accuracy = None
+        while self.step < config.steps:
+            metrics = self.train_step()
+            last_accuracy = metrics.get("val/accuracy", last_accuracy)
+            self._log(metrics)
+            if self.checkpoint_due(self.step):
+                self.save_checkpoint()
+            bar.update()
+            bar.set_postfix(
+                reward=f"{metrics['critic/score/mean']:.2f}",
+                val=f"{last_accuracy:.2f}" if last_accuracy is not None else "-",
+                ess=f"{metrics['rollout_corr/seq_ess_ratio']:.2f}",
+                lag=f"{metrics['async/lag_mean']:.1f}",
+                refresh=False,
+            )
+        bar.close()
 
     def _log(self, metrics: dict) -> None:
         with open(self.out / METRICS, "a") as handle:
@@ -364,24 +417,16 @@ class Trainer:
     def _run(self) -> Path:
         self._start()
         config = self.config
-        bar = tqdm(total=config.steps, initial=self.step, desc=f"{config.method} k={self.lag} seed={config.seed}",
-                   unit="step", disable=not config.progress, dynamic_ncols=True)
-        last_accuracy = None
-        while self.step < config.steps:
-            metrics = self.train_step()
-            last_accuracy = metrics.get("val/accuracy", last_accuracy)
-            self._log(metrics)
-            if self.step % config.checkpoint_every == 0 or self.step == config.steps:
-                self.save_checkpoint()
-            bar.update()
-            bar.set_postfix(
-                reward=f"{metrics['critic/score/mean']:.2f}",
-                val=f"{last_accuracy:.2f}" if last_accuracy is not None else "-",
-                ess=f"{metrics['rollout_corr/seq_ess_ratio']:.2f}",
-                lag=f"{metrics['async/lag_mean']:.1f}",
-                refresh=False,
-            )
-        bar.close()
+        if config.execution == "concurrent" and self.step < config.steps:
+            published = {**self.snapshots, self.step: self.model.state_dict()}
+            self.engine = ConcurrentEngine(self.produce, self._read_weights_through, self.model.state_dict(),
+                                           slots=self.lag + 1, published=published, first=self.step, steps=config.steps)
+        try:
+            self._train_steps()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
         final = self.out / "final"
         if not (final / "eval.json").exists():
             result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}

@@ -44,11 +44,13 @@ if config["backend"] == "sim":
             sim_config=lambda wildcards, input: f"--config {shlex.quote(input.sim_config)}" if input.sim_config else "",
             steps=lambda wildcards: PLAN.steps(planned(wildcards)),
             settings=lambda wildcards: " ".join(
-                shlex.quote(f"{key}={value}") for key, value in sim_settings(config, wildcards.task, wildcards.method).items()
+                shlex.quote(f"{key}={value}") for key, value in sim_settings(config, wildcards.task, wildcards.method, int(wildcards.lag)).items()
             ),
         log:
             f"{R}/logs/train/{{task}}-{{method}}-lag{{lag}}-seed{{seed}}.log",
-        threads: 1
+        # the cores the run holds (a concurrent run: its learner and its generator process), so that runs side
+        # by side never share a core and a run's wall-clock time is its own
+        threads: lambda wildcards: sim_cores(config, wildcards.task, wildcards.method, int(wildcards.lag))
         priority: training_priority
         shell:
             "python -m vcpo.sim train {params.sim_config} --task {wildcards.task} --method {wildcards.method}"

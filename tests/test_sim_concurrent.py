@@ -1,0 +1,202 @@
+"""execution=concurrent: generation in its own process while the learner trains, with the serial run's
+metrics (timings aside), through checkpoints and resumes; schedules that cannot overlap are refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vcpo.local_models import save_random_model
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+from vcpo.sim.train import METRICS, TIMING_PREFIXES, Trainer
+
+SMALL = {
+    "steps": 9,
+    "prompts_per_step": 2,
+    "responses_per_prompt": 2,
+    "micro_batch_size": 4,
+    "max_response_tokens": 8,
+    "update_tokens": 3,
+    "eval_every": 4,
+    "eval_problems": 4,
+    "warmup_steps": 0,
+    "checkpoint_every": 2,
+    "progress": False,
+    "lag": 3,
+    "method": "vcpo",
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return str(save_random_model(tmp_path_factory.mktemp("base"), hidden_size=32, num_layers=1))
+
+
+def config(base, out, **changes) -> SimConfig:
+    return apply_overrides(SimConfig(), {**SMALL, "base": base, "out": str(out)} | changes)
+
+
+def results(out: Path) -> list[dict]:
+    """Every metrics line without the fields that measure the machine."""
+    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith(TIMING_PREFIXES)} for line in lines]
+
+
+class Stop(Exception):
+    pass
+
+
+def run_stopped_after(trainer: Trainer, lines: int, monkeypatch) -> None:
+    """Run until ``lines`` metrics lines are written, then stop as an exception would (a crash, Ctrl-C)."""
+    written = []
+    log = Trainer._log
+
+    def stopping(self, metrics):
+        log(self, metrics)
+        written.append(metrics["step"])
+        if len(written) == lines:
+            raise Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_log", stopping)
+        with pytest.raises(Stop):
+            trainer.run()
+
+
+@pytest.mark.parametrize("lag_model", ["fixed", "pipeline_overlap"])
+def test_a_concurrent_run_logs_the_serial_runs_metrics_through_a_resume(base, tmp_path, lag_model, monkeypatch):
+    serial = Trainer(config(base, tmp_path / "serial", lag_model=lag_model)).run()
+    out = tmp_path / "concurrent"
+    run_stopped_after(Trainer(config(base, out, lag_model=lag_model, execution="concurrent")), 5, monkeypatch)
+    assert len(results(out)) == 5  # steps 0-4 logged, the checkpoint after step 3 (every 2)
+    Trainer(config(base, out, lag_model=lag_model, execution="concurrent")).run()
+    assert results(out) == results(serial)
+    steps = [json.loads(line) for line in (out / METRICS).read_text().splitlines() if "timing_s/step" in line]
+    # each side's share is logged: generation, rewards and its wait for weights; the learner's wait for batches
+    assert all(line["timing_s/wait_gen"] >= 0 and line["timing_s/gen_wait_weights"] >= 0 and line["timing_s/gen"] > 0 for line in steps)
+    recorded, serial_recorded = json.loads((out / "config.json").read_text()), json.loads((serial / "config.json").read_text())
+    assert (recorded["execution"], recorded["cores"], serial_recorded["cores"]) == ("concurrent", 2, 1)
+    assert {**recorded, "execution": "serial", "cores": 1, "out": None} == {**serial_recorded, "out": None}
+
+
+def test_serial_and_concurrent_execution_resume_each_other(base, tmp_path, monkeypatch):
+    """The execution is not a result-changing setting: a serial run resumed concurrently ends the same."""
+    reference = Trainer(config(base, tmp_path / "reference", lag_model="fixed")).run()
+    out = tmp_path / "switched"
+    run_stopped_after(Trainer(config(base, out, lag_model="fixed")), 3, monkeypatch)
+    Trainer(config(base, out, lag_model="fixed", execution="concurrent")).run()
+    assert results(out) == results(reference)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"method": "sync", "lag": 0, "lag_model": "fixed"},
+        {"lag_model": "pipeline"},
+        {"lag_model": "minibatch"},
+        {"lag_model": "fixed", "lag": 0},
+    ],
+    ids=["sync", "pipeline", "minibatch", "lag-0"],
+)
+def test_a_schedule_that_cannot_overlap_is_refused_naming_the_key(base, tmp_path, changes):
+    with pytest.raises(ConfigError, match="config key 'execution'.*needs a lag model whose generation can overlap"):
+        validate(config(base, tmp_path / "run", execution="concurrent", **changes))
+
+
+def test_the_generators_failure_is_raised_in_the_learner_with_its_traceback(base, tmp_path, monkeypatch):
+    produce = Trainer.produce
+
+    def failing(self, step):
+        if step == 2:
+            raise ValueError("the sampler broke")
+        return produce(self, step)
+
+    monkeypatch.setattr(Trainer, "produce", failing)
+    trainer = Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent"))
+    with pytest.raises(RuntimeError, match=r"(?s)generator process failed at step 2.*ValueError: the sampler broke"):
+        trainer.run()
+    assert len(results(tmp_path / "run")) == 2 and trainer.engine is None
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
+
+
+@pytest.mark.slow
+def test_killing_the_learner_ends_the_generator_and_the_run_resumes(base, tmp_path):
+    """SIGKILL the learner mid-run: its generator process ends with it (no orphan), and a restart ends
+    with the uninterrupted serial run's metrics."""
+    settings = [f"{k}={v}" for k, v in {**SMALL, "steps": 14, "lag_model": "pipeline_overlap"}.items()] + [f"base={base}", "threads=1"]
+    command = [sys.executable, "-m", "vcpo.sim", "train", *settings]
+    subprocess.run([*command, f"out={tmp_path / 'serial'}"], check=True, capture_output=True)
+    out = tmp_path / "concurrent"
+    process = subprocess.Popen([*command, f"out={out}", "execution=concurrent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not ((out / METRICS).exists() and len((out / METRICS).read_text().splitlines()) >= 6):
+        time.sleep(0.02)
+    generators = child_pids(process.pid)
+    assert generators, "no generator process"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in generators):
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                   for pid in generators), "the generator outlived its learner"
+    subprocess.run([*command, f"out={out}", "execution=concurrent"], check=True, capture_output=True)
+    assert results(out) == results(tmp_path / "serial")
+
+
+@pytest.mark.slow
+def test_the_tool_use_task_runs_concurrently_with_the_serial_metrics(tmp_path, monkeypatch):
+    """tir from its SFT base (multi-turn, the sandboxed tool, tool metrics from the generator process), with
+    a resume in the middle: the serial run's metrics."""
+    settings = {"task": "tir", "method": "vcpo", "lag": 2, "lag_model": "pipeline_overlap", "steps": 6, "eval_every": 3,
+                "eval_problems": 10, "warmup_steps": 1, "checkpoint_every": 2, "progress": False}
+    serial = Trainer(apply_overrides(SimConfig(), {**settings, "out": str(tmp_path / "serial")})).run()
+    out = tmp_path / "concurrent"
+    concurrent = apply_overrides(SimConfig(), {**settings, "out": str(out), "execution": "concurrent"})
+    run_stopped_after(Trainer(concurrent), 3, monkeypatch)
+    Trainer(concurrent).run()
+    assert results(out) == results(serial)
+    assert all(line["tool/calls_per_response"] > 0 for line in results(out) if "tool/calls_per_response" in line)
+
+
+def test_the_documented_speed_ups_are_the_committed_benchmarks():
+    """docs/simulator.md's numbers on what concurrency saves come from tables/async_speed/async_speed.json."""
+    root = Path(__file__).resolve().parents[1]
+    report = json.loads((root / "tables/async_speed/async_speed.json").read_text())
+    doc = (root / "docs/simulator.md").read_text()
+    doc = doc[doc.index("### What it saves on two cores"):doc.index("## Rollouts")]
+    serial, concurrent = report["overlap"]["serial"], report["overlap"]["concurrent"]
+    quoted = [
+        f"{serial['wall_s']:.1f} s serial, {concurrent['wall_s']:.1f} s\n  concurrent ({report['overlap']['serial_over_concurrent']:.2f}× faster)",
+        f"overlap bound of {serial['overlap_bound_s']:.1f} s (the serial run's {serial['outside_steps_s']:.1f} s outside",
+        f"{report['overlap']['concurrent_over_bound']:.2f} of the bound",
+        f"({concurrent['sums_s']['timing_s/update_actor']:.1f} s against {serial['sums_s']['timing_s/update_actor']:.1f} s",
+    ]
+    for task in ("countdown", "tir"):
+        sync = report["tasks"][task]["sync"]
+        assert report["tasks"][task]["best_sync_threads"] == 2
+        quoted.append(f"{sync['1']['wall_s']:.1f} → {sync['2']['wall_s']:.1f} s")
+        quoted.append(f"{sync['1']['generation_share']:.0%} of sync's one-thread")
+        for method, name in (("seq_tis_c8", "seq-TIS"), ("vcpo", "VCPO")):
+            speedups = [arm["speedup_over_sync"] for arm in report["tasks"][task]["arms"] if arm["method"] == method]
+            assert len(speedups) == 5
+            quoted.append(f"async {name} is {min(speedups):.2f}-{max(speedups):.2f}×" if task == "countdown" or method != "vcpo"
+                          else f"async VCPO {min(speedups):.2f}-{max(speedups):.2f}×")
+        bound = {arm["bound_by"] for arm in report["tasks"][task]["arms"]}
+        assert bound == {"learner" if task == "countdown" else "generator"}
+    learner = {method: [arm["learner_busy_s"] for arm in report["tasks"]["countdown"]["arms"] if arm["method"] == method]
+               for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
+    quoted.append(f"the learner's side {min(learner['vcpo']):.0f}-{max(learner['vcpo']):.0f} s against seq-TIS's "
+                  f"{min(learner['seq_tis_c8']):.0f}-{max(learner['seq_tis_c8']):.0f} s")
+    tir_sync = report["tasks"]["tir"]["sync"]
+    quoted.append(f"from a second thread here ({tir_sync['1']['wall_s'] / tir_sync['2']['wall_s']:.2f}×)")
+    missing = [text for text in quoted if text not in doc]
+    assert missing == []

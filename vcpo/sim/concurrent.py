@@ -1,0 +1,158 @@
+"""Generation and learning at once (``execution=concurrent``): the rollout engine in a process of its own.
+
+PipelineRL's layout on two cores. A generator process produces the batches of steps start .. steps-1
+(generation, then rewards) while the learner trains on them; after every optimizer step the learner
+publishes the new policy version into shared memory, and the generator waits until the version a
+batch needs is there. Under a lag model that overlaps (``Rollouts.overlaps``: no batch n >= 1 needs
+θ_n), batch n is generated while the learner computes θ_n, so the two sides run at once. Each side
+computes exactly what the serial loop computes, in the same order and from the same seeds, so a
+concurrent run logs the serial run's metrics (timings aside); the tests hold that.
+
+Weights travel through a ring of lag + 1 slots of shared tensors, version v in slot v mod (lag + 1).
+The learner writes θ_{s+1} after training on batch s, when the generator has produced batch s and
+needs only versions >= s + 1 - lag (``fixed``; >= s for ``pipeline_overlap``), so the slot written
+(that of θ_{s-lag}) is never read again. Batches travel back pickled at once, in a queue: the engine's
+state keeps changing after a batch is sent. The generator dies with the learner (PR_SET_PDEATHSIG),
+ignores Ctrl-C (the learner stops it), and reports its own failure as a traceback the learner raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# The generator side's share of a step, measured in the process that did the work.
+GENERATOR_TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/gen_wait_weights")
+POLL_S = 1.0  # how often a waiting side checks that the other is still alive
+
+
+@dataclass
+class Produced:
+    """One step's batch as the generator side hands it over."""
+
+    step: int
+    trajectories: list
+    results: list[dict]  # the reward function's result per trajectory
+    tool_log: object | None  # vcpo.sim.rollout.ToolLog of the batch's generation (multi-turn), else None
+    timings: dict[str, float] = field(default_factory=dict)
+    rollout_state: dict | None = None  # the engine's state after this batch, where the learner checkpoints next
+
+
+@dataclass
+class GeneratorFailed:
+    traceback: str
+
+
+class SharedWeights:
+    """Policy versions in shared memory, a ring of ``slots`` state dicts shaped like ``template``."""
+
+    def __init__(self, template: dict[str, torch.Tensor], slots: int, context):
+        self.slots = [{name: value.detach().clone().share_memory_() for name, value in template.items()} for _ in range(slots)]
+        self.versions = torch.full((slots,), -1, dtype=torch.long).share_memory_()
+        self.changed = context.Condition()
+        self.waited_s = 0.0  # the generator's time waiting for versions, since the last take_waited()
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        slot = version % len(self.slots)
+        with self.changed:
+            for name, value in state.items():
+                self.slots[slot][name].copy_(value)
+            self.versions[slot] = version
+            self.changed.notify_all()
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        """Version ``version``'s weights, once the learner has published them."""
+        slot = version % len(self.slots)
+        started = time.perf_counter()
+        with self.changed:
+            while int(self.versions[slot]) != version:
+                if int(self.versions[slot]) > version:
+                    raise RuntimeError(f"policy version {version} was overwritten by {int(self.versions[slot])}: the ring is too small")
+                self.changed.wait(POLL_S)
+        self.waited_s += time.perf_counter() - started
+        return self.slots[slot]
+
+    def take_waited(self) -> float:
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it ends, however it ends."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _generate(produce: Callable[[int], Produced], bind: Callable, first: int, steps: int, weights: SharedWeights,
+              channel, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    if os.getppid() != parent:  # the learner ended before the line above took effect
+        os._exit(1)
+    try:
+        bind(weights.get)
+        for step in range(first, steps):
+            produced = produce(step)
+            produced.timings["timing_s/gen_wait_weights"] = waited = weights.take_waited()
+            produced.timings["timing_s/gen"] -= waited
+            channel.put(pickle.dumps(produced, protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException:
+        channel.put(pickle.dumps(GeneratorFailed(traceback.format_exc())))
+    channel.close()
+    channel.join_thread()
+
+
+class ConcurrentEngine:
+    """The learner's end of a generator process: ``next_batch(step)`` and ``publish(version, weights)``.
+
+    ``produce(step)`` must compute a step's batch exactly as the serial loop does; in the generator process
+    (forked: it starts from the learner's state as it is, resumed or new) ``bind(get)`` first makes it read
+    policy versions through ``get(version)``. ``published``: the versions the first batches may need."""
+
+    def __init__(self, produce: Callable[[int], Produced], bind: Callable[[Callable[[int], dict]], None],
+                 template: dict[str, torch.Tensor], slots: int, published: dict[int, dict[str, torch.Tensor]],
+                 first: int, steps: int):
+        context = multiprocessing.get_context("fork")  # the engine's state as it is, without pickling a model
+        self.weights = SharedWeights(template, slots, context)
+        for version, state in sorted(published.items()):
+            self.weights.publish(version, state)
+        self.channel = context.Queue()
+        self.process = context.Process(target=_generate, args=(produce, bind, first, steps, self.weights, self.channel, os.getpid()),
+                                       name="vcpo-sim-generator", daemon=True)
+        self.process.start()
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.weights.publish(version, state)
+
+    def next_batch(self, step: int) -> Produced:
+        while True:
+            try:
+                item = pickle.loads(self.channel.get(timeout=POLL_S))
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the generator process ended (exit code {self.process.exitcode}) before step {step}'s batch") from None
+        if isinstance(item, GeneratorFailed):
+            raise RuntimeError(f"the generator process failed at step {step}:\n{item.traceback}")
+        if item.step != step:
+            raise RuntimeError(f"the generator sent step {item.step}'s batch where step {step}'s was due")
+        return item
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+        self.channel.close()
+        self.channel.cancel_join_thread()
