@@ -8,8 +8,8 @@ step-0 validation samples at other settings, so a verl run has no base row witho
 
 Time (``vcpo.reporting.runs.line_seconds``): wall-clock hours = the logged step times (each with the evaluation at
 its start) and the final evaluation, start-up not included. Compute = wall-clock hours x what the run held:
-at smoke scale CPU cores (``cores`` of the run's ``config.json``: 2 for a concurrent run on one thread per
-process), at paper scale GPUs (the run's ``launch.json``). Time to sync's accuracy: the wall-clock hours until
+a simulator run its CPU cores (``cores`` of its ``config.json``: 2 for a concurrent run on one thread per
+process), a verl run its GPUs (its ``launch.json``; on CPU, the worker slots that stand for them). Time to sync's accuracy: the wall-clock hours until
 the run's held-out accuracy first reached the mean final accuracy of the sync runs (at an evaluation; the
 final one included), over the seeds that reached it. Where the time went: the logged generation, update,
 evaluation and (concurrent runs) learner-waiting seconds, summed over the steps.
@@ -63,7 +63,7 @@ def run_numbers(run_dir: Path, scale: str, benchmark: str | None, target: float 
     took to reach ``target`` accuracy (None: not reached, or no target)."""
     lines = read_metrics(run_dir)
     wall = wall_clock_hours(lines)
-    held = run_gpus(run_dir) if scale == "paper" else run_cores(run_dir)
+    held = run_gpus(run_dir) if is_verl_run(run_dir) else run_cores(run_dir)
     return {
         "base": None if is_verl_run(run_dir) else start_accuracy(lines),
         "accuracy": final_accuracy(run_dir, lines, benchmark),
