@@ -248,22 +248,24 @@ def hours_to_accuracy(lines: list[dict], target: float) -> float | None:
     return None
 
 
+def recorded(run_dir: Path, file: str, key: str, kind: type):
+    """``key`` of a JSON record the run wrote (``config.json``, ``launch.json``) when it is a ``kind``, else None."""
+    path = Path(run_dir) / file
+    value = json.loads(path.read_text()).get(key) if path.exists() else None
+    return value if isinstance(value, kind) else None
+
+
 def run_cores(run_dir: Path) -> int | None:
     """CPU cores a simulator run held (``cores`` of its ``config.json``: threads per process x processes);
     None for a run that did not record them."""
-    path = Path(run_dir) / "config.json"
-    cores = json.loads(path.read_text()).get("cores") if path.exists() else None
-    return cores if isinstance(cores, int) else None
+    return recorded(run_dir, "config.json", "cores", int)
 
 
 def run_cpu(run_dir: Path) -> str | None:
-    path = Path(run_dir) / "config.json"
-    return json.loads(path.read_text()).get("cpu") if path.exists() else None
+    return recorded(run_dir, "config.json", "cpu", str)
 
 
 def run_gpus(run_dir: Path) -> int | None:
     """GPUs a verl run held: the ``gpus`` ``vcpo.launch`` wrote into its ``launch.json`` (computed from
     the composed config it launched); None for a run without one."""
-    path = Path(run_dir) / "launch.json"
-    gpus = json.loads(path.read_text()).get("gpus") if path.exists() else None
-    return gpus if isinstance(gpus, int) else None
+    return recorded(run_dir, "launch.json", "gpus", int)
