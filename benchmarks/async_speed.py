@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from vcpo.reporting.runs import read_metrics
-from vcpo.sim.train import cpu_name
+from vcpo.provenance import cpu_name
 
 STEPS = {"countdown": 100, "tir": 50}
 GENERATOR_SIDE = ("timing_s/gen", "timing_s/reward")

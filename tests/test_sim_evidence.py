@@ -15,6 +15,7 @@ from vcpo.sim.evidence import (
     Arm,
     Design,
     compare,
+    detectable_difference,
     ess_predictor,
     holm,
     last_quarter_mean,
@@ -388,3 +389,41 @@ def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
             f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown)") in readme
     for label, c in [("VCPO - sync", pick[("vcpo", "sync")]), ("VCPO - seq-TIS", pick[("vcpo", "seq_tis")])]:
         assert f"{label} {quote(c)}" in evidence_prose("README.md")
+
+
+def test_detectable_difference_matches_the_textbook_power_of_a_paired_t_test():
+    # Cohen's tables: n = 10 pairs, two-sided 0.05, 80% power needs d = 1.00; 90% needs 1.15
+    assert detectable_difference(1.0, 10, 0.05, 0.8) == pytest.approx(0.997, abs=0.005)
+    assert detectable_difference(1.0, 10, 0.05, 0.9) == pytest.approx(1.155, abs=0.005)
+    # a larger sample detects less; the difference scales with the SD
+    assert detectable_difference(1.0, 40) < detectable_difference(1.0, 10)
+    assert detectable_difference(3.0, 10) == pytest.approx(3 * detectable_difference(1.0, 10))
+
+
+def test_the_across_lags_registration_quotes_the_power_of_the_realised_sds():
+    """recipes/sim/across_lags.md: the paired SDs it names are the evidence table's, and the detectable
+    differences it quotes are detectable_difference's of them."""
+    text = " ".join((ROOT / "recipes/sim/across_lags.md").read_text().split())
+    rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
+    end = {(row["arm"], row["seed"]): row["end"] for row in rows if row["task"] == "countdown"}
+
+    def paired_sd(a: str, b: str) -> float:
+        return float(np.std([end[(a, s)] - end[(b, s)] for s in range(10)], ddof=1)) * 100
+
+    primary, collapsing = paired_sd("vcpo", "seq_tis_lr5e-5"), paired_sd("vcpo", "seq_tis")
+    assert f"SD {primary:.2f} points" in text and f"SD was {collapsing:.1f}" in text
+    for power, quoted in ((0.9, "is {} / {} points at SD {} (level 0.05 / 0.0125, the first Holm step of four) and {} / {} points at SD {}"),
+                          (0.8, "at 80% power {} / {} and {} / {}")):
+        values = [f"{detectable_difference(sd, 10, alpha, power):.1f}" for sd in (primary, collapsing) for alpha in (0.05, 0.0125)]
+        expected = quoted.format(values[0], values[1], f"{primary:.2f}", values[2], values[3], f"{collapsing:.1f}") if power == 0.9 \
+            else quoted.format(*values)
+        assert expected in text, expected
+
+
+def test_the_across_lags_registration_quotes_the_kernel_measurement():
+    table = json.loads((ROOT / "tables/kernel_pinning/kernel_pinning.json").read_text())["settings"]
+    text = " ".join((ROOT / "recipes/sim/across_lags.md").read_text().split())
+    assert (f"COMPATIBLE could, at {table['compatible']['time_vs_native']:.2f}x the native run time (AVX2 pinning: "
+            f"{table['avx2']['time_vs_native']:.2f}x)") in text
+    prints = [json.dumps(setting["fingerprint"]) for setting in table.values()]
+    assert len(set(prints)) == len(prints) and all(setting["repeats_identical"] for setting in table.values())

@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from vcpo.local_models import save_random_model
 from vcpo.methods import filed_lag, list_methods
+from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
 from vcpo.sim.train import METRICS, TIMING_PREFIXES, Trainer
@@ -203,6 +205,11 @@ def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterr
     assert lines_before <= stopped_at < 9, "the run was not stopped where intended"
     subprocess.run([*command, f"out={resumed}"], check=True, capture_output=True)
     assert _metrics_without_timing(resumed / METRICS) == uninterrupted
+    recorded = json.loads((resumed / "config.json").read_text())
+    attempts = recorded["attempts"]
+    assert recorded["started"] == attempts[0]["started"] <= attempts[-1]["started"] <= recorded["finished"]
+    # a stop before the first checkpoint starts over (one attempt at step 0), a later one resumes (a second attempt)
+    assert len(attempts) == (1 if lines_before == 1 else 2) and attempts[0]["step"] == 0 and attempts[-1]["step"] in (0, 2, 4)
 
 
 def test_a_restart_with_other_settings_is_refused_naming_them(base, tmp_path, capsys):
@@ -223,3 +230,30 @@ def test_a_restart_with_other_settings_is_refused_naming_them(base, tmp_path, ca
 def test_a_lag_the_run_cannot_reach_is_refused(base, tmp_path):
     with pytest.raises(ConfigError, match=r"a lag of 100000 cannot be reached in a run of 200 steps \(the bound: lag <= steps\)"):
         validate(small_config(base, tmp_path / "x", lag=100000, steps=200))
+
+
+def test_a_run_records_the_code_machine_and_times_that_made_it(base, tmp_path):
+    out = tmp_path / "run"
+    assert sim_main(["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "steps=2", "lag=2"]) == 0
+    recorded = json.loads((out / "config.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (CI's is one)
+        assert recorded["commit"] == head.stdout.strip() and isinstance(recorded["dirty"], bool)
+    assert recorded["started"] <= recorded["finished"] and [a["step"] for a in recorded["attempts"]] == [0]
+    assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert recorded["torch_threads"] == 1 and recorded["cores"] == 1 and recorded["threads"] == 1
+    assert set(recorded["kernel_env"]) == set(KERNEL_ENV) and recorded["versions"]["torch"] == torch.__version__
+
+
+def test_code_state_names_the_commit_and_sees_uncommitted_changes(tmp_path):
+    assert code_state(tmp_path) == {"commit": None, "dirty": None}  # not a checkout: nothing is claimed
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("runs and logs are not the code\n")
+    assert code_state(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert code_state(tmp_path) == {"commit": head, "dirty": True}

@@ -36,7 +36,7 @@ from vcpo.locks import write_atomic
 from vcpo.recipes import recipes_dir
 from vcpo.reporting.runs import read_metrics
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
-from vcpo.sim.train import cpu_name
+from vcpo.provenance import cpu_name
 
 DESIGN = "sim/evidence.yaml"
 TABLE = Path("tables/evidence/runs.jsonl")
@@ -79,6 +79,10 @@ class Design:
     configs: dict[str, str]  # task key -> config file
     settings: dict[str, dict]  # task key -> key=value settings over the config file
     arms: list[Arm]
+    task_seeds: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # a task's own seeds, where it has them
+
+    def seeds_of(self, task: str) -> list[int]:
+        return self.task_seeds.get(task, self.seeds)
 
     def arm(self, task: str, name: str) -> Arm:
         return next(arm for arm in self.arms if arm.task == task and arm.name == name)
@@ -101,6 +105,7 @@ def load_design(path: str | Path | None = None) -> Design:
         configs={task: spec["config"] for task, spec in raw["tasks"].items()},
         settings={task: dict(spec.get("settings", {})) for task, spec in raw["tasks"].items()},
         arms=arms,
+        task_seeds={task: list(spec["seeds"]) for task, spec in raw["tasks"].items() if "seeds" in spec},
     )
     for arm in arms:
         for source in (arm.lr_scale_from, arm.lr_from_mean_scale_of):
@@ -129,7 +134,7 @@ def archive_run(folder: Path, target: Path) -> None:
 
 def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) -> int:
     """Archive every run finished below ``runs`` (``again=False``: only those not archived yet); returns how many."""
-    kept = [(arm, seed) for arm in design.arms for seed in design.seeds if is_finished(run_folder(runs, arm, seed))
+    kept = [(arm, seed) for arm in design.arms for seed in design.seeds_of(arm.task) if is_finished(run_folder(runs, arm, seed))
             and (again or not is_finished(run_folder(archive, arm, seed)))]
     for arm, seed in kept:
         archive_run(run_folder(runs, arm, seed), run_folder(archive, arm, seed))
@@ -159,7 +164,7 @@ def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None
         settings["lr_scale_from"] = str(source)
     if arm.lr_from_mean_scale_of:
         source_arm = design.arm(arm.task, arm.lr_from_mean_scale_of)
-        folders = [run_folder(root, source_arm, s) for s in design.seeds]
+        folders = [run_folder(root, source_arm, s) for s in design.seeds_of(arm.task)]
         if not all(is_finished(folder) for folder in folders):
             return None
         nominal = source_arm.lr if source_arm.lr is not None else load_config_file(design.configs[arm.task]).lr
@@ -190,7 +195,7 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
     jobs that failed plus the runs left undone (whose sources never came)."""
     archive_finished(design, root, archive, again=False)  # finished but not archived (stopped between the two)
     arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
-    order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds), key=lambda t: t[:3])
+    order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds_of(arm.task)), key=lambda t: t[:3])
     pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(archive, arm, seed))]
     print(f"evidence: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
     lock, failed, running, bases = threading.Lock(), [], set(), {}  # bases: (task, seed) -> "building" | "done"
@@ -341,6 +346,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     tool_lines = [line for line in step_lines if "tool/calls_per_response" in line]
     return {
         "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["lr"],
+        "lag_model": recorded.get("lag_model", SimConfig().lag_model),  # recorded before the key: its default
         "seed": seed, "base_seed": recorded["base_seed"], "steps": recorded["steps"],
         "base": judged.base, "best": judged.best, "best_step": judged.best_step,
         "end": final[TEST_ACCURACY], "test_problems": recorded["test_problems"], "test_samples": recorded["test_samples"],
@@ -359,12 +365,14 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         "tool_error_last": tool_lines[-1]["tool/error_frac"] if tool_lines else None,
         "config_file": recorded["config_file"],
         "threads": recorded["threads"], "cpu": recorded.get("cpu"), "versions": recorded.get("versions"),
+        # provenance (runs from before it was recorded: None)
+        **{key: recorded.get(key) for key in ("commit", "dirty", "started", "finished", "cpu_capability")},
         "command": " ".join(command),
     }
 
 
 def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
-    rows = [run_row(design, arm, seed, root) for arm in design.arms for seed in design.seeds
+    rows = [run_row(design, arm, seed, root) for arm in design.arms for seed in design.seeds_of(arm.task)
             if is_finished(run_folder(root, arm, seed))]
     table.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
@@ -397,6 +405,21 @@ def paired_difference(a, b) -> dict:
     else:
         p = float(stats.ttest_1samp(differences, 0.0).pvalue)
     return {"n": int(differences.size), "mean": mean, "low": low, "high": high, "p": p}
+
+
+def detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float = 0.9) -> float:
+    """The smallest mean paired difference a two-sided paired t-test at level ``alpha`` detects with
+    probability ``power`` from ``n`` pairs whose differences have SD ``sd`` (noncentral t, exact)."""
+    from scipy import optimize, stats
+
+    critical = stats.t.ppf(1 - alpha / 2, n - 1)
+
+    def shortfall(effect_size: float) -> float:
+        shift = effect_size * math.sqrt(n)
+        # P(T > c) + P(T < -c) under the shift; the lower tail as the upper one of the mirrored shift
+        return stats.nct.sf(critical, n - 1, shift) + stats.nct.sf(critical, n - 1, -shift) - power
+
+    return float(optimize.brentq(shortfall, 1e-6, 20.0) * sd)
 
 
 def holm(p_values: list[float]) -> list[float]:
@@ -525,7 +548,7 @@ def report(rows: list[dict], design: Design) -> dict:
         for row in task_rows:
             by_arm.setdefault(row["arm"], {})[row["seed"]] = row
         arms = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in task_arms if arm.name in by_arm}
-        missing = {arm.name: [seed for seed in design.seeds if seed not in by_arm.get(arm.name, {})] for arm in task_arms}
+        missing = {arm.name: [seed for seed in design.seeds_of(task) if seed not in by_arm.get(arm.name, {})] for arm in task_arms}
         missing = {name: seeds for name, seeds in missing.items() if seeds}
         entry = {"arms": arms, "missing": missing, "comparisons": compare(by_arm, CORE_COMPARISONS.get(task, [])),
                  "comparisons_last_quarter": compare(by_arm, CORE_COMPARISONS.get(task, []), "last_quarter"),
@@ -601,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.list:
             for arm in design.arms:
-                for seed in design.seeds:
+                for seed in design.seeds_of(arm.task):
                     done = is_finished(run_folder(args.out, arm, seed)) or is_finished(run_folder(args.archive, arm, seed))
                     if (args.phase is None or arm.phase in args.phase) and not done:
                         settings = run_settings(design, arm, seed, args.archive)

@@ -15,7 +15,6 @@ import copy
 import functools
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from tqdm.auto import tqdm
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
 from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
+from vcpo.provenance import code_state, library_versions, machine_state, utc_now
 from vcpo.sim.concurrent import ConcurrentEngine, Produced
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
@@ -156,6 +156,7 @@ class Trainer:
         self.step = 0
         self._ran = False
         self.tracker = None
+        self.recorded_config: dict = {}  # config.json as _start wrote it
         self._prox_model = None
         self.engine: ConcurrentEngine | None = None  # execution=concurrent: the generator process, while run() runs
         self._rollout_state: dict | None = None  # the engine's state after the last batch trained on, at checkpoint steps
@@ -360,6 +361,9 @@ class Trainer:
         self.maybe_resume()
         if self.step == 0:
             self._keep_snapshots()
+        machine = machine_state()
+        now, code = utc_now(), code_state()
+        earlier = json.loads((self.out / "config.json").read_text()) if self.step and (self.out / "config.json").exists() else {}
         resolved = {
             **self.config.recorded(),
             "base": str(self.base),
@@ -367,11 +371,17 @@ class Trainer:
             "base_lr": self.config.base_lr,
             "resolved_rollout_dtype": self.config.resolved_rollout_dtype,
             "method_preset": self.config.method_preset.spec,
-            "versions": _versions(),
-            "cpu": cpu_name(),  # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
+            "versions": library_versions(),
+            # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
+            **machine,
             # the cores the run holds (threads per process x processes): its wall-clock hours x these are its core-hours
-            "cores": torch.get_num_threads() * (2 if self.config.execution == "concurrent" else 1),
+            "cores": machine["torch_threads"] * (2 if self.config.execution == "concurrent" else 1),
+            **code,
+            # a resumed run keeps its first start; every attempt (start step, time, code) is listed
+            "started": earlier.get("started", now),
+            "attempts": [*earlier.get("attempts", []), {"step": self.step, "started": now, **code, "cpu": machine["cpu"]}],
         }
+        self.recorded_config = resolved
         write_atomic(self.out / "config.json", json.dumps(resolved, indent=2, default=str) + "\n")
         if self.config.wandb:
             from verl.utils.tracking import Tracking
@@ -434,6 +444,7 @@ class Trainer:
             self.tokenizer.save_pretrained(final)
             if result.get("val/accuracy") is not None:
                 self._log(result)
+            write_atomic(self.out / "config.json", json.dumps({**self.recorded_config, "finished": utc_now()}, indent=2, default=str) + "\n")
             write_atomic(final / "eval.json", json.dumps(result) + "\n")  # the finished mark, written last
         if self.tracker is not None:
             self.tracker.finish()
@@ -453,24 +464,6 @@ def metric_lines(path: Path) -> list[tuple[int, str]]:
     if torn:
         print(f"{path}: ignoring a partial last line ({len(torn)} characters: a write cut short)", file=sys.stderr)
     return [(int(record["step"]), line) for line, record in records]
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what the platform module knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _versions() -> dict[str, str]:
-    import transformers
-    import verl
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "verl": verl.__version__}
 
 
 def train(config: SimConfig) -> Path:
