@@ -135,7 +135,7 @@ def test_the_first_level_modules_import_only_the_layers_below_them():
 SIM_ORDER = [
     "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.evaluate", "vcpo.sim.base", "vcpo.sim.config", "vcpo.sim.learner",
     "vcpo.sim.concurrent", "vcpo.sim.train", "vcpo.sim.__main__", "vcpo.sim.grad_norms", "vcpo.sim.stability", "vcpo.sim.plots",
-    "vcpo.sim.regime_report", "vcpo.sim.evidence_report", "vcpo.sim.evidence",
+    "vcpo.sim.regime_report", "vcpo.sim.evidence_report", "vcpo.sim.evidence", "vcpo.sim.across_lags_report", "vcpo.sim.across_lags",
 ]  # fmt: skip
 
 

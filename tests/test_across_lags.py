@@ -1,0 +1,140 @@
+"""The across-lags study's rules (recipes/sim/across_lags.md) on hand-made rows, and its committed table."""
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vcpo.sim.across_lags import (
+    ARCHIVE,
+    DESIGN,
+    REGISTRATION,
+    TABLE,
+    counts,
+    equivalence,
+    load_design,
+    median_steps,
+    report,
+    search_report,
+    steps_to_target,
+    sync_target,
+    timing_command,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_steps_to_target_is_the_first_evaluation_at_or_above_it():
+    curve = [(0, 0.20), (25, 0.24), (50, 0.31), (75, 0.29), (100, 0.33)]
+    assert steps_to_target(curve, 0.30) == 50 and steps_to_target(curve, 0.24) == 25 and steps_to_target(curve, 0.4) is None
+    # a run that never reaches it counts as later than every step: the median of 10 runs with 5 misses is beyond
+    assert median_steps([25, 50, 50, 75, 100, None, None, None, None, None]) == math.inf
+    assert median_steps([25, 50, 50, 75, 100, 125, None, None, None, None]) == 112.5
+
+
+def test_the_target_is_the_best_sync_arms_mean_final_validation_accuracy():
+    rows = [{"task": "countdown", "method": "sync", "arm": arm, "end": end, "end_validation": validation}
+            for arm, end, validation in (("sync_lr2e-4", 0.26, 0.30), ("sync_lr2e-4", 0.28, 0.32),
+                                         ("sync_lr1e-4", 0.31, 0.34), ("sync_lr1e-4", 0.29, 0.36))]
+    assert sync_target(rows) == {"arm": "sync_lr1e-4", "target": pytest.approx(0.35), "n": 2}
+
+
+def test_only_rows_started_after_the_registration_from_a_clean_tree_count():
+    later = "2026-11-26T15:00:00+00:00"
+    assert counts({"started": later, "dirty": False})
+    assert not counts({"started": later, "dirty": True}) and not counts({"started": later, "dirty": None})
+    assert not counts({"started": "2026-11-26T14:00:00+00:00", "dirty": False}) and not counts({"started": None, "dirty": False})
+
+
+def test_equivalence_is_two_one_sided_t_tests():
+    # n = 2 (one degree of freedom: the Cauchy distribution): differences 0 and 0.02, margin 0.03
+    # mean 0.01, standard error 0.01; t = 4 and -2; p = max(1/2 - atan(4)/pi, 1/2 - atan(2)/pi)
+    result = equivalence([0.0, 0.02], [0.0, 0.0], margin=0.03)
+    assert result["p"] == pytest.approx(0.5 - math.atan(2) / math.pi)
+    # p < 0.05 exactly when the 90% interval lies inside the margins (the TOST identity)
+    generator = np.random.default_rng(0)
+    for _ in range(200):
+        differences = generator.normal(generator.uniform(-0.04, 0.04), generator.uniform(0.005, 0.05), size=10)
+        r = equivalence(differences, np.zeros(10))
+        assert (r["p"] < 0.05) == (-r["margin"] < r["low90"] and r["high90"] < r["margin"])
+
+
+def search_row(method, lr, lag, seed, *, holds=True, collapsed=False, scale=1.0, end_over_best=0.9):
+    return {"method": method, "lr": lr, "lag": lag, "seed": seed, "holds": holds, "collapsed": collapsed,
+            "mean_lr_scale": scale, "end_validation": end_over_best * 0.5, "best": 0.5, "end": 0.4}
+
+
+def test_the_search_chooses_by_the_registered_rule():
+    rows = []
+    for lr in (2e-4, 5e-4):
+        rows += [search_row("sync", lr, 0, s) for s in range(3)]
+    # (2e-4, 8): 2 collapses, VCPO's factor leaves 1 -> qualifies; (5e-4, 4): 3 collapses -> qualifies, ranks first
+    # (5e-4, 8): 3 collapses but VCPO's factor stays at 1 -> does not
+    for lr, lag, collapses, scale in ((2e-4, 8, 2, 0.8), (5e-4, 4, 3, 0.9), (5e-4, 8, 3, 0.99)):
+        rows += [search_row("seq_tis_c8", lr, lag, s, collapsed=s < collapses) for s in range(3)]
+        rows += [search_row("vcpo", lr, lag, s, scale=scale) for s in range(3)]
+    result = search_report(rows)
+    assert [(c["lr"], c["lag"], c["qualifies"]) for c in result["cells"]] == [(2e-4, 8, True), (5e-4, 4, True), (5e-4, 8, False)]
+    assert result["chosen"] == {"lr": 5e-4, "lag": 4} and result["complete"]
+    # a sync seed that does not hold disqualifies its rate's cells; an unfinished cell makes the search incomplete
+    rows[3]["holds"] = False
+    assert search_report(rows)["chosen"] == {"lr": 2e-4, "lag": 8}
+    assert search_report(rows[:-1])["complete"] is False
+
+
+def test_the_timing_runs_use_both_cores_as_registered(tmp_path):
+    design = load_design(ROOT / DESIGN)
+    sync = timing_command(design, "sync_lr2e-4", tmp_path)
+    vcpo = timing_command(design, "vcpo_k48", tmp_path)
+    assert "threads=2" in sync and "threads=1" not in sync and "execution=concurrent" not in sync
+    assert "threads=1" in vcpo and "execution=concurrent" in vcpo and "lag=48" in vcpo and "lr=0.0002" in vcpo
+    assert all("eval_every=0" in c and "lag_model=pipeline_overlap" in c for c in (sync, vcpo))
+
+
+def test_the_report_compares_per_lag_and_times_to_target():
+    design = load_design(ROOT / DESIGN)
+    rows, generator = [], np.random.default_rng(1)
+    arms = {"sync_lr2e-4": ("sync", 2e-4, 0, 0.28), "sync_lr1e-4": ("sync", 1e-4, 0, 0.30)}
+    for lag in (12, 48):
+        arms |= {f"vcpo_k{lag}": ("vcpo", 2e-4, lag, 0.29), f"seq_tis_lr5e-5_k{lag}": ("seq_tis_c8", 5e-5, lag, 0.25)}
+    for arm, (method, lr, lag, end) in arms.items():
+        for seed in range(10):
+            value = end + generator.normal(0, 0.01)
+            rows.append({"task": "countdown", "study_task": "countdown", "arm": arm, "method": method, "lr": lr, "lag": lag,
+                         "seed": seed, "end": value, "end_validation": value, "last_quarter": value, "base": 0.2, "collapsed": False,
+                         "mean_lr_scale": 1.0, "ess_mean": 1.0, "ess_min": 1.0, "grad_norm_max": 1.0, "counts": True,
+                         "steps_to_target": 100 if method != "seq_tis_c8" else None})
+    timing = {"seconds_per_step": {"sync_lr1e-4": 0.4, "vcpo_k12": 0.3, "vcpo_k48": 0.5}}
+    stats = report(rows, design, timing)["countdown"]
+    primary = {c["a"]: c for c in stats["primary"]}
+    assert primary["vcpo_k12"]["b"] == "seq_tis_lr5e-5_k12" and primary["vcpo_k12"]["verdict"] == "vcpo_k12 above seq_tis_lr5e-5_k12"
+    assert primary["vcpo_k24"]["n"] == 0 and "verdict" not in primary["vcpo_k24"]  # no runs: not tested, not guessed
+    assert [e["b"] for e in stats["equivalence"]] == ["sync_lr1e-4", "sync_lr1e-4"]
+    assert stats["arms"]["seq_tis_lr5e-5_k12"]["median_steps"] == math.inf and stats["arms"]["vcpo_k12"]["reached"] == 10
+    assert [(t["lag"], t["ratio"]) for t in stats["time_to_target"]] == [(12, pytest.approx(0.75)), (48, pytest.approx(1.25))]
+
+
+def committed_rows() -> list[dict]:
+    path = ROOT / TABLE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_registration_constant_is_the_commit_that_added_the_registration():
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H %cI", "--", "recipes/sim/across_lags.md"],
+                           cwd=ROOT, capture_output=True, text=True)
+    if added.returncode != 0 or not added.stdout.strip():
+        pytest.skip("no git history here")
+    commit, time = added.stdout.split()[-2:]
+    assert REGISTRATION == {"commit": commit, "time": time}
+
+
+def test_every_committed_row_names_its_commit_and_started_after_the_registration():
+    rows = committed_rows()
+    if not rows:
+        pytest.skip("no across-lags runs archived yet")
+    assert all(row["commit"] and row["started"] > REGISTRATION["time"] and row["counts"] for row in rows)
+    archived = {(p.parts[-3], p.parts[-2]) for p in (ROOT / ARCHIVE).glob("*/*/seed*/final/eval.json")}
+    assert {(row["study_task"], row["arm"]) for row in rows} <= {(t, a) for t, a in archived}

@@ -1,0 +1,171 @@
+"""The across-lags study's written outputs, from ``vcpo.sim.across_lags.report``'s statistics and the rows:
+``stats.json``, ``summary.md`` (tables and the sentences that quote them, generated), ``end_vs_lag.png``
+(final accuracy against the lag per arm) and ``time.png`` (validation accuracy against wall-clock time)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from vcpo.sim.evidence_report import arms_table, comparison_table, interval, p_value, points, rate_label, signed_points
+
+# the arms drawn against the lag: (name prefix, label); an arm at lag k is named prefix + "_k{k}"
+LAG_LINES = (("vcpo", "VCPO 2e-4 (preset, never retuned)"), ("vcpo_lr1e-4", "VCPO 1e-4"),
+             ("seq_tis_lr5e-5", "seq-TIS 5e-5 (tuned at k = 48, frozen)"), ("seq_tis", "seq-TIS 2e-4"))
+
+
+def steps_text(value: float) -> str:
+    return "> 200" if value == math.inf else ("n/a" if not math.isfinite(value) else f"{value:g}")
+
+
+def steps_table(arms: dict) -> list[str]:
+    lines = ["| arm | lag | lr | runs reaching the target | median steps to target |", "|---|---:|---:|---:|---:|"]
+    for name, arm in arms.items():
+        lines.append(f"| {name} | {arm['lag']} | {rate_label(arm['lr'])} | {arm['reached']}/{arm['n']} | {steps_text(arm['median_steps'])} |")
+    return lines
+
+
+def equivalence_lines(results: list[dict]) -> list[str]:
+    lines = ["| lag | a - b | pairs | mean, points (90% CI) | TOST p | p (Holm) | verdict |", "|---:|---|---:|---|---:|---:|---|"]
+    for r in results:
+        lines.append(f"| {r['lag']} | {r['a']} - {r['b']} | {r['n']} | {signed_points(r['mean'])} "
+                     f"{interval(r['low90'], r['high90'], signed=True)} | {p_value(r['p'])} | {p_value(r.get('p_holm', math.nan))} | "
+                     f"{r.get('verdict', 'not tested')} |")
+    return lines
+
+
+def time_lines(results: list[dict]) -> list[str]:
+    lines = ["| lag | async VCPO: median steps x s / step = s | sync: median steps x s / step = s | VCPO / sync |",
+             "|---:|---|---|---:|"]
+    for r in results:
+        lines.append(f"| {r['lag']} | {steps_text(r['median_steps'])} x {r['seconds_per_step']:.3f} = {r['seconds']:.0f} | "
+                     f"{steps_text(r['sync_median_steps'])} x {r['sync_seconds_per_step']:.3f} = {r['sync_seconds']:.0f} | "
+                     f"{r['ratio']:.2f} |")
+    return lines
+
+
+def search_lines(search: dict) -> list[str]:
+    lines = ["| lr | lag | sync holds | seq-TIS collapses | seq-TIS end / best | VCPO mean step factor | end: sync / seq-TIS / VCPO, % | qualifies |",
+             "|---:|---:|---:|---:|---:|---:|---|---|"]
+    for c in search["cells"]:
+        lines.append(f"| {rate_label(c['lr'])} | {c['lag']} | {c['sync_holds']}/{c['sync_n']} | {c['seq_tis_collapses']}/{c['seq_tis_n']} | "
+                     f"{c['seq_tis_end_over_best']:.2f} | {c['vcpo_mean_step_factor']:.3f} | {points(c['sync_end'])} / "
+                     f"{points(c['seq_tis_end'])} / {points(c['vcpo_end'])} | {'yes' if c['qualifies'] else 'no'} |")
+    if not search["complete"]:
+        verdict = "The search is not complete yet: no cell is chosen."
+    elif search["chosen"]:
+        verdict = f"Chosen cell (the registered rule): lr {rate_label(search['chosen']['lr'])}, k = {search['chosen']['lag']}."
+    else:
+        verdict = "No cell qualifies: on `tir` at this scale, no tested setting makes seq-TIS break while sync learns."
+    return [*lines, "", verdict]
+
+
+def summary_markdown(stats: dict) -> str:
+    countdown = stats["countdown"]
+    lines = ["# The across-lags study: results", "",
+             "Written by `python -m vcpo.sim.across_lags report` from `tables/across_lags/runs.jsonl` (one row per "
+             "archived run, with its commit, start time and the command that re-runs it); the pre-registration is "
+             f"`recipes/sim/across_lags.md` (commit {stats['registration']['commit'][:10]}). {stats['rows_counted']} of "
+             f"{stats['rows']} rows count (started after the registration, from a clean tree). `end` is the final "
+             "accuracy on 1,000 Countdown test problems x 4 samples; intervals are 95% unless named.", "", "## Countdown", ""]
+    if countdown["missing"]:
+        lines += ["Runs not finished yet (left out, never filled in): " + "; ".join(
+            f"{name} seeds {', '.join(map(str, seeds))}" for name, seeds in countdown["missing"].items()) + ".", ""]
+    lines += arms_table(countdown["arms"]) + ["", "![final accuracy against the lag](end_vs_lag.png)", ""]
+    lines += ["Primary: VCPO (2e-4) - seq-TIS (5e-5, frozen) on `end`, paired by seed, Holm over the four lags:", ""]
+    lines += comparison_table(countdown["primary"]) + [""]
+    lines += ["Secondary: VCPO - seq-TIS, both at 2e-4:", ""] + comparison_table(countdown["same_rate"]) + [""]
+    lines += [f"Secondary: equivalence of VCPO at its best rate per lag with sync at its best rate (margin "
+              f"{100 * countdown['equivalence'][0]['margin']:.0f} points, two one-sided tests):" if countdown["equivalence"] else
+              "Secondary: equivalence with sync: no pairs yet.", ""] + equivalence_lines(countdown["equivalence"]) + [""]
+    target = countdown["target"]
+    if target:
+        lines += [f"Steps to sync's accuracy: the target is {points(target['target'])}%, the mean final validation accuracy "
+                  f"of `{target['arm']}` (sync at its best rate, n = {target['n']}); evaluations every 25 steps.", ""]
+        lines += steps_table(countdown["arms"]) + [""]
+    if "time_to_target" in countdown:
+        timing = stats["timing"]
+        lines += [f"Time to sync's accuracy on two cores (seconds per step from `python -m vcpo.sim.across_lags timing`, "
+                  f"{timing['cpu']}, steps {timing['from_step']}-199 of seed 0; async runs concurrent):", ""]
+        lines += time_lines(countdown["time_to_target"]) + ["", "![validation accuracy against wall-clock time](time.png)", ""]
+    lines += ["## The tool-use search (`tir`, 3 seeds)", ""] + search_lines(stats["tir_search"]) + [""]
+    return "\n".join(lines)
+
+
+def draw_end_vs_lag(stats: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, lags = stats["countdown"]["arms"], stats["countdown"]["lags"]
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for offset, (prefix, label) in zip((0.94, 0.98, 1.02, 1.06), LAG_LINES, strict=True):
+        present = [(lag, arms[f"{prefix}_k{lag}"]) for lag in lags if f"{prefix}_k{lag}" in arms]
+        if present:
+            axis.errorbar([lag * offset for lag, _ in present], [100 * a["end"] for _, a in present], marker="o", capsize=3, label=label,
+                          yerr=[[100 * (a["end"] - a["end_low"]) for _, a in present], [100 * (a["end_high"] - a["end"]) for _, a in present]])
+    for name, arm in arms.items():
+        if arm["method"] == "sync":
+            line = axis.axhline(100 * arm["end"], linestyle="--", linewidth=1, label=f"sync {rate_label(arm['lr'])} (k = 0)")
+            axis.axhspan(100 * arm["end_low"], 100 * arm["end_high"], alpha=0.12, color=line.get_color())
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(lags, [str(lag) for lag in lags])
+    axis.minorticks_off()
+    axis.set_xlabel("policy lag k (PipelineRL, pipeline_overlap)")
+    axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
+    n = max((a["n"] for a in arms.values()), default=0)
+    axis.set_title(f"Countdown, 200 steps, up to n = {n} seeds per point", fontsize=10)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def draw_time(stats: dict, rows: list[dict], path: Path) -> None:
+    """Per lag: the mean validation curve of async VCPO (2e-4) and of sync at its best rate against the
+    wall-clock time of their steps (step x measured seconds per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = stats["countdown"]["time_to_target"]
+    figure, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.2), sharey=True, squeeze=False)
+
+    def mean_curve(arm: str) -> tuple[np.ndarray, np.ndarray]:
+        curves = [dict(row["validation_curve"]) for row in rows if row["arm"] == arm and row["counts"] and row["study_task"] == "countdown"]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        return np.array(steps), np.array([100 * np.mean([c[s] for c in curves]) for s in steps])
+
+    for axis, result in zip(axes[0], results, strict=True):
+        for arm, per_step, label in ((result["sync_arm"], result["sync_seconds_per_step"], "sync"),
+                                     (result["arm"], result["seconds_per_step"], "async VCPO 2e-4")):
+            steps, accuracy = mean_curve(arm)
+            axis.plot(steps * per_step / 60, accuracy, marker=".", label=label)
+        axis.axhline(100 * stats["countdown"]["target"]["target"], color="grey", linestyle=":", linewidth=1)
+        axis.set_title(f"k = {result['lag']}", fontsize=10)
+        axis.set_xlabel("minutes of steps, two cores")
+    axes[0][0].set_ylabel("validation accuracy, % (mean over seeds)")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(stats: dict, rows: list[dict], out: Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stats.json").write_text(json.dumps(stats, indent=1, default=float) + "\n")
+    (out / "summary.md").write_text(summary_markdown(stats))
+    written = ["stats.json", "summary.md"]
+    if stats["countdown"]["arms"]:
+        draw_end_vs_lag(stats, out / "end_vs_lag.png")
+        written.append("end_vs_lag.png")
+    if stats["countdown"].get("time_to_target"):
+        draw_time(stats, rows, out / "time.png")
+        written.append("time.png")
+    print(f"wrote {', '.join(str(out / name) for name in written)}")
