@@ -14,6 +14,7 @@ from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
 from vcpo.sim.evidence import (
     Arm,
     Design,
+    base_bootstrap_auc_interval,
     compare,
     detectable_difference,
     ess_predictor,
@@ -83,15 +84,28 @@ def test_last_quarter_mean_and_the_ess_predictor_read_the_registered_windows():
 
 def test_predictor_report_counts_hits_false_alarms_and_leads():
     rows = [
-        {"ess_predictor": 0.05, "collapsed": True, "fall_step": 75, "ess_alarm_step": 20},
-        {"ess_predictor": 0.50, "collapsed": True, "fall_step": 100, "ess_alarm_step": 90},
-        {"ess_predictor": 0.08, "collapsed": False, "fall_step": None, "ess_alarm_step": 30},
-        {"ess_predictor": 0.90, "collapsed": False, "fall_step": None, "ess_alarm_step": None},
+        {"ess_predictor": 0.05, "collapsed": True, "fall_step": 75, "ess_alarm_step": 20, "lag": 48, "base_seed": 0},
+        {"ess_predictor": 0.50, "collapsed": True, "fall_step": 100, "ess_alarm_step": 90, "lag": 48, "base_seed": 1},
+        {"ess_predictor": 0.08, "collapsed": False, "fall_step": None, "ess_alarm_step": 30, "lag": 48, "base_seed": 0},
+        {"ess_predictor": 0.90, "collapsed": False, "fall_step": None, "ess_alarm_step": None, "lag": 0, "base_seed": 1},
     ]
     report = predictor_report(rows)
     assert (report["hits"], report["false_alarms"]) == (1, 1)
     assert report["lead_steps"] == [55]
     assert report["auc"] == 0.75  # -0.05 beats both others, -0.50 beats -0.90 only
+    # without the sync run (lag 0): -0.05 beats -0.08, -0.50 does not
+    assert (report["lagged_runs"], report["lagged_auc"]) == (3, 0.5)
+
+
+def test_the_predictors_base_bootstrap_resamples_whole_bases():
+    # every base holds one collapsed run with a low predictor and one other: any draw of bases separates perfectly
+    rows = [{"ess_predictor": p, "collapsed": c, "base_seed": b} for b in range(5) for p, c in ((0.05, True), (0.6, False))]
+    assert base_bootstrap_auc_interval(rows, resamples=200) == (1.0, 1.0)
+    # a base whose two runs are ordered the other way pulls some draws below 1 (resampling runs alone would too,
+    # but never to a draw made only of that base, which has AUC 0)
+    rows += [{"ess_predictor": 0.6, "collapsed": True, "base_seed": 5}, {"ess_predictor": 0.05, "collapsed": False, "base_seed": 5}]
+    low, high = base_bootstrap_auc_interval(rows, resamples=500)
+    assert low < 1.0 and high == 1.0
 
 
 def test_compare_pairs_by_seed_and_names_the_verdict():
@@ -192,7 +206,7 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     design = load_design()
 
     def row(arm, method, seed, end, lr=2e-4, lag=48, collapsed=False):
-        return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "end": end, "lr": lr, "lag": lag,
+        return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "base_seed": seed, "end": end, "lr": lr, "lag": lag,
                 "last_quarter": end, "base": 0.2, "collapsed": collapsed, "mean_lr_scale": 1.0, "ess_predictor": 0.5,
                 "fall_step": None, "ess_alarm_step": None, "end_validation": end,
                 "ess_mean": 0.5 + 0.1 * seed, "ess_min": 0.1, "grad_norm_max": 1.0 + seed}
@@ -274,7 +288,9 @@ def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
         for arm in entry["arms"].values():
             arm_quotes.add(f"{points(arm['end'])}% {interval(arm['end_low'], arm['end_high'])}")
             arm_quotes.add(f"{points(arm['last_quarter'])}% {interval(arm['last_quarter_low'], arm['last_quarter_high'])}")
-        for c in entry["comparisons"] + entry["comparisons_last_quarter"] + entry.get("learning_rate", {}).get("comparisons", []):
+        learning_rate = entry.get("learning_rate", {})
+        for c in (entry["comparisons"] + entry["comparisons_last_quarter"] + learning_rate.get("comparisons", [])
+                  + learning_rate.get("tuned_against_tuned", [])):
             if "verdict" in c:
                 comparison_quotes.add((f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}",
                                        p_value(c["p_holm"]), p_value(c["p"])))
@@ -386,7 +402,8 @@ def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
     readme = " ".join((ROOT / "README.md").read_text().split())
     countdown = committed_stats()["tasks"]["countdown"]["arms"]
     assert (f"an arm's end has an SD of {100 * arms['sync']['end_sd']:.1f} points across bases "
-            f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown)") in readme
+            f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown for sync and VCPO, "
+            f"{100 * countdown['seq_tis']['end_sd']:.1f} for seq-TIS") in readme
     for label, c in [("VCPO - sync", pick[("vcpo", "sync")]), ("VCPO - seq-TIS", pick[("vcpo", "seq_tis")])]:
         assert f"{label} {quote(c)}" in evidence_prose("README.md")
 
@@ -427,3 +444,35 @@ def test_the_across_lags_registration_quotes_the_kernel_measurement():
             f"{table['avx2']['time_vs_native']:.2f}x)") in text
     prints = [json.dumps(setting["fingerprint"]) for setting in table.values()]
     assert len(set(prints)) == len(prints) and all(setting["repeats_identical"] for setting in table.values())
+
+
+def test_the_evidence_corrections_quote_the_committed_power_framing_and_predictor():
+    """Issue 36's corrections: the detectable differences of the realised SDs, the tuned-against-tuned framing and
+    the predictor without sync runs with a bootstrap over bases, each as stats.json has it."""
+    from vcpo.sim.evidence_report import interval, p_value, signed_points
+
+    countdown = committed_stats()["tasks"]["countdown"]
+    pairs = {(c["a"], c["b"]): c for c in countdown["comparisons"]}
+    studies, readme = evidence_prose("docs/studies.md"), evidence_prose("README.md")
+
+    def sd(pair):
+        return f"{100 * pairs[pair]['sd']:.1f}"
+
+    def detectable(pair):
+        return f"{100 * pairs[pair]['detectable_90']:.1f}"
+
+    ess, opob, core = ("vcpo", "tis_ess"), ("tis_opob", "seq_tis"), ("vcpo", "seq_tis")
+    assert (f"the realised SDs are {sd(ess)} points for VCPO - ESS step alone and {sd(opob)} for OPOB alone - seq-TIS, so "
+            f"only differences of {detectable(ess)} and {detectable(opob)} points would have been found with 90% power "
+            f"({detectable(core)} for VCPO - seq-TIS, whose SD is {sd(core)})") in studies
+    assert f"their SD of {sd(ess)} points puts the smallest difference found with 90% power at {detectable(ess)}" in readme
+    tuned = countdown["learning_rate"]["tuned_against_tuned"][0]
+    assert (tuned["a"], tuned["b"]) == ("vcpo_lr1e-4", "seq_tis_lr5e-5")
+    quote = f"{signed_points(tuned['mean'])} points {interval(tuned['low'], tuned['high'], signed=True)}, p = {p_value(tuned['p'])}"
+    assert f"VCPO at 1e-4 - seq-TIS at 5e-5 is {quote}" in studies and f"(1e-4) - seq-TIS at 5e-5 is {quote}" in readme
+    assert set(countdown["learning_rate"]["best_at_grid_edge"].values()) == {"lowest"}
+    assert "every method's best rate is the lowest of its grid" in studies and "every method's best rate is the lowest of its grid" in readme
+    predictor = countdown["predictor"]
+    low, high = predictor["lagged_auc_base_interval"]
+    assert (f"on the {predictor['lagged_runs']} lagged runs the AUC is {predictor['lagged_auc']:.2f} with a 95% bootstrap over "
+            f"SFT bases of {low:.2f}-{high:.2f}, which includes chance") in studies and low < 0.5 < high

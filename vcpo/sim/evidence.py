@@ -471,6 +471,23 @@ def bootstrap_auc_interval(scores, labels, resamples: int = 2000, seed: int = 0)
     return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
 
 
+def base_bootstrap_auc_interval(rows: list[dict], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the predictor's AUC, resampling SFT bases (all runs of a drawn base
+    together): runs on one base are not independent. Resamples without both classes are skipped."""
+    bases = sorted({row["base_seed"] for row in rows})
+    by_base = {base: [row for row in rows if row["base_seed"] == base] for base in bases}
+    generator = np.random.default_rng(seed)
+    values = []
+    for _ in range(resamples):
+        drawn = [row for base in generator.choice(bases, len(bases)) for row in by_base[base]]
+        auc = roc_auc([-row["ess_predictor"] for row in drawn], [row["collapsed"] for row in drawn])
+        if math.isfinite(auc):
+            values.append(auc)
+    if not values:
+        return math.nan, math.nan
+    return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
+
+
 # -- the report -------------------------------------------------------------------------------------
 def read_rows(table: Path) -> list[dict]:
     return [json.loads(line) for line in Path(table).read_text().splitlines() if line.strip()]
@@ -504,6 +521,12 @@ def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], me
         result = paired_difference([by_arm[a][s][metric] for s in seeds], [by_arm[b][s][metric] for s in seeds]) if seeds else {
             "n": 0, "mean": math.nan, "low": math.nan, "high": math.nan, "p": math.nan}
         results.append({"a": a, "b": b, "metric": metric, **result})
+    for result in results:  # what these pairs could have detected (90% power, two-sided ALPHA, before Holm)
+        if result["n"] >= 2:
+            a, b = result["a"], result["b"]
+            seeds = sorted(set(by_arm[a]) & set(by_arm[b]))
+            result["sd"] = float(np.std([by_arm[a][s][metric] - by_arm[b][s][metric] for s in seeds], ddof=1))
+            result["detectable_90"] = detectable_difference(result["sd"], result["n"]) if result["sd"] > 0 else 0.0
     tested = [r for r in results if r["n"] >= 2]
     for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):
         result["p_holm"] = adjusted
@@ -529,9 +552,12 @@ def predictor_report(rows: list[dict]) -> dict:
     negatives = [a for a, label in zip(alarms, labels, strict=True) if not label]
     leads = [row["fall_step"] - row["ess_alarm_step"] for row, alarm in zip(usable, alarms, strict=True)
              if row["collapsed"] and alarm and row["fall_step"] is not None and row["ess_alarm_step"] is not None]
+    lagged = [row for row in usable if row["lag"] > 0]  # a synchronous run cannot collapse from lag
     return {
         "runs": len(usable), "collapsed": sum(labels),
         "auc": roc_auc(scores, labels), "auc_interval": bootstrap_auc_interval(scores, labels),
+        "lagged_runs": len(lagged), "lagged_auc": roc_auc([-r["ess_predictor"] for r in lagged], [r["collapsed"] for r in lagged]),
+        "lagged_auc_base_interval": base_bootstrap_auc_interval(lagged),
         "hits": sum(positives), "hit_rate": sum(positives) / len(positives) if positives else math.nan,
         "false_alarms": sum(negatives), "false_alarm_rate": sum(negatives) / len(negatives) if negatives else math.nan,
         "lead_steps": leads,
@@ -582,7 +608,13 @@ def learning_rate_report(by_arm: dict[str, dict[int, dict]], arms: dict[str, dic
                 stable[method][rule] = {"rates": rates, "width": rates[-1] / rates[0] if rates else None}
     pairs = [("vcpo", best[m]) for m in ("seq_tis_c8", "sync") if m in best]
     pairs += [("vcpo", name) for name in arms_of("seq_tis_c8", controls=True)]
-    return {"best_arm": best, "stable_range": stable, "comparisons": compare(by_arm, pairs),
+    # the other framing (added after the study, not registered): each at its best tested rate
+    tuned = compare(by_arm, [(best["vcpo"], best["seq_tis_c8"])]) if {"vcpo", "seq_tis_c8"} <= set(best) else []
+    # a best rate at the edge of its grid: the optimum is not bracketed
+    edges = {method: ("lowest" if arms[name]["lr"] == min(stable[method]["tested"]) else
+                      "highest" if arms[name]["lr"] == max(stable[method]["tested"]) else None) for method, name in best.items()}
+    return {"best_arm": best, "best_at_grid_edge": edges, "stable_range": stable, "comparisons": compare(by_arm, pairs),
+            "tuned_against_tuned": tuned,
             "note": "each method's best arm is chosen on these same runs: its mean is biased upwards (winner's curse)",
             "stable_range_note": (
                 "the registered stable range compares the final test-split accuracy with the step-0 validation-split "

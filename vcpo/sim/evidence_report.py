@@ -64,11 +64,13 @@ def run_statistics_table(arms: dict) -> list[str]:
 
 
 def comparison_table(comparisons: list[dict]) -> list[str]:
-    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict |", "|---|---:|---|---:|---:|---|"]
+    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power |",
+             "|---|---:|---|---:|---:|---|---:|---:|"]
     for c in comparisons:
         lines.append(
             f"| {c['a']} - {c['b']} | {c['n']} | {signed_points(c['mean'])} {interval(c['low'], c['high'], signed=True)} | "
-            f"{p_value(c['p'])} | {p_value(c.get('p_holm', math.nan))} | {c.get('verdict', 'not tested (fewer than 2 pairs)')} |"
+            f"{p_value(c['p'])} | {p_value(c.get('p_holm', math.nan))} | {c.get('verdict', 'not tested (fewer than 2 pairs)')} | "
+            f"{points(c.get('sd'))} | {points(c.get('detectable_90'))} |"
         )
     return lines
 
@@ -90,7 +92,12 @@ def predictor_lines(predictor: dict) -> list[str]:
         f"{predictor['runs']} runs, {predictor['collapsed']} collapsed: ROC AUC {auc}; "
         f"hits {predictor['hits']}/{predictor['collapsed']}, false alarms {predictor['false_alarms']}/"
         f"{predictor['runs'] - predictor['collapsed']}; lead times (steps from alarm to fall): "
-        f"{', '.join(map(str, leads)) if leads else 'none'}."
+        f"{', '.join(map(str, leads)) if leads else 'none'}.",
+        "",
+        f"Without the synchronous runs (which cannot collapse from lag), {predictor['lagged_runs']} runs: ROC AUC "
+        + ("n/a (needs collapsed and other runs)." if not math.isfinite(predictor["lagged_auc"]) else
+           f"{predictor['lagged_auc']:.2f} (95% bootstrap over SFT bases {predictor['lagged_auc_base_interval'][0]:.2f}-"
+           f"{predictor['lagged_auc_base_interval'][1]:.2f}); runs on one base are not independent, so this interval is the one to read."),
     ]
 
 
@@ -108,8 +115,13 @@ def learning_rate_lines(section: dict, arms: dict) -> list[str]:
         lines.append(f"- {METHOD_LABELS.get(method, method)}: best fixed rate {arm['lr']:.3g} (arm `{name}`, end "
                      f"{points(arm['end'])}% {interval(arm['end_low'], arm['end_high'])}, n = {arm['n']}); stable range "
                      f"among the tested rates ({', '.join(f'{r:.3g}' for r in stable['tested'])}): {width}.")
+    edges = [f"{METHOD_LABELS.get(m, m)}'s at the {edge} tested rate" for m, edge in section["best_at_grid_edge"].items() if edge]
+    if edges:
+        lines.append(f"- Best rates at the edge of their grid (optimum not bracketed): {', '.join(edges)}.")
     lines.append("")
     lines += [f"- {comparison_sentence(c)}." for c in section["comparisons"]]
+    lines += ["", "Both at their best tested rate (a second framing, added after the study, not registered):", ""]
+    lines += [f"- {comparison_sentence(c)}." for c in section["tuned_against_tuned"]]
     lines += ["", f"Note: {section['note']}; {section['stable_range_note']}."]
     return lines
 
