@@ -30,6 +30,7 @@ from pathlib import Path
 
 from vcpo.provenance import cpu_name, library_versions
 from vcpo.reporting.runs import read_metrics
+from vcpo.runs import TEST_ACCURACY, final_eval
 
 SETTINGS = {
     "native": {},
@@ -43,9 +44,9 @@ RUN = ["--config", "recipes/sim/regime.yaml", "--method", "vcpo", "--seed", "0",
 def fingerprint(run: Path) -> dict:
     lines = read_metrics(run)
     last_step = [line for line in lines if "actor/grad_norm" in line][-1]
-    final = json.loads((run / "final" / "eval.json").read_text())
+    final = final_eval(run)
     return {"grad_norm_last": last_step["actor/grad_norm"], "reward_last": last_step["critic/score/mean"],
-            "test_accuracy": final["test/accuracy"]}
+            "test_accuracy": final[TEST_ACCURACY]}
 
 
 def main() -> None:

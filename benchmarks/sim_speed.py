@@ -33,7 +33,8 @@ import torch
 from vcpo.sim import rollout
 from vcpo.sim.config import apply_overrides, start_config
 from vcpo.sim.rollout import RolloutSampler, left_padded, sampling_log_probs
-from vcpo.sim.train import METRICS, Trainer
+from vcpo.runs import METRICS_FILE
+from vcpo.sim.train import Trainer
 
 PARTS = (
     ("timing_s/gen", "gen"),
@@ -94,7 +95,7 @@ def run(method: str, variant: str, args, overrides: list[str], folder: Path) -> 
     with generation_variant(variant):
         trainer.run()
     wall = time.perf_counter() - started
-    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     steps = [line for line in lines if "timing_s/step" in line]
     tokens = sum(line["perf/throughput"] * line["timing_s/step"] for line in steps)
     result = {"method": method, "variant": variant, "lag": config.lag, "wall_s": wall,

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.sim.config import apply_overrides, start_config
-from vcpo.sim.train import METRICS, Trainer
+from vcpo.runs import METRICS_FILE
+from vcpo.sim.train import Trainer
 
 
 def measure(config, workers: int, out: Path) -> dict[str, float]:
     run = apply_overrides(config, {"tool_workers": workers, "out": str(out / f"workers{workers}")})
     Trainer(run).run()
-    lines = [json.loads(line) for line in (Path(run.out) / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (Path(run.out) / METRICS_FILE).read_text().splitlines()]
     steps = [line for line in lines if "tool/time_s" in line][1:]  # the first step also loads the model
     executions = sum(line["tool/executions"] for line in steps)
     return {

@@ -10,13 +10,15 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted  # noqa: F401 (fixtures)
 
 from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
 from vcpo.reporting.runs import read_metrics
 from vcpo.sim.__main__ import main as sim_main
-from vcpo.sim.train import METRICS
+from vcpo.runs import METRICS_FILE
 
 
 def command(base_dir, out):
@@ -77,7 +79,7 @@ def test_two_writers_on_one_run_folder(base, tmp_path, uninterrupted, capsys):  
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and f"{out} is in use by process {first.pid}" in error[0]
     assert first.wait(300) == 0
-    assert _metrics_without_timing(out / METRICS) == uninterrupted
+    assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
 
 
 def build_one(cache_dir, log):
@@ -130,7 +132,7 @@ def interrupted_run(base_dir, out, stop_after_lines):
     """A real run stopped by SIGKILL once ``stop_after_lines`` metric lines are written."""
     process = subprocess.Popen(command(base_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not ((out / METRICS).exists() and len((out / METRICS).read_text().splitlines()) >= stop_after_lines):
+    while not ((out / METRICS_FILE).exists() and len((out / METRICS_FILE).read_text().splitlines()) >= stop_after_lines):
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
@@ -141,24 +143,24 @@ def interrupted_run(base_dir, out, stop_after_lines):
 def test_a_torn_last_line_is_reported_and_the_run_resumes(base, tmp_path, uninterrupted):  # noqa: F811
     out = tmp_path / "run"
     interrupted_run(base, out, 5)
-    with open(out / METRICS, "a") as handle:
+    with open(out / METRICS_FILE, "a") as handle:
         handle.write('{"step": 7, "critic/score/me')  # a write cut short
     result = subprocess.run(command(base, out), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert f"{out / METRICS}: ignoring a partial last line" in result.stderr
-    assert _metrics_without_timing(out / METRICS) == uninterrupted
+    assert f"{out / METRICS_FILE}: a partial last line is left out" in result.stderr
+    assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
 
 
 @pytest.mark.slow
 def test_a_torn_line_in_the_middle_is_an_error_naming_file_and_line(base, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     interrupted_run(base, out, 5)
-    lines = (out / METRICS).read_text().splitlines()
+    lines = (out / METRICS_FILE).read_text().splitlines()
     lines[1] = lines[1][: len(lines[1]) // 2]
-    (out / METRICS).write_text("".join(line + "\n" for line in lines))
+    (out / METRICS_FILE).write_text("".join(line + "\n" for line in lines))
     result = subprocess.run(command(base, out), capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"{out / METRICS} line 2 cannot be read as a metrics record" in result.stderr
+    assert f"{out / METRICS_FILE} line 2 cannot be read as a metrics record" in result.stderr
 
 
 @pytest.mark.slow
@@ -167,7 +169,7 @@ def test_a_crash_during_the_resumes_rewrite_keeps_the_history(base, tmp_path, un
     file whole, and the next resume ends where an uninterrupted run does."""
     out = tmp_path / "run"
     interrupted_run(base, out, 5)
-    before = (out / METRICS).read_text()
+    before = (out / METRICS_FILE).read_text()
     import vcpo.sim.train as train_module
     from vcpo.sim.config import SimConfig, apply_overrides
 
@@ -180,10 +182,10 @@ def test_a_crash_during_the_resumes_rewrite_keeps_the_history(base, tmp_path, un
     config = apply_overrides(SimConfig(), {**RESUME, "base": str(base), "out": str(out)})
     with pytest.raises(OSError, match="disk full"):
         train_module.Trainer(config).run()
-    assert (out / METRICS).read_text() == before
+    assert (out / METRICS_FILE).read_text() == before
     monkeypatch.undo()
     subprocess.run(command(base, out), check=True, capture_output=True)
-    assert _metrics_without_timing(out / METRICS) == uninterrupted
+    assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
 
 
 def test_write_atomic_replaces_whole(tmp_path):
@@ -214,10 +216,10 @@ def test_rerunning_a_finished_run_keeps_its_metrics_and_a_failed_setup_frees_the
 
     out = tmp_path / "run"
     Trainer(small_config(base, out, eval_every=1)).run()
-    before = (out / METRICS).read_text()
+    before = (out / METRICS_FILE).read_text()
     assert json.loads(before.splitlines()[-1])["step"] == 2  # the final evaluation's line
     Trainer(small_config(base, out, eval_every=1)).run()  # the same command again: nothing to redo, nothing lost
-    assert (out / METRICS).read_text() == before
+    assert (out / METRICS_FILE).read_text() == before
     with pytest.raises(ConfigError, match="holds a checkpoint of a run with other settings"):
         Trainer(small_config(base, out, eval_every=1, lr=1e-3))
     with run_folder_lock(out):  # the refused setup did not keep the lock
@@ -244,3 +246,46 @@ def test_the_evidence_runner_says_what_it_could_not_do(tmp_path, capsys):
     assert run_all(design, tmp_path / "runs", 1, None, archive=tmp_path / "archive") == 2
     error = capsys.readouterr().err
     assert "failed: planning: config file" in error and "not run: countdown/sync seed 0" in error
+
+
+def test_one_reader_rule_for_torn_and_repeated_lines_with_the_callers_report(tmp_path):
+    from vcpo.runs import MetricsProblem, metric_records
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / METRICS_FILE).write_text('{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n{"step": 1, "a": 9}\n{"step": 2, "a"')
+    said = []
+    records = metric_records(run, report=said.append)
+    assert [record["a"] for _, record in records] == [1, 2]  # the first line of step 1; the torn tail left out
+    assert len(said) == 2 and "partial last line" in said[0] and "steps [1] are logged more than once" in said[1]
+    with pytest.raises(RuntimeError, match="partial last line"):  # a caller for whom it is an error raises
+
+        def refuse(problem):
+            raise RuntimeError(problem)
+
+        metric_records(run, report=refuse)
+    (run / METRICS_FILE).write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(MetricsProblem, match="line 2 cannot be read"):
+        metric_records(run, report=said.append)
+
+
+def test_the_run_folder_format_is_written_in_one_module():
+    """Issue 35's must-hold: under vcpo/, the file names of a run and the ESS metric name appear as code
+    literals only in the modules that own them (docstrings may name them)."""
+    import ast
+
+    owners = {"final/eval.json": {"vcpo/runs.py"}, "eval.json": {"vcpo/runs.py"}, "metrics.jsonl": {"vcpo/runs.py"},
+              "rollout_corr/seq_ess_ratio": {"vcpo/core/ratios.py"}}
+    root = Path(__file__).resolve().parents[1]
+    found = {}
+    for path in (root / "vcpo").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for literal in owners:
+                    if node.value == literal or node.value.endswith("/" + literal):
+                        found.setdefault(literal, set()).add(str(path.relative_to(root)))
+    assert all(found.get(literal, set()) <= modules for literal, modules in owners.items()), found

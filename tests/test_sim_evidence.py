@@ -28,7 +28,8 @@ from vcpo.sim.evidence import (
     run_settings,
     wilson_interval,
 )
-from vcpo.sim.train import METRICS, Trainer
+from vcpo.runs import METRICS_FILE
+from vcpo.sim.train import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_compare_pairs_by_seed_and_names_the_verdict():
 def write_metrics(folder, scales):
     folder.mkdir(parents=True)
     lines = [{"step": step, "actor/lr_scale": scale} for step, scale in enumerate(scales)]
-    (folder / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / METRICS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "final").mkdir()
     (folder / "final" / "eval.json").write_text("{}\n")
 
@@ -144,7 +145,7 @@ def test_a_replayed_step_factor_drives_the_optimizer_step(base, tmp_path):
     write_metrics(tmp_path / "source", [0.5, 0.25, 0.125])
     config = small_config(base, tmp_path / "run", method="seq_tis_c8", steps=3, lr_scale_from=str(tmp_path / "source"))
     out = Trainer(config).run()
-    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert [line["actor/lr_scale"] for line in lines] == [0.5, 0.25, 0.125]
     for line in lines:
         assert line["actor/effective_lr"] == pytest.approx(line["actor/lr"] * line["actor/lr_scale"])
@@ -241,11 +242,11 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
               "timing_s/step": 0.5, "async/lag_hist": [1, 2]} | ({"val/accuracy": 0.2 + 0.01 * s} if s % 4 == 0 else {})
              for s in range(8)]
     lines.append({"step": 8, "val/accuracy": 0.3, "test/accuracy": 0.25})
-    (folder / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / METRICS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "final" / "eval.json").write_text(json.dumps({"step": 8, "val/accuracy": 0.3, "test/accuracy": 0.25}))
     archived = run_folder(tmp_path / "archive", arm, 0)
     archive_run(folder, archived)
-    kept = [json.loads(line) for line in (archived / METRICS).read_text().splitlines()]
+    kept = [json.loads(line) for line in (archived / METRICS_FILE).read_text().splitlines()]
     assert all("timing_s/step" not in line and "async/lag_hist" not in line for line in kept) and len(kept) == 9
     row = run_row(design, arm, 0, tmp_path / "archive")
     assert row == run_row(design, arm, 0, tmp_path / "runs")

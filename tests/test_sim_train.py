@@ -17,7 +17,8 @@ from vcpo.methods import filed_lag, list_methods
 from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
-from vcpo.sim.train import METRICS, TIMING_PREFIXES, Trainer
+from vcpo.runs import METRICS_FILE
+from vcpo.sim.train import TIMING_PREFIXES, Trainer
 
 SMALL = {
     "steps": 2,
@@ -59,7 +60,7 @@ def test_every_preset_runs(base, tmp_path, method):
     if method == "p3o_two_anchor":
         changes["lag_model"] = "minibatch"  # the proximal snapshot differs from θ only within an epoch
     out = Trainer(small_config(base, tmp_path / method, **changes)).run()
-    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
     for line in lines:
         for name, value in numbers(line):
@@ -72,13 +73,13 @@ def test_every_preset_runs(base, tmp_path, method):
 def test_wandb_logging_goes_through_verls_tracking(base, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the code path of wandb=true, without files or network
     out = Trainer(small_config(base, tmp_path / "wandb", wandb=True, steps=1, lag=1)).run()
-    assert len((out / METRICS).read_text().splitlines()) == 1
+    assert len((out / METRICS_FILE).read_text().splitlines()) == 1
 
 
 @pytest.mark.parametrize("lag_model, lags", [("fixed", [0, 1, 2, 2, 2]), ("minibatch", [0, 1, 2, 0, 1])])
 def test_lag_models_through_the_trainer_keep_the_versions_they_need(base, tmp_path, lag_model, lags):
     out = Trainer(small_config(base, tmp_path / lag_model, lag_model=lag_model, steps=5)).run()
-    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert [line["async/lag_max"] for line in lines] == lags
 
 
@@ -88,7 +89,7 @@ def test_sync_preset_refuses_a_lag_and_trains_on_policy(base, tmp_path, capsys):
     assert sim_main(["train", "--method", "sync", "--lag", "12", "--out", str(tmp_path / "cli"), f"base={base}"]) == 2
     assert "fixes the policy lag to 0" in capsys.readouterr().err and not (tmp_path / "cli").exists()
     out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=0)).run()
-    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert all(line["async/lag_max"] == 0 and line["rollout_corr/seq_ess_ratio"] == pytest.approx(1, abs=1e-5) for line in lines)
     assert json.loads((out / "config.json").read_text())["effective_lag"] == 0
 
@@ -98,7 +99,7 @@ def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path
     runs = {}
     for dtype in ("float32", "bfloat16"):
         out = Trainer(small_config(base, tmp_path / dtype, method="sync", lag=0, rollout_dtype=dtype, steps=1)).run()
-        runs[dtype] = json.loads((out / METRICS).read_text().splitlines()[0])
+        runs[dtype] = json.loads((out / METRICS_FILE).read_text().splitlines()[0])
     exact, mismatched = runs["float32"], runs["bfloat16"]
     assert abs(exact["rollout_corr/kl"]) < 1e-6 and exact["rollout_corr/seq_ess_ratio"] > 1 - 1e-6
     assert abs(mismatched["rollout_corr/kl"]) > 1e-5 and mismatched["rollout_corr/k3_kl"] > 10 * abs(exact["rollout_corr/k3_kl"])
@@ -171,7 +172,7 @@ def uninterrupted(base, tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference")
     command = [sys.executable, "-m", "vcpo.sim", "train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}"]
     subprocess.run([*command, "threads=1", f"out={reference}"], check=True, capture_output=True)
-    return _metrics_without_timing(reference / METRICS)
+    return _metrics_without_timing(reference / METRICS_FILE)
 
 
 @pytest.mark.slow
@@ -195,16 +196,16 @@ def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterr
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        metrics = resumed / METRICS
+        metrics = resumed / METRICS_FILE
         if metrics.exists() and len(metrics.read_text().splitlines()) >= lines_before:
             break
         time.sleep(0.02)
     os.kill(process.pid, stop)
     process.wait()
-    stopped_at = len((resumed / METRICS).read_text().splitlines())
+    stopped_at = len((resumed / METRICS_FILE).read_text().splitlines())
     assert lines_before <= stopped_at < 9, "the run was not stopped where intended"
     subprocess.run([*command, f"out={resumed}"], check=True, capture_output=True)
-    assert _metrics_without_timing(resumed / METRICS) == uninterrupted
+    assert _metrics_without_timing(resumed / METRICS_FILE) == uninterrupted
     recorded = json.loads((resumed / "config.json").read_text())
     attempts = recorded["attempts"]
     assert recorded["started"] == attempts[0]["started"] <= attempts[-1]["started"] <= recorded["finished"]
@@ -216,12 +217,12 @@ def test_a_restart_with_other_settings_is_refused_naming_them(base, tmp_path, ca
     out = tmp_path / "run"
     command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "steps=2", "lag=2"]
     assert sim_main(command) == 0
-    before = (out / METRICS).read_text()
+    before = (out / METRICS_FILE).read_text()
     assert sim_main([*command, "method=sync", "lag=0", "lr=1e-4"]) == 2
     error = capsys.readouterr().err
     assert "holds a checkpoint of a run with other settings" in error
     assert "method: 'vcpo' -> 'sync'" in error and "lag: 2 -> 0" in error and "lr: 5e-05 -> 0.0001" in error
-    assert (out / METRICS).read_text() == before and json.loads((out / "config.json").read_text())["method"] == "vcpo"
+    assert (out / METRICS_FILE).read_text() == before and json.loads((out / "config.json").read_text())["method"] == "vcpo"
     assert sim_main([*command, "threads=2"]) == 2  # the thread count changes the reductions' order
     assert "threads: 1 -> 2" in capsys.readouterr().err
     assert sim_main([*command, "progress=false", "checkpoint_every=5"]) == 0  # what does not change the result may differ

@@ -17,6 +17,9 @@ from vcpo.core.aggregation import masked_extreme, masked_mean, masked_row_mean, 
 from vcpo.core.ess import ess_ratio
 from vcpo.core.validation import check_bounds
 
+# the metric name (verl's) of the sequence-level ESS ratio, which every backend logs and the studies read
+SEQ_ESS_RATIO = "rollout_corr/seq_ess_ratio"
+
 LEVELS = ("token", "sequence", "geometric")
 BOUND_MODES = ("truncate", "mask")
 
@@ -156,5 +159,5 @@ def offpolicy_diagnostics(
         "rollout_corr/rollout_ppl": masked_mean(torch.exp(-mean_behav_logp), valid_seq),
         "rollout_corr/log_ppl_diff": masked_mean(-a, valid_seq),
         "rollout_corr/ppl_ratio": masked_mean(torch.exp(torch.clamp(-a, max=TOKEN_LOG_RATIO_CLAMP)), valid_seq),
-        "rollout_corr/seq_ess_ratio": ess_ratio(s, valid_seq).to(dtype),
+        SEQ_ESS_RATIO: ess_ratio(s, valid_seq).to(dtype),
     }

@@ -18,6 +18,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vcpo.locks import write_atomic
+
 VALIDATION_FRACTION = 0.1
 # Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
 _MAX_DRAWS_PER_PUZZLE = 4
@@ -73,9 +75,7 @@ def _cached_distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
         return json.loads(path.read_text())
     text = json.dumps(_distinct_puzzles(size, seed))
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(text)
-    partial.replace(path)  # atomic: concurrent builders never read a half-written set
+    write_atomic(path, text)  # concurrent builders never read a half-written set
     return json.loads(text)  # the same values (lists, not tuples) as a later cached read
 
 

@@ -33,6 +33,7 @@ from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
+from vcpo.runs import METRICS_FILE
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 # verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is
@@ -324,7 +325,7 @@ def run_environment(run: Run) -> dict[str, str]:
     calls ``logger.info(..., flush=True)`` (trainer_separate_async.py:181), which raises ``TypeError:
     Logger._log() got an unexpected keyword argument 'flush'`` whenever INFO is enabled.
     """
-    env = {"VERL_FILE_LOGGER_PATH": str(run.run_dir / "metrics.jsonl"), "VERL_LOGGING_LEVEL": "WARN"}
+    env = {"VERL_FILE_LOGGER_PATH": str(run.run_dir / METRICS_FILE), "VERL_LOGGING_LEVEL": "WARN"}
     if step_rule(run.method).active:
         env[EXTERNAL_MODULES] = ENGINE_MODULE
     return env

@@ -17,15 +17,16 @@ import numpy as np
 from vcpo.methods import is_synchronous
 from vcpo.reporting.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
 from vcpo.reporting.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
+from vcpo.runs import CONFIG_FILE, EFFECTIVE_LR, SEQ_ESS_RATIO
 
 SCALES = {"smoke": "smoke scale (CPU)", "paper": "paper scale (verl)"}
 PANEL_NAMES = {
     ACCURACY: "held-out accuracy",
     "critic/score/mean": "train reward",
-    "rollout_corr/seq_ess_ratio": "ESS ratio (ESS / B)",
+    SEQ_ESS_RATIO: "ESS ratio (ESS / B)",
     "rollout_corr/kl": "KL(behaviour || learner)",
     "actor/grad_norm": "gradient norm (before clipping)",
-    "actor/effective_lr": "effective learning rate",
+    EFFECTIVE_LR: "effective learning rate",
     "actor/kept_token_frac": "trusted-token fraction",
 }
 # Figure kinds drawn from a measurement file (--measured), not from run metrics.
@@ -117,7 +118,7 @@ def config_files(root: Path, needed: list[tuple[str, str, int]]) -> list[str]:
     files = set()
     for run in needed:
         for folder in run_dirs(root, *run):
-            config = Path(folder) / "config.json"
+            config = Path(folder) / CONFIG_FILE
             if config.exists():
                 files.add(json.loads(config.read_text()).get("config_file"))
     return sorted(files - {None})

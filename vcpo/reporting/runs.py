@@ -18,9 +18,10 @@ import numpy as np
 
 from vcpo.methods import filed_lag
 from vcpo.recipes import run_path
+from vcpo.runs import FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY, metric_records
 
 LOG = logging.getLogger(__name__)
-ACCURACY = "val/accuracy"
+ACCURACY = VAL_ACCURACY
 # verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
 VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
 VERL_ACTOR_PREFIX = "actor/"
@@ -41,50 +42,17 @@ def _flat(record: dict) -> dict:
     return flat
 
 
-def complete_records(path: Path) -> tuple[list[tuple[str, dict]], str]:
-    """(line, record) of every complete line of a ``metrics.jsonl``, and its unterminated tail ('' if none: a
-    write cut short leaves one). A complete line that is not a record with a step raises ValueError naming
-    the file and line."""
-    *complete, torn = Path(path).read_text().split("\n")
-    records = []
-    for number, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            int(record["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{path} line {number} cannot be read as a metrics record") from None
-        records.append((line, record))
-    return records, torn
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
-    """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``. What cannot be
-    one run's record is said in one line naming the run: a partial last line (a write cut short) is left
-    out; steps logged more than once (two writers, or a copy) keep their first line."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records, torn = complete_records(path)
-    if torn.strip():
-        LOG.warning("%s: a partial last line is left out (a write cut short)", path)
-    lines, seen, repeated = [], set(), set()
-    for flat in (_flat(record) for _, record in records):
-        if flat["step"] in seen:
-            repeated.add(flat["step"])
-            continue
-        seen.add(flat["step"])
-        lines.append(flat)
-    if repeated:
-        LOG.warning("%s: steps %s are logged more than once (two writers on one folder?); the first line of each is read",
-                    path, sorted(repeated)[:5])
-    return lines
+    """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``, by
+    ``vcpo.runs.metric_records``'s rule; what it leaves out is logged as a warning naming the run."""
+    return [_flat(record) for _, record in metric_records(run_dir, report=LOG.warning)]
 
 
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:
     """The seed folders holding metrics of one (task, method, lag); a preset that fixes its lag (sync: 0)
     is read at that lag whatever ``lag``."""
     lag = filed_lag(method, lag)
-    return sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/metrics.jsonl"))
+    return sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/{METRICS_FILE}"))
 
 
 def seed_of(run_dir: Path) -> int:
@@ -167,7 +135,7 @@ def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[di
             continue
         accuracy = [a for a in (series(lines, ACCURACY)[1] for lines in runs) if a.size]
         rewards = [series(lines, "critic/score/mean")[1] for lines in runs]
-        ess = [e for e in (series(lines, "rollout_corr/seq_ess_ratio")[1] for lines in runs) if e.size]
+        ess = [e for e in (series(lines, SEQ_ESS_RATIO)[1] for lines in runs) if e.size]
         grad = [g for g in (series(lines, "actor/grad_norm")[1] for lines in runs) if g.size]
         final = np.array([a[-1] for a in accuracy]) if accuracy else np.array([np.nan])
         rows.append(
@@ -210,7 +178,7 @@ def final_accuracy(run_dir: Path, lines: list[dict], benchmark: str | None = Non
     evaluated = evaluated_accuracy(run_dir, benchmark)
     if evaluated is not None:
         return evaluated
-    final = Path(run_dir) / "final" / "eval.json"
+    final = Path(run_dir) / FINAL_EVAL
     if final.exists():
         return float(json.loads(final.read_text())[ACCURACY])
     values = series(lines, ACCURACY)[1]
@@ -225,7 +193,7 @@ def start_accuracy(lines: list[dict]) -> float | None:
 
 def last_step(run_dir: Path, lines: list[dict]) -> int:
     """Optimizer steps done: the step of ``final/eval.json`` when finished, else the last step logged."""
-    final = Path(run_dir) / "final" / "eval.json"
+    final = Path(run_dir) / FINAL_EVAL
     if final.exists():
         return int(json.loads(final.read_text())["step"])
     return max((line["step"] for line in lines), default=0)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from vcpo.cli import output_folder_problem
 from vcpo.recipes import run_path
+from vcpo.runs import is_finished
 from vcpo.sim.config import (
     ConfigError,
     SimConfig,
@@ -48,10 +49,6 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
 
 def run_dir(root: Path, config: SimConfig) -> Path:
     return Path(root) / run_path(config.task, config.method, config.lag, config.seed)
-
-
-def is_finished(out: Path) -> bool:
-    return (out / "final" / "eval.json").exists()
 
 
 def _csv(kind):

@@ -24,6 +24,7 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.reporting.runs import read_metrics
+from vcpo.runs import VAL_ACCURACY, is_finished
 from vcpo.sim.evidence import (
     ALPHA,
     Design,
@@ -31,7 +32,6 @@ from vcpo.sim.evidence import (
     command_line,
     compare,
     holm,
-    is_finished,
     load_design,
     read_rows,
     run_folder,
@@ -54,7 +54,7 @@ SEARCH_SEEDS = 3
 
 # -- rows -------------------------------------------------------------------------------------------
 def validation_curve(lines: list[dict]) -> list[tuple[int, float]]:
-    return [(int(line["step"]), float(line["val/accuracy"])) for line in lines if "val/accuracy" in line]
+    return [(int(line["step"]), float(line[VAL_ACCURACY])) for line in lines if VAL_ACCURACY in line]
 
 
 def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:

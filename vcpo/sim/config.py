@@ -18,6 +18,7 @@ from typing import Any
 from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
 from vcpo.sim.base import MODEL_SIZES
+from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
 from vcpo.sim.rollout import KV_CACHE_MODES, LAG_MODELS, OVERLAPPING_LAG_MODELS, SIM_TOOL_TIMEOUT_S
 from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
@@ -147,24 +148,21 @@ def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
 def replayed_lr_scales(run: str | Path, steps: int) -> list[float]:
     """``actor/lr_scale`` of steps 0 .. steps-1 of the run folder ``run`` (its ``metrics.jsonl``); a
     missing, repeated or unreadable step is an error naming the run, never a guess."""
-    path = Path(run) / "metrics.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"config key 'lr_scale_from': no {path}")
-    scales: dict[int, float] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise ConfigError(f"config key 'lr_scale_from': {path} line {number} is not JSON") from None
-        if "actor/lr_scale" not in record:
-            continue  # the final evaluation's line
-        if record["step"] in scales:
-            raise ConfigError(f"config key 'lr_scale_from': {path} logs step {record['step']} twice")
-        scales[record["step"]] = float(record["actor/lr_scale"])
+    if not (Path(run) / METRICS_FILE).is_file():
+        raise ConfigError(f"config key 'lr_scale_from': no {Path(run) / METRICS_FILE}")
+
+    def refuse(problem: str) -> None:
+        raise ConfigError(f"config key 'lr_scale_from': {problem}")
+
+    try:
+        records = metric_records(run, report=refuse)
+    except MetricsProblem as error:
+        refuse(str(error))
+    scales = {int(record["step"]): float(record[LR_SCALE]) for _, record in records if LR_SCALE in record}  # not the final evaluation's line
     missing = [step for step in range(steps) if step not in scales]
     if missing:
-        raise ConfigError(f"config key 'lr_scale_from': {path} has no actor/lr_scale for steps {missing[:5]}"
-                          f"{' ...' if len(missing) > 5 else ''} of the {steps} this run takes")
+        refuse(f"{Path(run) / METRICS_FILE} has no {LR_SCALE} for steps {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+               f"of the {steps} this run takes")
     return [scales[step] for step in range(steps)]
 
 

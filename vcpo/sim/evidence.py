@@ -35,6 +35,19 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.recipes import recipes_dir
 from vcpo.reporting.runs import read_metrics
+from vcpo.runs import (
+    CONFIG_FILE,
+    EFFECTIVE_LR,
+    FINAL_DIR,
+    FINAL_EVAL,
+    LR_SCALE,
+    METRICS_FILE,
+    SEQ_ESS_RATIO,
+    TEST_ACCURACY,
+    VAL_ACCURACY,
+    final_eval,
+    is_finished,
+)
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
 from vcpo.provenance import cpu_name
 
@@ -43,12 +56,10 @@ TABLE = Path("tables/evidence/runs.jsonl")
 # Every finished run's config, final evaluation and the metrics below, committed (RUNS/<task>/<arm>/seed<s>/
 # layout): the rows are computed from it, and the controls read their sources there, on any machine.
 ARCHIVE = TABLE.parent / "runs"
-ARCHIVED_METRICS = ("step", "val/accuracy", "test/accuracy", "rollout_corr/seq_ess_ratio", "rollout_corr/kl",
-                    "actor/lr_scale", "actor/effective_lr", "actor/grad_norm", "critic/score/mean",
+ARCHIVED_METRICS = ("step", VAL_ACCURACY, TEST_ACCURACY, SEQ_ESS_RATIO, "rollout_corr/kl", LR_SCALE, EFFECTIVE_LR, "actor/grad_norm", "critic/score/mean",
                     "tool/calls_per_response", "tool/error_frac")
 # how the rows name the folder a reader's run of a command goes to
 RUNS_PLACEHOLDER = "RUNS"
-TEST_ACCURACY = "test/accuracy"
 # evidence.md: the ESS early warning, fixed before the new runs (the study's alarm level, its 50-step window)
 PREDICTOR_STEPS = 50
 PREDICTOR_THRESHOLD = 0.1
@@ -118,18 +129,14 @@ def run_folder(root: Path, arm: Arm, seed: int) -> Path:
     return Path(root) / arm.task / arm.name / f"seed{seed}"
 
 
-def is_finished(folder: Path) -> bool:
-    return (folder / "final" / "eval.json").exists()
-
-
 def archive_run(folder: Path, target: Path) -> None:
     """A finished run's record as the study keeps it in the repository: its config, its final evaluation and
     the metrics the rows and the controls read (ARCHIVED_METRICS) of every line, in the run's own layout."""
-    (target / "final").mkdir(parents=True, exist_ok=True)
-    write_atomic(target / "config.json", (folder / "config.json").read_text())
+    (target / FINAL_DIR).mkdir(parents=True, exist_ok=True)
+    write_atomic(target / CONFIG_FILE, (folder / CONFIG_FILE).read_text())
     lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_metrics(folder)]
-    write_atomic(target / "metrics.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
-    write_atomic(target / "final" / "eval.json", (folder / "final" / "eval.json").read_text())
+    write_atomic(target / METRICS_FILE, "".join(json.dumps(line) + "\n" for line in lines))
+    write_atomic(target / FINAL_EVAL, (folder / FINAL_EVAL).read_text())
 
 
 def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) -> int:
@@ -143,7 +150,7 @@ def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) 
 
 def mean_step_scale(folders: list[Path]) -> float:
     """The mean of ``actor/lr_scale`` over every step of ``folders`` (evidence.md: the constant-rate control)."""
-    scales = [line["actor/lr_scale"] for folder in folders for line in read_metrics(folder) if "actor/lr_scale" in line]
+    scales = [line[LR_SCALE] for folder in folders for line in read_metrics(folder) if LR_SCALE in line]
     return float(np.mean(scales))
 
 
@@ -312,7 +319,7 @@ def evaluation_noise(task_name: str, problems: int, samples: int, seeds: int, sp
 # -- the table of runs ------------------------------------------------------------------------------
 def last_quarter_mean(lines: list[dict], steps: int) -> float:
     """Mean held-out (validation) accuracy over the evaluations at steps >= 3/4 of the run, the final one included."""
-    values = [line["val/accuracy"] for line in lines if "val/accuracy" in line and line["step"] >= 0.75 * steps]
+    values = [line[VAL_ACCURACY] for line in lines if VAL_ACCURACY in line and line["step"] >= 0.75 * steps]
     return float(np.mean(values))
 
 
@@ -331,8 +338,8 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
     from vcpo.sim.stability import outcome
 
     folder = run_folder(root, arm, seed)
-    recorded = json.loads((folder / "config.json").read_text())
-    final = json.loads((folder / "final" / "eval.json").read_text())
+    recorded = json.loads((folder / CONFIG_FILE).read_text())
+    final = final_eval(folder)
     lines = read_metrics(folder)
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
@@ -342,7 +349,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         settings["lr_scale_from"] = str(run_folder(Path(RUNS_PLACEHOLDER), design.arm(arm.task, arm.lr_scale_from), seed))
     command = command_line(design, arm, settings, str(run_folder(Path(RUNS_PLACEHOLDER), arm, seed)))
     command[0] = "python"
-    step_lines = [line for line in lines if "actor/lr_scale" in line]
+    step_lines = [line for line in lines if LR_SCALE in line]
     tool_lines = [line for line in step_lines if "tool/calls_per_response" in line]
     return {
         "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["lr"],
@@ -354,9 +361,9 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
         "ess_min": judged.ess_min, "ess_alarm_step": judged.ess_alarm_step, "fall_step": judged.fall_step,
         "collapsed": judged.collapsed, "holds": judged.holds,
         "ess_predictor": ess_predictor(lines, judged.fall_step),
-        "mean_lr_scale": float(np.mean([line["actor/lr_scale"] for line in step_lines])),
-        "mean_effective_lr": float(np.mean([line["actor/effective_lr"] for line in step_lines])),
-        "ess_mean": float(np.mean([line["rollout_corr/seq_ess_ratio"] for line in step_lines])),
+        "mean_lr_scale": float(np.mean([line[LR_SCALE] for line in step_lines])),
+        "mean_effective_lr": float(np.mean([line[EFFECTIVE_LR] for line in step_lines])),
+        "ess_mean": float(np.mean([line[SEQ_ESS_RATIO] for line in step_lines])),
         "grad_norm_max": float(np.max([line["actor/grad_norm"] for line in step_lines])),  # NaN stays NaN
         # multi-turn runs: tool calls per response in the first and the last step's batch, and the last
         # step's share of calls that failed (None for a single-turn task)

@@ -39,6 +39,7 @@ from vcpo.core import (
 )
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, step_rule
+from vcpo.runs import EFFECTIVE_LR, LR_SCALE
 from vcpo.sim.rollout import TOOL_TOKEN, Trajectory
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_shared import step_rule_applied
@@ -249,8 +250,8 @@ class Learner:
                 "actor/grad_norm": grad_norm,
                 "actor/grad_norm_finite": float(math.isfinite(grad_norm)),
                 "actor/lr": self.config.base_lr * lr_scale,
-                "actor/lr_scale": scale,
-                "actor/effective_lr": self.config.base_lr * lr_scale * scale,
+                LR_SCALE: scale,
+                EFFECTIVE_LR: self.config.base_lr * lr_scale * scale,
                 "critic/score/mean": float(batch.rewards.mean()),
                 "critic/advantages/mean": advantage_mean,
             }

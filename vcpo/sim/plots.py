@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from vcpo.reporting.figures import (
+    PANEL_NAMES,
     draw_lag_sweep_axes,
     draw_method,
     lag_sweep_rows,
@@ -23,18 +24,13 @@ from vcpo.reporting.figures import (
     style_panel,
 )
 from vcpo.reporting.runs import read_metrics, run_dirs, seed_band, series, smooth, summary_rows
+from vcpo.runs import EFFECTIVE_LR, SEQ_ESS_RATIO, VAL_ACCURACY
 
 # The shared readers and drawing live in vcpo.reporting; they are re-exported here for this CLI's users.
 __all__ = ["plot_lag_sweep", "plot_sweep", "read_metrics", "run_dirs", "seed_band", "series", "smooth", "summary_rows"]
 
-PANELS = (
-    ("val/accuracy", "held-out accuracy"),
-    ("critic/score/mean", "train reward"),
-    ("rollout_corr/seq_ess_ratio", "ESS ratio (ESS / B)"),
-    ("rollout_corr/kl", "KL(behaviour || learner)"),
-    ("actor/grad_norm", "gradient norm (before clipping)"),
-    ("actor/effective_lr", "effective learning rate"),
-)
+PANELS = tuple((name, PANEL_NAMES[name]) for name in
+               (VAL_ACCURACY, "critic/score/mean", SEQ_ESS_RATIO, "rollout_corr/kl", "actor/grad_norm", EFFECTIVE_LR))
 
 
 def plot_sweep(

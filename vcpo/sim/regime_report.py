@@ -18,6 +18,7 @@ from pathlib import Path
 from vcpo.recipes import run_path
 from vcpo.reporting.figures import draw_curves, draw_lag_sweep
 from vcpo.reporting.runs import read_metrics, series, summary_rows
+from vcpo.runs import LR_SCALE, SEQ_ESS_RATIO, VAL_ACCURACY
 from vcpo.sim.config import load_config_file
 from vcpo.sim.plots import summary_markdown
 from vcpo.sim.stability import ESS_ALARM, judge_root, markdown
@@ -30,7 +31,7 @@ METHOD_ROWS = [
     "kl_in_reward", "vaco", "p3o", "vespo", "topr",
 ]
 SWEEP_LAGS = [0, 2, 4, 8, 12, 24, 48]
-PANELS = ["val/accuracy", "critic/score/mean", "rollout_corr/seq_ess_ratio", "rollout_corr/kl", "actor/grad_norm"]
+PANELS = [VAL_ACCURACY, "critic/score/mean", SEQ_ESS_RATIO, "rollout_corr/kl", "actor/grad_norm"]
 
 
 def _spec(title: str, paper: str, task: str, lag: int, methods: list[str], panels: list[str], regime: str) -> dict:
@@ -57,7 +58,7 @@ def ess_predictor(rows: list[dict]) -> dict:
 
 def predictor_markdown(result: dict) -> str:
     lines = [
-        f"ESS as a predictor (alarm: `rollout_corr/seq_ess_ratio` <= {result['ess_alarm']}; fall: the first evaluation "
+        f"ESS as a predictor (alarm: `{SEQ_ESS_RATIO}` <= {result['ess_alarm']}; fall: the first evaluation "
         "after the best at <= half the best accuracy)",
         "",
         "| collapsed run | lag | seed | ESS alarm at step | accuracy fell by step | lead (steps) |",
@@ -76,8 +77,8 @@ def ess_mean_markdown(rows: list[dict], runs: Path) -> str:
     table = []
     for row in rows:
         lines = read_metrics(runs / run_path(row["task"], row["method"], row["lag"], row["seed"]))
-        _, ess = series(lines, "rollout_corr/seq_ess_ratio")
-        _, scale = series(lines, "actor/lr_scale")
+        _, ess = series(lines, SEQ_ESS_RATIO)
+        _, scale = series(lines, LR_SCALE)
         table.append((float(ess.mean()), row, float(scale.mean()) if scale.size else 1.0))
     lines = [
         "| run | seed | mean ESS ratio | mean lr scale | end / best | collapsed |",
@@ -102,7 +103,7 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
                           lag, ABLATION, PANELS[:3] + ["actor/grad_norm"], name), runs, "smoke", out / "ablation.png",
                     seeds="core"),
         draw_curves(_spec("Every method at the regime's lag (one seed)", "like VCPO Figures 4, 10-13", task, lag,
-                          ["sync", "seq_tis_c8", "vcpo", *METHOD_ROWS], ["val/accuracy", "rollout_corr/seq_ess_ratio"],
+                          ["sync", "seq_tis_c8", "vcpo", *METHOD_ROWS], [VAL_ACCURACY, SEQ_ESS_RATIO],
                           name), runs, "smoke", out / "methods.png", seeds="all"),
         draw_lag_sweep({"title": "Sequence TIS (c = 8) against the policy lag", "paper": f"beyond the paper  |  {name}",
                         "kind": "lag_sweep", "task": task, "lags": SWEEP_LAGS, "methods": ["seq_tis_c8"]},

@@ -28,12 +28,13 @@ from pathlib import Path
 
 from vcpo.methods import is_synchronous
 from vcpo.reporting.runs import ACCURACY, read_metrics, series
+from vcpo.runs import CONFIG_FILE, FINAL_EVAL, SEQ_ESS_RATIO
 
 SYNC_MIN_GAIN = 0.05
 SYNC_KEEP = 0.8
 COLLAPSE_FRACTION = 0.5
 ESS_ALARM = 0.1
-ESS = "rollout_corr/seq_ess_ratio"
+ESS = SEQ_ESS_RATIO
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,9 @@ def outcome(lines: list[dict]) -> Outcome:
 def judge_root(root: Path, task: str | None = None) -> list[dict]:
     """One row per finished run at any depth below ``root`` (of ``task`` only, if given)."""
     rows = []
-    for final in sorted(Path(root).rglob("final/eval.json")):
+    for final in sorted(Path(root).rglob(FINAL_EVAL)):
         run = final.parent.parent
-        config = json.loads((run / "config.json").read_text())
+        config = json.loads((run / CONFIG_FILE).read_text())
         if task is not None and config["task"] != task:
             continue
         result = outcome(read_metrics(run))

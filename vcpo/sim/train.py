@@ -27,6 +27,7 @@ from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
 from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
 from vcpo.provenance import code_state, library_versions, machine_state, utc_now
+from vcpo.runs import CHECKPOINT_FILE, CONFIG_FILE, FINAL_DIR, FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, MetricsProblem, is_finished, metric_records
 from vcpo.sim.concurrent import ConcurrentEngine, Produced
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
@@ -40,8 +41,6 @@ from vcpo.sim.rollout import (
     use_grouped_query_sdpa,
 )
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run,
 # and between a serial and a concurrent one.
@@ -211,14 +210,14 @@ class Trainer:
             "rollouts": self._rollout_state,
             "snapshots": self.snapshots,
         }
-        partial = self.out / f"{CHECKPOINT}.{os.getpid()}.tmp"
+        partial = self.out / f"{CHECKPOINT_FILE}.{os.getpid()}.tmp"
         torch.save(state, partial)
-        partial.replace(self.out / CHECKPOINT)
+        partial.replace(self.out / CHECKPOINT_FILE)
 
     def _check_resumable(self, out: Path) -> None:
         """A folder holding a checkpoint is resumed only by a run with the same settings (before any work)."""
-        recorded = out / "config.json"
-        if not (out / CHECKPOINT).exists() or not recorded.exists():
+        recorded = out / CONFIG_FILE
+        if not (out / CHECKPOINT_FILE).exists() or not recorded.exists():
             return
         changed = settings_changed(json.loads(recorded.read_text()), self.config)
         if changed:
@@ -228,10 +227,10 @@ class Trainer:
             )
 
     def maybe_resume(self) -> None:
-        path = self.out / CHECKPOINT
+        path = self.out / CHECKPOINT_FILE
         if not path.exists():
             # nothing to resume: metrics of an attempt stopped before its first checkpoint are redone
-            (self.out / METRICS).unlink(missing_ok=True)
+            (self.out / METRICS_FILE).unlink(missing_ok=True)
             return
         state = torch.load(path, weights_only=False)
         self.model.load_state_dict(state["model"])
@@ -239,10 +238,10 @@ class Trainer:
         self.rollouts.load_state_dict(state["rollouts"])
         self.snapshots = state["snapshots"]
         self.step = state["step"]
-        metrics = self.out / METRICS
-        finished = (self.out / "final" / "eval.json").exists()  # a finished run's lines are all kept, its final one too
-        if metrics.exists() and not finished:  # drop the lines of steps after the checkpoint: they are redone
-            kept = [line for step, line in metric_lines(metrics) if step < self.step]
+        metrics = self.out / METRICS_FILE
+        # a finished run's lines are all kept, its final one too; otherwise the steps after the checkpoint are redone
+        if metrics.exists() and not is_finished(self.out):
+            kept = [line for step, line in metric_lines(self.out) if step < self.step]
             write_atomic(metrics, "".join(line + "\n" for line in kept))
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -363,7 +362,7 @@ class Trainer:
             self._keep_snapshots()
         machine = machine_state()
         now, code = utc_now(), code_state()
-        earlier = json.loads((self.out / "config.json").read_text()) if self.step and (self.out / "config.json").exists() else {}
+        earlier = json.loads((self.out / CONFIG_FILE).read_text()) if self.step and (self.out / CONFIG_FILE).exists() else {}
         resolved = {
             **self.config.recorded(),
             "base": str(self.base),
@@ -382,7 +381,7 @@ class Trainer:
             "attempts": [*earlier.get("attempts", []), {"step": self.step, "started": now, **code, "cpu": machine["cpu"]}],
         }
         self.recorded_config = resolved
-        write_atomic(self.out / "config.json", json.dumps(resolved, indent=2, default=str) + "\n")
+        write_atomic(self.out / CONFIG_FILE, json.dumps(resolved, indent=2, default=str) + "\n")
         if self.config.wandb:
             from verl.utils.tracking import Tracking
 
@@ -405,14 +404,14 @@ class Trainer:
             bar.set_postfix(
                 reward=f"{metrics['critic/score/mean']:.2f}",
                 val=f"{last_accuracy:.2f}" if last_accuracy is not None else "-",
-                ess=f"{metrics['rollout_corr/seq_ess_ratio']:.2f}",
+                ess=f"{metrics[SEQ_ESS_RATIO]:.2f}",
                 lag=f"{metrics['async/lag_mean']:.1f}",
                 refresh=False,
             )
         bar.close()
 
     def _log(self, metrics: dict) -> None:
-        with open(self.out / METRICS, "a") as handle:
+        with open(self.out / METRICS_FILE, "a") as handle:
             handle.write(json.dumps(metrics) + "\n")
         if self.tracker is not None:
             self.tracker.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=metrics["step"])
@@ -437,32 +436,27 @@ class Trainer:
             if self.engine is not None:
                 self.engine.close()
                 self.engine = None
-        final = self.out / "final"
-        if not (final / "eval.json").exists():
+        final = self.out / FINAL_DIR
+        if not is_finished(self.out):
             result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}
             self.model.save_pretrained(final)
             self.tokenizer.save_pretrained(final)
             if result.get("val/accuracy") is not None:
                 self._log(result)
-            write_atomic(self.out / "config.json", json.dumps({**self.recorded_config, "finished": utc_now()}, indent=2, default=str) + "\n")
-            write_atomic(final / "eval.json", json.dumps(result) + "\n")  # the finished mark, written last
+            write_atomic(self.out / CONFIG_FILE, json.dumps({**self.recorded_config, "finished": utc_now()}, indent=2, default=str) + "\n")
+            write_atomic(self.out / FINAL_EVAL, json.dumps(result) + "\n")  # the finished mark, written last
         if self.tracker is not None:
             self.tracker.finish()
         return self.out
 
 
-def metric_lines(path: Path) -> list[tuple[int, str]]:
-    """(step, line) of every complete line of a run's ``metrics.jsonl``. A last line without its newline is
-    a write cut short (it belongs to a step after the checkpoint): it is left out, with one line saying so.
-    Any other line that cannot be read is an error naming the file and line."""
-    from vcpo.reporting.runs import complete_records
-
+def metric_lines(run: Path) -> list[tuple[int, str]]:
+    """(step, line) of a run's ``metrics.jsonl`` (``vcpo.runs.metric_records``: a partial last line, a step
+    logged twice), what it leaves out said on stderr; a line that cannot be read is an error naming it."""
     try:
-        records, torn = complete_records(path)
-    except ValueError as error:
+        records = metric_records(run, report=lambda problem: print(problem, file=sys.stderr))
+    except MetricsProblem as error:
         raise ConfigError(f"config key 'out': {error}; repair or remove that line, or start the run over in another folder") from None
-    if torn:
-        print(f"{path}: ignoring a partial last line ({len(torn)} characters: a write cut short)", file=sys.stderr)
     return [(int(record["step"]), line) for line, record in records]
 
 

@@ -77,7 +77,7 @@ if config["backend"] == "verl":
 def run_outputs(runs):
     """What a table or figure reads of each run: its evaluated final state."""
     if config["backend"] == "sim":
-        return [f"{R}/runs/{run.path}/final/eval.json" for run in runs]
+        return [f"{R}/runs/{run.path}/{FINAL_EVAL}" for run in runs]
     return [f"{R}/runs/{run.path}/eval/summary.json" for run in runs]
 
 

@@ -38,7 +38,7 @@ if config["backend"] == "sim":
             base=f"{R}/bases/{{task}}.txt",
             sim_config=config.get("sim_config", []),
         output:
-            f"{RUN}/final/eval.json",
+            f"{RUN}/{FINAL_EVAL}",
         params:
             out=run_dir,
             sim_config=lambda wildcards, input: f"--config {shlex.quote(input.sim_config)}" if input.sim_config else "",

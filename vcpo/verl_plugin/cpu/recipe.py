@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.verl_shared import CPU_PLATFORM_MODULE, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
+from vcpo.runs import METRICS_FILE
 
 ENV = {
     "VERL_PLATFORM": "cpu",
@@ -158,5 +159,5 @@ def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[
     env.update(run_env)
     env.update(ENV)
     env[EXTERNAL_MODULES] = ",".join(modules)
-    env["VERL_FILE_LOGGER_PATH"] = str(Path(out_dir) / "metrics.jsonl")
+    env["VERL_FILE_LOGGER_PATH"] = str(Path(out_dir) / METRICS_FILE)
     return env

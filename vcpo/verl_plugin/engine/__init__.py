@@ -101,6 +101,7 @@ from vcpo.core import (
     scaled_learning_rate,
 )
 from vcpo.methods import StepRule
+from vcpo.runs import EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
 from vcpo.verl_plugin.engine.batch import (
     all_reduce_gradients,
     gather_objects,
@@ -206,7 +207,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             assert "grad_norm" not in metrics
             metrics["grad_norm"] = grad_norm
             extra.update(
-                {"rollout_corr/seq_ess_ratio": ratio, "actor/lr_scale": scale, "actor/effective_lr": lr * scale}
+                {SEQ_ESS_RATIO: ratio, LR_SCALE: scale, EFFECTIVE_LR: lr * scale}
             )
             if rule.opob:
                 # verl's "loss" (summed over micro-batches, averaged over ranks) would be Σ l_i here
@@ -394,7 +395,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # global seq_ess_ratio replaces this micro-batch's
         diagnostics = {**offpolicy_diagnostics(log_prob, behav, r, mask), **weights.metrics}
         diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
-        diagnostics.pop("rollout_corr/seq_ess_ratio")
+        diagnostics.pop(SEQ_ESS_RATIO)
         return scores.sum(), Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
 
     def _opob_combine(self, state: _StepState, group) -> dict[str, float]:

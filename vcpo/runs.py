@@ -1,0 +1,84 @@
+"""A run folder, the one place its format is written down: file names, "finished", the metric names
+several modules read, and the one reader of ``metrics.jsonl``.
+
+    <run>/config.json      the resolved settings and the run's provenance (simulator); launch.json (verl)
+    <run>/metrics.jsonl    one JSON object per optimizer step: the simulator's flat {"step", **metrics}, or
+                           verl's file logger's {"step", "data": {...}}; evaluations add lines
+    <run>/checkpoint.pt    the simulator's resume state
+    <run>/final/           the final model; final/eval.json is written last, so it marks a finished run
+
+Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.run_path``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from vcpo.core.ratios import SEQ_ESS_RATIO  # noqa: F401 (re-exported: readers of runs take every name from here)
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_FILE = "checkpoint.pt"
+FINAL_DIR = "final"
+FINAL_EVAL = f"{FINAL_DIR}/eval.json"
+
+# metric names read by more than the module that logs them (verl's names; SEQ_ESS_RATIO is vcpo.core's)
+VAL_ACCURACY = "val/accuracy"
+TEST_ACCURACY = "test/accuracy"
+LR_SCALE = "actor/lr_scale"
+EFFECTIVE_LR = "actor/effective_lr"
+
+
+def is_finished(run: str | Path) -> bool:
+    return (Path(run) / FINAL_EVAL).exists()
+
+
+def final_eval(run: str | Path) -> dict:
+    return json.loads((Path(run) / FINAL_EVAL).read_text())
+
+
+class MetricsProblem(ValueError):
+    """What a metrics file holds that cannot be one run's record of each step once."""
+
+
+def complete_records(path: Path) -> tuple[list[tuple[str, dict]], str]:
+    """(line, record) of every complete line of a ``metrics.jsonl``, and its unterminated tail ('' if none:
+    a write cut short leaves one). A complete line that is not a record with a step raises MetricsProblem
+    naming the file and line."""
+    *complete, torn = Path(path).read_text().split("\n")
+    records = []
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise MetricsProblem(f"{path} line {number} cannot be read as a metrics record") from None
+        records.append((line, record))
+    return records, torn
+
+
+def metric_records(run: str | Path, report: Callable[[str], None]) -> list[tuple[str, dict]]:
+    """(line, record) of a run's ``metrics.jsonl``, by one rule: a partial last line (a write cut short) is
+    left out, and a step logged more than once keeps its first line (the line's step: its "step", both
+    backends). Each of the two is passed to ``report`` as one sentence naming the file: the caller decides
+    whether it is a warning or an error (raise from ``report``)."""
+    path = Path(run) / METRICS_FILE
+    records, torn = complete_records(path)
+    if torn.strip():
+        report(f"{path}: a partial last line is left out ({len(torn)} characters: a write cut short)")
+    kept, seen, repeated = [], set(), set()
+    for line, record in records:
+        step = int(record["step"])
+        if step in seen:
+            repeated.add(step)
+            continue
+        seen.add(step)
+        kept.append((line, record))
+    if repeated:
+        report(f"{path}: steps {sorted(repeated)[:5]} are logged more than once (two writers on one folder?); "
+               "the first line of each is kept")
+    return kept
