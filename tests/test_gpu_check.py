@@ -58,3 +58,16 @@ def test_the_documented_gpu_numbers_are_the_committed_gpu_check():
     from vcpo.core.per_sequence_grads.reductions import DEFAULT_PASS_COST
 
     assert DEFAULT_PASS_COST["cuda"] == round(report["calibrate"]["pass_cost"])
+
+
+def test_the_simulator_cost_table_quotes_its_measurement():
+    """docs/per_sequence_gradients.md's simulator table is tables/opob_sim/update_cost.json's ratios."""
+    measured = json.loads((REPO / "tables/opob_sim/update_cost.json").read_text())
+    ratios, shape = measured["ratio_to_seq_tis"], measured["padded_shape"]
+    doc = (REPO / "docs/per_sequence_gradients.md").read_text().split("## In the simulator's learner")[1].split("\n## ")[0]
+    for label, row in (("VCPO, routes chosen per call (as it runs)", "vcpo"), ("VCPO, per-sequence gradients materialised", "vcpo materialize"),
+                       ("VCPO, ghost norms", "vcpo ghost")):
+        cells = " | ".join(f"{ratios[row][part]:.2f}" for part in ("timing_s/update", "timing_s/forward", "timing_s/backward"))
+        assert f"| {label} | {cells} |" in doc
+    assert f"{shape[0][0]} sequences per micro-batch of at most {max(s[1] for s in shape)} response" in doc
+    assert ratios["vcpo"]["timing_s/update"] > 1.10 and "The 1.10x goal is not reached here" in doc

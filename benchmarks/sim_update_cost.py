@@ -1,0 +1,122 @@
+"""What OPOB costs in the simulator's learner: one optimizer step of VCPO against seq-TIS on the same batches.
+
+    python benchmarks/sim_update_cost.py                          # Countdown, the study's regime, k = 12
+    python benchmarks/sim_update_cost.py --profile vcpo           # one VCPO update's operators by self time
+    python benchmarks/sim_update_cost.py --config recipes/sim/regime.yaml task=tir --batches 4
+
+A VCPO run of the regime's settings (``--config`` plus key=value overrides, ``threads=1``) trains
+``--warmup-steps`` steps and keeps the ``--batches`` real batches of the steps after; then each method's
+learner takes one update per batch from the same weights and optimizer state (the run's last), the variants
+taking turns (round-robin, so background load slows them alike), ``--repeats`` times: seq-TIS, VCPO as it
+runs (PerSequenceGradients choosing ghost norms or materialised per-sequence gradients per call), and VCPO
+forced to each route. It prints, per variant, the median seconds of an update and of its forward and
+backward, and the ratio to seq-TIS (the paper reports OPOB at +19% of a step). ``--json`` also writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from vcpo.provenance import cpu_name
+from vcpo.sim.config import apply_overrides, load_config_file, validate
+from vcpo.sim.learner import Learner, collate, warmup_stable_decay
+from vcpo.sim.train import Trainer
+
+METHODS = ("seq_tis_c8", "vcpo")
+# what is timed: (label, method, PerSequenceGradients mode; None: the learner's own, "auto")
+VARIANTS = (("seq_tis_c8", "seq_tis_c8", None), ("vcpo", "vcpo", None), ("vcpo materialize", "vcpo", "materialize"),
+            ("vcpo ghost", "vcpo", "ghost"))
+PARTS = ("timing_s/update", "timing_s/forward", "timing_s/backward")
+
+
+def batches(config, count: int, warmup_steps: int, folder: Path) -> tuple[Trainer, list]:
+    """A trainer of ``config`` after ``warmup_steps + count`` steps, and the batches of its last ``count``."""
+    trainer = Trainer(dataclasses.replace(config, out=str(folder), steps=warmup_steps + count, eval_every=0))
+    produced, produce = [], trainer.produce
+
+    def keep(step: int):
+        made = produce(step)
+        if step >= warmup_steps:
+            produced.append((step, collate(made.trajectories, [r["score"] for r in made.results], trainer.tokenizer.pad_token_id,
+                                           trainer.model.dtype)))
+        return made
+
+    trainer.produce = keep
+    trainer._start()
+    while trainer.step < warmup_steps + count:
+        trainer.train_step()
+    return trainer, produced
+
+
+def timed_update(trainer: Trainer, config, step: int, batch, mode: str | None = None) -> dict:
+    """One update by a fresh learner of ``config``'s method on copies of the trainer's model and optimizer state."""
+    learner = Learner(copy.deepcopy(trainer.model), config.method_preset, config)
+    if mode is not None:
+        learner.opob.mode = mode
+    learner.optimizer.load_state_dict(trainer.learner.optimizer.state_dict())
+    lr_scale = warmup_stable_decay(step, config.steps, config.warmup_steps, config.decay_steps)
+    started = time.perf_counter()
+    metrics = learner.update(batch, lr_scale, None)
+    return {"timing_s/update": time.perf_counter() - started, **{k: metrics[k] for k in PARTS[1:]}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="recipes/sim/regime.yaml")
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", choices=METHODS, help="print one update's operators by self time, then stop")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="key=value settings over the config file (default lag=12)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    settings = {"lag": "12", "lag_model": "pipeline_overlap", "method": "vcpo", "threads": "1", "progress": "false",
+                **dict(item.split("=", 1) for item in args.overrides)}
+    configs = {method: validate(apply_overrides(load_config_file(args.config), {**settings, "method": method})) for method in METHODS}
+    config = configs["vcpo"]
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer, produced = batches(config, args.batches, args.warmup_steps, Path(scratch) / "run")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            step, batch = produced[0]
+            timed_update(trainer, configs[args.profile], step, batch)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                timed_update(trainer, configs[args.profile], step, batch)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            return
+        times = {label: [] for label, _, _ in VARIANTS}
+        for _ in tqdm(range(args.repeats), desc="repeats"):
+            for step, batch in produced:
+                for label, method, mode in VARIANTS:
+                    times[label].append(timed_update(trainer, configs[method], step, batch, mode))
+    result = {"cpu": cpu_name(), "config": args.config, "settings": settings, "batches": args.batches,
+              "repeats": args.repeats, "tokens_per_batch": [int(b.mask.sum()) for _, b in produced],
+              "padded_shape": [list(b.mask.shape) for _, b in produced], "median_s": {}}
+    for label in times:
+        result["median_s"][label] = {part: statistics.median(t[part] for t in times[label]) for part in PARTS}
+    base = result["median_s"]["seq_tis_c8"]
+    result["ratio_to_seq_tis"] = {label: {p: result["median_s"][label][p] / base[p] for p in PARTS} for label in times}
+    for label in times:
+        line = ", ".join(f"{p.split('/')[1]} {result['median_s'][label][p] * 1e3:.1f} ms ({result['ratio_to_seq_tis'][label][p]:.2f}x)"
+                         for p in PARTS)
+        print(f"{label}: {line}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
