@@ -239,7 +239,7 @@ def test_a_reader_names_the_run_and_line_it_cannot_read(tmp_path):
 
 
 def test_the_evidence_runner_says_what_it_could_not_do(tmp_path, capsys):
-    from vcpo.sim.evidence import Arm, Design, run_all
+    from vcpo.studies.evidence import Arm, Design, run_all
 
     design = Design(seeds=[0], configs={"countdown": str(tmp_path / "missing.yaml")}, settings={"countdown": {}},
                     arms=[Arm("countdown", "sync", "sync", 1)])

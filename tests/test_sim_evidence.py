@@ -11,21 +11,23 @@ from test_sim_train import small_config
 
 from vcpo.local_models import save_random_model
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
-from vcpo.sim.evidence import (
+from vcpo.studies.evidence import (
     Arm,
     Design,
-    base_bootstrap_auc_interval,
     compare,
-    detectable_difference,
     ess_predictor,
-    holm,
     last_quarter_mean,
-    mean_interval,
-    paired_difference,
     predictor_report,
-    roc_auc,
     run_folder,
     run_settings,
+)
+from vcpo.studies.statistics import (
+    base_bootstrap_auc_interval,
+    detectable_difference,
+    holm,
+    mean_interval,
+    paired_difference,
+    roc_auc,
     wilson_interval,
 )
 from vcpo.runs import METRICS_FILE
@@ -201,8 +203,8 @@ def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from
 
 
 def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
-    from vcpo.sim.evidence import load_design, report
-    from vcpo.sim.evidence_report import write_report
+    from vcpo.studies.evidence import load_design, report
+    from vcpo.studies.evidence_report import write_report
 
     design = load_design()
 
@@ -228,7 +230,7 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
 
 def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
     """The archive keeps only the metrics the study reads, and the rows computed from it are the full run's."""
-    from vcpo.sim.evidence import archive_run, load_design, run_row
+    from vcpo.studies.evidence import archive_run, load_design, run_row
 
     design = load_design()
     arm = design.arm("countdown", "sync")
@@ -281,7 +283,7 @@ def test_every_interval_the_prose_quotes_is_in_the_committed_statistics(path):
     a registered comparison of the committed stats.json, so no number can drift from the table by hand."""
     import re
 
-    from vcpo.sim.evidence_report import interval, p_value, points, signed_points
+    from vcpo.studies.evidence_report import interval, p_value, points, signed_points
 
     stats = committed_stats()
     arm_quotes, comparison_quotes = set(), set()
@@ -334,7 +336,7 @@ def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed
 def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
     """'A - B +X' must be the comparison a - b (not b - a, nor another pair that happens to share the interval)."""
 
-    from vcpo.sim.evidence_report import interval, signed_points
+    from vcpo.studies.evidence_report import interval, signed_points
 
     stats = committed_stats()
     countdown = stats["tasks"]["countdown"]
@@ -363,7 +365,7 @@ def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
 
 def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
 
-    from vcpo.sim.evidence_report import interval, signed_points
+    from vcpo.studies.evidence_report import interval, signed_points
 
     tir = committed_stats()["tasks"]["tir"]
     rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
@@ -450,7 +452,7 @@ def test_the_across_lags_registration_quotes_the_kernel_measurement():
 def test_the_evidence_corrections_quote_the_committed_power_framing_and_predictor():
     """Issue 36's corrections: the detectable differences of the realised SDs, the tuned-against-tuned framing and
     the predictor without sync runs with a bootstrap over bases, each as stats.json has it."""
-    from vcpo.sim.evidence_report import interval, p_value, signed_points
+    from vcpo.studies.evidence_report import interval, p_value, signed_points
 
     countdown = committed_stats()["tasks"]["countdown"]
     pairs = {(c["a"], c["b"]): c for c in countdown["comparisons"]}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vcpo.sim.plots import plot_sweep, seed_band, smooth, summary_markdown, summary_rows
+from vcpo.studies.plots import plot_sweep, seed_band, smooth, summary_markdown, summary_rows
 
 
 def write_run(root, method, lag, seed, accuracy, rewards, ess):
@@ -43,7 +43,7 @@ def test_summary_rows_have_the_known_values(sweep):
 
 
 def test_seed_band_and_smoothing(sweep):
-    from vcpo.sim.plots import read_metrics, run_dirs
+    from vcpo.studies.plots import read_metrics, run_dirs
 
     runs = [read_metrics(d) for d in run_dirs(sweep, "countdown", "sync", 99)]
     steps, mean, low, high = seed_band(runs, "val/accuracy", window=10)

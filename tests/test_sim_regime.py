@@ -7,7 +7,7 @@ import pytest
 from vcpo.local_models import save_random_model
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, load_config_file
-from vcpo.sim.stability import outcome
+from vcpo.studies.stability import outcome
 
 SHORT = [
     "prompts_per_step=2", "responses_per_prompt=2", "micro_batch_size=4", "max_response_tokens=8",
@@ -124,7 +124,7 @@ def _row(method, lag, seed, lr, accuracy, ess, size="tiny"):
 
 
 def test_the_closest_candidate_rule_counts_collapses_then_depth_and_needs_sync_to_hold():
-    from vcpo.sim.stability import rank_candidates
+    from vcpo.studies.stability import rank_candidates
 
     alarm = [0.05] * 100
     held = {0: 0.2, 50: 0.35, 100: 0.3}
@@ -145,7 +145,7 @@ def test_the_closest_candidate_rule_counts_collapses_then_depth_and_needs_sync_t
 
 
 def test_the_ess_predictor_counts_leads_and_false_alarms():
-    from vcpo.sim.regime_report import ess_predictor
+    from vcpo.studies.regime_report import ess_predictor
 
     alarm_at_10 = [1.0] * 10 + [0.05] + [0.5] * 89
     rows = [
@@ -160,7 +160,7 @@ def test_the_ess_predictor_counts_leads_and_false_alarms():
 
 
 def test_the_stability_map_puts_sync_on_the_lag_zero_row():
-    from vcpo.sim.stability import map_cells
+    from vcpo.studies.stability import map_cells
 
     ones = [1.0] * 100
     rows = [
@@ -189,7 +189,7 @@ def _write_run(root, method, lag, seed, accuracy, ess, lr=1.5e-4):
 
 
 def test_the_regime_report_judges_every_run_and_names_the_regime(tmp_path):
-    from vcpo.sim.regime_report import report
+    from vcpo.studies.regime_report import report
 
     regime = tmp_path / "regime.yaml"
     regime.write_text("task: countdown\nlag: 24\nlr: 1.5e-4\n")

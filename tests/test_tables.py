@@ -10,7 +10,7 @@ from vcpo.reporting.__main__ import main
 from vcpo.reporting.figures import draw_figure
 from vcpo.reporting.specs import validate_spec
 from vcpo.reporting.table1 import table1_data
-from vcpo.sim.grad_norms import main as grad_norms_main
+from vcpo.studies.grad_norms import main as grad_norms_main
 
 
 def write_lines(folder, lines):
@@ -283,7 +283,7 @@ def test_fig14_exact_norms_are_per_sequence_autograd_norms(fig14):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vcpo.core import logit_energy_proxy
-    from vcpo.sim.grad_norms import sample_responses
+    from vcpo.studies.grad_norms import sample_responses
     from vcpo.sim.learner import response_log_probs
     from vcpo.sim.tasks import get_sim_task
 

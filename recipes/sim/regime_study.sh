@@ -24,4 +24,4 @@ sweep --methods fp16 --lags "$LAG" --seeds 0 rollout_dtype=preset  # fp16 is the
 # 3. the seq-TIS lag sweep, one seed
 sweep --methods seq_tis_c8 --lags "$SWEEP_LAGS" --seeds 0
 
-python -m vcpo.sim.regime_report "$RUNS" --regime "$REGIME" --out "$FIGURES"
+python -m vcpo.studies.regime_report "$RUNS" --regime "$REGIME" --out "$FIGURES"

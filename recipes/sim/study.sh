@@ -19,9 +19,9 @@ sweep --methods m2po,gspo,otb,vaco,p3o,vespo --lags "$HIGH_LAG" --seeds 0
 sweep --methods seq_tis_c8 --lags 2,4,8,24,48 --seeds 0
 
 mkdir -p "$FIGURES"
-python -m vcpo.sim.plots "$RUNS" --task "$TASK" --lag "$HIGH_LAG" --methods sync,seq_tis_c8,vcpo \
+python -m vcpo.studies.plots "$RUNS" --task "$TASK" --lag "$HIGH_LAG" --methods sync,seq_tis_c8,vcpo \
   --out "$FIGURES/core_k$HIGH_LAG.png" --table "$FIGURES/core_k$HIGH_LAG.md"
-python -m vcpo.sim.plots "$RUNS" --task "$TASK" --lag "$HIGH_LAG" --methods sync,seq_tis_c8,vcpo,m2po,gspo,otb,vaco,p3o,vespo \
+python -m vcpo.studies.plots "$RUNS" --task "$TASK" --lag "$HIGH_LAG" --methods sync,seq_tis_c8,vcpo,m2po,gspo,otb,vaco,p3o,vespo \
   --out "$FIGURES/methods_k$HIGH_LAG.png" --table "$FIGURES/methods_k$HIGH_LAG.md"
-python -m vcpo.sim.plots "$RUNS" --task "$TASK" --lags 0,2,4,8,"$HIGH_LAG",24,48 --methods seq_tis_c8 \
+python -m vcpo.studies.plots "$RUNS" --task "$TASK" --lags 0,2,4,8,"$HIGH_LAG",24,48 --methods seq_tis_c8 \
   --out "$FIGURES/lag_sweep.png" --table "$FIGURES/lag_sweep.md"

@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     figure.add_argument(
         "--measured",
         type=Path,
-        help="kind overhead: benchmarks/opob_overhead.py --json output; kind grad_norm_proxy: python -m vcpo.sim.grad_norms output",
+        help="kind overhead: benchmarks/opob_overhead.py --json output; kind grad_norm_proxy: python -m vcpo.studies.grad_norms output",
     )
     table1.add_argument(
         "--task",

@@ -240,7 +240,7 @@ def draw_overhead(spec, measured: Path | None, scale: str, out: Path) -> Path:
 
 def draw_grad_norm_proxy(spec, measured: Path | None, scale: str, out: Path) -> Path:
     """Kind ``grad_norm_proxy``: exact per-sequence squared gradient norms against OTB's proxy (and OPO's,
-    the response length), as ``python -m vcpo.sim.grad_norms`` measured them (its JSON)."""
+    the response length), as ``python -m vcpo.studies.grad_norms`` measured them (its JSON)."""
     if scale == "paper":
         reason = (
             "not produced at paper scale: this generator samples with the CPU simulator's rollout code and "
@@ -249,7 +249,7 @@ def draw_grad_norm_proxy(spec, measured: Path | None, scale: str, out: Path) -> 
         )
         return message_figure(out, spec, scale, reason)
     if measured is None or not Path(measured).exists():
-        return message_figure(out, spec, scale, f"No data: no measurement {measured} (python -m vcpo.sim.grad_norms).")
+        return message_figure(out, spec, scale, f"No data: no measurement {measured} (python -m vcpo.studies.grad_norms).")
     result = json.loads(Path(measured).read_text())
     if "missing" in result:
         return message_figure(out, spec, scale, f"No data: {result['missing']}.")

@@ -35,7 +35,7 @@ rule grad_norm_measurement:
         f"{R}/logs/measurements/{{figure}}.log",
     threads: 1
     shell:
-        "python -m vcpo.sim.grad_norms --runs {R:q}/runs --task {params.task} --out {output:q} > {log:q} 2>&1"
+        "python -m vcpo.studies.grad_norms --runs {R:q}/runs --task {params.task} --out {output:q} > {log:q} 2>&1"
 
 
 rule figure:

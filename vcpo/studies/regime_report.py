@@ -1,12 +1,12 @@
 """Figures and tables of the study in the regime: like VCPO Figures 2 and 4-6, the component ablation,
 every method at the regime's lag, the seq-TIS lag sweep, and ESS as a predictor of collapse.
 
-    python -m vcpo.sim.regime_report RUNS --regime recipes/sim/regime.yaml --out tables/regime_study
+    python -m vcpo.studies.regime_report RUNS --regime recipes/sim/regime.yaml --out tables/regime_study
 
 Writes ``core.png`` (sync, seq-TIS, VCPO: held-out accuracy, train reward, ESS ratio, KL, gradient norm
 with min-max bands over seeds), ``ablation.png``, ``methods.png``, ``lag_sweep.png``, ``summary.md``
 (per method: accuracy start / best / end, ESS, gradient norm), ``outcomes.md`` (every run judged by the
-pre-registered criteria of ``vcpo.sim.stability``, with the ESS lead time) and ``outcomes.json``.
+pre-registered criteria of ``vcpo.studies.stability``, with the ESS lead time) and ``outcomes.json``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from vcpo.reporting.figures import draw_curves, draw_lag_sweep
 from vcpo.reporting.runs import read_metrics, series, summary_rows
 from vcpo.runs import LR_SCALE, SEQ_ESS_RATIO, VAL_ACCURACY
 from vcpo.sim.config import load_config_file
-from vcpo.sim.plots import summary_markdown
-from vcpo.sim.stability import ESS_ALARM, judge_root, markdown
+from vcpo.studies.plots import summary_markdown
+from vcpo.studies.stability import ESS_ALARM, judge_root, markdown
 
 CORE = ["sync", "seq_tis_c8", "vcpo"]
 ABLATION = ["seq_tis_c8", "tis_ess", "tis_opob", "vcpo"]
@@ -115,7 +115,7 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
     rows = [row for row in judge_root(runs, task) if row["lag"] in (0, lag) or row["method"] == "seq_tis_c8"]
     predictor = ess_predictor([row for row in rows if row["lag"] == lag])
     (out / "outcomes.md").write_text(
-        f"Regime: `{name}`. Every run judged by the pre-registered criteria (`vcpo/sim/stability.py`).\n\n"
+        f"Regime: `{name}`. Every run judged by the pre-registered criteria (`vcpo/studies/stability.py`).\n\n"
         + markdown(rows) + "\n" + predictor_markdown(predictor)
         + "\nThe mean ESS ratio of each run at the regime's lag, sorted, beside its outcome:\n\n"
         + ess_mean_markdown([row for row in rows if row["lag"] == lag], runs)
@@ -130,7 +130,7 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vcpo.sim.regime_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.studies.regime_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", type=Path)
     parser.add_argument("--regime", type=Path, default=Path("recipes/sim/regime.yaml"))
     parser.add_argument("--out", type=Path, required=True)

@@ -3,7 +3,7 @@
 a finished synchronous simulator run. It needs the model, so it lives with the simulator; ``vcpo.reporting``
 draws the JSON it writes.
 
-    python -m vcpo.sim.grad_norms --runs RUNS --task countdown --out JSON [--sequences 32]
+    python -m vcpo.studies.grad_norms --runs RUNS --task countdown --out JSON [--sequences 32]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def measure(run: Path, sequences: int = 32) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vcpo.sim.grad_norms", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.studies.grad_norms", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, required=True, help="RUNS/<task>/sync/lag0/seed<s>/")
     parser.add_argument("--task", required=True)
     parser.add_argument("--out", type=Path, required=True)

@@ -1,4 +1,4 @@
-"""The across-lags study's written outputs, from ``vcpo.sim.across_lags.report``'s statistics and the rows:
+"""The across-lags study's written outputs, from ``vcpo.studies.across_lags.report``'s statistics and the rows:
 ``stats.json``, ``summary.md`` (tables and the sentences that quote them, generated), ``end_vs_lag.png``
 (final accuracy against the lag per arm) and ``time.png`` (validation accuracy against wall-clock time)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.sim.evidence_report import arms_table, comparison_table, interval, p_value, points, rate_label, signed_points
+from vcpo.studies.evidence_report import arms_table, comparison_table, interval, p_value, points, rate_label, signed_points
 
 # the arms drawn against the lag: (name prefix, label); an arm at lag k is named prefix + "_k{k}"
 LAG_LINES = (("vcpo", "VCPO 2e-4 (preset, never retuned)"), ("vcpo_lr1e-4", "VCPO 1e-4"),
@@ -66,7 +66,7 @@ def search_lines(search: dict) -> list[str]:
 def summary_markdown(stats: dict) -> str:
     countdown = stats["countdown"]
     lines = ["# The across-lags study: results", "",
-             "Written by `python -m vcpo.sim.across_lags report` from `tables/across_lags/runs.jsonl` (one row per "
+             "Written by `python -m vcpo.studies.across_lags report` from `tables/across_lags/runs.jsonl` (one row per "
              "archived run, with its commit, start time and the command that re-runs it); the pre-registration is "
              f"`recipes/sim/across_lags.md` (commit {stats['registration']['commit'][:10]}). {stats['rows_counted']} of "
              f"{stats['rows']} rows count (started after the registration, from a clean tree). `end` is the final "
@@ -88,7 +88,7 @@ def summary_markdown(stats: dict) -> str:
         lines += steps_table(countdown["arms"]) + [""]
     if "time_to_target" in countdown:
         timing = stats["timing"]
-        lines += [f"Time to sync's accuracy on two cores (seconds per step from `python -m vcpo.sim.across_lags timing`, "
+        lines += [f"Time to sync's accuracy on two cores (seconds per step from `python -m vcpo.studies.across_lags timing`, "
                   f"{timing['cpu']}, steps {timing['from_step']}-199 of seed 0; async runs concurrent):", ""]
         lines += time_lines(countdown["time_to_target"]) + ["", "![validation accuracy against wall-clock time](time.png)", ""]
     lines += ["## The tool-use search (`tir`, 3 seeds)", ""] + search_lines(stats["tir_search"]) + [""]

@@ -1,4 +1,4 @@
-"""The evidence study's written outputs, from ``vcpo.sim.evidence.report``'s statistics alone:
+"""The evidence study's written outputs, from ``vcpo.studies.evidence.report``'s statistics alone:
 ``stats.json``, ``summary.md`` (tables and the paragraphs that quote them, generated) and ``lr.png``."""
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def learning_rate_lines(section: dict, arms: dict) -> list[str]:
 
 def summary_markdown(stats: dict) -> str:
     lines = ["# The evidence study: results", "",
-             "Written by `python -m vcpo.sim.evidence report` from `tables/evidence/runs.jsonl` (one row per finished "
+             "Written by `python -m vcpo.studies.evidence report` from `tables/evidence/runs.jsonl` (one row per finished "
              "run, with the command that re-runs it); the pre-registration is `recipes/sim/evidence.md`. `end` is the "
              "final test-split accuracy (the primary metric); intervals are 95%.", ""]
     for task, entry in stats["tasks"].items():

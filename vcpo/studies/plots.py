@@ -1,6 +1,6 @@
 """Curves of a sweep, like VCPO Figures 4-6: one panel per metric, one line per method, mean ± spread over seeds.
 
-    python -m vcpo.sim.plots RUNS_ROOT --task countdown --lag 12 --out figures/ [--methods sync,seq_tis_c8,vcpo]
+    python -m vcpo.studies.plots RUNS_ROOT --task countdown --lag 12 --out figures/ [--methods sync,seq_tis_c8,vcpo]
 
 Reads ``RUNS_ROOT/<task>/<method>/lag<k>/seed<s>/metrics.jsonl`` (the layout of ``python -m vcpo.sim
 sweep``); sync runs are read at lag 0 whatever ``--lag`` is. Train-side metrics are smoothed with a
@@ -74,7 +74,7 @@ def summary_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vcpo.sim.plots", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.studies.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--task", default="countdown")
     parser.add_argument("--lag", type=int, help="the lag of the curves (not with --lags)")

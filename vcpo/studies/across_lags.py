@@ -1,0 +1,276 @@
+"""The across-lags study (recipes/sim/across_lags.md): its table of runs, its statistics, its timing runs.
+
+    python -m vcpo.studies.evidence --design recipes/sim/across_lags.yaml run --out RUNS --archive tables/across_lags/runs
+    python -m vcpo.studies.across_lags rows              # tables/across_lags/runs.jsonl, from the archived runs
+    python -m vcpo.studies.across_lags timing --out DIR  # tables/across_lags/timing.json (an otherwise idle two-core machine)
+    python -m vcpo.studies.across_lags report            # stats.json, summary.md, end_vs_lag.png, time.png
+
+The runs use the evidence study's runner and its row of a run; this module adds what across_lags.md
+registers beyond it: steps and time to sync's accuracy, the per-lag comparisons, the equivalence test,
+the tool-use search's qualifying rule, and which rows count (started after the registration, clean tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from vcpo.locks import write_atomic
+from vcpo.provenance import cpu_name
+from vcpo.reporting.runs import read_metrics
+from vcpo.runs import VAL_ACCURACY, is_finished
+from vcpo.studies.statistics import ALPHA, equivalence, holm
+from vcpo.studies.evidence import (
+    Design,
+    arm_summary,
+    command_line,
+    compare,
+    load_design,
+    read_rows,
+    run_folder,
+    run_row,
+    run_settings,
+)
+
+DESIGN = Path("recipes/sim/across_lags.yaml")
+TABLE = Path("tables/across_lags/runs.jsonl")
+ARCHIVE = TABLE.parent / "runs"
+TIMING = TABLE.parent / "timing.json"
+# the commit that added recipes/sim/across_lags.md, and its time: a row counts only if its run started later
+REGISTRATION = {"commit": "abf4ae1676011c092af9659abb7adfdfa26f8363", "time": "2026-11-26T14:17:50+00:00"}
+LAGS = (12, 24, 48, 96)
+EQUIVALENCE_MARGIN = 0.03  # across_lags.md: VCPO - sync inside [-3, +3] points
+TIMING_FROM_STEP = 10  # seconds per step: the mean of timing_s/step from this step on (start-up left out)
+STEP_FACTOR_LEAVES_ONE = 0.95  # tool-use search: VCPO's mean actor/lr_scale below this
+SEARCH_SEEDS = 3
+
+
+# -- rows -------------------------------------------------------------------------------------------
+def validation_curve(lines: list[dict]) -> list[tuple[int, float]]:
+    return [(int(line["step"]), float(line[VAL_ACCURACY])) for line in lines if VAL_ACCURACY in line]
+
+
+def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluation step whose validation accuracy is >= ``target`` (None: never)."""
+    return next((step for step, accuracy in curve if accuracy >= target), None)
+
+
+def counts(row: dict) -> bool:
+    """across_lags.md: a row counts when its run started after the registration, from a clean tree."""
+    return row.get("started") is not None and row["started"] > REGISTRATION["time"] and row.get("dirty") is False
+
+
+def sync_target(rows: list[dict]) -> dict | None:
+    """Sync at its best rate (the sync arm with the higher mean end) and the target: its mean end_validation."""
+    by_arm: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["task"] == "countdown" and row["method"] == "sync":
+            by_arm.setdefault(row["arm"], []).append(row)
+    if not by_arm:
+        return None
+    best = max(by_arm, key=lambda name: np.mean([row["end"] for row in by_arm[name]]))
+    return {"arm": best, "target": float(np.mean([row["end_validation"] for row in by_arm[best]])), "n": len(by_arm[best])}
+
+
+def write_rows(design: Design, archive: Path, table: Path) -> list[dict]:
+    rows = []
+    for arm in design.arms:
+        for seed in design.seeds_of(arm.task):
+            folder = run_folder(archive, arm, seed)
+            if is_finished(folder):
+                rows.append({**run_row(design, arm, seed, archive), "study_task": arm.task,
+                             "validation_curve": validation_curve(read_metrics(folder))})
+    target = sync_target([row for row in rows if counts(row)])
+    for row in rows:
+        row["counts"] = counts(row)
+        row["target"] = target["target"] if target and row["study_task"] == "countdown" else None
+        row["steps_to_target"] = steps_to_target(row["validation_curve"], row["target"]) if row["target"] is not None else None
+    table.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
+    left_out = [f"{row['study_task']}/{row['arm']} seed {row['seed']}" for row in rows if not row["counts"]]
+    if left_out:
+        print(f"{len(left_out)} rows do not count (started before the registration, or a dirty tree): {', '.join(left_out)}")
+    return rows
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def median_steps(values: list[int | None]) -> float:
+    """The median, a run that never reached the target counting as later than any step (inf)."""
+    return float(np.median([math.inf if v is None else v for v in values])) if values else math.nan
+
+
+def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> dict:
+    by_arm: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+    arms = {}
+    for arm in (a for a in design.arms if a.task == "countdown"):
+        if arm.name in by_arm:
+            members = list(by_arm[arm.name].values())
+            steps = [row["steps_to_target"] for row in members]
+            arms[arm.name] = {**arm_summary(members), "reached": sum(s is not None for s in steps), "median_steps": median_steps(steps)}
+    target = sync_target(rows)
+    missing = {arm.name: [s for s in design.seeds_of("countdown") if s not in by_arm.get(arm.name, {})]
+               for arm in design.arms if arm.task == "countdown"}
+    result = {
+        "lags": list(LAGS), "arms": arms, "target": target, "missing": {name: seeds for name, seeds in missing.items() if seeds},
+        "primary": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
+        "same_rate": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_k{k}") for k in LAGS]),
+        "equivalence": equivalence_report(by_arm, arms),
+    }
+    if timing and target:
+        result["time_to_target"] = time_report(arms, target["arm"], timing)
+    return result
+
+
+def best_arm(arms: dict, names: list[str]) -> str | None:
+    present = [name for name in names if name in arms]
+    return max(present, key=lambda name: arms[name]["end"]) if present else None
+
+
+def equivalence_report(by_arm: dict[str, dict[int, dict]], arms: dict) -> list[dict]:
+    """Per lag: VCPO at its best rate there minus sync at its best rate, TOST, Holm over the lags."""
+    sync = best_arm(arms, [name for name in arms if arms[name]["method"] == "sync"])
+    results = []
+    for lag in LAGS:
+        vcpo = best_arm(arms, [name for name in arms if arms[name]["method"] == "vcpo" and arms[name]["lag"] == lag])
+        if vcpo is None or sync is None:
+            continue
+        seeds = sorted(set(by_arm[vcpo]) & set(by_arm[sync]))
+        test = equivalence([by_arm[vcpo][s]["end"] for s in seeds], [by_arm[sync][s]["end"] for s in seeds], EQUIVALENCE_MARGIN)
+        results.append({"lag": lag, "a": vcpo, "b": sync, **test})
+    tested = [r for r in results if math.isfinite(r["p"])]
+    for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):
+        result["p_holm"] = adjusted
+        result["verdict"] = "equivalent" if adjusted < ALPHA else "equivalence not shown"
+    return results
+
+
+def time_report(arms: dict, sync_arm: str, timing: dict) -> list[dict]:
+    """Per lag: median steps to target x seconds per step, async VCPO (2e-4) against sync at its best rate."""
+    per_step = timing["seconds_per_step"]
+    results = []
+    sync_time = arms[sync_arm]["median_steps"] * per_step[sync_arm] if sync_arm in per_step and sync_arm in arms else math.nan
+    for lag in LAGS:
+        name = f"vcpo_k{lag}"
+        if name not in arms or name not in per_step:
+            continue
+        seconds = arms[name]["median_steps"] * per_step[name]
+        results.append({"lag": lag, "arm": name, "median_steps": arms[name]["median_steps"], "seconds_per_step": per_step[name],
+                        "seconds": seconds, "sync_arm": sync_arm, "sync_median_steps": arms.get(sync_arm, {}).get("median_steps"),
+                        "sync_seconds_per_step": per_step.get(sync_arm), "sync_seconds": sync_time,
+                        "ratio": seconds / sync_time if math.isfinite(seconds) and math.isfinite(sync_time) and sync_time else math.nan})
+    return results
+
+
+def search_report(rows: list[dict]) -> dict:
+    """The tool-use search's cells and across_lags.md's qualifying rule and order."""
+    cells: dict[tuple[float, int], dict] = {}
+    sync: dict[float, list[dict]] = {}
+    for row in rows:
+        if row["method"] == "sync":
+            sync.setdefault(row["lr"], []).append(row)
+        else:
+            cells.setdefault((row["lr"], row["lag"]), {}).setdefault(row["method"], []).append(row)
+    table = []
+    for (lr, lag), methods in sorted(cells.items()):
+        references, seq_tis, vcpo = sync.get(lr, []), methods.get("seq_tis_c8", []), methods.get("vcpo", [])
+        complete = all(len(group) == SEARCH_SEEDS for group in (references, seq_tis, vcpo))
+        cell = {
+            "lr": lr, "lag": lag, "complete": complete,
+            "sync_holds": sum(row["holds"] for row in references), "sync_n": len(references),
+            "seq_tis_collapses": sum(row["collapsed"] for row in seq_tis), "seq_tis_n": len(seq_tis),
+            "seq_tis_end_over_best": float(np.mean([row["end_validation"] / row["best"] for row in seq_tis])) if seq_tis else math.nan,
+            "vcpo_mean_step_factor": float(np.mean([row["mean_lr_scale"] for row in vcpo])) if vcpo else math.nan, "vcpo_n": len(vcpo),
+            "sync_end": float(np.mean([row["end"] for row in references])) if references else math.nan,
+            "seq_tis_end": float(np.mean([row["end"] for row in seq_tis])) if seq_tis else math.nan,
+            "vcpo_end": float(np.mean([row["end"] for row in vcpo])) if vcpo else math.nan,
+        }
+        cell["qualifies"] = (complete and cell["sync_holds"] == SEARCH_SEEDS and cell["seq_tis_collapses"] >= 2
+                             and cell["vcpo_mean_step_factor"] < STEP_FACTOR_LEAVES_ONE)
+        table.append(cell)
+    qualifying = sorted((c for c in table if c["qualifies"]),
+                        key=lambda c: (-c["seq_tis_collapses"], c["seq_tis_end_over_best"], c["lr"], c["lag"]))
+    return {"cells": table, "complete": bool(table) and all(c["complete"] for c in table),
+            "chosen": {"lr": qualifying[0]["lr"], "lag": qualifying[0]["lag"]} if qualifying else None}
+
+
+def report(rows: list[dict], design: Design, timing: dict | None) -> dict:
+    counted = [row for row in rows if row["counts"]]
+    return {
+        "registration": REGISTRATION, "rows": len(rows), "rows_counted": len(counted),
+        "countdown": countdown_report([r for r in counted if r["study_task"] == "countdown"], design, timing),
+        "tir_search": search_report([r for r in counted if r["study_task"] == "tir_search"]),
+        "timing": timing,
+    }
+
+
+# -- timing runs ------------------------------------------------------------------------------------
+def timing_arms(design: Design) -> list[str]:
+    """across_lags.md: sync at both rates, VCPO 2e-4 and seq-TIS 5e-5 at every lag."""
+    names = [arm.name for arm in design.arms if arm.task == "countdown" and arm.method == "sync"]
+    return names + [f"{prefix}_k{lag}" for lag in LAGS for prefix in ("vcpo", "seq_tis_lr5e-5")]
+
+
+def timing_command(design: Design, name: str, out: Path) -> list[str]:
+    """Seed 0 of the arm with the study's settings, no intermediate evaluations, on both cores: sync on two
+    threads, an async arm with generation and training concurrent (one thread each)."""
+    arm = design.arm("countdown", name)
+    settings = run_settings(design, arm, 0, out)
+    command = command_line(design, arm, settings, str(out / name))[:-2]  # the runner's threads=1 progress=false
+    own = ["threads=2"] if arm.method == "sync" else ["threads=1", "execution=concurrent"]
+    return [*command, "eval_every=0", "test_problems=100", *own, "progress=false"]
+
+
+def run_timing(design: Design, out: Path, table: Path) -> dict:
+    seconds = {}
+    for name in timing_arms(design):
+        command = timing_command(design, name, out)
+        print(f"timing {name}: {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        steps = [line["timing_s/step"] for line in read_metrics(out / name) if "timing_s/step" in line and line["step"] >= TIMING_FROM_STEP]
+        seconds[name] = float(np.mean(steps))
+        print(f"  {seconds[name]:.3f} s per step", flush=True)
+    result = {"cpu": cpu_name(), "from_step": TIMING_FROM_STEP, "seconds_per_step": seconds,
+              "commands": {name: " ".join(["python", *timing_command(design, name, Path("DIR"))[1:]]) for name in seconds}}
+    table.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(table, json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.studies.across_lags", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--design", type=Path, default=DESIGN)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rows = commands.add_parser("rows", help="the table of archived runs")
+    rows.add_argument("--archive", type=Path, default=ARCHIVE)
+    rows.add_argument("--table", type=Path, default=TABLE)
+    timing = commands.add_parser("timing", help="seconds per step of the timing runs (an idle two-core machine)")
+    timing.add_argument("--out", type=Path, required=True, help="where the timing runs go")
+    timing.add_argument("--table", type=Path, default=TIMING)
+    summary = commands.add_parser("report", help="statistics, summary and figures from the table")
+    summary.add_argument("--table", type=Path, default=TABLE)
+    summary.add_argument("--timing", type=Path, default=TIMING)
+    summary.add_argument("--out", type=Path, default=TABLE.parent)
+    args = parser.parse_args(argv)
+    design = load_design(args.design)
+    if args.command == "rows":
+        print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
+    elif args.command == "timing":
+        run_timing(design, args.out, args.table)
+    else:
+        from vcpo.studies.across_lags_report import write_report
+
+        timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
+        write_report(report(read_rows(args.table), design, timing_table), read_rows(args.table), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

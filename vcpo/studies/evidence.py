@@ -1,0 +1,590 @@
+"""The evidence study (recipes/sim/evidence.md): its runs, its table of runs, its statistics.
+
+The design (arms, seeds, settings) is ``recipes/sim/evidence.yaml``; the tests and decision rules are
+the functions below, as evidence.md registers them.
+
+    python -m vcpo.studies.evidence noise --task countdown --problems 1000 --samples 4 --seeds 10
+    python -m vcpo.studies.evidence run --out RUNS [--jobs 2] [--phase 1]
+    python -m vcpo.studies.evidence archive RUNS          # finished runs -> tables/evidence/runs/ (committed)
+    python -m vcpo.studies.evidence rows [--table tables/evidence/runs.jsonl]
+    python -m vcpo.studies.evidence report [--table tables/evidence/runs.jsonl] [--out tables/evidence]
+
+``run`` builds each replicate's SFT base first (one process per base), then trains every run not
+finished yet, ``--jobs`` at a time with one torch thread each; an interrupted run resumes from its
+checkpoint. Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each finished one is archived (``ARCHIVE``, the same
+layout, committed: config, final evaluation, the metrics the study reads), and a run archived there counts as
+done on any machine. ``rows`` writes one JSON line per archived run (what ``report`` reads, and the command
+that re-runs it); ``report`` writes the statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vcpo.locks import write_atomic
+from vcpo.provenance import cpu_name
+from vcpo.recipes import recipes_dir
+from vcpo.reporting.runs import read_metrics
+from vcpo.runs import (
+    CONFIG_FILE,
+    EFFECTIVE_LR,
+    FINAL_DIR,
+    FINAL_EVAL,
+    LR_SCALE,
+    METRICS_FILE,
+    SEQ_ESS_RATIO,
+    TEST_ACCURACY,
+    VAL_ACCURACY,
+    final_eval,
+    is_finished,
+)
+from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
+from vcpo.studies.statistics import (
+    ALPHA,
+    base_bootstrap_auc_interval,
+    bootstrap_auc_interval,
+    detectable_difference,
+    holm,
+    mean_interval,
+    paired_difference,
+    roc_auc,
+    wilson_interval,
+)
+
+DESIGN = "sim/evidence.yaml"
+TABLE = Path("tables/evidence/runs.jsonl")
+# Every finished run's config, final evaluation and the metrics below, committed (RUNS/<task>/<arm>/seed<s>/
+# layout): the rows are computed from it, and the controls read their sources there, on any machine.
+ARCHIVE = TABLE.parent / "runs"
+ARCHIVED_METRICS = ("step", VAL_ACCURACY, TEST_ACCURACY, SEQ_ESS_RATIO, "rollout_corr/kl", LR_SCALE, EFFECTIVE_LR, "actor/grad_norm", "critic/score/mean",
+                    "tool/calls_per_response", "tool/error_frac")
+# how the rows name the folder a reader's run of a command goes to
+RUNS_PLACEHOLDER = "RUNS"
+# evidence.md: the ESS early warning, fixed before the new runs (the study's alarm level, its 50-step window)
+PREDICTOR_STEPS = 50
+PREDICTOR_THRESHOLD = 0.1
+# evidence.md: the family of comparisons per task (Holm-corrected together), (a, b) = a - b
+CORE_COMPARISONS = {
+    "countdown": [("vcpo", "seq_tis"), ("vcpo", "sync"), ("vcpo", "tis_ess"), ("vcpo", "tis_opob"),
+                  ("tis_ess", "seq_tis"), ("tis_opob", "seq_tis")],
+    "tir": [("vcpo", "seq_tis"), ("vcpo", "sync"), ("vcpo", "tis_opob_sync"), ("tis_opob_sync", "sync")],
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    task: str  # the design's task key
+    name: str
+    method: str
+    phase: int
+    lr: float | None = None  # None: the task config's
+    lag: int | None = None  # None: the task config's (sync: 0)
+    lr_scale_from: str | None = None  # an arm of the same task: replay its run of the same seed
+    lr_from_mean_scale_of: str | None = None  # an arm of the same task: its lr x the mean actor/lr_scale of its runs
+
+
+@dataclass(frozen=True)
+class Design:
+    seeds: list[int]
+    configs: dict[str, str]  # task key -> config file
+    settings: dict[str, dict]  # task key -> key=value settings over the config file
+    arms: list[Arm]
+    task_seeds: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # a task's own seeds, where it has them
+
+    def seeds_of(self, task: str) -> list[int]:
+        return self.task_seeds.get(task, self.seeds)
+
+    def arm(self, task: str, name: str) -> Arm:
+        return next(arm for arm in self.arms if arm.task == task and arm.name == name)
+
+
+def load_design(path: str | Path | None = None) -> Design:
+    import yaml
+
+    path = Path(path) if path else recipes_dir() / DESIGN
+    raw = yaml.safe_load(Path(path).read_text())
+    arms = []
+    for task, spec in raw["tasks"].items():
+        for name, fields in spec["arms"].items():
+            unknown = set(fields) - {f.name for f in dataclasses.fields(Arm)}
+            if unknown:
+                raise ValueError(f"{path}: arm {task}/{name}: unknown keys {sorted(unknown)}")
+            arms.append(Arm(task=task, name=name, **fields))
+    design = Design(
+        seeds=list(raw["seeds"]),
+        configs={task: spec["config"] for task, spec in raw["tasks"].items()},
+        settings={task: dict(spec.get("settings", {})) for task, spec in raw["tasks"].items()},
+        arms=arms,
+        task_seeds={task: list(spec["seeds"]) for task, spec in raw["tasks"].items() if "seeds" in spec},
+    )
+    for arm in arms:
+        for source in (arm.lr_scale_from, arm.lr_from_mean_scale_of):
+            if source is not None and source not in {a.name for a in arms if a.task == arm.task}:
+                raise ValueError(f"{path}: arm {arm.task}/{arm.name} refers to unknown arm {source!r}")
+    return design
+
+
+def run_folder(root: Path, arm: Arm, seed: int) -> Path:
+    return Path(root) / arm.task / arm.name / f"seed{seed}"
+
+
+def archive_run(folder: Path, target: Path) -> None:
+    """A finished run's record as the study keeps it in the repository: its config, its final evaluation and
+    the metrics the rows and the controls read (ARCHIVED_METRICS) of every line, in the run's own layout."""
+    (target / FINAL_DIR).mkdir(parents=True, exist_ok=True)
+    write_atomic(target / CONFIG_FILE, (folder / CONFIG_FILE).read_text())
+    lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_metrics(folder)]
+    write_atomic(target / METRICS_FILE, "".join(json.dumps(line) + "\n" for line in lines))
+    write_atomic(target / FINAL_EVAL, (folder / FINAL_EVAL).read_text())
+
+
+def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) -> int:
+    """Archive every run finished below ``runs`` (``again=False``: only those not archived yet); returns how many."""
+    kept = [(arm, seed) for arm in design.arms for seed in design.seeds_of(arm.task) if is_finished(run_folder(runs, arm, seed))
+            and (again or not is_finished(run_folder(archive, arm, seed)))]
+    for arm, seed in kept:
+        archive_run(run_folder(runs, arm, seed), run_folder(archive, arm, seed))
+    return len(kept)
+
+
+def mean_step_scale(folders: list[Path]) -> float:
+    """The mean of ``actor/lr_scale`` over every step of ``folders`` (evidence.md: the constant-rate control)."""
+    scales = [line[LR_SCALE] for folder in folders for line in read_metrics(folder) if LR_SCALE in line]
+    return float(np.mean(scales))
+
+
+def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None:
+    """The key=value settings of one run over its task's config file, or None while a run it depends on
+    has not finished."""
+    settings = {**design.settings[arm.task], "method": arm.method, "seed": seed, "base_seed": seed}
+    if arm.lag is not None:
+        settings["lag"] = arm.lag
+    elif arm.method == "sync":
+        settings["lag"] = 0
+    if arm.lr is not None:
+        settings["lr"] = arm.lr
+    if arm.lr_scale_from:
+        source = run_folder(root, design.arm(arm.task, arm.lr_scale_from), seed)
+        if not is_finished(source):
+            return None
+        settings["lr_scale_from"] = str(source)
+    if arm.lr_from_mean_scale_of:
+        source_arm = design.arm(arm.task, arm.lr_from_mean_scale_of)
+        folders = [run_folder(root, source_arm, s) for s in design.seeds_of(arm.task)]
+        if not all(is_finished(folder) for folder in folders):
+            return None
+        nominal = source_arm.lr if source_arm.lr is not None else load_config_file(design.configs[arm.task]).lr
+        settings["lr"] = float(f"{nominal * mean_step_scale(folders):.4g}")
+    return settings
+
+
+def run_config(design: Design, arm: Arm, seed: int, root: Path, settings: dict) -> SimConfig:
+    config = apply_overrides(load_config_file(design.configs[arm.task]), {k: str(v) for k, v in settings.items()})
+    return validate(dataclasses.replace(config, out=str(run_folder(root, arm, seed)), threads=1, progress=False))
+
+
+def command_line(design: Design, arm: Arm, settings: dict, out: str) -> list[str]:
+    overrides = [f"{key}={value}" for key, value in settings.items() if key not in ("method", "seed")]
+    return [sys.executable, "-m", "vcpo.sim", "train", "--config", design.configs[arm.task], "--method", arm.method,
+            "--seed", str(settings["seed"]), "--out", out, *overrides, "threads=1", "progress=false"]
+
+
+# -- running ------------------------------------------------------------------------------------------
+def sim_task(design: Design, arm: Arm) -> str:
+    return design.settings[arm.task].get("task") or load_config_file(design.configs[arm.task]).task
+
+
+def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
+    """Every unarchived run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
+    SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
+    (``lr_scale_from``, ``lr_from_mean_scale_of``); each finished run is archived. Returns the number of
+    jobs that failed plus the runs left undone (whose sources never came)."""
+    archive_finished(design, root, archive, again=False)  # finished but not archived (stopped between the two)
+    arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
+    order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds_of(arm.task)), key=lambda t: t[:3])
+    pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(archive, arm, seed))]
+    print(f"evidence: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
+    lock, failed, running, bases = threading.Lock(), [], set(), {}  # bases: (task, seed) -> "building" | "done"
+
+    def next_job():
+        with lock:
+            for item in pending:
+                arm, seed = item
+                base = (sim_task(design, arm), seed)
+                if bases.get(base) is None:
+                    bases[base] = "building"
+                    return ("base", base)
+                if bases[base] != "done" or item in running:
+                    continue
+                settings = run_settings(design, arm, seed, archive)  # sources: the archived runs
+                if settings is not None:
+                    pending.remove(item)
+                    running.add(item)
+                    return ("run", (arm, seed, settings))
+            return "wait" if running or "building" in bases.values() else None
+
+    def run_job(kind, payload) -> tuple[str, int]:
+        if kind == "base":
+            task, seed = payload
+            command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed)]
+            log_path, label = Path(root) / "bases" / f"{task}-seed{seed}.log", f"SFT base {task} seed {seed}"
+        else:
+            arm, seed, settings = payload
+            out = run_folder(root, arm, seed)
+            command = command_line(design, arm, settings, str(out))
+            log_path, label = out / "train.log", f"{arm.task}/{arm.name} seed {seed}"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        if kind == "run" and not code:
+            archive_run(out, run_folder(archive, arm, seed))
+        return label, code
+
+    def worker():
+        while True:
+            try:
+                job = next_job()
+            except Exception as error:  # a design or config that cannot be read: say so, stop this worker
+                with lock:
+                    failed.append(f"planning: {error}")
+                return
+            if job is None:
+                return
+            if job == "wait":
+                time.sleep(5)
+                continue
+            kind, payload = job
+            started, label, code = time.time(), f"{kind} {payload[:2]}", 1
+            try:
+                label, code = run_job(kind, payload)
+            except Exception as error:
+                label = f"{label}: {error}"
+            finally:
+                with lock:
+                    if kind == "base":
+                        bases[payload] = "failed" if code else "done"
+                    else:
+                        running.discard(payload[:2])
+                    if code:
+                        failed.append(label)
+                    print(f"{'FAILED' if code else 'done'}: {label} in {time.time() - started:.0f} s "
+                          f"({len(pending)} runs waiting)", flush=True)
+
+    workers = [threading.Thread(target=worker) for _ in range(jobs)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    for label in failed:
+        print(f"failed: {label}", file=sys.stderr)
+    for arm, seed in pending:
+        print(f"not run: {arm.task}/{arm.name} seed {seed} (its base or the runs it reads did not finish)", file=sys.stderr)
+    return len(failed) + len(pending)
+
+
+# -- the evaluation's noise -------------------------------------------------------------------------
+def evaluation_noise(task_name: str, problems: int, samples: int, seeds: int, split: str = "test", base_seed: int = 0) -> dict:
+    """Accuracy of one fixed model (the SFT base of ``base_seed``) on the first ``problems`` of ``split``,
+    ``samples`` responses each, under evaluation seeds 0 .. seeds-1: its SD is the evaluation's sampling
+    noise. Threads as the runs have them (1)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vcpo.sim.base import sft_base
+    from vcpo.sim.evaluate import heldout_accuracy
+    from vcpo.sim.rollout import sandbox_tool
+    from vcpo.sim.tasks import get_sim_task
+
+    torch.set_num_threads(1)
+    config = validate(SimConfig(task=task_name))
+    task = get_sim_task(task_name)
+    path = sft_base(task_name, config.model_size, seed=base_seed)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    tool = sandbox_tool(config.tool_timeout_s) if config.max_turns else None
+    accuracies, seconds = [], []
+    for seed in range(seeds):
+        started = time.perf_counter()
+        result = heldout_accuracy(model, tokenizer, task, task.problems(split)[:problems], samples=samples, seed=seed,
+                                  tool=tool, max_turns=config.max_turns)
+        seconds.append(time.perf_counter() - started)
+        accuracies.append(result["mean_at_n"])
+        print(f"{task_name} {split} {problems} x {samples}, evaluation seed {seed}: {accuracies[-1]:.4f} ({seconds[-1]:.1f} s)", flush=True)
+    return {"task": task_name, "split": split, "problems": problems, "samples": samples, "base_seed": base_seed,
+            "accuracies": accuracies, "mean": float(np.mean(accuracies)), "sd": float(np.std(accuracies, ddof=1)),
+            "seconds_mean": float(np.mean(seconds)), "cpu": cpu_name()}
+
+
+
+# -- the table of runs ------------------------------------------------------------------------------
+def last_quarter_mean(lines: list[dict], steps: int) -> float:
+    """Mean held-out (validation) accuracy over the evaluations at steps >= 3/4 of the run, the final one included."""
+    values = [line[VAL_ACCURACY] for line in lines if VAL_ACCURACY in line and line["step"] >= 0.75 * steps]
+    return float(np.mean(values))
+
+
+def ess_predictor(lines: list[dict], fall_step: int | None) -> float:
+    """evidence.md's early warning: the lowest sequence-ESS ratio over the first PREDICTOR_STEPS steps,
+    counting only steps before the accuracy's fall (a run that falls earlier is judged on what came before)."""
+    from vcpo.studies.stability import ESS
+
+    horizon = PREDICTOR_STEPS if fall_step is None else min(PREDICTOR_STEPS, fall_step)
+    values = [line[ESS] for line in lines if ESS in line and line["step"] < horizon]
+    return float(min(values)) if values else float("nan")
+
+
+def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
+    """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json)."""
+    from vcpo.studies.stability import outcome
+
+    folder = run_folder(root, arm, seed)
+    recorded = json.loads((folder / CONFIG_FILE).read_text())
+    final = final_eval(folder)
+    lines = read_metrics(folder)
+    judged = outcome(lines)
+    settings = run_settings(design, arm, seed, root)
+    if settings is None:
+        raise ValueError(f"{folder}: a run it read ({arm.lr_scale_from or arm.lr_from_mean_scale_of}) is not below {root}")
+    if "lr_scale_from" in settings:
+        settings["lr_scale_from"] = str(run_folder(Path(RUNS_PLACEHOLDER), design.arm(arm.task, arm.lr_scale_from), seed))
+    command = command_line(design, arm, settings, str(run_folder(Path(RUNS_PLACEHOLDER), arm, seed)))
+    command[0] = "python"
+    step_lines = [line for line in lines if LR_SCALE in line]
+    tool_lines = [line for line in step_lines if "tool/calls_per_response" in line]
+    return {
+        "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["lr"],
+        "lag_model": recorded.get("lag_model", SimConfig().lag_model),  # recorded before the key: its default
+        "seed": seed, "base_seed": recorded["base_seed"], "steps": recorded["steps"],
+        "base": judged.base, "best": judged.best, "best_step": judged.best_step,
+        "end": final[TEST_ACCURACY], "test_problems": recorded["test_problems"], "test_samples": recorded["test_samples"],
+        "end_validation": judged.end, "last_quarter": last_quarter_mean(lines, recorded["steps"]),
+        "ess_min": judged.ess_min, "ess_alarm_step": judged.ess_alarm_step, "fall_step": judged.fall_step,
+        "collapsed": judged.collapsed, "holds": judged.holds,
+        "ess_predictor": ess_predictor(lines, judged.fall_step),
+        "mean_lr_scale": float(np.mean([line[LR_SCALE] for line in step_lines])),
+        "mean_effective_lr": float(np.mean([line[EFFECTIVE_LR] for line in step_lines])),
+        "ess_mean": float(np.mean([line[SEQ_ESS_RATIO] for line in step_lines])),
+        "grad_norm_max": float(np.max([line["actor/grad_norm"] for line in step_lines])),  # NaN stays NaN
+        # multi-turn runs: tool calls per response in the first and the last step's batch, and the last
+        # step's share of calls that failed (None for a single-turn task)
+        "tool_calls_first": tool_lines[0]["tool/calls_per_response"] if tool_lines else None,
+        "tool_calls_last": tool_lines[-1]["tool/calls_per_response"] if tool_lines else None,
+        "tool_error_last": tool_lines[-1]["tool/error_frac"] if tool_lines else None,
+        "config_file": recorded["config_file"],
+        "threads": recorded["threads"], "cpu": recorded.get("cpu"), "versions": recorded.get("versions"),
+        # provenance (runs from before it was recorded: None)
+        **{key: recorded.get(key) for key in ("commit", "dirty", "started", "finished", "cpu_capability")},
+        "command": " ".join(command),
+    }
+
+
+def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
+    rows = [run_row(design, arm, seed, root) for arm in design.arms for seed in design.seeds_of(arm.task)
+            if is_finished(run_folder(root, arm, seed))]
+    table.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+# -- the report -------------------------------------------------------------------------------------
+def read_rows(table: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(table).read_text().splitlines() if line.strip()]
+
+
+def arm_summary(rows: list[dict]) -> dict:
+    end, low, high = mean_interval([row["end"] for row in rows])
+    quarter, quarter_low, quarter_high = mean_interval([row["last_quarter"] for row in rows])
+    collapses = sum(row["collapsed"] for row in rows)
+    return {
+        "n": len(rows), "method": rows[0]["method"], "lr": rows[0]["lr"], "lag": rows[0]["lag"],
+        "end": end, "end_low": low, "end_high": high, "end_sd": float(np.std([r["end"] for r in rows], ddof=1)) if len(rows) > 1 else math.nan,
+        "last_quarter": quarter, "last_quarter_low": quarter_low, "last_quarter_high": quarter_high,
+        "base": float(np.mean([row["base"] for row in rows])),
+        "end_validation": float(np.mean([row["end_validation"] for row in rows])),
+        "collapses": collapses, "collapse_low": wilson_interval(collapses, len(rows))[0], "collapse_high": wilson_interval(collapses, len(rows))[1],
+        "mean_lr_scale": float(np.mean([row["mean_lr_scale"] for row in rows])),
+        "ess_mean": float(np.mean([row["ess_mean"] for row in rows])), "ess_min": float(np.mean([row["ess_min"] for row in rows])),
+        "grad_norm_max": float(np.max([row["grad_norm_max"] for row in rows])),
+        **{key: float(np.mean([row[key] for row in rows])) for key in ("tool_calls_first", "tool_calls_last", "tool_error_last")
+           if all(row.get(key) is not None for row in rows)},
+        "seeds": sorted(row["seed"] for row in rows),
+    }
+
+
+def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], metric: str = "end") -> list[dict]:
+    """Paired differences (by seed, seeds both arms have) of ``metric``, Holm-adjusted over ``pairs``."""
+    results = []
+    for a, b in pairs:
+        seeds = sorted(set(by_arm.get(a, {})) & set(by_arm.get(b, {})))
+        result = paired_difference([by_arm[a][s][metric] for s in seeds], [by_arm[b][s][metric] for s in seeds]) if seeds else {
+            "n": 0, "mean": math.nan, "low": math.nan, "high": math.nan, "p": math.nan}
+        results.append({"a": a, "b": b, "metric": metric, **result})
+    for result in results:  # what these pairs could have detected (90% power, two-sided ALPHA, before Holm)
+        if result["n"] >= 2:
+            a, b = result["a"], result["b"]
+            seeds = sorted(set(by_arm[a]) & set(by_arm[b]))
+            result["sd"] = float(np.std([by_arm[a][s][metric] - by_arm[b][s][metric] for s in seeds], ddof=1))
+            result["detectable_90"] = detectable_difference(result["sd"], result["n"]) if result["sd"] > 0 else 0.0
+    tested = [r for r in results if r["n"] >= 2]
+    for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):
+        result["p_holm"] = adjusted
+        result["verdict"] = verdict(result)
+    return results
+
+
+def verdict(result: dict) -> str:
+    """evidence.md's decision rule: a difference is detected when its Holm-adjusted p < ALPHA."""
+    if result["p_holm"] < ALPHA:
+        return f"{result['a']} {'above' if result['mean'] > 0 else 'below'} {result['b']}"
+    return "no detectable difference"
+
+
+def predictor_report(rows: list[dict]) -> dict:
+    """The registered ESS early warning on the runs of this table: AUC (a low predictor -> collapse),
+    hit rate, false-alarm rate, lead time."""
+    usable = [row for row in rows if not math.isnan(row["ess_predictor"])]
+    labels = [row["collapsed"] for row in usable]
+    scores = [-row["ess_predictor"] for row in usable]
+    alarms = [row["ess_predictor"] <= PREDICTOR_THRESHOLD for row in usable]
+    positives = [a for a, label in zip(alarms, labels, strict=True) if label]
+    negatives = [a for a, label in zip(alarms, labels, strict=True) if not label]
+    leads = [row["fall_step"] - row["ess_alarm_step"] for row, alarm in zip(usable, alarms, strict=True)
+             if row["collapsed"] and alarm and row["fall_step"] is not None and row["ess_alarm_step"] is not None]
+    lagged = [row for row in usable if row["lag"] > 0]  # a synchronous run cannot collapse from lag
+    return {
+        "runs": len(usable), "collapsed": sum(labels),
+        "auc": roc_auc(scores, labels), "auc_interval": bootstrap_auc_interval(scores, labels),
+        "lagged_runs": len(lagged), "lagged_auc": roc_auc([-r["ess_predictor"] for r in lagged], [r["collapsed"] for r in lagged]),
+        "lagged_auc_base_interval": base_bootstrap_auc_interval(lagged),
+        "hits": sum(positives), "hit_rate": sum(positives) / len(positives) if positives else math.nan,
+        "false_alarms": sum(negatives), "false_alarm_rate": sum(negatives) / len(negatives) if negatives else math.nan,
+        "lead_steps": leads,
+    }
+
+
+def report(rows: list[dict], design: Design) -> dict:
+    """Everything the study reports, computed from the rows alone."""
+    result: dict = {"tasks": {}}
+    for task in design.configs:
+        task_arms = [arm for arm in design.arms if arm.task == task]
+        task_rows = [row for row in rows if row["task"] == sim_task(design, task_arms[0])]
+        by_arm: dict[str, dict[int, dict]] = {}
+        for row in task_rows:
+            by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+        arms = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in task_arms if arm.name in by_arm}
+        missing = {arm.name: [seed for seed in design.seeds_of(task) if seed not in by_arm.get(arm.name, {})] for arm in task_arms}
+        missing = {name: seeds for name, seeds in missing.items() if seeds}
+        entry = {"arms": arms, "missing": missing, "comparisons": compare(by_arm, CORE_COMPARISONS.get(task, [])),
+                 "comparisons_last_quarter": compare(by_arm, CORE_COMPARISONS.get(task, []), "last_quarter"),
+                 "predictor": predictor_report(task_rows)}
+        if task == "countdown":
+            entry["learning_rate"] = learning_rate_report(by_arm, arms, design)
+        result["tasks"][task] = entry
+    return result
+
+
+def learning_rate_report(by_arm: dict[str, dict[int, dict]], arms: dict[str, dict], design: Design) -> dict:
+    """Item 4: each method's best fixed rate (highest mean end among its arms), VCPO at 2e-4 against the
+    best fixed-rate seq-TIS, sync at its best rate and the two controls (paired, Holm over the four), and
+    each method's stable range (rates where no seed collapsed and the mean end is >= its base + 0.05)."""
+    from vcpo.studies.stability import SYNC_MIN_GAIN
+
+    def arms_of(method: str, controls: bool = False) -> list[str]:
+        names = [a.name for a in design.arms if a.task == "countdown" and a.method == method and a.name in arms]
+        return [n for n in names if controls == bool(design.arm("countdown", n).lr_scale_from or design.arm("countdown", n).lr_from_mean_scale_of)]
+
+    best = {}
+    stable = {}
+    for method in ("seq_tis_c8", "sync", "vcpo"):
+        names = arms_of(method)
+        if names:
+            best[method] = max(names, key=lambda n: arms[n]["end"])
+            stable[method] = {"tested": sorted(arms[n]["lr"] for n in names)}
+            for rule, end_key in (("registered", "end"), ("same_split", "end_validation")):
+                rates = sorted(arms[n]["lr"] for n in names
+                               if arms[n]["collapses"] == 0 and arms[n][end_key] >= arms[n]["base"] + SYNC_MIN_GAIN)
+                stable[method][rule] = {"rates": rates, "width": rates[-1] / rates[0] if rates else None}
+    pairs = [("vcpo", best[m]) for m in ("seq_tis_c8", "sync") if m in best]
+    pairs += [("vcpo", name) for name in arms_of("seq_tis_c8", controls=True)]
+    # the other framing (added after the study, not registered): each at its best tested rate
+    tuned = compare(by_arm, [(best["vcpo"], best["seq_tis_c8"])]) if {"vcpo", "seq_tis_c8"} <= set(best) else []
+    # a best rate at the edge of its grid: the optimum is not bracketed
+    edges = {method: ("lowest" if arms[name]["lr"] == min(stable[method]["tested"]) else
+                      "highest" if arms[name]["lr"] == max(stable[method]["tested"]) else None) for method, name in best.items()}
+    return {"best_arm": best, "best_at_grid_edge": edges, "stable_range": stable, "comparisons": compare(by_arm, pairs),
+            "tuned_against_tuned": tuned,
+            "note": "each method's best arm is chosen on these same runs: its mean is biased upwards (winner's curse)",
+            "stable_range_note": (
+                "the registered stable range compares the final test-split accuracy with the step-0 validation-split "
+                "base, and the test split scores lower (base seed 0: 18.2% against 21.5%), so it is stricter than "
+                "intended; 'same split' (a deviation added after phase 2 began, not registered) compares the final "
+                "validation accuracy with the validation base")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vcpo.studies.evidence", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--design", help="the design file (default: the recipes' sim/evidence.yaml)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    noise = commands.add_parser("noise", help="SD of one model's accuracy over evaluation seeds")
+    noise.add_argument("--task", required=True)
+    noise.add_argument("--problems", type=int, required=True)
+    noise.add_argument("--samples", type=int, default=4)
+    noise.add_argument("--seeds", type=int, default=8)
+    noise.add_argument("--split", default="test", choices=("test", "validation"))
+    run = commands.add_parser("run", help="train every unfinished run")
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--jobs", type=int, default=2)
+    run.add_argument("--phase", type=int, action="append", help="only these phases (repeatable)")
+    run.add_argument("--list", action="store_true", help="print the runs still to do and their commands, run nothing")
+    run.add_argument("--archive", type=Path, default=ARCHIVE, help="where finished runs are kept (and found)")
+    archive = commands.add_parser("archive", help="keep every finished run below RUNS in the archive")
+    archive.add_argument("runs", type=Path)
+    archive.add_argument("--archive", type=Path, default=ARCHIVE)
+    rows = commands.add_parser("rows", help="write the table of archived runs")
+    rows.add_argument("--archive", type=Path, default=ARCHIVE)
+    rows.add_argument("--table", type=Path, default=TABLE)
+    summary = commands.add_parser("report", help="statistics, summary and figure from the table")
+    summary.add_argument("--table", type=Path, default=TABLE)
+    summary.add_argument("--out", type=Path, default=TABLE.parent)
+    args = parser.parse_args(argv)
+    design = load_design(args.design)
+    if args.command == "noise":
+        print(json.dumps(evaluation_noise(args.task, args.problems, args.samples, args.seeds, args.split)))
+        return 0
+    if args.command == "run":
+        if args.list:
+            for arm in design.arms:
+                for seed in design.seeds_of(arm.task):
+                    done = is_finished(run_folder(args.out, arm, seed)) or is_finished(run_folder(args.archive, arm, seed))
+                    if (args.phase is None or arm.phase in args.phase) and not done:
+                        settings = run_settings(design, arm, seed, args.archive)
+                        print(" ".join(command_line(design, arm, settings, str(run_folder(args.out, arm, seed))))
+                              if settings else f"{arm.task}/{arm.name} seed {seed}: waits for the runs it reads")
+            return 0
+        if args.jobs < 1:
+            parser.error("--jobs must be >= 1")
+        return 1 if run_all(design, args.out, args.jobs, args.phase, args.archive) else 0
+    if args.command == "archive":
+        print(f"{archive_finished(design, args.runs, args.archive, again=True)} finished runs -> {args.archive}")
+        return 0
+    if args.command == "rows":
+        print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
+        return 0
+    from vcpo.studies.evidence_report import write_report
+
+    write_report(report(read_rows(args.table), design), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
