@@ -178,8 +178,20 @@ def test_sync_and_async_settings_apply_by_lag_and_the_workflow_reserves_each_run
         plan(smoke | {"sim_async": {"execution": "parallel"}})
 
 
-def test_run_paths_follow_the_sweep_and_launch_layout():
-    assert PlannedRun("countdown", "vcpo", 12, 2).path == "countdown/vcpo/lag12/seed2"
+def test_a_run_the_workflow_plans_is_where_the_sweep_writes_and_the_reports_read(tmp_path):
+    """One layout for the workflow's plan, the simulator's sweep and the readers: a folder the sweep would
+    write for (task, method, lag, seed) is the planned run's, and the reports find it there (a sync run at
+    lag 0 whatever lag is asked)."""
+    from vcpo.reporting.runs import run_dirs
+    from vcpo.sim.__main__ import run_dir
+    from vcpo.sim.config import SimConfig
+
+    for task, method, lag, seed in (("countdown", "vcpo", 12, 2), ("tir", "sync", 0, 0)):
+        folder = run_dir(tmp_path, SimConfig(task=task, method=method, lag=lag, seed=seed))
+        assert folder == tmp_path / PlannedRun(task, method, lag, seed).path
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text('{"step": 0}\n')
+        assert run_dirs(tmp_path, task, method, 48 if method == "sync" else lag) == [folder]
 
 
 def test_provenance_names_the_revision_the_versions_and_the_config(tmp_path):

@@ -188,11 +188,23 @@ def test_a_crash_during_the_resumes_rewrite_keeps_the_history(base, tmp_path, un
     assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
 
 
-def test_write_atomic_replaces_whole(tmp_path):
+def test_a_write_cut_short_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """write_atomic's promise: a crash mid-write leaves the old content or the new, never a part of either."""
     target = tmp_path / "f.json"
-    target.write_text("old")
-    write_atomic(target, "new")
-    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    target.write_text("old content")
+    write_text = Path.write_text
+
+    def crash_halfway(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", crash_halfway)
+    with pytest.raises(OSError):
+        write_atomic(target, "new content, longer than the old")
+    monkeypatch.undo()
+    assert target.read_text() == "old content"
+    write_atomic(target, "new content")
+    assert target.read_text() == "new content"
 
 
 def test_readers_say_what_they_skip(tmp_path, caplog):

@@ -12,36 +12,8 @@ The SFT is deliberately short: RL must start from a base that solves some but no
 problems when sampling at temperature 1 (the target is 10-40%), so that there is both a reward
 signal from the first step and room to improve.
 
-Measured for size ``tiny`` (0.53M parameters; seed 0, 1 CPU thread, the first 200 validation
-problems, at most the task's ``max_response_tokens`` new tokens; times on a shared 2-core machine, task generation not included):
-
-==========  =====  ========  ======  ===================  =====================
-task        steps  acc. T=1  greedy  response tokens T=1  SFT time (wall / CPU)
-==========  =====  ========  ======  ===================  =====================
-countdown   800    21.5%     31.0%   14.0                 108 s / 108 s
-arithmetic  600    20.0%     29.5%   16.4 (greedy 20.8)   109 s / 109 s
-arith_long  500    24.5%     54.5%   69.1                 301 s (3 jobs on 2 cores)
-tir         800    45.0%     1.0%    17.1                 205 s / 138 s
-==========  =====  ========  ======  ===================  =====================
-
-(``arith_long`` is ``arithmetic_long``, budget 128 new tokens.) ``tir`` is evaluated with the sandboxed
-tool (up to 5 calls); with the tool switched off the same base solves 0.0% at T=1 (its programs get no
-output, its bare answers are guesses), so the tool is what solves the task. Greedy decoding picks the
-bare answer (half the demonstrations) and so solves 1%; at T=1 the base calls the tool in part of its
-responses only (docs/simulator.md: calls per response in the first batch of the smoke runs). Calling the tool
-every time is what RL has to learn.
-
-Other seeds (same steps): Countdown seed 1 21.0% / 31.5% greedy; arithmetic seed 1 35.0% / 62.5%,
-seed 2 22.0% / 44.5%. Countdown's first build also generates its 5,200 puzzles (about 25 s, then
-cached). Held-out accuracy rises steeply, at a step count that varies with the seed, so the step
-counts are tuned per task (``SFT_STEPS``): Countdown 0.5% at T=1 after 300 steps, 21.5% after 800;
-arithmetic 22% after 400 steps with seed 0 but 5% with seed 1, 40-41% after 800 (seeds 0, 1); with
-running sums only (no bare answers) 6% after 250 steps, 39% after 320, 61% after 400, 96% after 800.
-Both bases leave room for RL: synchronous GRPO with ``vcpo.sim`` (``--method sync``, 8 prompts x 8
-responses, 200 steps, mean of 4 samples at T=1 on 200 held-out problems) went from 21% to 35% on
-Countdown and from 24% to 41% on arithmetic. ``small`` on Countdown (seed 0, 800 steps, 1 thread on a
-busy 2-core machine: 2,027 s): 24.5% at T=1, 32.0% greedy, in the band RL needs. ``100m`` is not
-tuned: measure its accuracy (``sft_info.json``) and set ``steps`` before relying on it.
+The accuracy each task's base reaches, and what its step count was chosen from: docs/simulator.md
+("SFT bases: what they reach").
 
     python -m vcpo.sim.base --task countdown --size tiny [--seed S] [--cache-dir D] [--steps N]
 """
