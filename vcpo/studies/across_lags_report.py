@@ -10,7 +10,17 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.studies.evidence_report import arms_table, comparison_table, interval, p_value, points, rate_label, signed_points
+from vcpo.studies.evidence_report import (
+    arms_table,
+    comparison_table,
+    draw_ends,
+    finish_ends_figure,
+    interval,
+    p_value,
+    points,
+    rate_label,
+    signed_points,
+)
 
 # the arms drawn against the lag: (name prefix, label); an arm at lag k is named prefix + "_k{k}"
 LAG_LINES = (("vcpo", "VCPO 2e-4 (preset, never retuned)"), ("vcpo_lr1e-4", "VCPO 1e-4"),
@@ -106,8 +116,7 @@ def draw_end_vs_lag(stats: dict, path: Path) -> None:
     for offset, (prefix, label) in zip((0.94, 0.98, 1.02, 1.06), LAG_LINES, strict=True):
         present = [(lag, arms[f"{prefix}_k{lag}"]) for lag in lags if f"{prefix}_k{lag}" in arms]
         if present:
-            axis.errorbar([lag * offset for lag, _ in present], [100 * a["end"] for _, a in present], marker="o", capsize=3, label=label,
-                          yerr=[[100 * (a["end"] - a["end_low"]) for _, a in present], [100 * (a["end_high"] - a["end"]) for _, a in present]])
+            draw_ends(axis, [lag * offset for lag, _ in present], [a for _, a in present], marker="o", label=label)
     for name, arm in arms.items():
         if arm["method"] == "sync":
             line = axis.axhline(100 * arm["end"], linestyle="--", linewidth=1, label=f"sync {rate_label(arm['lr'])} (k = 0)")
@@ -116,13 +125,7 @@ def draw_end_vs_lag(stats: dict, path: Path) -> None:
     axis.set_xticks(lags, [str(lag) for lag in lags])
     axis.minorticks_off()
     axis.set_xlabel("policy lag k (PipelineRL, pipeline_overlap)")
-    axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
-    n = max((a["n"] for a in arms.values()), default=0)
-    axis.set_title(f"Countdown, 200 steps, up to n = {n} seeds per point", fontsize=10)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    finish_ends_figure(figure, axis, arms, "Countdown, 200 steps", path)
 
 
 def draw_time(stats: dict, rows: list[dict], path: Path) -> None:

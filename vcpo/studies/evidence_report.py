@@ -153,6 +153,25 @@ def summary_markdown(stats: dict) -> str:
     return "\n".join(lines)
 
 
+def draw_ends(axis, xs: list[float], members: list[dict], **style) -> None:
+    """Arms' mean final test accuracy (%) at ``xs`` with their 95% t intervals as error bars."""
+    axis.errorbar(xs, [100 * a["end"] for a in members], capsize=3,
+                  yerr=[[100 * (a["end"] - a["end_low"]) for a in members], [100 * (a["end_high"] - a["end"]) for a in members]], **style)
+
+
+def finish_ends_figure(figure, axis, arms: dict, title: str, path: Path) -> None:
+    """The y label, a title ending with the largest n, the legend; saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
+    n = max((a["n"] for a in arms.values()), default=0)
+    axis.set_title(f"{title}, up to n = {n} seeds each", fontsize=10)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def draw_learning_rates(stats: dict, path: Path) -> None:
     import matplotlib
 
@@ -166,13 +185,10 @@ def draw_learning_rates(stats: dict, path: Path) -> None:
         members = sorted((arm for name, arm in arms.items() if arm["method"] == method and name not in CONTROLS), key=lambda a: a["lr"])
         if not members:
             continue
-        axis.errorbar([a["lr"] * offset for a in members], [100 * a["end"] for a in members], capsize=3, marker="o", label=label,
-                      yerr=[[100 * (a["end"] - a["end_low"]) for a in members], [100 * (a["end_high"] - a["end"]) for a in members]])
+        draw_ends(axis, [a["lr"] * offset for a in members], members, marker="o", label=label)
     for name, (marker, label) in CONTROLS.items():
         if name in arms:
-            a = arms[name]
-            axis.errorbar([a["lr"]], [100 * a["end"]], yerr=[[100 * (a["end"] - a["end_low"])], [100 * (a["end_high"] - a["end"])]],
-                          marker=marker, linestyle="none", capsize=3, label=label)
+            draw_ends(axis, [arms[name]["lr"]], [arms[name]], marker=marker, linestyle="none", label=label)
     axis.set_xscale("log")
     rates = sorted({a["lr"] for name, a in arms.items() if name not in CONTROLS})
     if rates:  # ticks at the grid's rates only: the side-by-side offsets are not rates
@@ -180,13 +196,7 @@ def draw_learning_rates(stats: dict, path: Path) -> None:
         axis.set_xticks(rates, [rate_label(rate) for rate in rates])
         axis.minorticks_off()
     axis.set_xlabel("nominal learning rate (methods side by side at each tested rate)")
-    axis.set_ylabel("final test accuracy, % (mean, 95% t interval)")
-    n = max((a["n"] for a in arms.values()), default=0)
-    axis.set_title(f"Countdown, k = 48 (sync k = 0), 200 steps, up to n = {n} seeds each", fontsize=10)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    finish_ends_figure(figure, axis, arms, "Countdown, k = 48 (sync k = 0), 200 steps", path)
 
 
 def write_report(stats: dict, out: Path) -> None:
