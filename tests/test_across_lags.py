@@ -136,5 +136,24 @@ def test_every_committed_row_names_its_commit_and_started_after_the_registration
     if not rows:
         pytest.skip("no across-lags runs archived yet")
     assert all(row["commit"] and row["started"] > REGISTRATION["time"] and row["counts"] for row in rows)
-    archived = {(p.parts[-3], p.parts[-2]) for p in (ROOT / ARCHIVE).glob("*/*/seed*/final/eval.json")}
-    assert {(row["study_task"], row["arm"]) for row in rows} <= {(t, a) for t, a in archived}
+    archived = {(p.parts[-5], p.parts[-4], int(p.parts[-3].removeprefix("seed"))) for p in (ROOT / ARCHIVE).glob("*/*/seed*/final/eval.json")}
+    assert {(row["study_task"], row["arm"], row["seed"]) for row in rows} == archived  # one row per archived run
+
+
+def test_sync_rows_repeat_the_evidence_studys_on_the_same_cpu_and_the_prose_says_so():
+    """The study's sync arms are the evidence study's sync configuration: on the same CPU type each seed must end
+    exactly where the evidence study's did (the determinism the kernels section relies on)."""
+    rows = [row for row in committed_rows() if row["method"] == "sync" and row["study_task"] == "countdown"]
+    if not rows:
+        pytest.skip("no sync runs archived yet")
+    evidence = {(row["arm"], row["seed"]): row for row in
+                (json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()) if row["task"] == "countdown"}
+    pairs = [(row, evidence[("sync" if row["lr"] == 2e-4 else "sync_lr1e-4", row["seed"])]) for row in rows]
+    same_cpu = [(new, old) for new, old in pairs if new["cpu"] == old["cpu"]]
+    assert same_cpu and all(new["end"] == old["end"] for new, old in same_cpu)
+    doc = " ".join((ROOT / "docs/studies.md").read_text().split("## The across-lags study")[1].split())
+    seed0 = {new["lr"]: new["end"] for new, _ in same_cpu if new["seed"] == 0}
+    assert f"{100 * seed0[2e-4]:.1f}% and {100 * seed0[1e-4]:.1f}% at 2e-4 and 1e-4, to the last digit" in doc
+    kernels = json.loads((ROOT / "tables/kernel_pinning/kernel_pinning.json").read_text())["settings"]
+    assert f"AVX2 pinning costs {kernels['avx2']['time_vs_native']:.2f}x" in doc
+    assert f"`COMPATIBLE` branch costs {kernels['compatible']['time_vs_native']:.2f}x" in doc
