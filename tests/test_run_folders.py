@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted  # noqa: F401 (fixtures)
 
 from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
@@ -301,3 +302,76 @@ def test_the_run_folder_format_is_written_in_one_module():
                     if node.value == literal or node.value.endswith("/" + literal):
                         found.setdefault(literal, set()).add(str(path.relative_to(root)))
     assert all(found.get(literal, set()) <= modules for literal, modules in owners.items()), found
+
+
+def stopped_run(base, out, monkeypatch, lines: int):
+    """The RESUME run in ``out``, stopped (as by a crash) after ``lines`` metrics lines."""
+    from test_sim_concurrent import run_stopped_after
+
+    from vcpo.sim.config import SimConfig, apply_overrides, validate
+    from vcpo.sim.train import Trainer
+
+    config = validate(apply_overrides(SimConfig(), {**RESUME, "base": str(base), "out": str(out), "threads": "1", "progress": "false"}))
+    run_stopped_after(Trainer(config), lines, monkeypatch)
+    return config
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(base, tmp_path, uninterrupted, monkeypatch, capsys):
+    from vcpo.runs import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
+    from vcpo.sim.train import Trainer
+
+    out = tmp_path / "run"
+    config = stopped_run(base, out, monkeypatch, 7)  # checkpoints after steps 4 and 6 (every 2)
+    assert torch.load(out / PREVIOUS_CHECKPOINT_FILE, weights_only=False)["step"] == 4
+    checkpoint = out / CHECKPOINT_FILE
+    checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])  # a write cut short
+    (out / f"{CHECKPOINT_FILE}.99999.tmp").write_bytes(b"left by a killed writer")
+    Trainer(config).run()
+    said = capsys.readouterr().err
+    assert f"{checkpoint} is damaged" in said and "resuming from checkpoint.prev.pt (step 4)" in said
+    assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
+    assert not list(out.glob("*.tmp"))
+
+
+def test_no_readable_checkpoint_is_one_line_naming_the_files(base, tmp_path, monkeypatch, capsys):
+    from vcpo.runs import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
+
+    out = tmp_path / "run"
+    stopped_run(base, out, monkeypatch, 5)
+    (out / CHECKPOINT_FILE).write_bytes(b"")
+    (out / PREVIOUS_CHECKPOINT_FILE).unlink(missing_ok=True)
+    command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "threads=1", "progress=false"]
+    from vcpo.sim.__main__ import main as sim_main
+
+    assert sim_main(command) == 2
+    said = capsys.readouterr().err
+    error = [line for line in said.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in said and len(error) == 1
+    assert f"{out / CHECKPOINT_FILE} is damaged" in error[0] and "delete checkpoint.pt" in error[0]
+
+
+def test_a_resume_is_checked_against_the_checkpoint_without_config_json(base, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    stopped_run(base, out, monkeypatch, 5)
+    (out / "config.json").unlink()
+    from vcpo.sim.__main__ import main as sim_main
+
+    command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "threads=1", "progress=false"]
+    assert sim_main([*command, "lr=1e-4"]) == 2
+    assert "is a checkpoint of a run with other settings (lr: 5e-05 -> 0.0001)" in capsys.readouterr().err
+
+
+def test_a_full_disk_says_so_and_leaves_no_partial_file(base, tmp_path, monkeypatch, capsys):
+    from vcpo.sim.__main__ import main as sim_main
+
+    def full_disk(state, path):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 2048")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "run"
+    command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "threads=1", "progress=false"]
+    assert sim_main(command) == 2
+    error = capsys.readouterr().err
+    assert "no space left on device?" in error and "MiB free" in error and "unexpected pos" in error
+    assert not list(out.glob("*.tmp"))

@@ -188,10 +188,11 @@ def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterr
     resumed = tmp_path / "resumed"
     # Ctrl-C's default action in the child, even when this test runs where SIGINT is ignored (a background
     # job of a non-interactive shell, whose children would inherit the ignore and run to the end)
+    said = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115 (the child's, closed after it ends)
     process = subprocess.Popen(
         [*command, f"out={resumed}"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=said,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
@@ -202,6 +203,10 @@ def test_an_interrupted_run_resumes_to_the_same_metrics(base, tmp_path, uninterr
         time.sleep(0.02)
     os.kill(process.pid, stop)
     process.wait()
+    said.close()
+    if stop == signal.SIGINT:  # Ctrl-C: one line saying where it stopped and how to go on, no traceback
+        text = (tmp_path / "stderr.txt").read_text()
+        assert "Traceback" not in text and "; the same command resumes it" in text and process.returncode == 130
     stopped_at = len((resumed / METRICS_FILE).read_text().splitlines())
     assert lines_before <= stopped_at < 9, "the run was not stopped where intended"
     subprocess.run([*command, f"out={resumed}"], check=True, capture_output=True)

@@ -4,7 +4,7 @@ several modules read, and the one reader of ``metrics.jsonl``.
     <run>/config.json      the resolved settings and the run's provenance (simulator); launch.json (verl)
     <run>/metrics.jsonl    one JSON object per optimizer step: the simulator's flat {"step", **metrics}, or
                            verl's file logger's {"step", "data": {...}}; evaluations add lines
-    <run>/checkpoint.pt    the simulator's resume state
+    <run>/checkpoint.pt    the simulator's resume state (checkpoint.prev.pt: the one before it)
     <run>/final/           the final model; final/eval.json is written last, so it marks a finished run
 
 Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.run_path``'s.
@@ -21,6 +21,7 @@ from vcpo.core.ratios import SEQ_ESS_RATIO  # noqa: F401 (re-exported: readers o
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = "checkpoint.pt"
+PREVIOUS_CHECKPOINT_FILE = "checkpoint.prev.pt"  # the one before: a damaged latest one resumes from it
 FINAL_DIR = "final"
 FINAL_EVAL = f"{FINAL_DIR}/eval.json"
 

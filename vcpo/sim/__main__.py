@@ -113,10 +113,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{field.name:24s} {getattr(SimConfig(), field.name)!r}")
             return 0
         if args.command == "train":
-            from vcpo.sim.train import train as train_run
+            from vcpo.sim.train import Trainer
 
-            config = _config(args, overrides)
-            print(train_run(config))
+            trainer = Trainer(_config(args, overrides))
+            try:
+                print(trainer.run())
+            except KeyboardInterrupt:
+                print(f"interrupted at step {trainer.step} of {trainer.config.steps} (last checkpoint: step "
+                      f"{trainer.checkpointed_step}); the same command resumes it", file=sys.stderr)
+                return 130
             return 0
         if args.jobs < 1:
             parser.error(f"--jobs {args.jobs}: must be >= 1")

@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -27,7 +28,18 @@ from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
 from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
 from vcpo.provenance import code_state, library_versions, machine_state, utc_now
-from vcpo.runs import CHECKPOINT_FILE, CONFIG_FILE, FINAL_DIR, FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, MetricsProblem, is_finished, metric_records
+from vcpo.runs import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    FINAL_DIR,
+    FINAL_EVAL,
+    METRICS_FILE,
+    PREVIOUS_CHECKPOINT_FILE,
+    SEQ_ESS_RATIO,
+    MetricsProblem,
+    is_finished,
+    metric_records,
+)
 from vcpo.sim.concurrent import ConcurrentEngine, Produced
 from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
@@ -156,6 +168,7 @@ class Trainer:
         self._ran = False
         self.tracker = None
         self.recorded_config: dict = {}  # config.json as _start wrote it
+        self.checkpointed_step = 0  # the step of the newest checkpoint (0: none yet, a restart starts over)
         self._prox_model = None
         self.engine: ConcurrentEngine | None = None  # execution=concurrent: the generator process, while run() runs
         self._rollout_state: dict | None = None  # the engine's state after the last batch trained on, at checkpoint steps
@@ -203,16 +216,29 @@ class Trainer:
         return steps_done % self.config.checkpoint_every == 0 or steps_done == self.config.steps
 
     def save_checkpoint(self) -> None:
+        """checkpoint.pt, written whole before it replaces the last one, which becomes checkpoint.prev.pt."""
         state = {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.learner.optimizer.state_dict(),
             "rollouts": self._rollout_state,
             "snapshots": self.snapshots,
+            "settings": self.config.recorded(),  # what a resume is checked against, config.json or not
         }
         partial = self.out / f"{CHECKPOINT_FILE}.{os.getpid()}.tmp"
-        torch.save(state, partial)
-        partial.replace(self.out / CHECKPOINT_FILE)
+        try:
+            torch.save(state, partial)
+        except (OSError, RuntimeError) as error:  # torch reports a full disk as "[enforce fail ...] unexpected pos"
+            partial.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.out).free / 2**20
+            raise ConfigError(f"config key 'out': writing {partial} failed ({str(error).splitlines()[0]}) with {free:.0f} MiB "
+                              f"free on its filesystem (no space left on device?); the checkpoint of step "
+                              f"{self.checkpointed_step} is intact and the same command resumes from it") from None
+        current = self.out / CHECKPOINT_FILE
+        if current.exists():
+            current.replace(self.out / PREVIOUS_CHECKPOINT_FILE)
+        partial.replace(current)
+        self.checkpointed_step = self.step
 
     def _check_resumable(self, out: Path) -> None:
         """A folder holding a checkpoint is resumed only by a run with the same settings (before any work)."""
@@ -226,18 +252,42 @@ class Trainer:
                 "file that run under these settings; use another --out, or delete the folder to start over"
             )
 
+    def _load_checkpoint(self) -> dict | None:
+        """The newest readable checkpoint (None: there is none). A damaged one is named in one line, and the
+        one before it is used; if none can be read, the error names them and the remedy."""
+        for stale in self.out.glob(f"{CHECKPOINT_FILE}.*.tmp"):  # a killed writer's; this run holds the folder lock
+            stale.unlink()
+        candidates = [path for path in (self.out / CHECKPOINT_FILE, self.out / PREVIOUS_CHECKPOINT_FILE) if path.exists()]
+        damaged = []
+        for path in candidates:
+            try:
+                state = torch.load(path, weights_only=False)
+            except Exception as error:  # a truncated zip, an empty file, a broken pickle: the file, not the run
+                damaged.append(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'})")
+                continue
+            if damaged:
+                print(f"{damaged[0]}; resuming from {path.name} (step {state['step']})", file=sys.stderr)
+            changed = settings_changed(state["settings"], self.config) if "settings" in state else []
+            if changed:
+                raise ConfigError(f"{path} is a checkpoint of a run with other settings ({'; '.join(changed)}): use another "
+                                  "--out, or delete the folder to start over")
+            return state
+        if damaged:
+            raise ConfigError(f"config key 'out': {'; '.join(damaged)}: delete {' and '.join(p.name for p in candidates)} "
+                              f"in {self.out} to start the run over")
+        return None
+
     def maybe_resume(self) -> None:
-        path = self.out / CHECKPOINT_FILE
-        if not path.exists():
+        state = self._load_checkpoint()
+        if state is None:
             # nothing to resume: metrics of an attempt stopped before its first checkpoint are redone
             (self.out / METRICS_FILE).unlink(missing_ok=True)
             return
-        state = torch.load(path, weights_only=False)
         self.model.load_state_dict(state["model"])
         self.learner.optimizer.load_state_dict(state["optimizer"])
         self.rollouts.load_state_dict(state["rollouts"])
         self.snapshots = state["snapshots"]
-        self.step = state["step"]
+        self.step = self.checkpointed_step = state["step"]
         metrics = self.out / METRICS_FILE
         # a finished run's lines are all kept, its final one too; otherwise the steps after the checkpoint are redone
         if metrics.exists() and not is_finished(self.out):
@@ -458,7 +508,3 @@ def metric_lines(run: Path) -> list[tuple[int, str]]:
     except MetricsProblem as error:
         raise ConfigError(f"config key 'out': {error}; repair or remove that line, or start the run over in another folder") from None
     return [(int(record["step"]), line) for line, record in records]
-
-
-def train(config: SimConfig) -> Path:
-    return Trainer(config).run()
