@@ -156,14 +156,14 @@ def test_the_eval_options_of_a_multi_turn_config_read_back_as_the_same_settings(
     multi_turn = {**verl_multi_turn_defaults(), "enable": True, "max_assistant_turns": 5,
                   "tool_config_path": str(TOOL_CONFIG), "max_tool_response_length": 1024}  # fmt: skip
     options = tool_use_options(multi_turn)
-    args = parse_args(["--model", "m", "--benchmarks", "aime25", "--out", "o", *options])
+    args = parse_args(["--model", "org/m", "--benchmarks", "aime25", "--out", "o", *options])
     assert args.tool_use == tool_use(tool_config=TOOL_CONFIG)
     assert tool_use_options({**multi_turn, "enable": False}) == []
     with pytest.raises(ValueError, match="needs a turn limit"):
         tool_use_options({**multi_turn, "max_assistant_turns": None})
     with pytest.raises(ValueError, match=r"does not reproduce \['max_user_turns'\]"):
         tool_use_options({**multi_turn, "max_user_turns": 3})
-    required = ["--model", "m", "--benchmarks", "aime25", "--out", "o"]
+    required = ["--model", "org/m", "--benchmarks", "aime25", "--out", "o"]
     assert parse_args(required).tool_use is None
     defaults = parse_args([*required, EVAL_OPTIONS["tool_config"], str(TOOL_CONFIG), "--max-turns", "2"]).tool_use
     assert (defaults.max_tool_response_length, defaults.tool_response_truncate_side) == (256, "middle")  # verl's

@@ -20,6 +20,7 @@ from vcpo.evaluation import (
     pass_at_k,
 )
 from vcpo.evaluation.generation import is_hub_id
+from vcpo.evaluation.harness import EvaluationInputError
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS_FILE = REPO / "recipes" / "benchmarks.yaml"
@@ -267,7 +268,7 @@ def test_cli_answer_format_option(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     from vcpo.evaluation.__main__ import parse_args
 
-    required = ["--model", "m", "--benchmarks", "gsm8k", "--out", "o"]
+    required = ["--model", "org/m", "--benchmarks", "gsm8k", "--out", "o"]
     assert parse_args(required).answer_format is None  # each benchmark's own (strict unless it says)
     assert parse_args([*required, "--answer-format", "lenient"]).answer_format == "lenient"
     with pytest.raises(SystemExit):
@@ -276,7 +277,7 @@ def test_cli_answer_format_option(monkeypatch):
 
 def test_source_dir_without_the_benchmark_file_is_reported(tmp_path):
     (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"])
-    with pytest.raises(FileNotFoundError, match="gsm8k/test.jsonl"):
+    with pytest.raises(EvaluationInputError, match="gsm8k/test.jsonl"):
         evaluate_benchmark(ScriptedGenerator([], []), gsm8k, tmp_path, source_dir=tmp_path)
 
 
@@ -294,3 +295,43 @@ def test_org_name_below_a_local_folder_is_a_missing_local_model(tmp_path, monkey
     assert is_hub_id("results/final")
     (tmp_path / "results").mkdir()
     assert not is_hub_id("results/final")
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--model", "results/missing/final"], "--model results/missing/final: no such folder"),
+        (["--benchmarks", "gsm8k,nope"], "unknown benchmark(s) ['nope']"),
+        (["--benchmarks-file", "{tmp}/bad.yaml"], "bad.yaml: not valid YAML (line 3)"),
+        (["--benchmarks-file", "{tmp}/nosplit.yaml"], "nosplit.yaml: benchmark 'gsm8k' needs 'task' and 'split'"),
+        (["--benchmarks-file", "{tmp}/absent.yaml"], "absent.yaml: no such benchmarks file"),
+        (["--source-dir", "{tmp}/data"], "no rows for task 'gsm8k', split 'test' in"),
+        (["--out", "{tmp}/done"], "holds an earlier evaluation (summary.json): pass --overwrite"),
+    ],
+    ids=["missing-model", "unknown-benchmark", "bad-yaml", "no-split", "no-file", "empty-data", "earlier-evaluation"],
+)
+def test_the_cli_answers_bad_input_in_one_line_before_loading_a_model(tmp_path, monkeypatch, capsys, arguments, message):
+    """Each input error is one line naming the argument or file, found before any model is loaded."""
+    import vcpo.evaluation.harness as harness
+    from vcpo.evaluation.__main__ import main
+
+    (tmp_path / "bad.yaml").write_text("benchmarks:\n  gsm8k: [task: gsm8k\n")
+    (tmp_path / "nosplit.yaml").write_text("benchmarks:\n  gsm8k: {task: gsm8k, n: 1}\n")
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "data" / "gsm8k" / "test.jsonl").write_text("")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "summary.json").write_text("{}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(harness, "make_generator", lambda *a, **k: pytest.fail("a model was loaded"))
+    given = {"--model": str(model), "--benchmarks": "gsm8k", "--out": str(tmp_path / "out"),
+             **dict(zip(arguments[::2], [a.format(tmp=tmp_path) for a in arguments[1::2]], strict=True))}
+    argv = [item for pair in given.items() for item in pair]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    said = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in said
+    assert message in said.strip().splitlines()[-1], said

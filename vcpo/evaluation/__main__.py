@@ -16,6 +16,8 @@ from verl.experimental.agent_loop.tool_parser import ToolParser
 
 from vcpo.cli import output_folder_problem
 from vcpo.evaluation import BACKENDS, run_evaluation
+from vcpo.evaluation.generation import is_hub_id
+from vcpo.evaluation.harness import SUMMARY_FILE, EvaluationInputError
 from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl_multi_turn_defaults
 from vcpo.recipes import recipes_dir
 from vcpo.rewards import ANSWER_FORMATS
@@ -32,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
     parser.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE)
     parser.add_argument("--n", type=int, help="samples per problem (default: per benchmark)")
     parser.add_argument("--temperature", type=float)
@@ -91,6 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(
             f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)"
         )
+    if not model.exists() and not is_hub_id(args.model):
+        parser.error(f"--model {args.model}: no such folder (and not a hub id, which reads org/name)")
+    if (args.out / SUMMARY_FILE).exists() and not args.overwrite:
+        parser.error(f"--out {args.out} holds an earlier evaluation ({SUMMARY_FILE}): pass --overwrite to replace it, "
+                     "or choose another --out")
     if args.source_dir is not None and not args.source_dir.is_dir():
         parser.error(f"--source-dir {args.source_dir}: no such folder")
     if problem := output_folder_problem(args.out):
@@ -101,7 +109,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    summary = run_evaluation(
+    try:
+        summary = evaluate(args)
+    except EvaluationInputError as error:  # found before any model is loaded
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for name, result in summary["results"].items():
+        n = result["sampling"]["n"]
+        for answer_format, metrics in result["by_answer_format"].items():
+            pass_at_k = ", ".join(f"pass@{k} {value:.3f}" for k, value in metrics["pass_at_k"].items())
+            primary = " (primary)" if answer_format == result["answer_format"] else ""
+            print(f"{name} [{answer_format}{primary}]: mean@{n} {metrics['mean_at_n']:.3f}, {pass_at_k}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    return run_evaluation(
         args.model,
         args.benchmark_names,
         args.out,
@@ -120,13 +143,6 @@ def main(argv=None) -> int:
         answer_format=args.answer_format,
         tool_use=args.tool_use,
     )
-    for name, result in summary["results"].items():
-        n = result["sampling"]["n"]
-        for answer_format, metrics in result["by_answer_format"].items():
-            pass_at_k = ", ".join(f"pass@{k} {value:.3f}" for k, value in metrics["pass_at_k"].items())
-            primary = " (primary)" if answer_format == result["answer_format"] else ""
-            print(f"{name} [{answer_format}{primary}]: mean@{n} {metrics['mean_at_n']:.3f}, {pass_at_k}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -57,6 +57,14 @@ class Benchmark:
             )
 
 
+SUMMARY_FILE = "summary.json"  # an evaluation's results, in --out and in each benchmark's folder
+
+
+class EvaluationInputError(ValueError):
+    """An input of an evaluation (benchmarks file, benchmark data) that cannot be used: found before any
+    model is loaded, said in one line naming the file."""
+
+
 def load_benchmarks(
     path: str | Path,
     names: list[str],
@@ -67,12 +75,21 @@ def load_benchmarks(
     """The benchmarks ``names`` from a benchmarks YAML (``defaults`` + ``benchmarks``), with sampling
     ``overrides`` (keys of SamplingParams; None values ignored) applied on top of both, and
     ``answer_format`` (when not None) replacing every benchmark's primary answer format."""
-    spec = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    try:
+        spec = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise EvaluationInputError(f"{path}: no such benchmarks file") from None
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        raise EvaluationInputError(f"{path}: not valid YAML{f' (line {where.line + 1})' if where else ''}: "
+                                   f"{getattr(error, 'problem', None) or error}") from None
+    if not isinstance(spec, dict):
+        raise EvaluationInputError(f"{path}: expected a mapping with 'benchmarks' (and 'defaults'), got {type(spec).__name__}")
     defaults, definitions = spec.get("defaults", {}), spec.get("benchmarks", {})
     overrides = {key: value for key, value in (overrides or {}).items() if value is not None}
     unknown_names = [name for name in names if name not in definitions]
     if unknown_names:
-        raise ValueError(f"{path}: unknown benchmark(s) {unknown_names}; defined: {sorted(definitions)}")
+        raise EvaluationInputError(f"{path}: unknown benchmark(s) {unknown_names}; defined: {sorted(definitions)}")
     benchmarks = []
     for name in names:
         definition = {**defaults, **definitions[name]}
@@ -81,23 +98,40 @@ def load_benchmarks(
         defined_format = definition.pop("answer_format", "strict")
         primary_format = answer_format or defined_format
         if task is None or split is None or definition:
-            raise ValueError(
+            raise EvaluationInputError(
                 f"{path}: benchmark {name!r} needs 'task' and 'split' and only 'answer_format' and sampling "
                 f"keys {sorted(_SAMPLING_KEYS)}; unexpected: {sorted(definition)}"
             )
         if task not in data.TASKS:
-            raise ValueError(f"{path}: benchmark {name!r}: unknown task {task!r}; tasks: {sorted(data.TASKS)}")
+            raise EvaluationInputError(f"{path}: benchmark {name!r}: unknown task {task!r}; tasks: {sorted(data.TASKS)}")
         try:
             sampling = SamplingParams(**settings)
         except TypeError as error:
-            raise ValueError(f"{path}: benchmark {name!r}: incomplete sampling settings {settings}") from error
+            raise EvaluationInputError(f"{path}: benchmark {name!r}: incomplete sampling settings {settings}") from error
         try:
             benchmarks.append(
                 Benchmark(name=name, task=task, split=split, sampling=sampling, answer_format=primary_format)
             )
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from error
+            raise EvaluationInputError(f"{path}: {error}") from error
     return benchmarks
+
+
+def benchmark_rows(benchmark: Benchmark, limit: int | None = None, source_dir: str | Path | None = None) -> list[dict]:
+    """The first ``limit`` problems of a benchmark, from the hub or ``source_dir``; none, or a file that
+    cannot be read, is an EvaluationInputError naming the benchmark and the file."""
+    source = None
+    try:
+        source = local_benchmark_file(benchmark, source_dir) if source_dir is not None else None
+        rows = data.load_rows(benchmark.task, benchmark.split, source=source)[:limit]
+    except (OSError, ValueError, KeyError) as error:
+        raise EvaluationInputError(f"benchmark {benchmark.name!r} ({source or source_dir or 'the hub'}): {error}") from None
+    if not rows:
+        raise EvaluationInputError(
+            f"benchmark {benchmark.name!r}: no rows for task {benchmark.task!r}, split {benchmark.split!r}"
+            f"{f' in {source}' if source else ''}"
+        )
+    return rows
 
 
 def evaluate_benchmark(
@@ -108,19 +142,15 @@ def evaluate_benchmark(
     limit: int | None = None,
     source_dir: str | Path | None = None,
     run_info: dict[str, Any] | None = None,
+    rows: list[dict] | None = None,
 ) -> dict[str, Any]:
     """Generate, score and write ``out_dir/<benchmark>/{samples.jsonl,summary.json}``; return the summary.
 
     Problems come from the hub, or from ``source_dir`` laid out like the shared data folder
     (``gsm8k/test.jsonl``, ...). ``run_info`` (model, backend, ...) is copied into the summary so that
-    it names what produced it.
+    it names what produced it. ``rows``: the benchmark's problems when already loaded (``benchmark_rows``).
     """
-    source = local_benchmark_file(benchmark, source_dir) if source_dir is not None else None
-    rows = data.load_rows(benchmark.task, benchmark.split, source=source)[:limit]
-    if not rows:
-        raise ValueError(
-            f"benchmark {benchmark.name!r}: no rows for task {benchmark.task!r}, split {benchmark.split!r}"
-        )
+    rows = benchmark_rows(benchmark, limit, source_dir) if rows is None else rows
     records, measured = evaluate_rows(generator, rows, benchmark.sampling, benchmark.answer_format, benchmark.name)
     summary = {
         **(run_info or {}),
@@ -135,7 +165,7 @@ def evaluate_benchmark(
     with open(benchmark_dir / "samples.jsonl", "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    _write_json(benchmark_dir / "summary.json", summary)
+    _write_json(benchmark_dir / SUMMARY_FILE, summary)
     return summary
 
 
@@ -292,6 +322,7 @@ def run_evaluation(
     benchmarks = load_benchmarks(
         benchmarks_file, benchmark_names, {**(sampling_overrides or {}), "seed": seed}, answer_format=answer_format
     )
+    problems = {benchmark.name: benchmark_rows(benchmark, limit, source_dir) for benchmark in benchmarks}  # before the model
     generator = make_generator(backend, model, batch_size=batch_size, seed=seed)
     backend_name = type(generator).__name__
     if tool_use is not None:
@@ -307,11 +338,11 @@ def run_evaluation(
     }
     results = {
         benchmark.name: evaluate_benchmark(
-            generator, benchmark, out_dir, limit=limit, source_dir=source_dir, run_info=run_info
+            generator, benchmark, out_dir, limit=limit, source_dir=source_dir, run_info=run_info, rows=problems[benchmark.name]
         )
         for benchmark in benchmarks
     }
     summary = {**run_info, "results": results}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    _write_json(Path(out_dir) / "summary.json", summary)
+    _write_json(Path(out_dir) / SUMMARY_FILE, summary)
     return summary
