@@ -375,3 +375,74 @@ def test_a_full_disk_says_so_and_leaves_no_partial_file(base, tmp_path, monkeypa
     error = capsys.readouterr().err
     assert "no space left on device?" in error and "MiB free" in error and "unexpected pos" in error
     assert not list(out.glob("*.tmp"))
+
+
+def study_design(base, tmp_path, steps: int):
+    """A one-run study (sync, from the test's random base, ``steps`` steps) for the evidence runner."""
+    from vcpo.studies.evidence import Arm, Design
+
+    config = tmp_path / "study.yaml"
+    config.write_text("task: countdown\nmodel_size: tiny\n")
+    settings = {"base": str(base), "steps": steps, "eval_every": 0, "test_problems": 4, "test_samples": 1,
+                "prompts_per_step": 2, "responses_per_prompt": 2, "micro_batch_size": 4}
+    return Design(seeds=[0], configs={"countdown": str(config)}, settings={"countdown": settings},
+                  arms=[Arm("countdown", "sync", "sync", 1)])
+
+
+def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp_path, capsys):
+    import threading
+
+    from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock
+    from vcpo.studies.evidence import run_all, run_folder
+
+    design, runs, archive = study_design(base, tmp_path, 6), tmp_path / "runs", tmp_path / "archive"
+    with run_folder_lock(runs), pytest.raises(FolderInUse, match="is in use by"):
+        run_all(design, runs, 1, None, archive=archive)  # a second runner on the folder: refused at once
+    folder = run_folder(runs, design.arms[0], 0)
+    held, release = threading.Event(), threading.Event()
+
+    def earlier_training():  # a run left going by a runner that was killed
+        with exclusive(folder / LOCK_FILE, wait=False):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=earlier_training)
+    holder.start()
+    held.wait(10)
+    threading.Timer(1.0, release.set).start()
+    assert run_all(design, runs, 1, None, archive=archive) == 0  # waited for it, then ran: not a failure
+    holder.join()
+    assert "waiting:" in capsys.readouterr().out and (archive / "countdown" / "sync" / "seed0" / "final" / "eval.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
+    import yaml
+
+    from vcpo.locks import run_folder_lock
+    from vcpo.studies.evidence import run_folder
+
+    design = study_design(base, tmp_path, 400)
+    spec = {"seeds": [0], "tasks": {"countdown": {"config": design.configs["countdown"], "settings": design.settings["countdown"],
+                                                  "arms": {"sync": {"method": "sync", "phase": 1}}}}}
+    (tmp_path / "design.yaml").write_text(yaml.safe_dump(spec))
+    runs = tmp_path / "runs"
+    runner = subprocess.Popen([sys.executable, "-m", "vcpo.studies.evidence", "--design", str(tmp_path / "design.yaml"), "run",
+                               "--out", str(runs), "--archive", str(tmp_path / "archive"), "--jobs", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_folder(runs, design.arms[0], 0) / METRICS_FILE
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), "the training child never started"
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with run_folder_lock(metrics.parent):  # free: the child is gone
+                break
+        except Exception:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the training child outlived its runner")

@@ -11,7 +11,8 @@ the functions below, as evidence.md registers them.
 
 ``run`` builds each replicate's SFT base first (one process per base), then trains every run not
 finished yet, ``--jobs`` at a time with one torch thread each; an interrupted run resumes from its
-checkpoint. Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each finished one is archived (``ARCHIVE``, the same
+checkpoint. One runner per study folder (a second is refused); its training children die with it, and
+a restarted runner waits for a run still going in its folder instead of counting it failed. Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each finished one is archived (``ARCHIVE``, the same
 layout, committed: config, final evaluation, the metrics the study reads), and a run archived there counts as
 done on any machine. ``rows`` writes one JSON line per archived run (what ``report`` reads, and the command
 that re-runs it); ``report`` writes the statistics.
@@ -20,9 +21,11 @@ that re-runs it); ``report`` writes the statistics.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import math
+import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.locks import write_atomic
+from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock, write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.recipes import recipes_dir
 from vcpo.reporting.runs import read_metrics
@@ -205,7 +208,30 @@ def sim_task(design: Design, arm: Arm) -> str:
     return design.settings[arm.task].get("task") or load_config_file(design.configs[arm.task]).task
 
 
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the runner that started it dies, however it dies (Linux)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def wait_for_an_earlier_writer(folder: Path) -> None:
+    """A run still going in ``folder`` (started by a runner that was killed before children died with it)
+    is waited for, then resumed or found finished, not reported as a failure."""
+    try:
+        with run_folder_lock(folder):
+            return
+    except FolderInUse as busy:
+        print(f"waiting: {busy}", flush=True)
+    with exclusive(Path(folder) / LOCK_FILE, wait=True):
+        return
+
+
 def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
+    """``_run_all`` under the study folder's lock: one runner per folder (a second is refused at once)."""
+    with run_folder_lock(root):
+        return _run_all(design, root, jobs, phases, archive)
+
+
+def _run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
     """Every unarchived run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
     SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
     (``lr_scale_from``, ``lr_from_mean_scale_of``); each finished run is archived. Returns the number of
@@ -222,6 +248,8 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
             for item in pending:
                 arm, seed = item
                 base = (sim_task(design, arm), seed)
+                if "base" in design.settings[arm.task]:  # the design names the model its runs start from
+                    bases[base] = "done"
                 if bases.get(base) is None:
                     bases[base] = "building"
                     return ("base", base)
@@ -245,8 +273,10 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
             command = command_line(design, arm, settings, str(out))
             log_path, label = out / "train.log", f"{arm.task}/{arm.name} seed {seed}"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "run":
+            wait_for_an_earlier_writer(out)
         with open(log_path, "a") as log:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent).returncode
         if kind == "run" and not code:
             archive_run(out, run_folder(archive, arm, seed))
         return label, code
@@ -573,7 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.jobs < 1:
             parser.error("--jobs must be >= 1")
-        return 1 if run_all(design, args.out, args.jobs, args.phase, args.archive) else 0
+        try:
+            return 1 if run_all(design, args.out, args.jobs, args.phase, args.archive) else 0
+        except FolderInUse as busy:  # another runner on this study folder
+            print(f"error: {busy}", file=sys.stderr)
+            return 2
     if args.command == "archive":
         print(f"{archive_finished(design, args.runs, args.archive, again=True)} finished runs -> {args.archive}")
         return 0
