@@ -270,8 +270,11 @@ def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="size must be >= 1"):
         load_rows("countdown", "train", size=0)
     no_answer = write_jsonl(tmp_path / "test.jsonl", [{"problem": "P", "solution": "no box here"}])
-    with pytest.raises(ValueError, match=r"record 0: no answer"):
+    with pytest.raises(ValueError, match=r"record 1: no answer"):  # records count from 1, as lines do
         load_rows("math500", "test", source=no_answer)
+    second_lacks_answer = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "Q", "answer": "x #### 1"}, {"question": "Q2"}])
+    with pytest.raises(ValueError, match=r"record 2: no 'answer' field \(nor 'reward_model.ground_truth'\) in record with keys \['question'\]"):
+        load_rows("gsm8k", "test", source=second_lacks_answer)
 
 
 def test_every_task_has_a_reward():

@@ -374,3 +374,21 @@ def test_plain_snakemake_at_the_root_plans_the_smoke_reproduction(tmp_path):
     root, workflow = jobs(), jobs("-s", "workflows/Snakefile")
     assert workflow["train"] > 50 and workflow["sft_base"] == 2
     assert root.pop("reproduce") == workflow.pop("all") == 1 and root == workflow  # the same jobs, target aside
+
+
+def test_a_config_that_breaks_the_schema_is_one_line_naming_where(tmp_path):
+    from vcpo.reproduction import schema_problem
+
+    schema = REPO / "workflows/schemas/config.schema.yaml"
+    assert schema_problem(copy.deepcopy(config("ci")), schema) is None
+    missing = {k: v for k, v in copy.deepcopy(config("ci")).items() if k != "seeds"}
+    assert schema_problem(missing, schema) == "the top level: 'seeds' is a required property"
+    assert schema_problem(broken("ci", lags={"10": -1}), schema).startswith("lags/10: -1 is less than")
+    # through Snakemake: the line, not the schema after it
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(missing))
+    command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "--quiet", "rules",
+               "--configfile", str(tmp_path / "broken.yaml")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    said = result.stdout + result.stderr
+    assert result.returncode != 0 and "workflow config: the top level: 'seeds' is a required property" in said
+    assert "$schema" not in said and "description" not in said and len(said.strip().splitlines()) <= 6, said

@@ -224,6 +224,21 @@ def _check_data(config: dict[str, Any]) -> None:
         raise WorkflowConfigError(f"data.source_dir: {source!r} is not a folder (local benchmark files: <benchmark>/<split>.jsonl, see docs/data_rewards_evaluation.md)")
 
 
+def schema_problem(config: dict[str, Any], schema_path: Path) -> str | None:
+    """The config's most relevant violation of the workflow's JSON schema in one line (where, what), or
+    None; Snakemake's own message appends the whole schema."""
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(config))
+    if error is None:
+        return None
+    where = "/".join(map(str, error.absolute_path)) or "the top level"
+    return f"{where}: {error.message}"
+
+
 def plan(config: dict[str, Any]) -> Plan:
     """Every figure's runs, merged; Table 1's runs; checked against the methods and the backend."""
     from vcpo.reporting import figure_specs, runs_needed

@@ -79,7 +79,7 @@ def _benchmark_rows(spec: DatasetSpec, split: str, records: list[dict], source) 
         try:
             question, gold = question_of(record), gold_of(record, spec)
         except ValueError as error:
-            raise ValueError(f"{source or spec.hub_id}, record {index}: {error}") from None
+            raise ValueError(f"{source or spec.hub_id}, record {index + 1}: {error}") from None  # 1-based, as an editor counts
         if spec.dedupe_by_question and question in gold_by_question:
             conflicts += gold_by_question[question] != gold
             continue

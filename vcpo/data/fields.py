@@ -36,6 +36,8 @@ def gold_of(record: dict[str, Any], task: DatasetSpec) -> str:
     """The gold final answer of ``record`` as a normalised string."""
     answer = _answer_field(record)
     if task.gold_rule == GOLD_AFTER_HASHES:
+        if answer is None:
+            raise ValueError(f"no 'answer' field (nor 'reward_model.ground_truth') in record with keys {sorted(record)}")
         return gsm8k_final_answer(str(answer))
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         solution = _first_field(record, ("solution",))
