@@ -162,9 +162,17 @@ def test_countdown_set_is_cached_on_disk(tmp_path, monkeypatch):
     def regenerate(*_args):
         raise AssertionError("the cached set must be read, not generated again")
 
-    monkeypatch.setattr(countdown, "_distinct_puzzles", regenerate)
-    countdown._train_and_validation.cache_clear()
-    assert countdown_split("validation", size=30, seed=5) == first
+    with monkeypatch.context() as patch:
+        patch.setattr(countdown, "_distinct_puzzles", regenerate)
+        countdown._train_and_validation.cache_clear()
+        assert countdown_split("validation", size=30, seed=5) == first
+    # a damaged cached set (truncated; or parseable but altered) is generated again, the same
+    (cached,) = tmp_path.glob("countdown-30-seed5-rg*.json")
+    text = cached.read_text()
+    for damaged in (text[: len(text) // 2], text.replace("1", "2", 1)):
+        cached.write_text(damaged)
+        countdown._train_and_validation.cache_clear()
+        assert countdown_split("validation", size=30, seed=5) == first and cached.read_text() == text
     countdown._train_and_validation.cache_clear()
 
 

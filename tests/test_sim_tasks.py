@@ -96,6 +96,23 @@ def test_prompts_fit_the_token_budget(name):
     assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_damaged_cached_base_is_found_and_built_again(tmp_path, capsys):
+    """A cached base's files are checked against the digests recorded when it was built: a truncated
+    weights file, flipped bytes or a lost tokenizer is named in one line and the base rebuilt."""
+    task = small("arithmetic", train_size=64, validation_size=8)
+    path = base.sft_base(task, "tiny", steps=3, cache_dir=tmp_path, progress=False)
+    weights = path / "model.safetensors"
+    damages = (lambda: weights.write_bytes(weights.read_bytes()[:100]),
+               lambda: weights.write_bytes(bytes(b ^ 0xFF if i == 4000 else b for i, b in enumerate(weights.read_bytes()))),
+               lambda: (path / "tokenizer.json").unlink())
+    for damage in damages:
+        damage()
+        assert base.damage(path) is not None
+        assert base.sft_base(task, "tiny", steps=3, cache_dir=tmp_path, progress=False) == path
+        assert f"SFT base {path} is damaged" in capsys.readouterr().err
+        assert base.damage(path) is None and AutoModelForCausalLM.from_pretrained(path).config.model_type == "qwen2"
+
+
 def test_sft_base_writes_a_loadable_model_once(tmp_path, monkeypatch):
     task = small("arithmetic", train_size=64, validation_size=8)
     calls = []

@@ -9,9 +9,11 @@ can never share a puzzle.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,11 +73,20 @@ def _cached_distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
     import reasoning_gym
 
     path = cache_dir() / f"countdown-{size}-seed{seed}-rg{reasoning_gym.__version__}.json"
+    digest_path = path.with_name(path.name + ".sha256")  # written with the set, checked at every read
     if path.exists():
-        return json.loads(path.read_text())
+        text = path.read_text()
+        recorded = digest_path.read_text().strip() if digest_path.exists() else None
+        try:
+            if recorded not in (None, hashlib.sha256(text.encode()).hexdigest()):
+                raise ValueError("its content differs from the digest recorded when it was generated")
+            return json.loads(text)
+        except ValueError as error:  # JSONDecodeError included: a truncated or altered file
+            print(f"{path} is damaged ({error}): generating it again", file=sys.stderr)
     text = json.dumps(_distinct_puzzles(size, seed))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text)  # concurrent builders never read a half-written set
+    write_atomic(digest_path, hashlib.sha256(text.encode()).hexdigest() + "\n")
     return json.loads(text)  # the same values (lists, not tuples) as a later cached read
 
 

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -155,12 +156,35 @@ def sft_base(
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = root / f"sft-{sim_task.name}-{size}-seed{seed}-{digest}"
-    if (path / INFO_FILE).exists():
+    if (path / INFO_FILE).exists() and (problem := damage(path)) is None:
         return path
     with cache_entry_lock(path):  # one builder per base: a second one waits, then finds it built
+        if (path / INFO_FILE).exists() and (problem := damage(path)) is not None:
+            print(f"SFT base {path} is damaged ({problem}): building it again", file=sys.stderr)
+            shutil.rmtree(path)
         if not (path / INFO_FILE).exists():
             _build_base(path, sim_task, size, seed, settings, progress, device)
     return path
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a base folder but its info file (which records them)."""
+    return {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in sorted(Path(folder).iterdir())
+            if file.is_file() and file.name != INFO_FILE}
+
+
+def damage(folder: Path) -> str | None:
+    """What differs from the files a base was built with (None: intact). A base cached before its files
+    were recorded is taken as it is."""
+    try:
+        recorded = json.loads((Path(folder) / INFO_FILE).read_text()).get("files")
+    except (OSError, json.JSONDecodeError) as error:
+        return f"{INFO_FILE} unreadable: {error}"
+    if recorded is None:
+        return None
+    now = file_digests(folder)
+    changed = sorted(name for name in recorded if now.get(name) != recorded[name])
+    return f"{', '.join(changed)}: missing or changed" if changed else None
 
 
 def _build_base(path: Path, sim_task: SimTask, size: str, seed: int, settings: dict, progress: bool, device: str) -> None:
@@ -177,6 +201,7 @@ def _build_base(path: Path, sim_task: SimTask, size: str, seed: int, settings: d
         info["settings"] = settings
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+        info["files"] = file_digests(partial)  # checked at every use: a damaged base is rebuilt, never loaded
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         partial.rename(path)  # atomic: a folder at ``path`` is always complete
     finally:
