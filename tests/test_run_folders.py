@@ -200,10 +200,10 @@ def test_a_write_cut_short_leaves_the_old_file_whole(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", crash_halfway)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=f"No space left on device while writing {target}"):
         write_atomic(target, "new content, longer than the old")
     monkeypatch.undo()
-    assert target.read_text() == "old content"
+    assert target.read_text() == "old content" and [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no partial left
     write_atomic(target, "new content")
     assert target.read_text() == "new content"
 

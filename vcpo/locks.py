@@ -68,5 +68,9 @@ def cache_entry_lock(entry: Path) -> contextlib.AbstractContextManager[None]:
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path``'s content with ``text`` so that a crash leaves the old file or the new, never half."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
+    try:
+        partial.write_text(text)
+    except OSError as error:  # a full disk, say: nothing half-written is left, and the file is named
+        partial.unlink(missing_ok=True)
+        raise OSError(error.errno, f"{error.strerror or error} while writing {path}") from None
     partial.replace(path)
