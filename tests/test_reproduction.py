@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_verl_cpu_trainer import check_sync_run, check_vcpo_lag1_run
+
 from vcpo.methods import list_methods
 from vcpo.reproduction import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings
 
@@ -349,6 +351,12 @@ def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_p
         assert max(steps) == 3  # verl's file logger, three steps
         summary = json.loads((runs / run / "eval" / "summary.json").read_text())
         assert "global_step_3/actor/huggingface" in summary["model"] and summary["results"]["countdown"]["num_problems"] == 8
+
+    def training_records(run: str) -> list[dict]:  # step 0 holds only the validation before training
+        return [r for r in map(json.loads, (runs / run / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+
+    check_sync_run(training_records("sync/lag0/seed0"), 3)  # verl's sync trainer, on policy
+    check_vcpo_lag1_run(training_records("vcpo/lag1/seed0"), (results / "logs" / "train" / "countdown-vcpo-lag1-seed0.log").read_text(), 3)
     assert json.loads((runs / "base" / "eval" / "summary.json").read_text())["model"].endswith("random_model")
     table = (results / "tables" / "table1.md").read_text()
     assert "missing" not in table.split("| Base")[1].split("\n")[0]  # the base model's evaluation

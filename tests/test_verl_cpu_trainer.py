@@ -83,21 +83,18 @@ def check_checkpoint(out: Path, step: int) -> None:
     assert (actor / "huggingface" / "config.json").exists()
 
 
-# ------------------------------------------------------------------------------------------- slow: e2e
+# --------------------------------------- the end-to-end runs' checks (tests/test_reproduction.py runs them)
 OPOB_METRICS = ("actor/opob_baseline", "actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min")
 
 
-@pytest.mark.slow
-def test_vcpo_lag1_through_verls_separate_async_trainer(tmp_path):
-    """``vcpo.launch``'s gsm8k / vcpo run at lag 1 (PipelineRL-1 on ``separate_async``: a trainer worker and a
-    standalone ``hf`` rollout replica, weights synced through the object-store checkpoint engine after every
-    step), run by verl's trainer with the vcpo engine: seq-TIS, OPOB in the backward, ESS step size."""
-    out = tmp_path / "vcpo"
-    records, output = run_cpu_recipe(out, "--task", "gsm8k", "--method", "vcpo", "--lag", "1", "--steps", "3")
-    check_training_steps(records, 3)
+def check_vcpo_lag1_run(records: list[dict], output: str, steps: int) -> None:
+    """A vcpo run at lag 1 (PipelineRL-1 on ``separate_async``: a trainer worker and a standalone ``hf``
+    rollout replica, weights synced through the object-store checkpoint engine after every step), run by
+    verl's trainer with the vcpo engine: seq-TIS, OPOB in the backward, the ESS step size. ``output``: its log."""
+    check_training_steps(records, steps)
     assert "'loss_mode': 'seq_tis'" in output and "'model_type': 'vcpo_language_model'" in output
     staleness = [int(finite(r, STALENESS)) for r in records]
-    assert staleness == [0, 1, 1], f"after the warm-up batch every step trains on lag-1 data: {staleness}"
+    assert staleness == [0] + [1] * (steps - 1), f"after the warm-up batch every step trains on lag-1 data: {staleness}"
     for record, lag in zip(records, staleness, strict=True):
         if lag == 0:  # bypass mode: old_log_probs = rollout log-probs, so on-policy weights are 1
             check_on_policy_log_probs(record)
@@ -112,19 +109,14 @@ def test_vcpo_lag1_through_verls_separate_async_trainer(tmp_path):
         assert finite(record, "actor/opob_packed") == 1.0  # on verl's packed (remove-padding) micro-batches
         assert finite(record, "actor/rollout_corr/seq_ess_ratio") <= 1.0 + 1e-9
     assert min(finite(r, "actor/lr_scale") for r in records[1:]) < 1.0
-    check_checkpoint(out, 3)
 
 
-@pytest.mark.slow
-def test_sync_through_verls_sync_trainer(tmp_path):
-    """``vcpo.launch``'s gsm8k / sync run (lag 0: verl's V1 ``sync`` trainer, colocated), seq-TIS c = 8."""
-    out = tmp_path / "sync"
-    records, _ = run_cpu_recipe(out, "--task", "gsm8k", "--method", "sync", "--steps", "2")
-    check_training_steps(records, 2)
+def check_sync_run(records: list[dict], steps: int) -> None:
+    """A sync run (lag 0: verl's V1 ``sync`` trainer, colocated), seq-TIS c = 8: on-policy every step."""
+    check_training_steps(records, steps)
     for record in records:
         assert int(finite(record, STALENESS)) == 0
         check_on_policy_log_probs(record)
-    check_checkpoint(out, 2)
 
 
 # ------------------------------------------------------------------------------------------------- fast
