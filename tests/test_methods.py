@@ -174,7 +174,7 @@ def test_cli_show_prints_the_resolved_preset():
 
 def test_opob_only_is_an_alias_of_tis_opob_so_one_run_serves_both():
     from vcpo.methods import aliases, list_methods
-    from vcpo.reproduction import plan
+    from vcpo.workflow_plan import plan
 
     assert get_method("opob_only") is get_method("tis_opob") and get_method("opob_only").name == "tis_opob"
     assert aliases() == {"opob_only": "tis_opob"}

@@ -17,7 +17,7 @@ import yaml
 from test_verl_cpu_trainer import check_sync_run, check_vcpo_lag1_run
 
 from vcpo.methods import list_methods
-from vcpo.reproduction import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings
+from vcpo.workflow_plan import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
@@ -146,7 +146,7 @@ def test_the_schema_refuses_bad_values(changes, key):
 def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
     """The workflow's sim_config: its values reach every run's validation, its model size the SFT base,
     a bad key in it names the file and the run, and the workflow's own sim settings win over it."""
-    from vcpo.reproduction import sim_base_args, sim_start
+    from vcpo.workflow_plan import sim_base_args, sim_start
 
     regime = tmp_path / "regime.yaml"
     regime.write_text("lr: 1.5e-4\nmodel_size: small\nbase_seed: 3\n")
@@ -385,7 +385,7 @@ def test_plain_snakemake_at_the_root_plans_the_smoke_reproduction(tmp_path):
 
 
 def test_a_config_that_breaks_the_schema_is_one_line_naming_where(tmp_path):
-    from vcpo.reproduction import schema_problem
+    from vcpo.workflow_plan import schema_problem
 
     schema = REPO / "workflows/schemas/config.schema.yaml"
     assert schema_problem(copy.deepcopy(config("ci")), schema) is None

@@ -115,6 +115,6 @@ rule provenance:
     output:
         report(f"{R}/provenance.md", caption="../report/provenance.rst", category="Provenance"),
     run:
-        from vcpo.reproduction import provenance
+        from vcpo.workflow_plan import provenance
 
         Path(output[0]).write_text(provenance(config, REPO))
