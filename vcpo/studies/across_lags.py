@@ -84,8 +84,9 @@ def write_rows(design: Design, archive: Path, table: Path) -> list[dict]:
         for seed in design.seeds_of(arm.task):
             folder = run_folder(archive, arm, seed)
             if is_finished(folder):
-                rows.append({**run_row(design, arm, seed, archive), "study_task": arm.task,
-                             "validation_curve": validation_curve(read_metrics(folder))})
+                lines = read_metrics(folder)
+                rows.append({**run_row(design, arm, seed, archive, lines), "study_task": arm.task,
+                             "validation_curve": validation_curve(lines)})
     target = sync_target([row for row in rows if counts(row)])
     for row in rows:
         row["counts"] = counts(row)
@@ -223,9 +224,8 @@ def timing_command(design: Design, name: str, out: Path) -> list[str]:
     threads, an async arm with generation and training concurrent (one thread each)."""
     arm = design.arm("countdown", name)
     settings = run_settings(design, arm, 0, out)
-    command = command_line(design, arm, settings, str(out / name))[:-2]  # the runner's threads=1 progress=false
-    own = ["threads=2"] if arm.method == "sync" else ["threads=1", "execution=concurrent"]
-    return [*command, "eval_every=0", "test_problems=100", *own, "progress=false"]
+    own = ("threads=2",) if arm.method == "sync" else ("threads=1", "execution=concurrent")
+    return command_line(design, arm, settings, str(out / name), ("eval_every=0", "test_problems=100", *own, "progress=false"))
 
 
 def run_timing(design: Design, out: Path, table: Path) -> dict:
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         from vcpo.studies.across_lags_report import write_report
 
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
-        write_report(report(read_rows(args.table), design, timing_table), read_rows(args.table), args.out)
+        rows = read_rows(args.table)
+        write_report(report(rows, design, timing_table), rows, args.out)
     return 0
 
 

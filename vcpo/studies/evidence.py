@@ -197,10 +197,15 @@ def run_config(design: Design, arm: Arm, seed: int, root: Path, settings: dict) 
     return validate(dataclasses.replace(config, out=str(run_folder(root, arm, seed)), threads=1, progress=False))
 
 
-def command_line(design: Design, arm: Arm, settings: dict, out: str) -> list[str]:
+# how the runner runs every study run: one torch thread (two at a time on two cores), no progress bar in its log
+RUNNER_SETTINGS = ("threads=1", "progress=false")
+
+
+def command_line(design: Design, arm: Arm, settings: dict, out: str, runner_settings: tuple[str, ...] = RUNNER_SETTINGS) -> list[str]:
+    """The run's command; ``runner_settings``: those that change how it runs, not what it computes."""
     overrides = [f"{key}={value}" for key, value in settings.items() if key not in ("method", "seed")]
     return [sys.executable, "-m", "vcpo.sim", "train", "--config", design.configs[arm.task], "--method", arm.method,
-            "--seed", str(settings["seed"]), "--out", out, *overrides, "threads=1", "progress=false"]
+            "--seed", str(settings["seed"]), "--out", out, *overrides, *runner_settings]
 
 
 # -- running ------------------------------------------------------------------------------------------
@@ -373,14 +378,15 @@ def ess_predictor(lines: list[dict], fall_step: int | None) -> float:
     return float(min(values)) if values else float("nan")
 
 
-def run_row(design: Design, arm: Arm, seed: int, root: Path) -> dict:
-    """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json)."""
+def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] | None = None) -> dict:
+    """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json).
+    ``lines``: its metrics, when the caller has read them already."""
     from vcpo.studies.stability import outcome
 
     folder = run_folder(root, arm, seed)
     recorded = json.loads((folder / CONFIG_FILE).read_text())
     final = final_eval(folder)
-    lines = read_metrics(folder)
+    lines = read_metrics(folder) if lines is None else lines
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
     if settings is None:
@@ -461,9 +467,6 @@ def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], me
         results.append({"a": a, "b": b, "metric": metric, **result})
     for result in results:  # what these pairs could have detected (90% power, two-sided ALPHA, before Holm)
         if result["n"] >= 2:
-            a, b = result["a"], result["b"]
-            seeds = sorted(set(by_arm[a]) & set(by_arm[b]))
-            result["sd"] = float(np.std([by_arm[a][s][metric] - by_arm[b][s][metric] for s in seeds], ddof=1))
             result["detectable_90"] = detectable_difference(result["sd"], result["n"]) if result["sd"] > 0 else 0.0
     tested = [r for r in results if r["n"] >= 2]
     for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):

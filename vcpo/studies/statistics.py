@@ -24,7 +24,8 @@ def mean_interval(values, confidence: float = 0.95) -> tuple[float, float, float
 
 
 def paired_difference(a, b) -> dict:
-    """a - b paired by seed: the mean difference, its t interval and the two-sided paired t-test's p."""
+    """a - b paired by seed: the mean difference, its t interval, the two-sided paired t-test's p and the
+    differences' SD (nan below two pairs)."""
     from scipy import stats
 
     differences = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
@@ -35,7 +36,8 @@ def paired_difference(a, b) -> dict:
         p = 1.0 if differences[0] == 0 else 0.0
     else:
         p = float(stats.ttest_1samp(differences, 0.0).pvalue)
-    return {"n": int(differences.size), "mean": mean, "low": low, "high": high, "p": p}
+    sd = float(differences.std(ddof=1)) if differences.size >= 2 else math.nan
+    return {"n": int(differences.size), "mean": mean, "low": low, "high": high, "p": p, "sd": sd}
 
 
 def detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float = 0.9) -> float:
@@ -133,5 +135,5 @@ def equivalence(a, b, margin: float) -> dict:
         p = 0.0 if abs(mean) < margin else 1.0
     else:
         p = float(max(stats.t.sf((mean + margin) / error, n - 1), stats.t.cdf((mean - margin) / error, n - 1)))
-    half = float(stats.t.ppf(0.95, n - 1) * error)
-    return {"n": int(n), "mean": mean, "low90": mean - half, "high90": mean + half, "p": p, "margin": margin}
+    _, low, high = mean_interval(differences, confidence=0.90)
+    return {"n": int(n), "mean": mean, "low90": low, "high90": high, "p": p, "margin": margin}
