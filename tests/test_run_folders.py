@@ -358,7 +358,7 @@ def test_a_resume_is_checked_against_the_checkpoint_without_config_json(base, tm
 
     command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "threads=1", "progress=false"]
     assert sim_main([*command, "lr=1e-4"]) == 2
-    assert "is a checkpoint of a run with other settings (lr: 5e-05 -> 0.0001)" in capsys.readouterr().err
+    assert "(checkpoint.pt) holds a checkpoint of a run with other settings (lr: 5e-05 -> 0.0001)" in capsys.readouterr().err
 
 
 def test_a_full_disk_says_so_and_leaves_no_partial_file(base, tmp_path, monkeypatch, capsys):

@@ -240,17 +240,20 @@ class Trainer:
         partial.replace(current)
         self.checkpointed_step = self.step
 
-    def _check_resumable(self, out: Path) -> None:
-        """A folder holding a checkpoint is resumed only by a run with the same settings (before any work)."""
-        recorded = out / CONFIG_FILE
-        if not (out / CHECKPOINT_FILE).exists() or not recorded.exists():
-            return
-        changed = settings_changed(json.loads(recorded.read_text()), self.config)
+    def _refuse_other_settings(self, recorded: dict, where: Path | str) -> None:
+        """A checkpoint is resumed only by a run with the settings ``recorded`` with it (at ``where``)."""
+        changed = settings_changed(recorded, self.config)
         if changed:
             raise ConfigError(
-                f"{out} holds a checkpoint of a run with other settings ({'; '.join(changed)}): resuming it would "
+                f"{where} holds a checkpoint of a run with other settings ({'; '.join(changed)}): resuming it would "
                 "file that run under these settings; use another --out, or delete the folder to start over"
             )
+
+    def _check_resumable(self, out: Path) -> None:
+        """Before any work, against config.json; the checkpoint's own settings are checked when it is loaded."""
+        recorded = out / CONFIG_FILE
+        if recorded.exists() and any((out / name).exists() for name in (CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE)):
+            self._refuse_other_settings(json.loads(recorded.read_text()), out)
 
     def _load_checkpoint(self) -> dict | None:
         """The newest readable checkpoint (None: there is none). A damaged one is named in one line, and the
@@ -267,10 +270,8 @@ class Trainer:
                 continue
             if damaged:
                 print(f"{damaged[0]}; resuming from {path.name} (step {state['step']})", file=sys.stderr)
-            changed = settings_changed(state["settings"], self.config) if "settings" in state else []
-            if changed:
-                raise ConfigError(f"{path} is a checkpoint of a run with other settings ({'; '.join(changed)}): use another "
-                                  "--out, or delete the folder to start over")
+            if "settings" in state:  # (checkpoints written before it was recorded have none)
+                self._refuse_other_settings(state["settings"], f"{self.out} ({path.name})")
             return state
         if damaged:
             raise ConfigError(f"config key 'out': {'; '.join(damaged)}: delete {' and '.join(p.name for p in candidates)} "
