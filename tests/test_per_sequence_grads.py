@@ -372,15 +372,18 @@ def test_pure_functions_match_dense_per_sample_gradients():
 
 
 def test_cost_model_prefers_materialising_long_sequences():
-    assert not prefers_ghost(tokens=2048, rows=896, cols=896, num_combinations=2, pass_cost=512.0)
-    assert prefers_ghost(tokens=4, rows=896, cols=896, num_combinations=2, pass_cost=32.0)
+    assert not prefers_ghost(lengths=[2048], rows=896, cols=896, num_combinations=2, pass_cost=512.0)
+    assert prefers_ghost(lengths=[4], rows=896, cols=896, num_combinations=2, pass_cost=32.0)
     # Exactly at the boundary: ghost = T²(R+C) + (k−1)·T·R·C against pass_cost·R·C.
     tokens, rows, cols = 8, 16, 16
     ghost = tokens**2 * (rows + cols) + tokens * rows * cols
-    assert not prefers_ghost(tokens, rows, cols, 2, pass_cost=ghost / (rows * cols))
-    assert prefers_ghost(tokens, rows, cols, 2, pass_cost=ghost / (rows * cols) * 1.01)
+    assert not prefers_ghost([tokens], rows, cols, 2, pass_cost=ghost / (rows * cols))
+    assert prefers_ghost([tokens], rows, cols, 2, pass_cost=ghost / (rows * cols) * 1.01)
+    assert prefers_ghost([tokens] * 5, rows, cols, 2, pass_cost=ghost / (rows * cols) * 1.01)
     # More score buffers make the ghost route (one matmul per buffer) dearer.
-    assert prefers_ghost(12, 64, 64, 2, 20.0) and not prefers_ghost(12, 64, 64, 3, 20.0)
+    assert prefers_ghost([12], 64, 64, 2, 20.0) and not prefers_ghost([12], 64, 64, 3, 20.0)
+    # Sequences of unequal lengths (packed) are costed together: one long sequence decides for the rest.
+    assert prefers_ghost([4, 4], 896, 896, 2, 32.0) and not prefers_ghost([4, 2048], 896, 896, 2, 32.0)
 
 
 # ----------------------------------------------------------------------------------------------

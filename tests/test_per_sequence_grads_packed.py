@@ -20,7 +20,7 @@ from torch import nn
 import vcpo.core.per_sequence_grads.sites as per_sequence_sites
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.per_sequence_grads import PackedSegments, PerSequenceGradients
-from vcpo.core.per_sequence_grads.reductions import check_cu_seqlens, length_buckets
+from vcpo.core.per_sequence_grads.reductions import check_cu_seqlens
 
 from test_per_sequence_grads import VOCAB
 from test_per_sequence_grads import tiny_model as padded_tiny_model
@@ -173,19 +173,6 @@ def test_packed_segments_pad_layout():
     assert torch.equal(segments.pad(packed), expected)
 
 
-def test_length_buckets_bound_the_padding():
-    assert length_buckets([9, 4, 1, 7, 6], 1.25) == [[0, 3, 4], [1], [2]]
-    assert length_buckets([5, 5, 5], 1.0) == [[0, 1, 2]]
-    assert length_buckets([5, 9, 7], 1e9) == [[0, 1, 2]]
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 300, (40,), generator=generator).tolist()
-    for slack in (1.0, 1.1, 1.25, 2.0):
-        groups = length_buckets(lengths, slack)
-        assert sorted(i for group in groups for i in group) == list(range(40))
-        for group in groups:
-            assert len(group) * max(lengths[i] for i in group) <= slack * sum(lengths[i] for i in group)
-
-
 # ----------------------------------------------------------------------------------------------
 # Exactness against one backward per sequence.
 # ----------------------------------------------------------------------------------------------
@@ -226,31 +213,20 @@ def test_packed_with_groups(mode):
     assert relative_error(final, expected_final) < TOLERANCE
 
 
-@pytest.mark.parametrize("mode", ["materialize", "ghost"])
-@pytest.mark.parametrize("slack", [1.0, 1e9])
-def test_bucketing_does_not_change_the_result(slack, mode, monkeypatch):
-    """One bucket per distinct length (slack 1), or all sequences padded to the longest (one bucket)."""
-    monkeypatch.setattr(per_sequence_sites, "BUCKET_SLACK", slack)  # what _buckets reads
-    model = tiny_model("qwen2_tied")
-    batch = make_batch(seed=7, lengths=[6, 9, 6, 3, 9], prompts=[2, 3, 1, 1, 4])
-    gradients = reference_gradients(model, batch)
-    expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, mode=mode)
-    assert_norms_close(norms, expected_norms, TOLERANCE)
-    assert relative_error(final, weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)) < TOLERANCE
-
-
-def test_equal_lengths_use_views_of_the_packed_row():
-    model = tiny_model("qwen2")
-    batch = make_batch(seed=8, lengths=[5, 5, 5, 5], prompts=[1, 2, 3, 4], trailing=2)
-    segments = PackedSegments.from_cu_seqlens(batch["cu_seqlens"])
-    (bucket,) = per_sequence_sites._buckets(segments, torch.device("cpu"))
-    assert bucket.span == (0, 20) and bucket.token_index is None  # (4, 5, ·) views, no copies
-    gradients = reference_gradients(model, batch)
-    expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, mode="auto")
-    assert_norms_close(norms, expected_norms, TOLERANCE)
-    assert relative_error(final, weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)) < TOLERANCE
+def test_linear_inputs_are_views_of_the_packed_row():
+    """A Linear's per-sequence products read each sequence where it lies in the packed row: no copies."""
+    packed = torch.randn(1, 23, 5)
+    spans = [(0, 6), (6, 15), (15, 18), (18, 21)]  # two trailing padding tokens
+    segments = PackedSegments.from_cu_seqlens(torch.tensor([0, 6, 15, 18, 21]))
+    micro_batch = per_sequence_sites._MicroBatch(
+        engine=None, coefficients=torch.ones(2, 4), labels=[None], sq_norms=torch.zeros(4), segments=segments
+    )
+    rows = micro_batch.rows(packed)
+    assert rows.lengths == [6, 9, 3, 3]
+    for sequence, (start, end) in zip(rows.sequences(), spans, strict=True):
+        assert sequence.data_ptr() == packed[0, start].data_ptr() and torch.equal(sequence, packed[0, start:end])
+    assert torch.equal(rows.tokens(), packed[0, :21])  # the trailing padding is never read
+    assert torch.equal(rows.sums(), torch.stack([packed[0, a:b].sum(0) for a, b in spans]))
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

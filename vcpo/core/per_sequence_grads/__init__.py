@@ -54,11 +54,10 @@ baseline; the groups' score buffers are freed at once.
 Packed ("remove padding") micro-batches: ``micro_batch(..., cu_seqlens=offsets)`` with B sequences
 concatenated along the token dimension of ONE row (every module input (1, tokens, ...), sequence i =
 tokens [c_i, c_{i+1}), attention block-diagonal). Every handler reduces per segment. Linear/Conv1D
-gather each `length_buckets` group of sequences into its own (B_b, T_b, ·) rows (T_b: the group's
-longest length, zeros after each end; a view of the packed tokens when the group is consecutive and
-of equal length), so the per-sequence matmuls pad at most (BUCKET_SLACK − 1)·tokens and the ghost
-Gram matrices are the diagonal blocks of the block-diagonal Gram product, one group at a time.
-Embeddings and norm affines (hidden-width tensors) use the (B, max_len, ·) zero-padded layout of
+run one matmul per sequence on its view of the packed tokens (`_Rows`): no copy, no padded
+multiply-adds (gathering length buckets into padded rows, the earlier route, cost a tenth of the
+OPOB step in copies on CPU); the ghost Gram matrices are the diagonal blocks of the block-diagonal
+Gram product, one sequence at a time. Embeddings and norm affines (hidden-width tensors) use the (B, max_len, ·) zero-padded layout of
 `PackedSegments.pad`. Zero rows add nothing, so the result is exact and equals the one-row-per-sequence
 result. Tokens after c_B (trailing padding) belong to no sequence: they are left out of the norms,
 p.grad and the score buffers (their gradient is zero for any loss that ignores them).
@@ -75,9 +74,8 @@ under the same precision (tests/test_per_sequence_grads_mixed_precision.py measu
 Memory beyond a plain backward: for bf16 / fp16 parameters a float32 G_R buffer (2x their size); one
 (float32 for those) score buffer per open group label (one for scope "batch", one
 per group of the micro-batch for scope "group"), plus one block of per-sequence gradients
-(``block_bytes``) or the ghost Gram matrices (2·B·T² values, also chunked to ``block_bytes``), plus,
-for a packed micro-batch, one module's bucketed copy of its input and output gradient (at most
-BUCKET_SLACK x their tokens).
+(``block_bytes``) or the ghost Gram matrices (2·B·T² values, chunked to ``block_bytes``; packed: 2·T_i²
+for one sequence at a time).
 
 Limits: the engine cannot see the attention, and sequences must not interact through it (rows of a
 padded batch; the block-diagonal mask of a packed row, which HF transformers 5 builds from position_ids
@@ -108,7 +106,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     check_cu_seqlens,
     wide_dtype,
 )
-from vcpo.core.per_sequence_grads.sites import _buckets, _check_same_forward, _MicroBatch, _Site
+from vcpo.core.per_sequence_grads.sites import _check_same_forward, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 
@@ -237,7 +235,6 @@ class PerSequenceGradients:
             sq_norms=torch.zeros(coefficients.shape[1], dtype=torch.float64, device=device),
             groups=groups,
             segments=segments,
-            buckets=_buckets(segments, device),
         )
         guards = [p.register_hook(_unhandled_gradient_guard) for p in self._params]
         for site in self.sites:

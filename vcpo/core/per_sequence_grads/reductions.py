@@ -18,12 +18,6 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
 MIN_BLOCK_ROWS = 16
 
-# Packed micro-batches: the per-sequence weight gradients of sequences of unequal lengths are formed
-# in buckets of similar lengths, each padded only to its own longest, with at most this many padded
-# tokens per real token (`length_buckets`). One bucket (pad all to the longest) wasted 2x the
-# multiply-adds at lengths 30-250; more buckets mean more, smaller matmuls.
-BUCKET_SLACK = 1.25
-
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
 # a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
 # --calibrate` measured 43-74 on a 2-core AVX-512 EPYC (512x1536 float32 layer, T = 32-256). CUDA: 1143
@@ -67,18 +61,19 @@ def ghost_sq_norms(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bts,bts->b", widened(row_gram), widened(col_gram))
 
 
-def prefers_ghost(tokens: int, rows: int, cols: int, num_combinations: int, pass_cost: float) -> bool:
-    """True when the ghost route costs less than materialising per-sequence gradients.
+def prefers_ghost(lengths: list[int], rows: int, cols: int, num_combinations: int, pass_cost: float) -> bool:
+    """True when the ghost route costs less than materialising per-sequence gradients, for sequences of
+    these token counts.
 
-    Costs beyond a plain backward, per sequence, in multiply-adds of a large matmul:
+    Costs beyond a plain backward, per sequence of T tokens, in multiply-adds of a large matmul:
       materialise: the per-sequence matmuls replace autograd's weight gradient (same FLOPs); extra
                    are the in-cache reductions over R·C values:     pass_cost · R · C
       ghost:       the Gram matrices, and one weight-gradient matmul per combination beyond the first:
                    T²·(R + C) + (k − 1)·T·R·C
     Long sequences therefore materialise; only very short ones (T below ~pass_cost) go ghost.
     """
-    materialize = pass_cost * rows * cols
-    ghost = tokens * tokens * (rows + cols) + (num_combinations - 1) * tokens * rows * cols
+    materialize = len(lengths) * pass_cost * rows * cols
+    ghost = sum(tokens * tokens * (rows + cols) + (num_combinations - 1) * tokens * rows * cols for tokens in lengths)
     return ghost < materialize
 
 
@@ -139,25 +134,6 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
     return offsets
 
 
-def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
-    """Sequence indices grouped so that padding each group to its longest costs <= slack x its tokens.
-
-    Greedy over the lengths in decreasing order: a sequence joins the current group while
-    (size + 1) · longest <= slack · (tokens + its length), else it starts a new group. Within a group the
-    indices are increasing. Equal lengths give one group.
-    """
-    buckets: list[list[int]] = []
-    tokens = 0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if buckets and (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= slack * (tokens + lengths[i]):
-            buckets[-1].append(i)
-            tokens += lengths[i]
-        else:
-            buckets.append([i])
-            tokens = lengths[i]
-    return [sorted(bucket) for bucket in buckets]
-
-
 @dataclass(frozen=True)
 class PackedSegments:
     """B sequences packed along the token dimension of one row, at offsets cu_seqlens (B + 1,).
@@ -165,12 +141,13 @@ class PackedSegments:
     Token t < cu_seqlens[-1] belongs to sequence i with cu_seqlens[i] <= t < cu_seqlens[i + 1]; tokens
     from cu_seqlens[-1] on (trailing padding) belong to none. `pad` lays a packed tensor out as
     (B, max_len, ...) with zeros after each sequence's end, the one-row-per-sequence layout of the
-    embedding and norm handlers (Linear/Conv1D use the tighter `_Bucket` layouts); zero rows add
+    embedding and norm handlers (Linear/Conv1D read views of each sequence instead); zero rows add
     nothing to any per-sequence gradient, norm or cross term, so the result is exact and trailing
     padding tokens are left out.
     """
 
     cu_seqlens: torch.Tensor  # (B + 1,) int64
+    offsets: tuple[int, ...]  # the same, as Python integers (where each sequence's view starts and ends)
     max_len: int
     flat_index: torch.Tensor  # (total,) position of every packed token in the flattened (B, max_len) layout
 
@@ -182,7 +159,7 @@ class PackedSegments:
         batch, total = lengths.shape[0], int(offsets[-1])
         sequence = torch.repeat_interleave(torch.arange(batch, device=offsets.device), lengths, output_size=total)
         position = torch.arange(total, device=offsets.device) - offsets[sequence]
-        return cls(offsets, max_len, sequence * max_len + position)
+        return cls(offsets, tuple(offsets.tolist()), max_len, sequence * max_len + position)
 
     @property
     def batch_size(self) -> int:
@@ -190,7 +167,7 @@ class PackedSegments:
 
     @property
     def lengths(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        return [end - start for start, end in zip(self.offsets, self.offsets[1:])]
 
     @property
     def total_tokens(self) -> int:

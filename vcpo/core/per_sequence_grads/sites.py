@@ -12,12 +12,10 @@ from torch import nn
 
 from vcpo.core.per_sequence_grads.functions import _AffineFunction, _EmbeddingFunction, _OuterProductFunction
 from vcpo.core.per_sequence_grads.reductions import (
-    BUCKET_SLACK,
     MIN_BLOCK_ROWS,
     PackedSegments,
     add_product,
     ghost_sq_norms,
-    length_buckets,
     per_sample_outer,
     prefers_ghost,
     rms_normalize,
@@ -112,24 +110,16 @@ class _Site:
 
     def outer_product_backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
-        batch = micro_batch.batch_size
-        # (bucket, x_b, δ_b): (B_b, T_b, ·) rows, zero after each sequence's end (`_Bucket`).
-        parts = [(bucket, bucket.gather(x, batch), bucket.gather(grad_out, batch)) for bucket in micro_batch.buckets]
+        inputs, delta = micro_batch.rows(x), micro_batch.rows(grad_out)
         weight, bias = self.module.weight, self.module.bias
         if weight.requires_grad:
-            outer = [(bucket, *((x_b, d_b) if self.transposed else (d_b, x_b))) for bucket, x_b, d_b in parts]
-            micro_batch.add_outer_products(self.name, weight, outer)
+            rows, cols = (inputs, delta) if self.transposed else (delta, inputs)
+            micro_batch.add_outer_products(self.name, weight, rows, cols)
             if micro_batch.is_tied(weight):
-
-                def rows_at(ids: torch.Tensor) -> torch.Tensor:
-                    return micro_batch.from_buckets(
-                        [(b, micro_batch.chunked_rows_at_ids(d_b, x_b, b.rows_of(ids))) for b, x_b, d_b in parts]
-                    )
-
-                micro_batch.add_tied_part(weight, rows_at)
+                block_bytes = self.engine.block_bytes(weight)
+                micro_batch.add_tied_part(weight, lambda ids: delta.rows_at_ids(inputs, ids, block_bytes))
         if bias is not None and bias.requires_grad:
-            sums = [(b, d_b.sum(1, dtype=wide_dtype(d_b.dtype))) for b, _, d_b in parts]
-            micro_batch.add_dense(self.name, bias, micro_batch.from_buckets(sums))
+            micro_batch.add_dense(self.name, bias, delta.sums())
 
     def embedding_backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
@@ -153,54 +143,93 @@ class _Site:
 
 
 @dataclass(frozen=True)
-class _Bucket:
-    """Sequences whose per-sequence weight gradients are formed together, as (B_b, T_b, ...) rows.
+class _Rows:
+    """A Linear/Conv1D input or output gradient, sequence by sequence, never copied.
 
-    One row per sequence: the single default bucket, every sequence, the input reshaped to (B, T, ...).
-    Packed: the sequences of one `length_buckets` group (``sequences``), laid out with T_b = their
-    longest length, zero after each end; ``span`` when they are consecutive and of equal length (a view
-    of the packed tokens), else ``token_index`` (their packed tokens) and ``slot_index`` (where those go
-    in the flattened (B_b, T_b) layout).
+    One row per sequence: ``values`` (B, T, w), row i = sequence i (zero after its end); the per-sequence
+    products are batched matmuls. Packed: ``values`` (tokens, w), the packed row, and ``offsets``
+    c_0 .. c_B: sequence i is the view values[c_i : c_{i+1}], and the per-sequence products are one
+    matmul per sequence on those views, so nothing is gathered or padded. Tokens from c_B on (trailing
+    padding) belong to no sequence and are never read.
     """
 
-    sequences: torch.Tensor | None = None  # (B_b,) indices in the micro-batch
-    tokens: int = 0
-    span: tuple[int, int] | None = None
-    token_index: torch.Tensor | None = None
-    slot_index: torch.Tensor | None = None
+    values: torch.Tensor
+    offsets: tuple[int, ...] | None = None
 
-    def gather(self, values: torch.Tensor, batch: int) -> torch.Tensor:
-        """A module input or output gradient -> this bucket's (B_b, T_b, ...) rows."""
-        if self.sequences is None:
-            return values.reshape(batch, -1, values.shape[-1])
-        packed, count = values[0], self.sequences.shape[0]
-        if self.span is not None:
-            return packed[self.span[0] : self.span[1]].view(count, self.tokens, *packed.shape[1:])
-        out = packed.new_zeros((count * self.tokens, *packed.shape[1:]))
-        out.index_copy_(0, self.slot_index, packed.index_select(0, self.token_index))
-        return out.view(count, self.tokens, *packed.shape[1:])
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0] if self.offsets is None else len(self.offsets) - 1
 
-    def rows_of(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        """(B, ...) -> this bucket's rows (B_b, ...)."""
-        return per_sequence if self.sequences is None else per_sequence.index_select(0, self.sequences)
+    @property
+    def width(self) -> int:
+        return self.values.shape[-1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
 
-def _buckets(segments: PackedSegments | None, device: torch.device) -> list[_Bucket]:
-    """The default bucket, or the `length_buckets` groups of a packed micro-batch."""
-    if segments is None:
-        return [_Bucket()]
-    offsets, lengths = segments.cu_seqlens.tolist(), segments.lengths
-    buckets = []
-    for group in length_buckets(lengths, BUCKET_SLACK):
-        tokens = max(lengths[i] for i in group)
-        sequences = torch.tensor(group, device=device)
-        if group == list(range(group[0], group[-1] + 1)) and all(lengths[i] == tokens for i in group):
-            buckets.append(_Bucket(sequences, tokens, span=(offsets[group[0]], offsets[group[-1] + 1])))
-            continue
-        token_index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
-        slot_index = torch.cat([slot * tokens + torch.arange(lengths[i]) for slot, i in enumerate(group)])
-        buckets.append(_Bucket(sequences, tokens, None, token_index.to(device), slot_index.to(device)))
-    return buckets
+    @property
+    def lengths(self) -> list[int]:
+        if self.offsets is None:
+            return [self.values.shape[1]] * self.values.shape[0]
+        return [end - start for start, end in zip(self.offsets, self.offsets[1:])]
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Packed: the (T_i, w) view of every sequence."""
+        return [self.values[start:end] for start, end in zip(self.offsets, self.offsets[1:])]
+
+    def outer(self, cols: _Rows, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of every sequence's selfᵢᵀ colsᵢ, shape (B, stop − start, C)."""
+        if self.offsets is None:
+            return per_sample_outer(self.values[..., start:stop], cols.values)
+        out = self.values.new_empty((self.batch_size, stop - start, cols.width))
+        for i, (rows_i, cols_i) in enumerate(zip(self.sequences(), cols.sequences())):
+            torch.mm(rows_i[:, start:stop].t(), cols_i, out=out[i])
+        return out
+
+    def ghost_sq_norms(self, cols: _Rows, block_bytes: int) -> torch.Tensor:
+        """||selfᵢᵀ colsᵢ||² per sequence, the Gram matrices of at most ``block_bytes`` at a time."""
+        if self.offsets is not None:
+            return torch.cat([ghost_sq_norms(r[None], c[None]) for r, c in zip(self.sequences(), cols.sequences())])
+        batch, tokens = self.values.shape[0], self.values.shape[1]
+        chunk = max(1, block_bytes // (2 * tokens * tokens * self.values.element_size()))
+        rows, cols = self.values, cols.values
+        return torch.cat([ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)])
+
+    def tokens(self) -> torch.Tensor:
+        """Every token that belongs to a sequence, (N, w), in sequence order."""
+        return self.values.reshape(-1, self.width) if self.offsets is None else self.values[: self.offsets[-1]]
+
+    def weighted_tokens(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """`tokens` with sequence i's tokens scaled by per_sequence[i] (its dtype), cast back to ours."""
+        if self.offsets is None:
+            return (per_sequence.view(-1, 1, 1) * self.values).to(self.dtype).reshape(-1, self.width)
+        lengths = torch.tensor(self.lengths, device=per_sequence.device)
+        return (per_sequence.repeat_interleave(lengths).view(-1, 1) * self.tokens()).to(self.dtype)
+
+    def sums(self) -> torch.Tensor:
+        """Σ_t of every sequence, (B, w), in the widened dtype."""
+        dtype = wide_dtype(self.dtype)
+        if self.offsets is None:
+            return self.values.sum(1, dtype=dtype)
+        return torch.stack([sequence.sum(0, dtype=dtype) for sequence in self.sequences()])
+
+    def rows_at_ids(self, inputs: _Rows, ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
+        """`rows_at_ids` (self = δ, inputs = x) for ids (B, S), the gathered columns within ``block_bytes``."""
+        if self.offsets is None:
+            pairs = [(self.values, inputs.values)]
+        else:
+            pairs = [(d[None], x[None]) for d, x in zip(self.sequences(), inputs.sequences())]
+        parts = []
+        for i, (delta, x) in enumerate(pairs):
+            sequence_ids = ids if self.offsets is None else ids[i : i + 1]
+            chunk = max(1, block_bytes // (delta.shape[0] * delta.shape[1] * delta.element_size()))
+            parts.append(
+                torch.cat(
+                    [rows_at_ids(delta, x, sequence_ids[:, s : s + chunk]) for s in range(0, ids.shape[1], chunk)], 1
+                )
+            )
+        return torch.cat(parts)
 
 
 @dataclass
@@ -221,7 +250,6 @@ class _MicroBatch:
     sq_norms: torch.Tensor  # (B,) float64
     groups: torch.Tensor | None = None
     segments: PackedSegments | None = None  # None: one row per sequence
-    buckets: list = field(default_factory=lambda: [_Bucket()])  # of the per-sequence weight gradients
     received: set = field(default_factory=set)  # (site name, parameter id) of every gradient part
     forwards: set = field(default_factory=set)  # sites whose forward built a graph
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
@@ -231,14 +259,18 @@ class _MicroBatch:
     def batch_size(self) -> int:
         return self.coefficients.shape[1]
 
-    def coefficients_as(self, like: torch.Tensor, bucket: _Bucket | None = None) -> torch.Tensor:
-        """The (k, B) coefficients in like's dtype and device; with a bucket, its columns (k, B_b)."""
-        sequences = None if bucket is None else bucket.sequences
-        key = (like.dtype, like.device, None if sequences is None else id(bucket))
+    def coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
+        """The (k, B) coefficients in like's dtype and device."""
+        key = (like.dtype, like.device)
         if key not in self._cast:
-            cast = self.coefficients.to(device=like.device, dtype=like.dtype)
-            self._cast[key] = cast if sequences is None else cast[:, sequences.to(like.device)]
+            self._cast[key] = self.coefficients.to(device=like.device, dtype=like.dtype)
         return self._cast[key]
+
+    def rows(self, values: torch.Tensor) -> _Rows:
+        """A Linear/Conv1D input or output gradient as `_Rows` (views of the packed row, if packed)."""
+        if self.segments is None:
+            return _Rows(values.reshape(self.batch_size, -1, values.shape[-1]))
+        return _Rows(values[0], self.segments.offsets)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """A module input or output gradient as (B, T, ...), row i = sequence i.
@@ -277,24 +309,15 @@ class _MicroBatch:
         buffers = [self.engine.reward_buffer(param)] + [self.engine.score_buffer(label, param) for label in self.labels]
         return [buffer.view(-1) for buffer in buffers]
 
-    def _add_sq_norms(self, values: torch.Tensor, bucket: _Bucket | None = None) -> None:
-        """sq_norms += values, one per sequence (of the bucket's sequences, if given)."""
-        values = values.to(device=self.sq_norms.device, dtype=torch.float64)
-        if bucket is None or bucket.sequences is None:
-            self.sq_norms += values
-        else:
-            self.sq_norms.index_add_(0, bucket.sequences.to(self.sq_norms.device), values)
+    def _add_sq_norms(self, values: torch.Tensor) -> None:
+        """sq_norms += values, one per sequence."""
+        self.sq_norms += values.to(device=self.sq_norms.device, dtype=torch.float64)
 
-    def _accumulate(
-        self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, bucket: _Bucket | None = None
-    ) -> None:
-        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n).
-
-        With a bucket, the rows of per_sample are its sequences (B_b, n).
-        """
+    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
+        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
-        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample), bucket)
-        coefficients = self.coefficients_as(per_sample, bucket)
+        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
+        coefficients = self.coefficients_as(per_sample)
         n = per_sample.shape[1]
         for row, target in enumerate(self._targets(param)):
             add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1], per_sample)
@@ -304,58 +327,35 @@ class _MicroBatch:
         self._receive(name, param)
         self._accumulate(param, per_sample, 0)
 
-    def add_outer_products(self, name: str, param: torch.Tensor, parts: list) -> None:
-        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route.
-
-        ``parts``: (bucket, rows (B_b, T_b, R), cols (B_b, T_b, C)) for every bucket of the micro-batch.
-        """
+    def add_outer_products(self, name: str, param: torch.Tensor, rows: _Rows, cols: _Rows) -> None:
+        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route."""
         self._receive(name, param)
-        for bucket, rows, cols in parts:
-            self._add_bucket_outer_products(param, bucket, rows, cols)
-
-    def from_buckets(self, parts: list) -> torch.Tensor:
-        """Per-bucket values (bucket, (B_b, ...)) -> per-sequence values (B, ...) in micro-batch order."""
-        if len(parts) == 1 and parts[0][0].sequences is None:
-            return parts[0][1]
-        first = parts[0][1]
-        out = first.new_zeros((self.batch_size, *first.shape[1:]))
-        for bucket, values in parts:
-            out.index_copy_(0, bucket.sequences, values)
-        return out
-
-    def _add_bucket_outer_products(
-        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
-    ) -> None:
-        batch, tokens, num_rows, num_cols = rows.shape[0], rows.shape[1], rows.shape[2], cols.shape[2]
         mode = self.engine.mode
         if mode == "ghost" or (
             mode == "auto"
-            and prefers_ghost(tokens, num_rows, num_cols, self.coefficients.shape[0], self.engine.pass_cost(param))
+            and prefers_ghost(
+                rows.lengths, rows.width, cols.width, self.coefficients.shape[0], self.engine.pass_cost(param)
+            )
         ):
-            self._add_outer_products_ghost(param, bucket, rows, cols)
+            self._add_outer_products_ghost(param, rows, cols)
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
         # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
-        block_rows = self.engine.block_bytes(param) // (batch * num_cols * wide_dtype(rows.dtype).itemsize)
+        num_rows, num_cols = rows.width, cols.width
+        block_rows = self.engine.block_bytes(param) // (rows.batch_size * num_cols * wide_dtype(rows.dtype).itemsize)
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
         for start in range(0, num_rows, block_rows):
-            block = per_sample_outer(rows[..., start : start + block_rows], cols)
-            self._accumulate(param, block, start * num_cols, bucket)
+            block = rows.outer(cols, start, min(start + block_rows, num_rows))
+            self._accumulate(param, block, start * num_cols)
 
-    def _add_outer_products_ghost(
-        self, param: torch.Tensor, bucket: _Bucket, rows: torch.Tensor, cols: torch.Tensor
-    ) -> None:
-        batch, tokens = rows.shape[0], rows.shape[1]
-        chunk = max(1, self.engine.block_bytes(param) // (2 * tokens * tokens * rows.element_size()))
-        norms = [ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)]
-        self._add_sq_norms(torch.cat(norms), bucket)
+    def _add_outer_products_ghost(self, param: torch.Tensor, rows: _Rows, cols: _Rows) -> None:
+        self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param)))
         # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
         # autograd's weight gradient of the same micro-batch would.
-        coefficients = self.coefficients_as(rows.new_empty(0, dtype=wide_dtype(rows.dtype)), bucket)
-        flat_cols = cols.reshape(-1, cols.shape[-1])
+        coefficients = self.coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
+        flat_cols = cols.tokens()
         for row, target in enumerate(self._targets(param)):
-            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).to(rows.dtype).reshape(-1, rows.shape[-1])
-            add_product(target.view(rows.shape[-1], -1), weighted_rows.t(), flat_cols)
+            add_product(target.view(rows.width, -1), rows.weighted_tokens(coefficients[row]).t(), flat_cols)
 
     def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
@@ -367,12 +367,6 @@ class _MicroBatch:
         for row, target in enumerate(self._targets(param)):
             weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
             target.view(param.shape).index_add_(0, flat_ids, weighted_rows.to(target.dtype))
-
-    def chunked_rows_at_ids(self, delta: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`rows_at_ids` over chunks of ids, so the gathered (B, T, S) columns stay within ``block_bytes``."""
-        batch, tokens = delta.shape[0], delta.shape[1]
-        chunk = max(1, self.engine.block_bytes(delta) // (batch * tokens * delta.element_size()))
-        return torch.cat([rows_at_ids(delta, x, ids[:, s : s + chunk]) for s in range(0, ids.shape[1], chunk)], 1)
 
     def add_tied_part(self, param: torch.Tensor, rows_at) -> None:
         """Cross term 2 Σ_t <H_i[id_t], δ^E_{i,t}> of a tied weight, once both parts have arrived.
