@@ -39,13 +39,16 @@ def test_matches_the_direct_formula_per_group():
         assert baseline[i].item() == pytest.approx(sum(c[j] * rewards[j].item() for j in members) / sum(c.values()), rel=1e-12)
 
 
-def test_official_variant_multiplies_by_the_truncated_weight_squared():
+def test_official_variant_multiplies_by_the_truncated_weight_and_length_squared():
     rewards = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
     norms = torch.tensor([1.0, 1.0, 4.0], dtype=torch.float64)
     s = torch.log(torch.tensor([10.0, 1.0, 0.5], dtype=torch.float64))
-    coef = [100 * 64 * 1, 1 * 1 * 1, 0.25 * 0.25 * 4]  # w² · min(w, 8)² · ||g||²
-    expected = coef[0] / sum(coef)
-    assert opob_baseline(rewards, norms, s, variant="official", tis_cap=8.0)[0].item() == pytest.approx(expected, rel=1e-12)
+    lengths = torch.tensor([2, 1, 3])
+    token_mean = [(length / (length + 1e-8)) ** 2 for length in (2, 1, 3)]  # the release's L / (L + 1e-8)
+    coef = [100 * 64 * 1 * 4 * token_mean[0], 1 * 1 * 1 * 1 * token_mean[1], 0.25 * 0.25 * 4 * 9 * token_mean[2]]
+    expected = coef[0] / (sum(coef) + 1e-8)  # w² · min(w, 8)² · ||g||² · L², over D + ε
+    official = opob_baseline(rewards, norms, s, variant="official", tis_cap=8.0, lengths=lengths)
+    assert official[0].item() == pytest.approx(expected, rel=1e-12)
     assert opob_baseline(rewards, norms, s)[0].item() == pytest.approx(100 / (100 + 1 + 1), rel=1e-12)
 
 
@@ -144,6 +147,8 @@ def test_std_normalisation_uses_population_std_and_skips_constant_groups():
         (dict(rewards=torch.ones(3), grad_sq_norms=torch.ones(3), groups=torch.ones(3)), "groups"),
         (dict(rewards=torch.ones(3), grad_sq_norms=torch.ones(3), variant="mine"), "variant"),
         (dict(rewards=torch.ones(3), grad_sq_norms=torch.ones(3), variant="official"), "tis_cap"),
+        (dict(rewards=torch.ones(3), grad_sq_norms=torch.ones(3), variant="official", tis_cap=8.0), "lengths"),
+        (dict(rewards=torch.ones(3), grad_sq_norms=torch.ones(3), lengths=torch.ones(3)), "official"),
         (dict(rewards=torch.ones(3, 1), grad_sq_norms=torch.ones(3)), "rewards"),
     ],
 )

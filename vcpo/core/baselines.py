@@ -8,10 +8,18 @@ i.e. a weighted mean of the rewards with weights c_i = w_i² ||g_i||². The weig
 space (log c_i = 2 s_i + log ||g_i||²) and normalised with a softmax, so a sequence log-ratio of
 hundreds neither overflows nor underflows the baseline. With ||g_i||² replaced by the response length
 and w ≡ 1 the same formula is OPO's length-weighted baseline b = Σ L_i R_i / Σ L_i.
+
+The ``official`` variant is the authors' release's arithmetic instead (mit-han-lab/vcpo at c7f030f0,
+`compute_opob_baseline` in recipe/fully_async_policy/staleness_utils.py, the norm from
+`_compute_grad_norms` in verl/workers/actor/megatron_actor.py; docs/ALGORITHMS.md §12 lists every
+difference). Their norm is that of the truncated-IS loss with advantage 1, token means undone by the
+response length, so their coefficient is c_i = w_i² · w̃_i² · ||∇ Σ_t l^θ||² · (L_i / (L_i + 1e-8))² with
+w̃_i = min(exp(clip(s_i, ±20)), c), and their baseline is N / (D + 1e-8).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +28,12 @@ from vcpo.core.ratios import ImportanceWeights, importance_weights, token_log_ra
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 OPOB_VARIANTS = ("paper", "official")
+# The release's constants (mit-han-lab/vcpo c7f030f0): the ε of get_weighted_mean's N / (D + ε)
+# (staleness_utils.py:418, 491), the ±20 clamp on s_i before the loss's truncation
+# (rollout_corr_helper.py:79, 380), and the ε of the token mean L_i / (L_i + ε) (core_algos.py:815).
+OFFICIAL_BASELINE_EPS, OFFICIAL_LOG_RATIO_BOUND, OFFICIAL_TOKEN_MEAN_EPS = 1e-8, 20.0, 1e-8
+# The loss aggregation whose per-sequence norm the release defines the length factor for (its scripts' mode).
+OFFICIAL_OPOB_AGG = "seq-mean-token-mean"
 # Weight levels with one weight per sequence: what Σ_i c_i ∇l_i can carry (docs/ALGORITHMS.md §4).
 OPOB_WEIGHT_LEVELS = ("sequence", "geometric")
 
@@ -53,6 +67,7 @@ def opob_baseline(
     *,
     variant: str = "paper",
     tis_cap: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sequence OPOB baseline b*_{g(i)} (VCPO Eq. 7), shape (B,).
 
@@ -64,12 +79,17 @@ def opob_baseline(
             means on-policy (w ≡ 1), which gives the gradient-norm-weighted on-policy baseline.
         groups: prompt-group label per sequence; ``None`` = one baseline for the whole batch
             (scope "batch"); labels = one baseline per group (scope "group", the official default).
-        variant: "paper" uses w_i² once, as in Eq. 7. "official" reproduces the authors' code, whose
-            gradient norm already carries the truncated weight min(w_i, c), giving coefficients
-            w_i² · min(w_i, c)² · ||g_i||²; it needs ``tis_cap`` = c.
+        variant: "paper": c_i = w_i² ||g_i||², b = N / D, as in Eq. 7. "official": the authors' release
+            (module docstring): c_i = w_i² · w̃_i² · ||g_i||² · L_i² · (L_i / (L_i + 1e-8))², b = N / (D + 1e-8),
+            where ``grad_sq_norms`` must be those of ∇ mean_t l^θ (seq-mean-token-mean, the release's
+            scripts), so that ||g_i||² · L_i² is their token-sum norm; it needs ``tis_cap`` = c and ``lengths``.
+        tis_cap: c, the truncation of the loss's weight w̃_i (``official`` only).
+        lengths: L_i, the response tokens of each sequence, shape (B,) (``official`` only; an empty response
+            has a zero gradient and coefficient).
 
-    A group whose coefficients are all zero (every norm zero) gets b = 0, the ε → 0 limit of
-    N/(D+ε) in Algorithm 1; its sequences contribute no gradient whatever the baseline.
+    Paper variant: a group whose coefficients are all zero (every norm zero) gets b = 0, the ε → 0 limit
+    of N/(D+ε) in Algorithm 1; its sequences contribute no gradient whatever the baseline. No ε enters
+    otherwise, so the baseline does not depend on the scale of the norms.
     """
     check_float(rewards, "rewards")
     check_float(grad_sq_norms, "grad_sq_norms")
@@ -81,8 +101,16 @@ def opob_baseline(
         raise ValueError("grad_sq_norms must be finite and non-negative")
     if variant not in OPOB_VARIANTS:
         raise ValueError(f"variant must be one of {OPOB_VARIANTS}, got {variant!r}")
-    if variant == "official" and not (tis_cap is not None and tis_cap > 0):
-        raise ValueError("variant='official' needs tis_cap > 0 (the TIS truncation c carried by the gradient norm)")
+    if variant == "official":
+        if not (tis_cap is not None and tis_cap > 0):
+            raise ValueError("variant='official' needs tis_cap > 0 (the TIS truncation c carried by the gradient norm)")
+        if lengths is None:
+            raise ValueError("variant='official' needs lengths (the release multiplies the norm by the response length)")
+        check_sequence_inputs(batch_size, lengths=lengths)
+        if not bool((lengths >= 0).all()):
+            raise ValueError("lengths must be non-negative")
+    elif lengths is not None:
+        raise ValueError("lengths are used by variant='official' only; the paper's baseline weighs by the norms alone")
 
     dtype = torch.float64
     log_coef = torch.log(grad_sq_norms.detach().to(dtype))
@@ -90,12 +118,21 @@ def opob_baseline(
         s = seq_log_weights.detach().to(dtype)
         log_coef = log_coef + 2.0 * s
         if variant == "official":
-            log_coef = log_coef + 2.0 * torch.clamp(s, max=torch.log(torch.tensor(tis_cap, dtype=dtype)).item())
+            bounded = torch.clamp(s, -OFFICIAL_LOG_RATIO_BOUND, OFFICIAL_LOG_RATIO_BOUND)
+            log_coef = log_coef + 2.0 * torch.clamp(bounded, max=math.log(tis_cap))
     index, num_groups = group_index(groups, batch_size, rewards.device)
+    values = rewards.detach().to(dtype)
+    if variant == "official":
+        length = lengths.detach().to(dtype=dtype, device=log_coef.device)
+        log_coef = log_coef + 4.0 * torch.log(length) - 2.0 * torch.log(length + OFFICIAL_TOKEN_MEAN_EPS)
+        # N / (D + ε) as one more member of every group, with coefficient ε and value 0.
+        log_coef = torch.cat([log_coef, torch.full((num_groups,), math.log(OFFICIAL_BASELINE_EPS), dtype=dtype)])
+        values = torch.cat([values, torch.zeros(num_groups, dtype=dtype, device=values.device)])
+        index = torch.cat([index, torch.arange(num_groups, device=index.device)])
     weights = group_softmax(log_coef, index, num_groups)
     baseline = torch.zeros(num_groups, dtype=dtype, device=rewards.device)
-    baseline = baseline.index_add(0, index, weights * rewards.detach().to(dtype))
-    return baseline[index].to(rewards.dtype)
+    baseline = baseline.index_add(0, index, weights * values)
+    return baseline[index[:batch_size]].to(rewards.dtype)
 
 
 def baseline_advantages(

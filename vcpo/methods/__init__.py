@@ -21,7 +21,7 @@ import torch
 
 from vcpo.core import OpobCoefficients, ess_step_scale, group_reward_std, opob_baseline, opob_coefficients
 from vcpo.core.aggregation import OPOB_AGG_MODES
-from vcpo.core.baselines import OPOB_WEIGHT_LEVELS
+from vcpo.core.baselines import OFFICIAL_OPOB_AGG, OPOB_WEIGHT_LEVELS
 from vcpo.core.ess import DEFAULT_CLAMP, DEFAULT_RHO_ON, DEFAULT_STEP_SIZE_RULE
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
@@ -211,6 +211,13 @@ class StepRule:
     variant: str = "paper"
     norm_by_std: bool = True
 
+    def __post_init__(self):
+        if self.opob and self.variant == "official" and self.agg != OFFICIAL_OPOB_AGG:
+            raise ValueError(
+                f"method {self.method!r}: the official OPOB variant reproduces the release's norm, which is defined "
+                f"for loss_agg_mode {OFFICIAL_OPOB_AGG!r} (its scripts' mode), not for {self.agg!r}"
+            )
+
     @property
     def active(self) -> bool:
         """The step differs from a plain optimizer step on the loss's gradient."""
@@ -251,11 +258,14 @@ class StepRule:
             level=loss.level, bound=loss.bound, lo=self.loss_params["lo"], hi=self.loss_params["hi"],
         )
 
-    def baseline(self, rewards, grad_sq_norms, seq_log_weights, groups) -> torch.Tensor:
-        """b* (VCPO Eq. 7) per group (scope group: pass the labels) or over the batch (groups None)."""
+    def baseline(self, rewards, grad_sq_norms, seq_log_weights, groups, lengths) -> torch.Tensor:
+        """b* (VCPO Eq. 7) per group (scope group: pass the labels) or over the batch (groups None);
+        ``lengths`` (response tokens per sequence) enter the official variant only."""
+        official = self.variant == "official"
         return opob_baseline(
             rewards.double(), grad_sq_norms, seq_log_weights.double(), groups,
-            variant=self.variant, tis_cap=self.loss_params.get("hi"),
+            variant=self.variant, tis_cap=self.loss_params.get("hi") if official else None,
+            lengths=lengths if official else None,
         )
 
 

@@ -330,7 +330,7 @@ class Learner:
             sq_norms = self.opob.sq_norms
             if scope_group:
                 seq_log_weights = sequence_log_ratio(coefficients.log_ratio, mb.mask)
-                baseline = rule.baseline(rewards[start:stop], sq_norms, seq_log_weights, mb.groups)
+                baseline = rule.baseline(rewards[start:stop], sq_norms, seq_log_weights, mb.groups, mb.mask.sum(-1))
                 self.opob.combine(baseline)
                 baselines.append(baseline)
             log_probs.append(log_prob.detach())
@@ -339,7 +339,7 @@ class Learner:
         sq_norms = torch.cat(norms)
         if not scope_group:
             r = token_log_ratio(log_prob, batch.behav_log_prob, batch.mask)
-            baseline = rule.baseline(rewards, sq_norms, sequence_log_ratio(r, batch.mask), None)
+            baseline = rule.baseline(rewards, sq_norms, sequence_log_ratio(r, batch.mask), None, batch.mask.sum(-1))
             self.opob.combine(baseline)
             baselines.append(baseline)
         baseline = torch.cat(baselines)

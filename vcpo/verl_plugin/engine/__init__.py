@@ -138,6 +138,7 @@ class _StepState:
     seq_log_weights: list[torch.Tensor] = field(default_factory=list)
     valid: list[torch.Tensor] = field(default_factory=list)
     rewards: list[torch.Tensor] = field(default_factory=list)
+    lengths: list[torch.Tensor] = field(default_factory=list)  # response tokens per sequence
     coef_s: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
 
@@ -389,6 +390,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         scores = opob_sequence_scores(log_prob, mask, rule.agg)
         r, weights = coefficients.log_ratio, coefficients.weights
         state.rewards.append(rewards.detach().cpu())
+        state.lengths.append(mask.sum(-1).detach().cpu())
         state.coef_s.append(coefficients.score.detach().cpu())
         state.scores.append(scores.detach().double().cpu())
         # the loss's own diagnostics (ratio and KL statistics) under the names its verl loss logs; the step's
@@ -409,11 +411,13 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             torch.cat(state.rewards),
             engine.groups if rule.scope == "group" else None,
             torch.cat(state.coef_s) * torch.cat(state.scores),
+            torch.cat(state.lengths),
         )
         parts = gather_objects(local, group)
         all_norms, all_s, all_rewards = (torch.cat([p[k] for p in parts]) for k in range(3))
         all_groups = torch.cat([p[3] for p in parts]) if rule.scope == "group" else None
-        baseline = rule.baseline(all_rewards, all_norms, all_s, all_groups)
+        all_lengths = torch.cat([p[5] for p in parts])
+        baseline = rule.baseline(all_rewards, all_norms, all_s, all_groups, all_lengths)
         start = sum(p[0].shape[0] for p in parts[: self._dp_rank_index(group)])
         engine.combine(baseline[start : start + sq_norms.shape[0]])
         all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
