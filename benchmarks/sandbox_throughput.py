@@ -98,7 +98,7 @@ def main() -> None:
         for mode in modes:
             for level in levels:
                 rows.append(measure(code, args.calls, level, mode, progress))
-    pids, directories = leftover_sandboxes()
+    pids, directories = leftover_sandboxes(os.getpid())
     leaks = {
         "calls": len(rows) * args.calls,
         "sandbox_processes": pids,

@@ -4,6 +4,7 @@ import ast
 import asyncio
 import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,11 +26,62 @@ IS_ROOT = os.geteuid() == 0
 
 @pytest.fixture(params=ISOLATIONS)
 def isolation(request):
-    _, dirs_before = sandbox.leftover_sandboxes()
+    _, dirs_before = sandbox.leftover_sandboxes(os.getpid())
     yield request.param
-    pids, dirs_after = sandbox.leftover_sandboxes()
+    pids, dirs_after = sandbox.leftover_sandboxes(os.getpid())
     assert pids == [], "a sandboxed process outlived run_python"
     assert dirs_after == dirs_before, "run_python left its working directory behind"
+
+
+CALLER = """
+import sys
+from vcpo.tools.sandbox import run_python
+print("calling", flush=True)
+run_python("import time; print('started', flush=True); time.sleep(60)", isolation=sys.argv[1], timeout_s=120)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_the_program_and_its_folder_die_with_the_caller(isolation, how):
+    """However the caller ends, its sleeping program, the program's helpers and the call's folder are gone
+    within two seconds (the program sleeps: no CPU or wall-clock limit would end it for a minute)."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, isolation], stdout=subprocess.PIPE, text=True)
+    assert caller.stdout.readline() == "calling\n"
+    deadline = time.monotonic() + 30
+    while sandbox.leftover_sandboxes(caller.pid)[0] == [] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the program is asleep
+    pids, folders = sandbox.leftover_sandboxes(caller.pid)
+    assert pids and len(folders) == 1
+    caller.send_signal(how)
+    caller.wait()
+    deadline = time.monotonic() + 2.0
+    while sandbox.leftover_sandboxes(caller.pid) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox.leftover_sandboxes(caller.pid) == ([], [])
+
+
+def test_a_disk_quota_bounds_all_files_together(isolation):
+    """Many files, each below the per-file limit: namespaces mode's tmpfs refuses the write past the
+    quota (ENOSPC), hooks mode stops the program (disk_limit); neither writes the 200 MB asked for."""
+    code = """
+    import os
+    written = 0
+    try:
+        for i in range(200):
+            with open(f"part{i}", "wb") as handle:
+                handle.write(b"x" * (1 << 20))
+            written += 1
+    finally:
+        print(written, flush=True)
+    """
+    result = run_python(textwrap.dedent(code), isolation=isolation, max_disk_mb=32, max_file_mb=16)
+    if isolation == "namespaces":
+        assert result.status is SandboxStatus.ERROR and "No space left on device" in result.stderr
+        assert 28 <= int(result.stdout) <= 32
+    else:
+        assert result.status is SandboxStatus.DISK_LIMIT
+        assert int(result.stdout or 0) < 200
 
 
 def run_timed(code: str, **kwargs):
@@ -258,7 +310,8 @@ needs_namespaces = pytest.mark.skipif("namespaces" not in ISOLATIONS, reason="na
 
 def run_without_hooks(code: str) -> subprocess.CompletedProcess:
     with sandbox._private_dirs() as (workdir, root):
-        command = sandbox._in_namespaces([sys.executable, "-I", "-c", textwrap.dedent(code)], workdir, root)
+        (workdir / "main.py").touch()  # what the setup copies into the work directory's tmpfs
+        command = sandbox._in_namespaces([sys.executable, "-I", "-c", textwrap.dedent(code)], workdir, root, max_disk_mb=8)
         return subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=30)
 
 

@@ -13,6 +13,10 @@ concern                    operating system                        audit hook in
 CPU time                   RLIMIT_CPU (SIGXCPU, then SIGKILL)
 wall time                  parent kills the process group /
                            the whole PID namespace
+the caller's death         parent-death signals down the tree
+                           (6); the guard removes the folder
+disk (all files together)  size-limited tmpfs (2); hooks mode:
+                           parent polls the folder's size
 memory                     RLIMIT_AS (allocation -> MemoryError)
 file sizes                 RLIMIT_FSIZE, output caps in parent
 processes (fork bombs)     seccomp-bpf (EPERM) (3),                fork/exec/spawn/subprocess refused
@@ -65,6 +69,13 @@ root's powers (uid 0)      every capability dropped (5)
     schedule itself in real time, make device nodes, change the host name or read the kernel log.
     pidfd_open/pidfd_getfd, process_madvise, kcmp, move_pages/migrate_pages and userfaultfd, which
     reach other processes of the same user without any capability, are in the seccomp filter.
+(6) However the caller ends (SIGKILL included), nothing of the call survives it by more than a moment:
+    the caller starts a guard shell (``_GUARD_SCRIPT``) with a parent-death signal (``setpriv
+    --pdeathsig``, so SIGTERM reaches it when the caller's thread dies); the guard starts the program's
+    top process with a parent-death SIGKILL (the interpreter, or ``unshare``, whose ``--kill-child``
+    takes the PID namespace down) and, on SIGTERM, kills it and removes the call's folder. Folders are
+    named after the calling process (``vcpo-sandbox-<pid>-``), so ``leftover_sandboxes`` can tell one
+    caller's from another's.
 
 The filter is compiled once, in the calling process, with ``pyseccomp``, a pure-Python ctypes binding
 to the system's libseccomp2 (packaged by default on Debian, Ubuntu and RHEL); each child patches its
@@ -114,6 +125,9 @@ _TEMP_PREFIX = "vcpo-sandbox-"
 _CHILD_SOURCE = Path(_sandbox_child.__file__).read_text(encoding="utf-8")
 _READ_CHUNK = 64 * 1024
 _POLL_S = 0.02
+# How often hooks mode measures the work directory against max_disk_mb: a program writing at disk speed
+# can exceed the quota by that speed times this interval before it is stopped.
+_DISK_POLL_S = 0.05
 # How long output is still read after the program exits, for a descendant that keeps the pipes open.
 _DRAIN_AFTER_EXIT_S = 0.5
 # Tasks that exist in namespaces mode besides the program: the supervising shell and the interpreter.
@@ -139,7 +153,23 @@ _SYSCONFIG_PATHS = ("stdlib", "platstdlib", "purelib", "platlib")
 _NIX_STORE = "/nix/store"
 _CHILD_ENV_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
-_NAMESPACE_TOOLS = ("unshare", "setpriv", "mount", "umount", "pivot_root")
+_NAMESPACE_TOOLS = ("unshare", "setpriv", "mount", "umount", "pivot_root", "cp")
+# Stands between the caller and the program (docstring, (6)): the program's top process runs in the
+# background so that the guard can act on SIGTERM, which it receives when the caller dies; its own exit
+# status is the program's (a death by signal N as 128+N). Standard input reaches the program through
+# fd 3 (an asynchronous command's stdin would otherwise be /dev/null). The trap first points its own
+# output at /dev/null: the dead caller's pipes would end it with SIGPIPE at its first message.
+_GUARD_SCRIPT = r"""
+folder=$1
+shift
+program=
+trap 'exec >/dev/null 2>&1; if [ -n "$program" ]; then kill -KILL "$program"; wait "$program"; fi; chmod -R u+rwx "$folder"; rm -rf "$folder"; exit 143' TERM
+exec 3<&0
+setpriv --pdeathsig KILL -- "$@" <&3 3<&- &
+program=$!
+exec 3<&-
+wait "$program"
+"""
 _NAMESPACE_COMMAND = (
     "unshare",
     "--user",
@@ -154,7 +184,9 @@ _NAMESPACE_COMMAND = (
 # Runs as root of the new user namespace, before the interpreter. The parent has laid out in the
 # root directory the program's file system: directories, symlinks and empty mount points for the
 # listed host paths (``_root_skeleton``), and written an fstab of the binds onto them: the host paths
-# read-only, the work directory writable (``_write_fstab``). One `mount --all` makes every bind (util-linux
+# read-only, the work directory a size-limited tmpfs (``_write_fstab``) into which the program file is
+# copied, so that the program's writes count against its quota and vanish with the namespace. One
+# `mount --all` makes every bind (util-linux
 # >= 2.27 applies ro to a bind itself; one process instead of one per path saves ~2 ms a path), then
 # a /proc of the new PID namespace; the script makes it the root with pivot_root and detaches the old
 # one, so that nothing else of the host can be reached by any path. (A /proc mount can be refused where
@@ -164,10 +196,11 @@ _NAMESPACE_COMMAND = (
 # so that the interpreter receives SIGXCPU like any process and its death by signal becomes status 128+N.
 _NAMESPACE_SETUP_SCRIPT = r"""
 set -eu
-root=$1; workdir=$2; fstab=$3
-shift 3
+root=$1; workdir=$2; fstab=$3; main=$4
+shift 4
 mount --bind "$root" "$root"
 mount --all --fstab "$fstab"
+cp "$workdir/$main" "$root$workdir/$main"
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc" 2>/dev/null || :
 cd "$root"
 PATH=/usr/sbin:/sbin:$PATH pivot_root . .
@@ -189,6 +222,7 @@ class SandboxStatus(str, enum.Enum):
     ERROR = "error"  # non-zero exit status (an uncaught exception exits with 1)
     TIMEOUT = "timeout"  # wall-clock limit; the parent killed it
     OUTPUT_LIMIT = "output_limit"  # stdout or stderr exceeded max_output_bytes; the parent killed it
+    DISK_LIMIT = "disk_limit"  # hooks mode: its files exceeded max_disk_mb; the parent killed it
     CPU_LIMIT = "cpu_limit"  # RLIMIT_CPU (SIGXCPU)
     MEMORY_LIMIT = "memory_limit"  # MemoryError reached the top level
     KILLED = "killed"  # any other signal
@@ -227,6 +261,7 @@ def run_python(
     memory_mb: int = 1024,
     max_output_bytes: int = 64 * 1024,
     max_file_mb: int = 16,
+    max_disk_mb: int = 64,
     max_processes: int = 16,
     max_open_files: int = 256,
     stdin: str = "",
@@ -244,6 +279,9 @@ def run_python(
         memory_mb: address-space limit of the interpreter (RLIMIT_AS).
         max_output_bytes: bytes kept per stream; more output stops the program (status output_limit).
         max_file_mb: largest file the program may write (RLIMIT_FSIZE).
+        max_disk_mb: all its files together: in namespaces mode the size of its tmpfs work directory
+            (a write beyond it fails with ENOSPC), in hooks mode the parent polls the directory's size
+            every ``_DISK_POLL_S`` and stops the program above it (status disk_limit).
         max_processes: tasks (processes and threads) the program may add (RLIMIT_NPROC).
         max_open_files: RLIMIT_NOFILE.
         stdin: text fed to the program's standard input.
@@ -265,9 +303,11 @@ def run_python(
         memory_mb=memory_mb,
         max_output_bytes=max_output_bytes,
         max_file_mb=max_file_mb,
+        max_disk_mb=max_disk_mb,
         max_processes=max_processes,
         max_open_files=max_open_files,
     )
+    _check_guard()
     use_namespaces = _use_namespaces(isolation)
     seccomp = _seccomp_config(syscall_filter)
     confine_files = _landlock_wanted(hide_host_files, use_namespaces)
@@ -291,7 +331,9 @@ def run_python(
         }
         command = _interpreter_command(config, site_packages)
         if use_namespaces:
-            command = _in_namespaces(command, workdir, root)
+            command = _in_namespaces(command, workdir, root, max_disk_mb)
+        command = ["setpriv", "--pdeathsig", "TERM", "--", "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
+        disk_used = None if use_namespaces else functools.partial(_directory_bytes, workdir)
         started = time.monotonic()
         process = subprocess.Popen(
             command,
@@ -303,7 +345,7 @@ def run_python(
             start_new_session=True,
         )
         try:
-            capture = _capture_output(process, started + timeout_s, max_output_bytes)
+            capture = _capture_output(process, started + timeout_s, max_output_bytes, disk_used, max_disk_mb << 20)
         finally:
             _kill_process_group(process)
         wall_time_s = time.monotonic() - started
@@ -315,24 +357,45 @@ def namespaces_available() -> bool:
     return _probe_namespaces()
 
 
-def leftover_sandboxes() -> tuple[list[int], list[str]]:
+def leftover_sandboxes(caller: int | None = None) -> tuple[list[int], list[str]]:
     """Pids of processes still running a sandbox program and sandbox directories still in the temporary
-    directory; both are empty whenever no ``run_python`` call is in progress."""
+    directory, of every caller or of the process ``caller``; both are empty whenever no ``run_python``
+    call (of that caller) is in progress."""
+    prefix = _TEMP_PREFIX if caller is None else _folder_prefix(caller)
     pids = []
     for entry in os.scandir("/proc"):
         try:
-            if entry.name.isdigit() and _TEMP_PREFIX.encode() in Path(entry.path, "cmdline").read_bytes():
+            if entry.name.isdigit() and prefix.encode() in Path(entry.path, "cmdline").read_bytes():
                 pids.append(int(entry.name))
         except OSError:  # the process ended while we looked
             continue
-    directories = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(_TEMP_PREFIX))
+    directories = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefix))
     return pids, directories
+
+
+def _folder_prefix(caller: int) -> str:
+    return f"{_TEMP_PREFIX}{caller}-"
 
 
 def _check_limits(**limits: float) -> None:
     for name, value in limits.items():
         if not value > 0:
             raise ValueError(f"run_python: {name} must be positive, got {value!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _check_guard() -> None:
+    """The guard needs ``setpriv --pdeathsig`` (util-linux >= 2.33); without it a program could outlive
+    its caller, so the sandbox refuses to start."""
+    try:
+        ok = subprocess.run(["setpriv", "--pdeathsig", "TERM", "--", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            "run_python: `setpriv --pdeathsig` (util-linux >= 2.33) is needed so that a sandboxed program "
+            "cannot outlive its caller; install util-linux"
+        )
 
 
 def _use_namespaces(isolation: str) -> bool:
@@ -358,7 +421,8 @@ def _probe_namespaces() -> bool:
         logger.warning("sandbox: %s not found; running untrusted code with hooks and rlimits only", missing)
         return False
     with _private_dirs() as (workdir, root):
-        probe = _in_namespaces([sys.executable, "-I", "-S", "-c", "pass"], workdir, root)
+        (workdir / _MAIN_FILE).touch()
+        probe = _in_namespaces([sys.executable, "-I", "-S", "-c", "pass"], workdir, root, max_disk_mb=1)
         try:
             completed = subprocess.run(probe, cwd=workdir, capture_output=True, text=True, timeout=30)
         except subprocess.TimeoutExpired:
@@ -445,7 +509,7 @@ def _count_tasks_of_user(uid: int) -> int:
 def _private_dirs() -> Iterator[tuple[Path, Path]]:
     """A fresh temporary directory with the program's work directory and an empty mount point, on
     which namespaces mode builds the program's root; deleted afterwards."""
-    base = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX)).resolve()
+    base = Path(tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()))).resolve()
     try:
         (base / "work").mkdir()
         (base / "root").mkdir()
@@ -480,27 +544,27 @@ def _stdin_file(text: str) -> Iterator[IO[bytes] | int]:
 
 def _interpreter_command(config: dict, site_packages: bool) -> list[str]:
     # -I: ignore PYTHON* variables, user site and cwd; -B: no .pyc writes; -u: output survives a kill.
+    # The work directory in clear after the config marks the process as this call's (leftover_sandboxes).
     flags = ["-I", "-B", "-u", "-X", "utf8"] + ([] if site_packages else ["-S"])
-    return [sys.executable, *flags, "-c", _CHILD_SOURCE, marshal.dumps(config).hex()]
+    return [sys.executable, *flags, "-c", _CHILD_SOURCE, marshal.dumps(config).hex(), config["workdir"]]
 
 
-def _in_namespaces(command: list[str], workdir: Path, root: Path) -> list[str]:
-    """``command`` run in new namespaces with ``root`` as its file system (laid out here, its binds in an
+def _in_namespaces(command: list[str], workdir: Path, root: Path, max_disk_mb: int) -> list[str]:
+    """``command`` run in new namespaces with ``root`` as its file system (laid out here, its mounts in an
     fstab beside it, outside what the program sees)."""
-    fstab = _write_fstab(root.parent / "binds.fstab", root, _root_skeleton(root, workdir), workdir)
-    setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir), str(fstab)]
+    fstab = _write_fstab(root.parent / "binds.fstab", root, _root_skeleton(root, workdir), workdir, max_disk_mb)
+    setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir), str(fstab), _MAIN_FILE]
     return [*_NAMESPACE_COMMAND, *setup, *command]
 
 
-def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path) -> Path:
-    """An fstab binding each of ``read_only`` onto its place under ``root`` read-only, then ``workdir``
-    writable."""
-    entries = [(source, "bind,ro") for source in read_only] + [(str(workdir), "bind")]
-    lines = [
-        b"%s %s none %s 0 0\n" % (_fstab_field(source), _fstab_field(str(root) + source), options.encode())
-        for source, options in entries
+def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path, max_disk_mb: int) -> Path:
+    """An fstab binding each of ``read_only`` onto its place under ``root`` read-only, then a tmpfs of
+    ``max_disk_mb`` at ``workdir``'s place."""
+    binds = [
+        b"%s %s none bind,ro 0 0\n" % (_fstab_field(source), _fstab_field(str(root) + source)) for source in read_only
     ]
-    path.write_bytes(b"".join(lines))
+    work = b"tmpfs %s tmpfs size=%dm,mode=0700,nosuid,nodev 0 0\n" % (_fstab_field(str(root) + str(workdir)), max_disk_mb)
+    path.write_bytes(b"".join(binds) + work)
     return path
 
 
@@ -635,12 +699,16 @@ class _Capture:
     stopped_by: SandboxStatus | None  # a limit the parent enforced, if any
 
 
-def _capture_output(process: subprocess.Popen, deadline: float, max_bytes: int) -> _Capture:
-    """Read both pipes until the program exits, the deadline passes or a stream exceeds ``max_bytes``."""
+def _capture_output(
+    process: subprocess.Popen, deadline: float, max_bytes: int, disk_used=None, max_disk_bytes: int = 0
+) -> _Capture:
+    """Read both pipes until the program exits, the deadline passes, a stream exceeds ``max_bytes`` or
+    ``disk_used()`` (polled every ``_DISK_POLL_S``, if given) exceeds ``max_disk_bytes``."""
     buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(buffers, False)
     stopped_by = None
     drain_until = None
+    next_disk_check = time.monotonic()
     with selectors.DefaultSelector() as selector:
         for fd in buffers:
             os.set_blocking(fd, False)
@@ -650,6 +718,11 @@ def _capture_output(process: subprocess.Popen, deadline: float, max_bytes: int) 
             if now >= deadline:
                 stopped_by = SandboxStatus.TIMEOUT
                 break
+            if disk_used is not None and now >= next_disk_check:
+                next_disk_check = now + _DISK_POLL_S
+                if disk_used() > max_disk_bytes:
+                    stopped_by = SandboxStatus.DISK_LIMIT
+                    break
             if drain_until is None and _has_exited(process):
                 drain_until = now + _DRAIN_AFTER_EXIT_S
             if drain_until is not None and (now >= drain_until or not selector.get_map()):
@@ -678,6 +751,18 @@ def _capture_output(process: subprocess.Popen, deadline: float, max_bytes: int) 
     )
 
 
+def _directory_bytes(path: Path) -> int:
+    """Disk space taken by everything under ``path`` (allocated blocks; links not followed)."""
+    total = 0
+    for folder, subfolders, files in os.walk(path):
+        for name in (*subfolders, *files):
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+            except OSError:  # removed while we looked
+                continue
+    return total
+
+
 def _has_exited(process: subprocess.Popen) -> bool:
     # WNOWAIT leaves the child unreaped, so its pid (= the process group id) cannot be reused
     # by an unrelated process before _kill_process_group runs.
@@ -697,7 +782,7 @@ def _kill_process_group(process: subprocess.Popen) -> None:
 
 
 def _make_result(capture: _Capture, returncode: int, used_namespaces: bool, wall_time_s: float) -> SandboxResult:
-    exit_code, signal_number = _split_returncode(returncode, used_namespaces)
+    exit_code, signal_number = _split_returncode(returncode)
     if capture.stopped_by is not None:
         status, exit_code = capture.stopped_by, None
     elif signal_number == signal.SIGXCPU:
@@ -721,10 +806,10 @@ def _make_result(capture: _Capture, returncode: int, used_namespaces: bool, wall
     )
 
 
-def _split_returncode(returncode: int, via_shell: bool) -> tuple[int | None, int | None]:
-    """(exit code, signal) from a Popen return code; the setup shell reports death by signal N as 128+N."""
+def _split_returncode(returncode: int) -> tuple[int | None, int | None]:
+    """(exit code, signal) from a Popen return code; the guard shell reports death by signal N as 128+N."""
     if returncode < 0:
         return None, -returncode
-    if via_shell and returncode > 128:
+    if returncode > 128:
         return None, returncode - 128
     return returncode, None
