@@ -1,8 +1,9 @@
 """Step time of VCPO's OPOB + ESS step inside verl's FSDP engine against verl's plain step, same batch.
 
-One random-init Qwen2 in verl 0.9.1's engine (``VcpoFSDPEngineWithLMHead``, run on CPU under
-``cpu_patches`` of tests/verl_engine_cpu.py, i.e. without the FSDP wrapper), one actor mini-batch as the
-trainer hands it over, and three optimizer steps through ``engine.train_batch(data, ppo_loss)``:
+One random-init Qwen2 in verl 0.9.1's engine (``VcpoFSDPEngineWithLMHead`` on the CPU platform of
+``vcpo.verl_plugin.cpu``, its module wrapped with FSDP2 by verl as in training), one actor mini-batch as
+the trainer hands it over (``vcpo.verl_plugin.cpu.standalone``), and three optimizer steps through
+``engine.train_batch(data, ppo_loss)``:
 
   plain    method seq_tis_c8: verl's own train_batch (forward, seq-TIS ppo_loss backward, AdamW step),
   ess      method tis_ess:    the same plus the gathered ESS ratio and the scaled learning rate,
@@ -25,13 +26,13 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from vcpo.verl_shared import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
 # Qwen2 shapes (random init, tied embeddings); "50m" is benchmarks/opob_overhead.py's 50m model.
@@ -53,7 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--padded", action="store_true", help="padded micro-batches (use_remove_padding=False)")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--autocast", choices=("bfloat16",), help="forward and backward under torch.autocast")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
@@ -64,13 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    select_cpu_platform()
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (registers the losses)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the engine's CPU scaffolding
-    import verl_engine_cpu as cpu
+    from vcpo.verl_plugin.cpu import standalone as cpu
 
-    dtype = getattr(torch, args.dtype)
     workdir = tempfile.mkdtemp(prefix="opob_engine_")
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.FileStore(f"{workdir}/store", 1), rank=0, world_size=1)
@@ -91,43 +90,42 @@ def main(argv=None) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu_times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     metrics = {}
-    with cpu.cpu_patches():
-        engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6, dtype=dtype)
-        if args.autocast:  # verl's forward_step then runs the model under torch.autocast, as on GPUs
-            engine._autocast_dtype = getattr(torch, args.autocast)
+    engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6)
+    if args.autocast:  # verl's forward_step then runs the model under torch.autocast, as on GPUs
+        engine._autocast_dtype = getattr(torch, args.autocast)
 
-        def step(name: str) -> tuple[float, float]:
-            td, _ = cpu.actor_batch(
-                args.batch,
-                args.group,
-                args.prompt,
-                args.response,
-                args.vocab,
-                remove_padding,
-                args.micro,
-                dtype=dtype,
-                min_response=args.min_response,
-            )
-            started, started_cpu = time.perf_counter(), time.process_time()
-            out = engine.train_batch(td, losses[name])
-            elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
-            metrics[name] = out["metrics"]
-            return elapsed, elapsed_cpu
+    def step(name: str) -> tuple[float, float]:
+        td, _ = cpu.actor_batch(
+            args.batch,
+            args.group,
+            args.prompt,
+            args.response,
+            args.vocab,
+            remove_padding,
+            args.micro,
+            dtype=torch.float32,
+            min_response=args.min_response,
+        )
+        started, started_cpu = time.perf_counter(), time.process_time()
+        out = engine.train_batch(td, losses[name])
+        elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+        metrics[name] = out["metrics"]
+        return elapsed, elapsed_cpu
 
+    for name in VARIANTS:
+        step(name)  # warm-up
+    for _ in range(args.repeats):
         for name in VARIANTS:
-            step(name)  # warm-up
-        for _ in range(args.repeats):
-            for name in VARIANTS:
-                wall, used = step(name)
-                times[name].append(wall)
-                cpu_times[name].append(used)
+            wall, used = step(name)
+            times[name].append(wall)
+            cpu_times[name].append(used)
     tokens = args.batch * (args.prompt + args.response)
     medians = {name: statistics.median(values) for name, values in times.items()}
     minima = {name: min(values) for name, values in times.items()}
     cpu_medians = {name: statistics.median(values) for name, values in cpu_times.items()}
     print(
         f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} micro={args.micro}, "
-        f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, {args.dtype}{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
+        f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, float32{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
         f"median of {args.repeats}"
     )
     for name in VARIANTS:

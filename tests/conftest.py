@@ -7,8 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+from vcpo.verl_shared import select_cpu_platform
 
 FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
+
+# Tests that run verl in this process (the engine tests) run it on the CPU platform, as the launcher's
+# workers do; verl resolves its platform once, when it is first imported.
+if not torch.cuda.is_available():
+    select_cpu_platform()
 
 
 @dataclass(frozen=True)

@@ -195,3 +195,16 @@ def test_every_benchmark_script_imports(script):
 
     spec = importlib.util.spec_from_file_location(f"benchmark_{script[:-3]}", ROOT / "benchmarks" / script)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_no_script_or_module_edits_the_import_path():
+    """One way to reach shared code: imports from the installed package (the engine's CPU harness lives in
+    vcpo.verl_plugin.cpu.standalone), never a sys.path edit; the sandbox's bootstrap, which puts the
+    program's own folder on the program's path, is the exception."""
+    editors = [
+        str(path.relative_to(ROOT))
+        for folder in ("vcpo", "benchmarks", "workflows")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if ("sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text())
+    ]
+    assert editors == ["vcpo/tools/_sandbox_child.py"]

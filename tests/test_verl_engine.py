@@ -1,9 +1,10 @@
 """The vcpo engine (vcpo.verl_plugin.engine) through verl 0.9.1's FSDP engine code, on CPU.
 
-verl's FSDP engine cannot initialise on a CPU-only torch (its platform falls back to CUDA); the tests
-run it under `verl_engine_cpu.cpu_patches` (tests/verl_engine_cpu.py), which replaces only the device id / name, the GPU
-memory log and the FSDP wrapper (see that module): the rest of the step is verl's own code. References
-are float64: `vcpo.core` (PerSequenceGradients on the plain model) and a per-sequence backward loop.
+verl runs on the CPU platform of the plugin (selected in conftest.py, as the launcher's workers select
+it). The engine's module is left unwrapped in float64 (tests/verl_engine_cpu.py: verl's FSDP policies
+have no float64), and the FSDP2 tests wrap it with ``fully_shard`` themselves; the rest of the step is
+verl's own code. References are float64: `vcpo.core` (PerSequenceGradients on the plain model) and a
+per-sequence backward loop.
 """
 
 from __future__ import annotations
@@ -44,12 +45,6 @@ def process_group(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return cpu.save_random_qwen2(tmp_path_factory.mktemp("tiny"), vocab_size=VOCAB)
-
-
-@pytest.fixture
-def cpu_verl():
-    with cpu.cpu_patches():
-        yield
 
 
 def make_batch(remove_padding: bool, rows: slice | None = None):
@@ -108,7 +103,7 @@ def record_lr(engine) -> list[float]:
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_ess_step_size_matches_core(process_group, model_dir, cpu_verl, remove_padding):
+def test_ess_step_size_matches_core(process_group, model_dir, remove_padding):
     engine = cpu.build_engine(model_dir, remove_padding, lr=BASE_LR)
     td, raw = make_batch(remove_padding)
     s = seq_log_weights(engine.module, raw)
@@ -124,7 +119,7 @@ def test_ess_step_size_matches_core(process_group, model_dir, cpu_verl, remove_p
     assert "actor/pg_loss" in metrics  # verl's ppo_loss ran (the ESS-only step keeps verl's loss)
 
 
-def test_method_without_ess_or_opob_is_verls_step(process_group, model_dir, cpu_verl):
+def test_method_without_ess_or_opob_is_verls_step(process_group, model_dir):
     engine = cpu.build_engine(model_dir, remove_padding=True, lr=BASE_LR)
     td, _ = make_batch(True)
     seen = record_lr(engine)
@@ -217,24 +212,24 @@ def flat(values) -> list[float]:
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_gradient_matches_core_and_loop(process_group, model_dir, cpu_verl, remove_padding):
+def test_opob_gradient_matches_core_and_loop(process_group, model_dir, remove_padding):
     check_opob_step(cpu.build_engine(model_dir, remove_padding), remove_padding, packed=remove_padding)
 
 
-def test_opob_dynamic_batch_size(process_group, model_dir, cpu_verl):
+def test_opob_dynamic_batch_size(process_group, model_dir):
     """use_dynamic_bsz: verl re-sorts the sequences into token-budget micro-batches of varying size."""
     engine = cpu.build_engine(model_dir, remove_padding=True)
     check_opob_step(engine, remove_padding=True, packed=True, max_tokens=30)
 
 
-def test_opob_packed_with_static_pad(process_group, model_dir, cpu_verl):
+def test_opob_packed_with_static_pad(process_group, model_dir):
     """pad_to_length: verl pads the packed row to a bucket; the tail belongs to no sequence."""
     engine = cpu.build_engine(model_dir, remove_padding=True)
     engine.pad_to_length, engine.pad_to_length_bucket = True, 64
     check_opob_step(engine, remove_padding=True, packed=True)
 
 
-def test_metrics_pass_through_the_training_worker(process_group, model_dir, cpu_verl):
+def test_metrics_pass_through_the_training_worker(process_group, model_dir):
     """TrainingWorker._postprocess_output (DP all-gather of metrics) and train_mini_batch's flattening."""
     from itertools import chain
     from types import SimpleNamespace
@@ -283,7 +278,7 @@ def full_gradients(module) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
+def test_opob_under_fsdp2(process_group, model_dir, remove_padding):
     """fully_shard (FSDP2, world size 1 on gloo): the sharded DTensor gradients are the OPOB gradient."""
     from torch.distributed.tensor import DTensor
     from transformers import Qwen2ForCausalLM
@@ -309,7 +304,7 @@ def test_opob_under_fsdp2(process_group, model_dir, cpu_verl, remove_padding):
     "precision, refused",
     [({"param_dtype": "32", "reduce_dtype": "bf16"}, True), ({"param_dtype": "fp32", "reduce_dtype": "32"}, False)],
 )
-def test_opob_under_fsdp2_reads_precisions_by_verls_names(process_group, model_dir, cpu_verl, precision, refused):
+def test_opob_under_fsdp2_reads_precisions_by_verls_names(process_group, model_dir, precision, refused):
     """fp32 parameters need an fp32 reduction under OPOB, whichever of verl's names spell them ("32" too)."""
     engine = fsdp2_engine(model_dir, remove_padding=True, config_precision=precision)
     td, _ = make_batch(True)
@@ -326,7 +321,7 @@ def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_under_fsdp2_in_verls_default_mixed_precision(process_group, model_dir, cpu_verl, remove_padding):
+def test_opob_under_fsdp2_in_verls_default_mixed_precision(process_group, model_dir, remove_padding):
     """verl's default precision: the OPOB gradient of the bf16 compute path against the float64 loop on
     the fp32 weights, within 4x the error plain autograd makes in the same precision (the same loop on
     the weights in bf16 under autocast(bf16)); the sharded fp32 gradients are what the optimizer steps on.
@@ -421,22 +416,21 @@ def test_megatron_strategy_raises_clearly():
 def _dp_worker(rank: int, world: int, store_path: str, model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        with cpu.cpu_patches():
-            results = {}
-            for sharded in (False, True):
-                for remove_padding in (False, True):
-                    if sharded:  # FSDP2 over the two ranks: every parameter really sharded
-                        engine = fsdp2_engine(model_dir, remove_padding, world=world)
-                    else:  # unwrapped module: the engine's own all-reduce is the only gradient sync
-                        engine = cpu.build_engine(model_dir, remove_padding)
-                    # rank r holds rows r, r + world, ...: every prompt group is split across the ranks
-                    td, _ = make_batch(remove_padding, rows=slice(rank, None, world))
-                    metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
-                    results[sharded, remove_padding] = {
-                        "grads": full_gradients(engine.module),
-                        # the engine's per-step values (the loss's per-micro-batch diagnostics are not compared)
-                        "metrics": {k: flat(v)[0] for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))},
-                    }
+        results = {}
+        for sharded in (False, True):
+            for remove_padding in (False, True):
+                if sharded:  # FSDP2 over the two ranks: every parameter really sharded
+                    engine = fsdp2_engine(model_dir, remove_padding, world=world)
+                else:  # unwrapped module: the engine's own all-reduce is the only gradient sync
+                    engine = cpu.build_engine(model_dir, remove_padding)
+                # rank r holds rows r, r + world, ...: every prompt group is split across the ranks
+                td, _ = make_batch(remove_padding, rows=slice(rank, None, world))
+                metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
+                results[sharded, remove_padding] = {
+                    "grads": full_gradients(engine.module),
+                    # the engine's per-step values (the loss's per-micro-batch diagnostics are not compared)
+                    "metrics": {k: flat(v)[0] for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))},
+                }
         torch.save(results, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -478,7 +472,7 @@ def test_opob_sums_the_kl_penalised_rewards_when_verl_sends_them():
 
 
 @pytest.mark.parametrize("method", ["vcpo", "tis_ess", "tis_opob"])
-def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_dir, cpu_verl, monkeypatch, method):
+def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_dir, monkeypatch, method):
     """One batch through the simulator's learner and through the verl engine: the same OPOB coefficients
     (c^R, c^S per sequence), the same baseline, the same ESS learning-rate scale and the same gradient."""
     from types import SimpleNamespace

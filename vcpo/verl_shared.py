@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +22,8 @@ ENGINE_MODEL_TYPE = "vcpo_language_model"
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 # The CPU platform and rollout of `python -m vcpo.launch.cpu` (verl on a CPU-only torch).
 CPU_PLATFORM_MODULE = "vcpo.verl_plugin.cpu"
+# What selects it in a process: the platform's name, and `import verl` registering the plugin first.
+CPU_PLATFORM_ENV = {"VERL_PLATFORM": "cpu", EXTERNAL_MODULES: CPU_PLATFORM_MODULE}
 # The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner, which trains in fp32),
 # as a mapping and in Hydra's override grammar.
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
@@ -64,3 +68,12 @@ def check_step_rule_applied(method_name: str | None) -> None:
             "actor_rollout_ref.actor.strategy=fsdp2 and trainer.use_v1=true (python -m vcpo.launch sets them), "
             "or train a method without them (e.g. seq_tis_c8)"
         )
+
+
+def select_cpu_platform() -> None:
+    """Make this process's verl run on the CPU platform (`vcpo.verl_plugin.cpu`), as the launcher's
+    workers do. verl resolves its platform once, inside `import verl`: call this before anything imports
+    it. Raises RuntimeError if verl is already loaded on another platform."""
+    if "verl" in sys.modules and os.environ.get("VERL_PLATFORM") != CPU_PLATFORM_ENV["VERL_PLATFORM"]:
+        raise RuntimeError("select_cpu_platform: verl is already imported on another platform; call it first")
+    os.environ.update(CPU_PLATFORM_ENV)

@@ -23,12 +23,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from vcpo.verl_shared import CPU_PLATFORM_MODULE, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
+from vcpo.verl_shared import CPU_PLATFORM_ENV, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
 from vcpo.runs import METRICS_FILE
 
 ENV = {
-    "VERL_PLATFORM": "cpu",
-    EXTERNAL_MODULES: CPU_PLATFORM_MODULE,
+    **CPU_PLATFORM_ENV,
     # one BLAS thread per process: the trainer, the rollout server and the reward worker share 2 cores
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
