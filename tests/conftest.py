@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from vcpo.verl_shared import select_cpu_platform
 
 FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
 
 # Tests that run verl in this process (the engine tests) run it on the CPU platform, as the launcher's
-# workers do; verl resolves its platform once, when it is first imported.
-if not torch.cuda.is_available():
+# workers do. verl resolves its platform once, when it is first imported: import it here with the
+# platform selected, then restore the environment, so that subprocesses (simulator runs, the launcher)
+# start as they would outside the tests. (The engine tests are CPU tests, on a GPU machine too.)
+if importlib.util.find_spec("verl") is not None:
+    _environment = dict(os.environ)
     select_cpu_platform()
+    import verl  # noqa: E402,F401
+
+    os.environ.clear()
+    os.environ.update(_environment)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The vcpo engine (vcpo.verl_plugin.engine) through verl 0.9.1's FSDP engine code, on CPU.
 
-verl runs on the CPU platform of the plugin (selected in conftest.py, as the launcher's workers select
-it). The engine's module is left unwrapped in float64 (tests/verl_engine_cpu.py: verl's FSDP policies
+verl runs on the CPU platform of the plugin (selected in conftest.py and for the spawned ranks, as the
+launcher's workers select it). The engine's module is left unwrapped in float64 (tests/verl_engine_cpu.py: verl's FSDP policies
 have no float64), and the FSDP2 tests wrap it with ``fully_shard`` themselves; the rest of the step is
 verl's own code. References are float64: `vcpo.core` (PerSequenceGradients on the plain model) and a
 per-sequence backward loop.
@@ -442,7 +442,12 @@ def test_opob_two_data_parallel_ranks(model_dir, tmp_path):
     gathered norms and baseline, one all-reduce, the same gradient as one process on the whole batch."""
     from transformers import Qwen2ForCausalLM
 
-    torch.multiprocessing.spawn(_dp_worker, args=(2, str(tmp_path / "store"), str(model_dir), str(tmp_path)), nprocs=2)
+    from vcpo.verl_shared import CPU_PLATFORM_ENV
+
+    with pytest.MonkeyPatch.context() as patch:  # the spawned ranks import verl on the CPU platform
+        for name, value in CPU_PLATFORM_ENV.items():
+            patch.setenv(name, value)
+        torch.multiprocessing.spawn(_dp_worker, args=(2, str(tmp_path / "store"), str(model_dir), str(tmp_path)), nprocs=2)
     model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
     _, raw = make_batch(False)
     loop, baseline, _, _ = per_sequence_loop_gradient(model, raw)
