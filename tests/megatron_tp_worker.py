@@ -1,0 +1,100 @@
+"""One rank of tests/test_megatron_per_sequence.py: a small megatron-core GPT at tensor-parallel size 2 on
+gloo (CPU, float64); per-sequence squared norms from one backward (MegatronSequenceNorms) against one
+backward per sequence. Run by `python -m torch.distributed.run --nproc_per_node 2 THIS ARCH OUT`.
+
+megatron-core assumes CUDA in four places this small model reaches; the process-wide shims below answer
+them for the CPU (a device for buffer allocation, `Tensor.cuda` as identity, `synchronize` as a no-op, the
+RNG tracker's fork as a no-op: dropout is off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.current_device = lambda: torch.device("cpu")
+torch.Tensor.cuda = lambda self, *args, **kwargs: self
+torch.cuda.synchronize = lambda *args, **kwargs: None
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms, is_sharded  # noqa: E402
+
+ARCHITECTURES = {
+    # Llama/Qwen-like: RMSNorm, SwiGLU, rotary positions
+    "rmsnorm_swiglu_rope": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                position_embedding_type="rope"),
+    # GPT-2-like: LayerNorm, GELU, learned absolute positions
+    "layernorm_gelu_learned": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
+                                   position_embedding_type="learned_absolute"),
+}
+BATCH, TOKENS, VOCAB = 3, 8, 64
+
+
+def build(architecture: str, world: int) -> GPTModel:
+    settings = dict(ARCHITECTURES[architecture])
+    position_embedding_type = settings.pop("position_embedding_type")
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, tensor_model_parallel_size=world,
+        use_cpu_initialization=True, params_dtype=torch.float64, hidden_dropout=0.0, attention_dropout=0.0,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, add_bias_linear=True, **settings,
+    )
+    torch.manual_seed(0)
+    spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=16,
+                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=False)
+    return model.double()
+
+
+def main(architecture: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
+    megatron_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    model = build(architecture, world)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator)
+    loss_mask = torch.ones(BATCH, TOKENS, dtype=torch.float64)
+    loss_mask[1, 5:], loss_mask[2, 2:] = 0.0, 0.0  # shorter responses
+    positions = torch.arange(TOKENS).expand(BATCH, TOKENS)
+    causal = torch.triu(torch.ones(TOKENS, TOKENS, dtype=torch.bool), diagonal=1)[None, None]
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def scores(rows: list[int]) -> torch.Tensor:
+        token_loss = model(ids[rows], positions[rows], attention_mask=causal, labels=labels[rows])  # (sequences, tokens)
+        return -(token_loss * loss_mask[rows]).sum(1)
+
+    reference = []
+    for i in range(BATCH):  # one backward per sequence; the full gradient's squared norm by the reduction rule
+        model.zero_grad(set_to_none=True)
+        scores([i]).sum().backward()
+        grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        sharded = sum((g.pow(2).sum() for p, g in grads if is_sharded(p)), torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(sharded, group=group)
+        reference.append(float(sharded + sum(g.pow(2).sum() for p, g in grads if not is_sharded(p))))
+
+    norms = MegatronSequenceNorms(model, group)
+    model.zero_grad(set_to_none=True)
+    with norms.recording(BATCH):
+        scores(list(range(BATCH))).sum().backward()
+    result = {"reference": reference, "engine": norms.sq_norms().tolist(),
+              "sharded_params": sum(is_sharded(p) for p in model.parameters()),
+              "replicated_params": sum(not is_sharded(p) for p in model.parameters())}
+    if dist.get_rank() == 0:
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

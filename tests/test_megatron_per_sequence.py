@@ -1,0 +1,59 @@
+"""Per-sequence gradient norms of megatron-core models under tensor parallelism (vcpo.core.per_sequence_grads.megatron).
+
+Two gloo ranks (TP 2, CPU, float64) run tests/megatron_tp_worker.py: a small megatron-core GPT of each
+architecture, its per-sequence squared norms from one backward against one backward per sequence, the
+full gradient's norm taken by the reduction rule (sharded parameters summed over the TP group, replicated
+ones once).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
+
+WORKER = Path(__file__).with_name("megatron_tp_worker.py")
+
+
+@pytest.mark.parametrize("architecture", ["rmsnorm_swiglu_rope", "layernorm_gelu_learned"])
+def test_tensor_parallel_norms_match_one_backward_per_sequence(architecture, tmp_path):
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "result.json"
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), str(WORKER), architecture, str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    reference, engine = torch.tensor(result["reference"]), torch.tensor(result["engine"])
+    assert result["sharded_params"] > 0 and result["replicated_params"] > 0  # both halves of the rule at work
+    assert reference.min() > 0 and len(set(result["reference"])) == 3
+    assert ((engine - reference).abs() / reference).max() < 1e-12
+
+
+class _Unknown(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_what_it_cannot_count_is_refused():
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        MegatronSequenceNorms(SimpleNamespace(config=SimpleNamespace(sequence_parallel=True)))
+    tied = nn.Module()
+    tied.share_embeddings_and_output_weights = True
+    with pytest.raises(ValueError, match="tied input/output embeddings"):
+        MegatronSequenceNorms(tied)
+    with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):
+        MegatronSequenceNorms(nn.Sequential()).__init__(nn.ModuleDict({"block": _Unknown()}))

@@ -1,0 +1,162 @@
+"""Exact per-sequence squared gradient norms of a megatron-core model under tensor parallelism, from one backward.
+
+megatron-core's layers compute their own weight gradients (its custom autograd functions, gradient
+buffers, TP collectives), so instead of replacing their forward as `PerSequenceGradients` does for
+transformers modules, `MegatronSequenceNorms` watches them: a forward hook keeps each layer's input and
+puts a hook on its output, whose gradient δ arrives during the backward of Σ_i l_i. From (input, δ) it forms
+the per-sequence gradient of the layer's LOCAL parameters (the rank's shard) and reduces it at once to a
+squared norm per sequence, as the transformers handlers do (``reductions``):
+
+  ColumnParallelLinear   W shard (out/TP, in), input full: P_i = Σ_t δ_{i,t} ⊗ x_{i,t} (ghost norm); its bias is a shard.
+  RowParallelLinear      W shard (out, in/TP), input the rank's slice, δ full; its bias is replicated.
+  VocabParallelEmbedding W shard (rows [start, end) of the vocabulary): the δ rows of the ids inside it.
+  Embedding              (learned positions) replicated.
+  RMSNorm, LayerNorm     Σ_t δ_{i,t} ⊙ x̂_{i,t} (weight), Σ_t δ_{i,t} (bias): replicated.
+
+Reduction rule (tested against one backward per sequence at TP 2): a parameter marked
+``tensor_model_parallel`` is sharded, so its per-sequence squared norms sum over the tensor-parallel group;
+every other parameter is replicated, identical on every rank, and counts once. Activations are
+sequence-first, (tokens, sequences, width), as megatron lays them out; the embedding sees (sequences, tokens).
+
+Not handled here, and refused rather than mis-counted: sequence parallelism (inputs and output gradients
+would need gathering along the sequence), tied input/output embeddings (an output layer without its own
+weight: the cross term), pipeline stages, and any trainable module of another kind. Layers are matched by
+class name, so ``vcpo.core`` imports nothing from megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, sparse_rows_sq_norms
+
+LINEARS = ("ColumnParallelLinear", "RowParallelLinear")
+NORMS = ("RMSNorm", "LayerNorm")
+KINDS = (*LINEARS, "VocabParallelEmbedding", "Embedding", *NORMS)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """megatron-core marks the parameters it splits over the tensor-parallel group."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def normalized(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """x̂ of a norm's input as its forward computes it (float32 at least), in x's dtype."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    if type(module).__name__ == "LayerNorm":
+        h = h - h.mean(-1, keepdim=True)
+        variance = h.pow(2).mean(-1, keepdim=True)
+    else:
+        variance = h.pow(2).mean(-1, keepdim=True)
+    eps = module.eps if module.eps is not None else torch.finfo(h.dtype).eps
+    return (h * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+class MegatronSequenceNorms:
+    """||g_i||² of every sequence of a micro-batch over ALL of a megatron-core model's trainable
+    parameters (every TP shard), from the one backward of Σ_i l_i.
+
+    Usage, on every tensor-parallel rank::
+
+        norms = MegatronSequenceNorms(model, tp_group)
+        with norms.recording(batch_size):
+            per_sequence_scores(model(...)).sum().backward()
+        sq_norms = norms.sq_norms()          # (B,) float64, the same on every rank
+
+    Raises ValueError at construction for a trainable module or a setting it does not handle.
+    """
+
+    def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None):
+        self.model, self.tp_group = model, tp_group
+        config = getattr(model, "config", None)
+        if getattr(config, "sequence_parallel", False):
+            raise ValueError("MegatronSequenceNorms: sequence parallelism is not handled (inputs and gradients are split along the sequence)")
+        if getattr(model, "share_embeddings_and_output_weights", False):
+            raise ValueError("MegatronSequenceNorms: tied input/output embeddings are not handled (the cross term)")
+        self.modules = []
+        for name, module in model.named_modules():
+            trainable = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not trainable:
+                continue
+            kind = type(module).__name__
+            if kind not in KINDS:
+                raise ValueError(f"MegatronSequenceNorms: module {name!r} ({kind}) has trainable parameter {trainable[0]!r} and no handler; supported: {KINDS}")
+            if kind in LINEARS and getattr(module, "weight", None) is None:
+                raise ValueError(f"MegatronSequenceNorms: {name!r} has no weight of its own (a tied output layer): not handled")
+            self.modules.append(module)
+        self._sharded: torch.Tensor | None = None
+        self._replicated: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def recording(self, batch_size: int) -> Iterator[None]:
+        """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block."""
+        self._sharded = torch.zeros(batch_size, dtype=torch.float64)
+        self._replicated = torch.zeros(batch_size, dtype=torch.float64)
+        handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def sq_norms(self) -> torch.Tensor:
+        """The per-sequence squared norms of the last `recording` block, reduced over the TP group."""
+        if self._sharded is None:
+            raise ValueError("sq_norms() needs a recording() block first")
+        sharded = self._sharded.clone()
+        if dist.is_initialized():
+            dist.all_reduce(sharded, group=self.tp_group)
+        return sharded + self._replicated
+
+    def _add(self, param: torch.Tensor, values: torch.Tensor) -> None:
+        target = self._sharded if is_sharded(param) else self._replicated
+        target += values.detach().to(device=target.device, dtype=torch.float64)
+
+    def _forward_hook(self, module: nn.Module, args: tuple, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        kind = type(module).__name__
+        inputs = args[0].detach()
+        out = output[0] if isinstance(output, tuple) else output
+        if kind in LINEARS:
+            handler = self._linear_gradient
+        elif kind in ("VocabParallelEmbedding", "Embedding"):
+            handler = self._embedding_gradient
+        else:
+            handler = self._norm_gradient
+            inputs = normalized(inputs, module)
+        out.register_hook(lambda grad: handler(module, inputs, grad.detach()))
+
+    def _linear_gradient(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
+        rows, cols = delta.transpose(0, 1), x.transpose(0, 1)  # (sequences, tokens, width)
+        if module.weight.requires_grad:
+            self._add(module.weight, ghost_sq_norms(rows.to(torch.float64), cols.to(torch.float64)))
+        bias = getattr(module, "bias", None)
+        if bias is not None and bias.requires_grad:
+            sums = rows.sum(1, dtype=torch.float64)
+            self._add(bias, (sums * sums).sum(1))
+
+    def _embedding_gradient(self, module: nn.Module, ids: torch.Tensor, delta: torch.Tensor) -> None:
+        start = getattr(module, "vocab_start_index", 0)
+        end = getattr(module, "vocab_end_index", module.weight.shape[0])
+        inside = (ids >= start) & (ids < end)
+        local = torch.where(inside, ids - start, torch.zeros_like(ids))
+        rows = delta * inside.unsqueeze(-1).to(delta.dtype)
+        self._add(module.weight, sparse_rows_sq_norms(local, rows.to(torch.float64), module.weight.shape[0]))
+
+    def _norm_gradient(self, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
+        delta64 = delta.to(torch.float64)
+        weight_grads = (delta64 * x_hat.to(torch.float64)).sum(0)  # (sequences, width)
+        self._add(module.weight, (weight_grads * weight_grads).sum(1))
+        bias = getattr(module, "bias", None)
+        if bias is not None and bias.requires_grad:
+            bias_grads = delta64.sum(0)
+            self._add(bias, (bias_grads * bias_grads).sum(1))
+
+
+__all__ = ["KINDS", "MegatronSequenceNorms", "is_sharded"]
