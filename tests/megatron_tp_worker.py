@@ -35,6 +35,9 @@ ARCHITECTURES = {
     # GPT-2-like: LayerNorm, GELU, learned absolute positions
     "layernorm_gelu_learned": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
                                    position_embedding_type="learned_absolute"),
+    # the first with the output layer tied to the input embedding (Qwen2's tie_word_embeddings)
+    "rmsnorm_swiglu_rope_tied": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                     position_embedding_type="rope", tied=True),
 }
 BATCH, TOKENS, VOCAB = 3, 8, 64
 
@@ -42,6 +45,7 @@ BATCH, TOKENS, VOCAB = 3, 8, 64
 def build(architecture: str, world: int) -> GPTModel:
     settings = dict(ARCHITECTURES[architecture])
     position_embedding_type = settings.pop("position_embedding_type")
+    tied = settings.pop("tied", False)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, tensor_model_parallel_size=world,
         use_cpu_initialization=True, params_dtype=torch.float64, hidden_dropout=0.0, attention_dropout=0.0,
@@ -51,7 +55,7 @@ def build(architecture: str, world: int) -> GPTModel:
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=16,
-                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=False)
+                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=tied)
     return model.double()
 
 

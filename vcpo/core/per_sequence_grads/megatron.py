@@ -12,6 +12,10 @@ squared norm per sequence, as the transformers handlers do (``reductions``):
   VocabParallelEmbedding W shard (rows [start, end) of the vocabulary): the δ rows of the ids inside it.
   Embedding              (learned positions) replicated.
   RMSNorm, LayerNorm     Σ_t δ_{i,t} ⊙ x̂_{i,t} (weight), Σ_t δ_{i,t} (bias): replicated.
+  tied embeddings        the output layer uses the embedding's weight (``share_embeddings_and_output_weights``):
+                         sequence i's gradient of that shard is E_i + H_i, so its squared norm adds the cross
+                         term 2 Σ_t <H_i[id_t], δ^E_{i,t}>, from the rows of H_i at the shard's ids (the output
+                         layer's gradient arrives first in the backward, the embedding's last).
 
 Reduction rule (tested against one backward per sequence at TP 2): a parameter marked
 ``tensor_model_parallel`` is sharded, so its per-sequence squared norms sum over the tensor-parallel group;
@@ -19,8 +23,8 @@ every other parameter is replicated, identical on every rank, and counts once. A
 sequence-first, (tokens, sequences, width), as megatron lays them out; the embedding sees (sequences, tokens).
 
 Not handled here, and refused rather than mis-counted: sequence parallelism (inputs and output gradients
-would need gathering along the sequence), tied input/output embeddings (an output layer without its own
-weight: the cross term), pipeline stages, and any trainable module of another kind. Layers are matched by
+would need gathering along the sequence), pipeline stages (tied embeddings across stages need the first
+stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
 class name, so ``vcpo.core`` imports nothing from megatron.
 """
 
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, sparse_rows_sq_norms
+from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, rows_at_ids, sparse_rows_sq_norms
 
 LINEARS = ("ColumnParallelLinear", "RowParallelLinear")
 NORMS = ("RMSNorm", "LayerNorm")
@@ -76,8 +80,10 @@ class MegatronSequenceNorms:
         config = getattr(model, "config", None)
         if getattr(config, "sequence_parallel", False):
             raise ValueError("MegatronSequenceNorms: sequence parallelism is not handled (inputs and gradients are split along the sequence)")
-        if getattr(model, "share_embeddings_and_output_weights", False):
-            raise ValueError("MegatronSequenceNorms: tied input/output embeddings are not handled (the cross term)")
+        if getattr(model, "pre_process", True) is False or getattr(model, "post_process", True) is False:
+            raise ValueError("MegatronSequenceNorms: pipeline stages are not handled (the model is one stage of several)")
+        # The weight the output layer borrows from the embedding, if they are tied.
+        self.tied = model.shared_embedding_or_output_weight() if getattr(model, "share_embeddings_and_output_weights", False) else None
         self.modules = []
         for name, module in model.named_modules():
             trainable = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -86,9 +92,12 @@ class MegatronSequenceNorms:
             kind = type(module).__name__
             if kind not in KINDS:
                 raise ValueError(f"MegatronSequenceNorms: module {name!r} ({kind}) has trainable parameter {trainable[0]!r} and no handler; supported: {KINDS}")
-            if kind in LINEARS and getattr(module, "weight", None) is None:
-                raise ValueError(f"MegatronSequenceNorms: {name!r} has no weight of its own (a tied output layer): not handled")
             self.modules.append(module)
+        for name, module in model.named_modules():  # the output layer of tied embeddings owns no parameter
+            if type(module).__name__ in LINEARS and getattr(module, "weight", None) is None:
+                if self.tied is None:
+                    raise ValueError(f"MegatronSequenceNorms: {name!r} has no weight of its own and the model ties none")
+                self.modules.append(module)
         self._sharded: torch.Tensor | None = None
         self._replicated: torch.Tensor | None = None
 
@@ -97,6 +106,7 @@ class MegatronSequenceNorms:
         """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block."""
         self._sharded = torch.zeros(batch_size, dtype=torch.float64)
         self._replicated = torch.zeros(batch_size, dtype=torch.float64)
+        self._tied_ids = self._head_rows = None  # the embedding's local ids; H_i's rows at them
         handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
         try:
             yield
@@ -127,15 +137,21 @@ class MegatronSequenceNorms:
             handler = self._linear_gradient
         elif kind in ("VocabParallelEmbedding", "Embedding"):
             handler = self._embedding_gradient
+            if module.weight is self.tied:
+                start, end = module.vocab_start_index, module.vocab_end_index
+                self._tied_ids = torch.where((inputs >= start) & (inputs < end), inputs - start, torch.zeros_like(inputs))
         else:
             handler = self._norm_gradient
             inputs = normalized(inputs, module)
         out.register_hook(lambda grad: handler(module, inputs, grad.detach()))
 
     def _linear_gradient(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
-        rows, cols = delta.transpose(0, 1), x.transpose(0, 1)  # (sequences, tokens, width)
-        if module.weight.requires_grad:
-            self._add(module.weight, ghost_sq_norms(rows.to(torch.float64), cols.to(torch.float64)))
+        rows, cols = delta.transpose(0, 1).to(torch.float64), x.transpose(0, 1).to(torch.float64)  # (sequences, tokens, width)
+        weight = module.weight if module.weight is not None else self.tied
+        if weight.requires_grad:
+            self._add(weight, ghost_sq_norms(rows, cols))
+            if weight is self.tied and self._tied_ids is not None:
+                self._head_rows = rows_at_ids(rows, cols, self._tied_ids)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
             sums = rows.sum(1, dtype=torch.float64)
@@ -146,8 +162,10 @@ class MegatronSequenceNorms:
         end = getattr(module, "vocab_end_index", module.weight.shape[0])
         inside = (ids >= start) & (ids < end)
         local = torch.where(inside, ids - start, torch.zeros_like(ids))
-        rows = delta * inside.unsqueeze(-1).to(delta.dtype)
-        self._add(module.weight, sparse_rows_sq_norms(local, rows.to(torch.float64), module.weight.shape[0]))
+        rows = (delta * inside.unsqueeze(-1).to(delta.dtype)).to(torch.float64)
+        self._add(module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
+        if module.weight is self.tied and self._head_rows is not None:
+            self._add(module.weight, 2.0 * torch.einsum("btd,btd->b", self._head_rows, rows))
 
     def _norm_gradient(self, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
         delta64 = delta.to(torch.float64)
