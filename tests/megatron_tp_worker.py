@@ -4,7 +4,9 @@ backward per sequence. Run by `python -m torch.distributed.run --nproc_per_node 
 
 megatron-core assumes CUDA in four places this small model reaches; the process-wide shims below answer
 them for the CPU (a device for buffer allocation, `Tensor.cuda` as identity, `synchronize` as a no-op, the
-RNG tracker's fork as a no-op: dropout is off).
+RNG tracker's fork as a no-op: dropout is off). Under sequence parallelism megatron's norms are Transformer
+Engine's (GPU only); its torch fallback refuses the setting, so the worker builds torch's norm and marks its
+parameters ``sequence_parallel`` as Transformer Engine's norms are marked.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402
+from megatron.core.transformer import torch_norm  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms, is_sharded  # noqa: E402
@@ -38,8 +41,24 @@ ARCHITECTURES = {
     # the first with the output layer tied to the input embedding (Qwen2's tie_word_embeddings)
     "rmsnorm_swiglu_rope_tied": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                      position_embedding_type="rope", tied=True),
+    # sequence parallelism, with either embedding path (reduce-scattering word embeddings; learned positions)
+    "rmsnorm_swiglu_rope_sp": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                   position_embedding_type="rope", tied=True, sequence_parallel=True),
+    "layernorm_gelu_learned_sp": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
+                                      position_embedding_type="learned_absolute", sequence_parallel=True),
 }
 BATCH, TOKENS, VOCAB = 3, 8, 64
+
+
+def _torch_norm_for_sequence_parallel(cls, config, hidden_size, eps=1e-5, **_):
+    norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+    norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+torch_norm.WrappedTorchNorm.__new__ = _torch_norm_for_sequence_parallel
 
 
 def build(architecture: str, world: int) -> GPTModel:
@@ -83,6 +102,9 @@ def main(architecture: str, out: str) -> None:
         model.zero_grad(set_to_none=True)
         scores([i]).sum().backward()
         grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        for p, g in grads:  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=group)
         sharded = sum((g.pow(2).sum() for p, g in grads if is_sharded(p)), torch.zeros((), dtype=torch.float64))
         dist.all_reduce(sharded, group=group)
         reference.append(float(sharded + sum(g.pow(2).sum() for p, g in grads if not is_sharded(p))))
@@ -93,7 +115,8 @@ def main(architecture: str, out: str) -> None:
         scores(list(range(BATCH))).sum().backward()
     result = {"reference": reference, "engine": norms.sq_norms().tolist(),
               "sharded_params": sum(is_sharded(p) for p in model.parameters()),
-              "replicated_params": sum(not is_sharded(p) for p in model.parameters())}
+              "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
+              "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}
     if dist.get_rank() == 0:
         with open(out, "w") as handle:
             json.dump(result, handle)

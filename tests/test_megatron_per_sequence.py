@@ -1,9 +1,10 @@
 """Per-sequence gradient norms of megatron-core models under tensor parallelism (vcpo.core.per_sequence_grads.megatron).
 
 Two gloo ranks (TP 2, CPU, float64) run tests/megatron_tp_worker.py: a small megatron-core GPT of each
-architecture, its per-sequence squared norms from one backward against one backward per sequence, the
-full gradient's norm taken by the reduction rule (sharded parameters summed over the TP group, replicated
-ones once).
+architecture (two families, tied embeddings, sequence parallelism), its per-sequence squared norms from one
+backward against one backward per sequence, the full gradient's norm taken by the reduction rule (sharded
+parameters summed over the TP group, replicated ones once, after summing a sequence-parallel one's partial
+gradients over the ranks' tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 
-@pytest.mark.parametrize("architecture", ["rmsnorm_swiglu_rope", "layernorm_gelu_learned", "rmsnorm_swiglu_rope_tied"])
+@pytest.mark.parametrize(
+    "architecture",
+    ["rmsnorm_swiglu_rope", "layernorm_gelu_learned", "rmsnorm_swiglu_rope_tied", "rmsnorm_swiglu_rope_sp", "layernorm_gelu_learned_sp"],
+)
 def test_tensor_parallel_norms_match_one_backward_per_sequence(architecture, tmp_path):
     pytest.importorskip("megatron.core")
     out = tmp_path / "result.json"
@@ -38,6 +42,7 @@ def test_tensor_parallel_norms_match_one_backward_per_sequence(architecture, tmp
     result = json.loads(out.read_text())
     reference, engine = torch.tensor(result["reference"]), torch.tensor(result["engine"])
     assert result["sharded_params"] > 0 and result["replicated_params"] > 0  # both halves of the rule at work
+    assert set(result["sequence_parallel"]) == {architecture.endswith("_sp")}  # the setting the name says
     assert reference.min() > 0 and len(set(result["reference"])) == 3
     assert ((engine - reference).abs() / reference).max() < 1e-12
 
@@ -49,8 +54,6 @@ class _Unknown(nn.Module):
 
 
 def test_what_it_cannot_count_is_refused():
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        MegatronSequenceNorms(SimpleNamespace(config=SimpleNamespace(sequence_parallel=True)))
     with pytest.raises(ValueError, match="pipeline stages"):
         MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False))
     with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):

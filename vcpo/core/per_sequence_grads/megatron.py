@@ -22,9 +22,14 @@ Reduction rule (tested against one backward per sequence at TP 2): a parameter m
 every other parameter is replicated, identical on every rank, and counts once. Activations are
 sequence-first, (tokens, sequences, width), as megatron lays them out; the embedding sees (sequences, tokens).
 
-Not handled here, and refused rather than mis-counted: sequence parallelism (inputs and output gradients
-would need gathering along the sequence), pipeline stages (tied embeddings across stages need the first
-stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
+Sequence parallelism (``config.sequence_parallel``): activations between the tensor-parallel regions are
+split along the tokens. A column-parallel linear's input and a row-parallel linear's (and the reduce-scattering
+embedding's) output gradient are gathered along the tokens (one all-gather each, as the layers themselves
+do); a norm sees only its rank's tokens, so its per-sequence gradient vectors are summed over the group before
+they are squared (the layer's own gradient is all-reduced for the same reason).
+
+Not handled here, and refused rather than mis-counted: pipeline stages (tied embeddings across stages need
+the first stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
 class name, so ``vcpo.core`` imports nothing from megatron.
 """
 
@@ -77,9 +82,7 @@ class MegatronSequenceNorms:
 
     def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None):
         self.model, self.tp_group = model, tp_group
-        config = getattr(model, "config", None)
-        if getattr(config, "sequence_parallel", False):
-            raise ValueError("MegatronSequenceNorms: sequence parallelism is not handled (inputs and gradients are split along the sequence)")
+        self.sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
         if getattr(model, "pre_process", True) is False or getattr(model, "post_process", True) is False:
             raise ValueError("MegatronSequenceNorms: pipeline stages are not handled (the model is one stage of several)")
         # The weight the output layer borrows from the embedding, if they are tied.
@@ -123,6 +126,20 @@ class MegatronSequenceNorms:
             dist.all_reduce(sharded, group=self.tp_group)
         return sharded + self._replicated
 
+    def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """A sequence-parallel activation (tokens/TP, ...) -> (tokens, ...), the ranks' slices in rank order."""
+        parts = [torch.empty_like(values) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(parts, values.contiguous(), group=self.tp_group)
+        return torch.cat(parts)
+
+    def _add_summed_over_tokens(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
+        """Per-sequence gradients (B, n) of a replicated parameter from this rank's tokens: under sequence
+        parallelism the ranks hold different tokens, so the vectors are summed over the group first."""
+        if self.sequence_parallel:
+            per_sequence = per_sequence.clone()
+            dist.all_reduce(per_sequence, group=self.tp_group)
+        self._add(param, (per_sequence * per_sequence).sum(1))
+
     def _add(self, param: torch.Tensor, values: torch.Tensor) -> None:
         target = self._sharded if is_sharded(param) else self._replicated
         target += values.detach().to(device=target.device, dtype=torch.float64)
@@ -135,6 +152,8 @@ class MegatronSequenceNorms:
         out = output[0] if isinstance(output, tuple) else output
         if kind in LINEARS:
             handler = self._linear_gradient
+            if getattr(module, "sequence_parallel", False) and kind == "ColumnParallelLinear":
+                inputs = self._gather_tokens(inputs)
         elif kind in ("VocabParallelEmbedding", "Embedding"):
             handler = self._embedding_gradient
             if module.weight is self.tied:
@@ -146,6 +165,8 @@ class MegatronSequenceNorms:
         out.register_hook(lambda grad: handler(module, inputs, grad.detach()))
 
     def _linear_gradient(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
+        if getattr(module, "sequence_parallel", False) and type(module).__name__ == "RowParallelLinear":
+            delta = self._gather_tokens(delta)
         rows, cols = delta.transpose(0, 1).to(torch.float64), x.transpose(0, 1).to(torch.float64)  # (sequences, tokens, width)
         weight = module.weight if module.weight is not None else self.tied
         if weight.requires_grad:
@@ -155,9 +176,11 @@ class MegatronSequenceNorms:
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
             sums = rows.sum(1, dtype=torch.float64)
-            self._add(bias, (sums * sums).sum(1))
+            self._add(bias, (sums * sums).sum(1))  # full tokens here: the output gradient is gathered
 
     def _embedding_gradient(self, module: nn.Module, ids: torch.Tensor, delta: torch.Tensor) -> None:
+        if getattr(module, "reduce_scatter_embeddings", False):  # its output is (tokens/TP, sequences, width)
+            delta = self._gather_tokens(delta).transpose(0, 1)
         start = getattr(module, "vocab_start_index", 0)
         end = getattr(module, "vocab_end_index", module.weight.shape[0])
         inside = (ids >= start) & (ids < end)
@@ -169,12 +192,10 @@ class MegatronSequenceNorms:
 
     def _norm_gradient(self, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
         delta64 = delta.to(torch.float64)
-        weight_grads = (delta64 * x_hat.to(torch.float64)).sum(0)  # (sequences, width)
-        self._add(module.weight, (weight_grads * weight_grads).sum(1))
+        self._add_summed_over_tokens(module.weight, (delta64 * x_hat.to(torch.float64)).sum(0))  # (sequences, width)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
-            bias_grads = delta64.sum(0)
-            self._add(bias, (bias_grads * bias_grads).sum(1))
+            self._add_summed_over_tokens(bias, delta64.sum(0))
 
 
 __all__ = ["KINDS", "MegatronSequenceNorms", "is_sharded"]
