@@ -97,23 +97,35 @@ def main(architecture: str, out: str) -> None:
         token_loss = model(ids[rows], positions[rows], attention_mask=causal, labels=labels[rows])  # (sequences, tokens)
         return -(token_loss * loss_mask[rows]).sum(1)
 
-    reference = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference, per_sequence = [], []
     for i in range(BATCH):  # one backward per sequence; the full gradient's squared norm by the reduction rule
         model.zero_grad(set_to_none=True)
         scores([i]).sum().backward()
-        grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-        for p, g in grads:  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
             if getattr(p, "sequence_parallel", False):
                 dist.all_reduce(g, group=group)
-        sharded = sum((g.pow(2).sum() for p, g in grads if is_sharded(p)), torch.zeros((), dtype=torch.float64))
+        per_sequence.append(grads)
+        sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p)), torch.zeros((), dtype=torch.float64))
         dist.all_reduce(sharded, group=group)
-        reference.append(float(sharded + sum(g.pow(2).sum() for p, g in grads if not is_sharded(p))))
+        reference.append(float(sharded + sum(g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p))))
 
+    # OPOB: Σ_i (c^R_i − b c^S_i) g_i of every local parameter from the same one backward
+    coef_r = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
+    coef_s = torch.tensor([0.2, 0.9, -0.5], dtype=torch.float64)
+    baseline = 0.35
     norms = MegatronSequenceNorms(model, group)
     model.zero_grad(set_to_none=True)
-    with norms.recording(BATCH):
+    with norms.recording(BATCH, coef_r, coef_s):
         scores(list(range(BATCH))).sum().backward()
-    result = {"reference": reference, "engine": norms.sq_norms().tolist(),
+    norms.combine(baseline)
+    weights = coef_r - baseline * coef_s
+    errors = []
+    for j, p in enumerate(params):
+        expected = sum(weights[i] * per_sequence[i][j] for i in range(BATCH))
+        errors.append(float((p.grad - expected).norm() / expected.norm().clamp_min(1e-300)))
+    result = {"reference": reference, "engine": norms.sq_norms().tolist(), "update_error": max(errors),
               "sharded_params": sum(is_sharded(p) for p in model.parameters()),
               "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
               "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}

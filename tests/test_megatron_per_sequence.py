@@ -2,7 +2,8 @@
 
 Two gloo ranks (TP 2, CPU, float64) run tests/megatron_tp_worker.py: a small megatron-core GPT of each
 architecture (two families, tied embeddings, sequence parallelism), its per-sequence squared norms from one
-backward against one backward per sequence, the full gradient's norm taken by the reduction rule (sharded
+backward against one backward per sequence, and the OPOB update of every local parameter against the same
+per-sequence gradients; the full gradient's norm taken by the reduction rule (sharded
 parameters summed over the TP group, replicated ones once, after summing a sequence-parallel one's partial
 gradients over the ranks' tokens).
 """
@@ -45,6 +46,7 @@ def test_tensor_parallel_norms_match_one_backward_per_sequence(architecture, tmp
     assert set(result["sequence_parallel"]) == {architecture.endswith("_sp")}  # the setting the name says
     assert reference.min() > 0 and len(set(result["reference"])) == 3
     assert ((engine - reference).abs() / reference).max() < 1e-12
+    assert result["update_error"] < 1e-12  # the OPOB update Σ_i (c^R_i − b c^S_i) g_i of every local parameter
 
 
 class _Unknown(nn.Module):

@@ -68,14 +68,16 @@ def normalized(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 class MegatronSequenceNorms:
     """||g_i||² of every sequence of a micro-batch over ALL of a megatron-core model's trainable
-    parameters (every TP shard), from the one backward of Σ_i l_i.
+    parameters (every TP shard), from the one backward of Σ_i l_i, and, given coefficients, the OPOB
+    update Σ_i (c^R_i − b c^S_i) g_i of every local parameter (``docs/ALGORITHMS.md`` §4).
 
     Usage, on every tensor-parallel rank::
 
         norms = MegatronSequenceNorms(model, tp_group)
-        with norms.recording(batch_size):
+        with norms.recording(batch_size, coef_r, coef_s):
             per_sequence_scores(model(...)).sum().backward()
         sq_norms = norms.sq_norms()          # (B,) float64, the same on every rank
+        norms.combine(opob_baseline(rewards, sq_norms, seq_log_weights))   # p.grad of every local parameter
 
     Raises ValueError at construction for a trainable module or a setting it does not handle.
     """
@@ -103,12 +105,17 @@ class MegatronSequenceNorms:
                 self.modules.append(module)
         self._sharded: torch.Tensor | None = None
         self._replicated: torch.Tensor | None = None
+        self._coefficients: torch.Tensor | None = None  # (2, B): c^R, c^S
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (parameter, (2, *shape) G_R, G_S)
 
     @contextlib.contextmanager
-    def recording(self, batch_size: int) -> Iterator[None]:
-        """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block."""
+    def recording(self, batch_size: int, coef_r: torch.Tensor | None = None, coef_s: torch.Tensor | None = None) -> Iterator[None]:
+        """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block;
+        with ``coef_r`` and ``coef_s`` (B,) also accumulate G_R = Σ c^R_i g_i and G_S = Σ c^S_i g_i for `combine`."""
         self._sharded = torch.zeros(batch_size, dtype=torch.float64)
         self._replicated = torch.zeros(batch_size, dtype=torch.float64)
+        self._buffers = {}
+        self._coefficients = None if coef_r is None else torch.stack([coef_r, coef_s]).detach().to(torch.float64)
         self._tied_ids = self._head_rows = None  # the embedding's local ids; H_i's rows at them
         handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
         try:
@@ -126,6 +133,30 @@ class MegatronSequenceNorms:
             dist.all_reduce(sharded, group=self.tp_group)
         return sharded + self._replicated
 
+    def combine(self, baseline: float) -> None:
+        """p.grad ← G_R − b G_S for every local trainable parameter (one baseline for the micro-batch;
+        a parameter no sequence reached gets zeros). Replaces the layers' own gradient of Σ_i l_i."""
+        if self._coefficients is None:
+            raise ValueError("combine() needs a recording() block given coef_r and coef_s")
+        for param in self.model.parameters():
+            if param.requires_grad:
+                _, buffer = self._buffers.get(id(param), (param, None))
+                combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else buffer[0] - baseline * buffer[1]
+                param.grad = combined.to(param.dtype)
+
+    def _combine(self, param: torch.Tensor, gradients: torch.Tensor) -> None:
+        """G_R and G_S += ``gradients`` (2, *param.shape), the two coefficient combinations of this part."""
+        if id(param) not in self._buffers:
+            self._buffers[id(param)] = (param, torch.zeros((2, *param.shape), dtype=torch.float64))
+        self._buffers[id(param)][1].add_(gradients)
+
+    def _add_dense(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
+        """Per-sequence gradients (B, *param.shape) of a whole parameter: squared norms and combinations."""
+        flat = per_sequence.reshape(per_sequence.shape[0], -1)
+        self._add(param, (flat * flat).sum(1))
+        if self._coefficients is not None:
+            self._combine(param, (self._coefficients @ flat).view(2, *param.shape))
+
     def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """A sequence-parallel activation (tokens/TP, ...) -> (tokens, ...), the ranks' slices in rank order."""
         parts = [torch.empty_like(values) for _ in range(dist.get_world_size(self.tp_group))]
@@ -138,7 +169,7 @@ class MegatronSequenceNorms:
         if self.sequence_parallel:
             per_sequence = per_sequence.clone()
             dist.all_reduce(per_sequence, group=self.tp_group)
-        self._add(param, (per_sequence * per_sequence).sum(1))
+        self._add_dense(param, per_sequence)
 
     def _add(self, param: torch.Tensor, values: torch.Tensor) -> None:
         target = self._sharded if is_sharded(param) else self._replicated
@@ -171,12 +202,16 @@ class MegatronSequenceNorms:
         weight = module.weight if module.weight is not None else self.tied
         if weight.requires_grad:
             self._add(weight, ghost_sq_norms(rows, cols))
+            if self._coefficients is not None:  # Σ_i c_i δ_iᵀ x_i: one matmul per combination
+                flat_cols = cols.reshape(-1, cols.shape[-1])
+                self._combine(weight, torch.stack([
+                    (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]).t() @ flat_cols for coefficients in self._coefficients
+                ]))
             if weight is self.tied and self._tied_ids is not None:
                 self._head_rows = rows_at_ids(rows, cols, self._tied_ids)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
-            sums = rows.sum(1, dtype=torch.float64)
-            self._add(bias, (sums * sums).sum(1))  # full tokens here: the output gradient is gathered
+            self._add_dense(bias, rows.sum(1))  # full tokens here: the output gradient is gathered
 
     def _embedding_gradient(self, module: nn.Module, ids: torch.Tensor, delta: torch.Tensor) -> None:
         if getattr(module, "reduce_scatter_embeddings", False):  # its output is (tokens/TP, sequences, width)
@@ -187,6 +222,11 @@ class MegatronSequenceNorms:
         local = torch.where(inside, ids - start, torch.zeros_like(ids))
         rows = (delta * inside.unsqueeze(-1).to(delta.dtype)).to(torch.float64)
         self._add(module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
+        if self._coefficients is not None:  # the weighted rows scattered at the ids
+            combined = torch.zeros((2, *module.weight.shape), dtype=torch.float64)
+            for row, coefficients in enumerate(self._coefficients):
+                combined[row].index_add_(0, local.flatten(), (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]))
+            self._combine(module.weight, combined)
         if module.weight is self.tied and self._head_rows is not None:
             self._add(module.weight, 2.0 * torch.einsum("btd,btd->b", self._head_rows, rows))
 
