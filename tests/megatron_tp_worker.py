@@ -1,6 +1,8 @@
-"""One rank of tests/test_megatron_per_sequence.py: a small megatron-core GPT at tensor-parallel size 2 on
-gloo (CPU, float64); per-sequence squared norms from one backward (MegatronSequenceNorms) against one
-backward per sequence. Run by `python -m torch.distributed.run --nproc_per_node 2 THIS ARCH OUT`.
+"""One rank of tests/test_megatron_per_sequence.py: a small megatron-core GPT split over tensor-parallel ranks
+(and two pipeline stages for the ``_pp`` architecture) on gloo (CPU, float64); per-sequence squared norms and
+the OPOB update from one backward (MegatronSequenceNorms) against one backward per sequence. Run by
+`python -m torch.distributed.run --nproc_per_node N THIS ARCH OUT`. The stages pass one micro-batch's hidden
+states and their gradient point to point (megatron's pipeline schedule allocates on "cuda").
 
 megatron-core assumes CUDA in four places this small model reaches; the process-wide shims below answer
 them for the CPU (a device for buffer allocation, `Tensor.cuda` as identity, `synchronize` as a no-op, the
@@ -46,6 +48,9 @@ ARCHITECTURES = {
                                    position_embedding_type="rope", tied=True, sequence_parallel=True),
     "layernorm_gelu_learned_sp": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
                                       position_embedding_type="learned_absolute", sequence_parallel=True),
+    # two pipeline stages (one layer each; the ranks beyond the first two add tensor parallelism)
+    "rmsnorm_swiglu_rope_pp": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                   position_embedding_type="rope", pipeline=2),
 }
 BATCH, TOKENS, VOCAB = 3, 8, 64
 
@@ -61,12 +66,14 @@ def _torch_norm_for_sequence_parallel(cls, config, hidden_size, eps=1e-5, **_):
 torch_norm.WrappedTorchNorm.__new__ = _torch_norm_for_sequence_parallel
 
 
-def build(architecture: str, world: int) -> GPTModel:
+def build(architecture: str, tensor: int, pipeline: int) -> GPTModel:
     settings = dict(ARCHITECTURES[architecture])
     position_embedding_type = settings.pop("position_embedding_type")
     tied = settings.pop("tied", False)
+    settings.pop("pipeline", None)
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, tensor_model_parallel_size=world,
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline, pipeline_dtype=torch.float64,
         use_cpu_initialization=True, params_dtype=torch.float64, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, add_bias_linear=True, **settings,
@@ -74,16 +81,18 @@ def build(architecture: str, world: int) -> GPTModel:
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=16,
-                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=tied)
+                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=tied,
+                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
     return model.double()
 
 
 def main(architecture: str, out: str) -> None:
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
+    pipeline = ARCHITECTURES[architecture].get("pipeline", 1)
+    tensor = dist.get_world_size() // pipeline
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
     megatron_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    model = build(architecture, world)
+    model = build(architecture, tensor, pipeline)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator)
@@ -92,16 +101,35 @@ def main(architecture: str, out: str) -> None:
     positions = torch.arange(TOKENS).expand(BATCH, TOKENS)
     causal = torch.triu(torch.ones(TOKENS, TOKENS, dtype=torch.bool), diagonal=1)[None, None]
     group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group() if pipeline > 1 else None
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
 
-    def scores(rows: list[int]) -> torch.Tensor:
-        token_loss = model(ids[rows], positions[rows], attention_mask=causal, labels=labels[rows])  # (sequences, tokens)
-        return -(token_loss * loss_mask[rows]).sum(1)
+    def backward_of_scores(rows: list[int]) -> None:
+        """The backward of Σ_i l_i over ``rows``, through the stages: hidden states forward, their gradient
+        back (one micro-batch, point to point)."""
+        received = None
+        if not first:
+            received = torch.empty(TOKENS, len(rows), 32, dtype=torch.float64)
+            dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            received.requires_grad_()
+            model.set_input_tensor(received)
+        if last:
+            token_loss = model(ids[rows] if first else None, positions[rows], attention_mask=causal, labels=labels[rows])
+            (-(token_loss * loss_mask[rows]).sum()).backward()
+        else:
+            hidden = model(ids[rows] if first else None, positions[rows], attention_mask=causal)
+            dist.send(hidden.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            gradient = torch.empty_like(hidden)
+            dist.recv(gradient, src=parallel_state.get_pipeline_model_parallel_next_rank())
+            hidden.backward(gradient)
+        if received is not None:
+            dist.send(received.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
 
     params = [p for p in model.parameters() if p.requires_grad]
     reference, per_sequence = [], []
     for i in range(BATCH):  # one backward per sequence; the full gradient's squared norm by the reduction rule
         model.zero_grad(set_to_none=True)
-        scores([i]).sum().backward()
+        backward_of_scores([i])
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
         for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
             if getattr(p, "sequence_parallel", False):
@@ -109,16 +137,19 @@ def main(architecture: str, out: str) -> None:
         per_sequence.append(grads)
         sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p)), torch.zeros((), dtype=torch.float64))
         dist.all_reduce(sharded, group=group)
-        reference.append(float(sharded + sum(g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p))))
+        total = sharded + sum((g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p)), torch.zeros((), dtype=torch.float64))
+        if pp_group is not None:  # every stage holds its own parameters
+            dist.all_reduce(total, group=pp_group)
+        reference.append(float(total))
 
     # OPOB: Σ_i (c^R_i − b c^S_i) g_i of every local parameter from the same one backward
     coef_r = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
     coef_s = torch.tensor([0.2, 0.9, -0.5], dtype=torch.float64)
     baseline = 0.35
-    norms = MegatronSequenceNorms(model, group)
+    norms = MegatronSequenceNorms(model, group, pp_group)
     model.zero_grad(set_to_none=True)
     with norms.recording(BATCH, coef_r, coef_s):
-        scores(list(range(BATCH))).sum().backward()
+        backward_of_scores(list(range(BATCH)))
     norms.combine(baseline)
     weights = coef_r - baseline * coef_s
     errors = []

@@ -1,7 +1,7 @@
-"""Per-sequence gradient norms of megatron-core models under tensor parallelism (vcpo.core.per_sequence_grads.megatron).
+"""Per-sequence gradient norms of megatron-core models under model parallelism (vcpo.core.per_sequence_grads.megatron).
 
-Two gloo ranks (TP 2, CPU, float64) run tests/megatron_tp_worker.py: a small megatron-core GPT of each
-architecture (two families, tied embeddings, sequence parallelism), its per-sequence squared norms from one
+Gloo ranks (TP 2, PP 2, TP 2 x PP 2; CPU, float64) run tests/megatron_tp_worker.py: a small megatron-core GPT of
+each architecture (two families, tied embeddings, sequence parallelism), its per-sequence squared norms from one
 backward against one backward per sequence, and the OPOB update of every local parameter against the same
 per-sequence gradients; the full gradient's norm taken by the reduction rule (sharded
 parameters summed over the TP group, replicated ones once, after summing a sequence-parallel one's partial
@@ -27,16 +27,18 @@ WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 
 @pytest.mark.parametrize(
-    "architecture",
-    ["rmsnorm_swiglu_rope", "layernorm_gelu_learned", "rmsnorm_swiglu_rope_tied", "rmsnorm_swiglu_rope_sp", "layernorm_gelu_learned_sp"],
+    ("architecture", "ranks"),
+    [("rmsnorm_swiglu_rope", 2), ("layernorm_gelu_learned", 2), ("rmsnorm_swiglu_rope_tied", 2), ("rmsnorm_swiglu_rope_sp", 2),
+     ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4)],
+    ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2"],
 )
-def test_tensor_parallel_norms_match_one_backward_per_sequence(architecture, tmp_path):
+def test_parallel_norms_and_update_match_one_backward_per_sequence(architecture, ranks, tmp_path):
     pytest.importorskip("megatron.core")
     out = tmp_path / "result.json"
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
                "--master_port", str(port), str(WORKER), architecture, str(out)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -56,7 +58,7 @@ class _Unknown(nn.Module):
 
 
 def test_what_it_cannot_count_is_refused():
-    with pytest.raises(ValueError, match="pipeline stages"):
-        MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False))
+    with pytest.raises(ValueError, match="tied across pipeline stages"):
+        MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False, share_embeddings_and_output_weights=True))
     with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):
         MegatronSequenceNorms(nn.Sequential()).__init__(nn.ModuleDict({"block": _Unknown()}))

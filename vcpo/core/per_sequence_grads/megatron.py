@@ -28,8 +28,11 @@ embedding's) output gradient are gathered along the tokens (one all-gather each,
 do); a norm sees only its rank's tokens, so its per-sequence gradient vectors are summed over the group before
 they are squared (the layer's own gradient is all-reduced for the same reason).
 
-Not handled here, and refused rather than mis-counted: pipeline stages (tied embeddings across stages need
-the first stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
+Pipeline parallelism: each stage holds its own layers, so the stages' per-sequence squared norms add up
+(one all-reduce over ``pp_group``); each stage's `combine` writes its own parameters' update.
+
+Not handled here, and refused rather than mis-counted: embeddings tied across pipeline stages (the cross term
+would need the first stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
 class name, so ``vcpo.core`` imports nothing from megatron.
 """
 
@@ -82,13 +85,15 @@ class MegatronSequenceNorms:
     Raises ValueError at construction for a trainable module or a setting it does not handle.
     """
 
-    def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None):
-        self.model, self.tp_group = model, tp_group
+    def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None):
+        self.model, self.tp_group, self.pp_group = model, tp_group, pp_group
         self.sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
-        if getattr(model, "pre_process", True) is False or getattr(model, "post_process", True) is False:
-            raise ValueError("MegatronSequenceNorms: pipeline stages are not handled (the model is one stage of several)")
+        one_stage = getattr(model, "pre_process", True) is not False and getattr(model, "post_process", True) is not False
+        tied = getattr(model, "share_embeddings_and_output_weights", False)
+        if tied and not one_stage:
+            raise ValueError("MegatronSequenceNorms: embeddings tied across pipeline stages are not handled (the cross term spans two stages)")
         # The weight the output layer borrows from the embedding, if they are tied.
-        self.tied = model.shared_embedding_or_output_weight() if getattr(model, "share_embeddings_and_output_weights", False) else None
+        self.tied = model.shared_embedding_or_output_weight() if tied else None
         self.modules = []
         for name, module in model.named_modules():
             trainable = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -125,13 +130,17 @@ class MegatronSequenceNorms:
                 handle.remove()
 
     def sq_norms(self) -> torch.Tensor:
-        """The per-sequence squared norms of the last `recording` block, reduced over the TP group."""
+        """The per-sequence squared norms of the last `recording` block, reduced over the TP group and
+        summed over the pipeline stages (``pp_group``)."""
         if self._sharded is None:
             raise ValueError("sq_norms() needs a recording() block first")
         sharded = self._sharded.clone()
         if dist.is_initialized():
             dist.all_reduce(sharded, group=self.tp_group)
-        return sharded + self._replicated
+        total = sharded + self._replicated
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return total
 
     def combine(self, baseline: float) -> None:
         """p.grad ← G_R − b G_S for every local trainable parameter (one baseline for the micro-batch;
