@@ -142,13 +142,14 @@ def main(architecture: str, out: str) -> None:
             dist.all_reduce(total, group=pp_group)
         reference.append(float(total))
 
-    # OPOB: Σ_i (c^R_i − b c^S_i) g_i of every local parameter from the same one backward
+    # OPOB: Σ_i (c^R_i − b_γ(i) c^S_i) g_i of every local parameter from the same one backward, two baseline groups
     coef_r = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
     coef_s = torch.tensor([0.2, 0.9, -0.5], dtype=torch.float64)
-    baseline = 0.35
+    groups = torch.tensor([7, 3, 7])  # two baseline groups: sequences 0 and 2, and 1
+    baseline = torch.tensor([0.35, -0.6, 0.35], dtype=torch.float64)
     norms = MegatronSequenceNorms(model, group, pp_group)
     model.zero_grad(set_to_none=True)
-    with norms.recording(BATCH, coef_r, coef_s):
+    with norms.recording(BATCH, coef_r, coef_s, groups):
         backward_of_scores(list(range(BATCH)))
     norms.combine(baseline)
     weights = coef_r - baseline * coef_s

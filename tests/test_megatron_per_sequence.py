@@ -62,3 +62,13 @@ def test_what_it_cannot_count_is_refused():
         MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False, share_embeddings_and_output_weights=True))
     with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):
         MegatronSequenceNorms(nn.Sequential()).__init__(nn.ModuleDict({"block": _Unknown()}))
+
+
+def test_combine_wants_one_baseline_per_group():
+    norms = MegatronSequenceNorms(nn.ModuleDict({"positions": nn.Embedding(4, 3)}))
+    with norms.recording(3, torch.ones(3), torch.ones(3), groups=torch.tensor([5, 5, 2])):
+        pass
+    with pytest.raises(ValueError, match="constant within each group"):
+        norms.combine(torch.tensor([0.1, 0.2, 0.3]))
+    norms.combine(torch.tensor([0.1, 0.1, 0.3]))  # a parameter no sequence reached: zeros
+    assert torch.equal(norms.model["positions"].weight.grad, torch.zeros(4, 3))

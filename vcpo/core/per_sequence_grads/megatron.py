@@ -110,17 +110,31 @@ class MegatronSequenceNorms:
                 self.modules.append(module)
         self._sharded: torch.Tensor | None = None
         self._replicated: torch.Tensor | None = None
-        self._coefficients: torch.Tensor | None = None  # (2, B): c^R, c^S
+        self._coefficients: torch.Tensor | None = None  # (1 + G, B): c^R, then c^S of each group's sequences
+        self._group_of_sequence: torch.Tensor | None = None  # (B,) row index - 1 of each sequence's group
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (parameter, (2, *shape) G_R, G_S)
 
     @contextlib.contextmanager
-    def recording(self, batch_size: int, coef_r: torch.Tensor | None = None, coef_s: torch.Tensor | None = None) -> Iterator[None]:
+    def recording(
+        self,
+        batch_size: int,
+        coef_r: torch.Tensor | None = None,
+        coef_s: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
+    ) -> Iterator[None]:
         """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block;
-        with ``coef_r`` and ``coef_s`` (B,) also accumulate G_R = Σ c^R_i g_i and G_S = Σ c^S_i g_i for `combine`."""
+        with ``coef_r`` and ``coef_s`` (B,) also accumulate G_R = Σ c^R_i g_i and G_S^γ = Σ_{i in γ} c^S_i g_i,
+        one per baseline group (``groups``: a label per sequence; None: one group), for `combine`."""
         self._sharded = torch.zeros(batch_size, dtype=torch.float64)
         self._replicated = torch.zeros(batch_size, dtype=torch.float64)
         self._buffers = {}
-        self._coefficients = None if coef_r is None else torch.stack([coef_r, coef_s]).detach().to(torch.float64)
+        self._coefficients = None
+        if coef_r is not None:
+            labels = torch.zeros(batch_size, dtype=torch.long) if groups is None else torch.unique(groups, return_inverse=True)[1]
+            score_rows = torch.zeros(int(labels.max()) + 1, batch_size, dtype=torch.float64)
+            score_rows[labels, torch.arange(batch_size)] = coef_s.detach().to(torch.float64)
+            self._coefficients = torch.cat([coef_r.detach().to(torch.float64).unsqueeze(0), score_rows])
+            self._group_of_sequence = labels
         self._tied_ids = self._head_rows = None  # the embedding's local ids; H_i's rows at them
         handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
         try:
@@ -142,21 +156,28 @@ class MegatronSequenceNorms:
             dist.all_reduce(total, group=self.pp_group)
         return total
 
-    def combine(self, baseline: float) -> None:
-        """p.grad ← G_R − b G_S for every local trainable parameter (one baseline for the micro-batch;
-        a parameter no sequence reached gets zeros). Replaces the layers' own gradient of Σ_i l_i."""
+    def combine(self, baseline: torch.Tensor | float) -> None:
+        """p.grad ← G_R − Σ_γ b_γ G_S^γ for every local trainable parameter, ``baseline`` per sequence
+        (constant within each group, as `opob_baseline` returns it) or one number (a parameter no sequence
+        reached gets zeros). Replaces the layers' own gradient of Σ_i l_i."""
         if self._coefficients is None:
             raise ValueError("combine() needs a recording() block given coef_r and coef_s")
+        per_sequence = torch.as_tensor(baseline, dtype=torch.float64).expand(self._group_of_sequence.shape[0])
+        per_group = torch.zeros(self._coefficients.shape[0] - 1, dtype=torch.float64)
+        per_group[self._group_of_sequence] = per_sequence
+        if not torch.allclose(per_group[self._group_of_sequence], per_sequence, rtol=1e-6, atol=1e-12):
+            raise ValueError("combine: the baseline must be constant within each group")
+        weights = torch.cat([torch.ones(1, dtype=torch.float64), -per_group])  # 1 · G_R − Σ_γ b_γ G_S^γ
         for param in self.model.parameters():
             if param.requires_grad:
                 _, buffer = self._buffers.get(id(param), (param, None))
-                combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else buffer[0] - baseline * buffer[1]
+                combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else torch.tensordot(weights, buffer, 1)
                 param.grad = combined.to(param.dtype)
 
     def _combine(self, param: torch.Tensor, gradients: torch.Tensor) -> None:
-        """G_R and G_S += ``gradients`` (2, *param.shape), the two coefficient combinations of this part."""
+        """G_R and every G_S^γ += ``gradients`` (1 + G, *param.shape), the coefficient combinations of this part."""
         if id(param) not in self._buffers:
-            self._buffers[id(param)] = (param, torch.zeros((2, *param.shape), dtype=torch.float64))
+            self._buffers[id(param)] = (param, torch.zeros((self._coefficients.shape[0], *param.shape), dtype=torch.float64))
         self._buffers[id(param)][1].add_(gradients)
 
     def _add_dense(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
@@ -164,7 +185,7 @@ class MegatronSequenceNorms:
         flat = per_sequence.reshape(per_sequence.shape[0], -1)
         self._add(param, (flat * flat).sum(1))
         if self._coefficients is not None:
-            self._combine(param, (self._coefficients @ flat).view(2, *param.shape))
+            self._combine(param, (self._coefficients @ flat).view(-1, *param.shape))
 
     def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """A sequence-parallel activation (tokens/TP, ...) -> (tokens, ...), the ranks' slices in rank order."""
@@ -232,7 +253,7 @@ class MegatronSequenceNorms:
         rows = (delta * inside.unsqueeze(-1).to(delta.dtype)).to(torch.float64)
         self._add(module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
         if self._coefficients is not None:  # the weighted rows scattered at the ids
-            combined = torch.zeros((2, *module.weight.shape), dtype=torch.float64)
+            combined = torch.zeros((self._coefficients.shape[0], *module.weight.shape), dtype=torch.float64)
             for row, coefficients in enumerate(self._coefficients):
                 combined[row].index_add_(0, local.flatten(), (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]))
             self._combine(module.weight, combined)
