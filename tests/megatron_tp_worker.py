@@ -1,7 +1,7 @@
 """One rank of tests/test_megatron_per_sequence.py: a small megatron-core GPT split over tensor-parallel ranks
 (and two pipeline stages for the ``_pp`` architecture) on gloo (CPU, float64); per-sequence squared norms and
 the OPOB update from one backward (MegatronSequenceNorms) against one backward per sequence. Run by
-`python -m torch.distributed.run --nproc_per_node N THIS ARCH OUT`. The stages pass one micro-batch's hidden
+`python -m torch.distributed.run --nproc_per_node N THIS ARCH[,ARCH...] OUT`. The stages pass one micro-batch's hidden
 states and their gradient point to point (megatron's pipeline schedule allocates on "cuda").
 
 megatron-core assumes CUDA in four places this small model reaches; the process-wide shims below answer
@@ -86,8 +86,8 @@ def build(architecture: str, tensor: int, pipeline: int) -> GPTModel:
     return model.double()
 
 
-def main(architecture: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def check(architecture: str) -> dict:
+    """One architecture's engine against its reference, on the ranks of the process group."""
     pipeline = ARCHITECTURES[architecture].get("pipeline", 1)
     tensor = dist.get_world_size() // pipeline
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
@@ -161,11 +161,19 @@ def main(architecture: str, out: str) -> None:
               "sharded_params": sum(is_sharded(p) for p in model.parameters()),
               "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
               "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def main(architectures: list[str], out: str) -> None:
+    """Every architecture in turn on the same ranks (one start-up for all of them); rank 0 writes the results."""
+    dist.init_process_group("gloo")
+    results = {architecture: check(architecture) for architecture in architectures}
     if dist.get_rank() == 0:
         with open(out, "w") as handle:
-            json.dump(result, handle)
+            json.dump(results, handle)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1].split(","), sys.argv[2])

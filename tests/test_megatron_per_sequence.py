@@ -26,29 +26,40 @@ from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 
-@pytest.mark.parametrize(
-    ("architecture", "ranks"),
-    [("rmsnorm_swiglu_rope", 2), ("layernorm_gelu_learned", 2), ("rmsnorm_swiglu_rope_tied", 2), ("rmsnorm_swiglu_rope_sp", 2),
-     ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4)],
-    ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2"],
-)
-def test_parallel_norms_and_update_match_one_backward_per_sequence(architecture, ranks, tmp_path):
+# (architecture, ranks): TP 2 for all but the pipeline one, which runs at PP 2 on two ranks and TP 2 x PP 2 on four
+CASES = [("rmsnorm_swiglu_rope", 2), ("layernorm_gelu_learned", 2), ("rmsnorm_swiglu_rope_tied", 2), ("rmsnorm_swiglu_rope_sp", 2),
+         ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every case's result: one launch per number of ranks, every architecture of it in turn."""
     pytest.importorskip("megatron.core")
-    out = tmp_path / "result.json"
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-               "--master_port", str(port), str(WORKER), architecture, str(out)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(out.read_text())
+    found = {}
+    for ranks in sorted({ranks for _, ranks in CASES}):
+        out = tmp_path_factory.mktemp("megatron") / "results.json"
+        with socket.socket() as probe:  # a free port for the ranks' rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        architectures = ",".join(architecture for architecture, r in CASES if r == ranks)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+                   "--master_port", str(port), str(WORKER), architectures, str(out)]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        found.update({(architecture, ranks): result for architecture, result in json.loads(out.read_text()).items()})
+    return found
+
+
+@pytest.mark.parametrize("case", CASES, ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2"])
+def test_parallel_norms_and_update_match_one_backward_per_sequence(results, case):
+    architecture, _ = case
+    result = results[case]
     reference, engine = torch.tensor(result["reference"]), torch.tensor(result["engine"])
     assert result["sharded_params"] > 0 and result["replicated_params"] > 0  # both halves of the rule at work
     assert set(result["sequence_parallel"]) == {architecture.endswith("_sp")}  # the setting the name says
     assert reference.min() > 0 and len(set(result["reference"])) == 3
     assert ((engine - reference).abs() / reference).max() < 1e-12
-    assert result["update_error"] < 1e-12  # the OPOB update Σ_i (c^R_i − b c^S_i) g_i of every local parameter
+    assert result["update_error"] < 1e-12  # the OPOB update Σ_i (c^R_i − b_γ(i) c^S_i) g_i of every local parameter
 
 
 class _Unknown(nn.Module):
