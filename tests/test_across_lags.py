@@ -83,6 +83,11 @@ def test_the_search_chooses_by_the_registered_rule():
     rows[3]["holds"] = False
     assert search_report(rows)["chosen"] == {"lr": 2e-4, "lag": 8}
     assert search_report(rows[:-1])["complete"] is False
+    from vcpo.studies.across_lags_report import search_markdown
+
+    written = search_markdown(search_report(rows))
+    assert "Chosen cell (the registered rule): lr 2e-4, k = 8." in written and "| 5e-4 | 4 | 2/3 |" in written
+    assert "No cell qualifies" in search_markdown(search_report([r for r in rows if not (r["lr"] == 2e-4 and r["lag"] == 8)]))
 
 
 def test_the_timing_runs_use_both_cores_as_registered(tmp_path):

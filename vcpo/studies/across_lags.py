@@ -42,6 +42,7 @@ DESIGN = Path("recipes/sim/across_lags.yaml")
 TABLE = Path("tables/across_lags/runs.jsonl")
 ARCHIVE = TABLE.parent / "runs"
 TIMING = TABLE.parent / "timing.json"
+SEARCH = TABLE.parent / "tir_search.md"  # the tool-use search's outcome, committed before any confirmatory run
 # the commit that added recipes/sim/across_lags.md, and its time: a row counts only if its run started later
 REGISTRATION = {"commit": "abf4ae1676011c092af9659abb7adfdfa26f8363", "time": "2026-11-26T14:17:50+00:00"}
 LAGS = (12, 24, 48, 96)
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     timing = commands.add_parser("timing", help="seconds per step of the timing runs (an idle two-core machine)")
     timing.add_argument("--out", type=Path, required=True, help="where the timing runs go")
     timing.add_argument("--table", type=Path, default=TIMING)
+    search = commands.add_parser("search", help="the tool-use search's cells and choice (once its runs are complete)")
+    search.add_argument("--table", type=Path, default=TABLE)
+    search.add_argument("--out", type=Path, default=SEARCH)
     summary = commands.add_parser("report", help="statistics, summary and figures from the table")
     summary.add_argument("--table", type=Path, default=TABLE)
     summary.add_argument("--timing", type=Path, default=TIMING)
@@ -264,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
     elif args.command == "timing":
         run_timing(design, args.out, args.table)
+    elif args.command == "search":
+        from vcpo.studies.across_lags_report import search_markdown
+
+        outcome = search_report([row for row in read_rows(args.table) if row["counts"] and row["study_task"] == "tir_search"])
+        if not outcome["complete"]:
+            print("error: the tool-use search is not complete: nothing chosen, nothing written", file=sys.stderr)
+            return 1
+        write_atomic(args.out, search_markdown(outcome))
+        print(f"{'chosen: ' + json.dumps(outcome['chosen']) if outcome['chosen'] else 'no cell qualifies'} -> {args.out}")
     else:
         from vcpo.studies.across_lags_report import write_report
 

@@ -73,6 +73,17 @@ def search_lines(search: dict) -> list[str]:
     return [*lines, "", verdict]
 
 
+def search_markdown(search: dict) -> str:
+    """tables/across_lags/tir_search.md: the complete search and the cell its registered rule chooses."""
+    lines = ["# The tool-use search: outcome", "",
+             "Written by `python -m vcpo.studies.across_lags search` from `tables/across_lags/runs.jsonl` once the "
+             "search's 42 runs were archived, and committed before any confirmatory run. The qualifying rule and its "
+             "order are registered in `recipes/sim/across_lags.md` (\"The tool-use search\"): sync holds in 3/3 seeds, "
+             "seq-TIS collapses in at least 2/3, VCPO's mean step factor is below 0.95; then the most collapses, the "
+             "lowest seq-TIS end over best, the lower rate and lag.", ""]
+    return "\n".join([*lines, *search_lines(search)]) + "\n"
+
+
 def summary_markdown(stats: dict) -> str:
     countdown = stats["countdown"]
     lines = ["# The across-lags study: results", "",
