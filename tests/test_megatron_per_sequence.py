@@ -72,7 +72,7 @@ def test_what_it_cannot_count_is_refused():
     with pytest.raises(ValueError, match="tied across pipeline stages"):
         MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False, share_embeddings_and_output_weights=True))
     with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):
-        MegatronSequenceNorms(nn.Sequential()).__init__(nn.ModuleDict({"block": _Unknown()}))
+        MegatronSequenceNorms(nn.ModuleDict({"block": _Unknown()}))
 
 
 def test_combine_wants_one_baseline_per_group():

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, rows_at_ids, sparse_rows_sq_norms
@@ -58,15 +59,18 @@ def is_sharded(param: torch.Tensor) -> bool:
 
 
 def normalized(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """x̂ of a norm's input as its forward computes it (float32 at least), in x's dtype."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    """x̂ of a norm's input: the module's own normalisation (torch's, which megatron's local norms are), without its affine."""
     if type(module).__name__ == "LayerNorm":
-        h = h - h.mean(-1, keepdim=True)
-        variance = h.pow(2).mean(-1, keepdim=True)
-    else:
-        variance = h.pow(2).mean(-1, keepdim=True)
-    eps = module.eps if module.eps is not None else torch.finfo(h.dtype).eps
-    return (h * torch.rsqrt(variance + eps)).to(x.dtype)
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+
+def local_ids(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding's ids as rows of its shard (0 outside it), and which ids fall inside the shard."""
+    start = getattr(module, "vocab_start_index", 0)
+    end = getattr(module, "vocab_end_index", module.weight.shape[0])
+    inside = (ids >= start) & (ids < end)
+    return torch.where(inside, ids - start, torch.zeros_like(ids)), inside
 
 
 class MegatronSequenceNorms:
@@ -112,7 +116,7 @@ class MegatronSequenceNorms:
         self._replicated: torch.Tensor | None = None
         self._coefficients: torch.Tensor | None = None  # (1 + G, B): c^R, then c^S of each group's sequences
         self._group_of_sequence: torch.Tensor | None = None  # (B,) row index - 1 of each sequence's group
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (parameter, (2, *shape) G_R, G_S)
+        self._buffers: dict[int, torch.Tensor] = {}  # parameter id -> (1 + G, *shape): G_R, then every G_S^γ
 
     @contextlib.contextmanager
     def recording(
@@ -170,15 +174,15 @@ class MegatronSequenceNorms:
         weights = torch.cat([torch.ones(1, dtype=torch.float64), -per_group])  # 1 · G_R − Σ_γ b_γ G_S^γ
         for param in self.model.parameters():
             if param.requires_grad:
-                _, buffer = self._buffers.get(id(param), (param, None))
+                buffer = self._buffers.get(id(param))
                 combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else torch.tensordot(weights, buffer, 1)
                 param.grad = combined.to(param.dtype)
 
     def _combine(self, param: torch.Tensor, gradients: torch.Tensor) -> None:
         """G_R and every G_S^γ += ``gradients`` (1 + G, *param.shape), the coefficient combinations of this part."""
         if id(param) not in self._buffers:
-            self._buffers[id(param)] = (param, torch.zeros((self._coefficients.shape[0], *param.shape), dtype=torch.float64))
-        self._buffers[id(param)][1].add_(gradients)
+            self._buffers[id(param)] = torch.zeros((self._coefficients.shape[0], *param.shape), dtype=torch.float64)
+        self._buffers[id(param)].add_(gradients)
 
     def _add_dense(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
         """Per-sequence gradients (B, *param.shape) of a whole parameter: squared norms and combinations."""
@@ -196,8 +200,7 @@ class MegatronSequenceNorms:
     def _add_summed_over_tokens(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
         """Per-sequence gradients (B, n) of a replicated parameter from this rank's tokens: under sequence
         parallelism the ranks hold different tokens, so the vectors are summed over the group first."""
-        if self.sequence_parallel:
-            per_sequence = per_sequence.clone()
+        if self.sequence_parallel:  # in place: the caller's vectors are fresh
             dist.all_reduce(per_sequence, group=self.tp_group)
         self._add_dense(param, per_sequence)
 
@@ -217,9 +220,9 @@ class MegatronSequenceNorms:
                 inputs = self._gather_tokens(inputs)
         elif kind in ("VocabParallelEmbedding", "Embedding"):
             handler = self._embedding_gradient
+            inputs = local_ids(module, inputs)
             if module.weight is self.tied:
-                start, end = module.vocab_start_index, module.vocab_end_index
-                self._tied_ids = torch.where((inputs >= start) & (inputs < end), inputs - start, torch.zeros_like(inputs))
+                self._tied_ids = inputs[0]
         else:
             handler = self._norm_gradient
             inputs = normalized(inputs, module)
@@ -243,13 +246,10 @@ class MegatronSequenceNorms:
         if bias is not None and bias.requires_grad:
             self._add_dense(bias, rows.sum(1))  # full tokens here: the output gradient is gathered
 
-    def _embedding_gradient(self, module: nn.Module, ids: torch.Tensor, delta: torch.Tensor) -> None:
+    def _embedding_gradient(self, module: nn.Module, ids: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor) -> None:
         if getattr(module, "reduce_scatter_embeddings", False):  # its output is (tokens/TP, sequences, width)
             delta = self._gather_tokens(delta).transpose(0, 1)
-        start = getattr(module, "vocab_start_index", 0)
-        end = getattr(module, "vocab_end_index", module.weight.shape[0])
-        inside = (ids >= start) & (ids < end)
-        local = torch.where(inside, ids - start, torch.zeros_like(ids))
+        local, inside = ids  # `local_ids`
         rows = (delta * inside.unsqueeze(-1).to(delta.dtype)).to(torch.float64)
         self._add(module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
         if self._coefficients is not None:  # the weighted rows scattered at the ids
