@@ -23,7 +23,8 @@ EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 # The CPU platform and rollout of `python -m vcpo.launch.cpu` (verl on a CPU-only torch).
 CPU_PLATFORM_MODULE = "vcpo.verl_plugin.cpu"
 # What selects it in a process: the platform's name, and `import verl` registering the plugin first.
-CPU_PLATFORM_ENV = {"VERL_PLATFORM": "cpu", EXTERNAL_MODULES: CPU_PLATFORM_MODULE}
+CPU_PLATFORM_NAME = "cpu"
+CPU_PLATFORM_ENV = {"VERL_PLATFORM": CPU_PLATFORM_NAME, EXTERNAL_MODULES: CPU_PLATFORM_MODULE}
 # The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner, which trains in fp32),
 # as a mapping and in Hydra's override grammar.
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
@@ -74,6 +75,6 @@ def select_cpu_platform() -> None:
     """Make this process's verl run on the CPU platform (`vcpo.verl_plugin.cpu`), as the launcher's
     workers do. verl resolves its platform once, inside `import verl`: call this before anything imports
     it. Raises RuntimeError if verl is already loaded on another platform."""
-    if "verl" in sys.modules and os.environ.get("VERL_PLATFORM") != CPU_PLATFORM_ENV["VERL_PLATFORM"]:
+    if "verl" in sys.modules and os.environ.get("VERL_PLATFORM") != CPU_PLATFORM_NAME:
         raise RuntimeError("select_cpu_platform: verl is already imported on another platform; call it first")
     os.environ.update(CPU_PLATFORM_ENV)

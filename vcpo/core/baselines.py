@@ -114,15 +114,17 @@ def opob_baseline(
 
     dtype = torch.float64
     log_coef = torch.log(grad_sq_norms.detach().to(dtype))
-    if seq_log_weights is not None:
-        s = seq_log_weights.detach().to(dtype)
+    s = None if seq_log_weights is None else seq_log_weights.detach().to(dtype)
+    if s is not None:
         log_coef = log_coef + 2.0 * s
-        if variant == "official":
-            bounded = torch.clamp(s, -OFFICIAL_LOG_RATIO_BOUND, OFFICIAL_LOG_RATIO_BOUND)
-            log_coef = log_coef + 2.0 * torch.clamp(bounded, max=math.log(tis_cap))
     index, num_groups = group_index(groups, batch_size, rewards.device)
     values = rewards.detach().to(dtype)
     if variant == "official":
+        # the release's norm carries the loss's weight w̃_i = min(exp(clip(s_i, ±20)), c) (1 on-policy) and
+        # the token sum's length factor
+        if s is not None:
+            bounded = torch.clamp(s, -OFFICIAL_LOG_RATIO_BOUND, OFFICIAL_LOG_RATIO_BOUND)
+            log_coef = log_coef + 2.0 * torch.clamp(bounded, max=math.log(tis_cap))
         length = lengths.detach().to(dtype=dtype, device=log_coef.device)
         log_coef = log_coef + 4.0 * torch.log(length) - 2.0 * torch.log(length + OFFICIAL_TOKEN_MEAN_EPS)
         # N / (D + ε) as one more member of every group, with coefficient ε and value 0.

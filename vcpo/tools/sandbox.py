@@ -159,6 +159,8 @@ _NAMESPACE_TOOLS = ("unshare", "setpriv", "mount", "umount", "pivot_root", "cp")
 # status is the program's (a death by signal N as 128+N). Standard input reaches the program through
 # fd 3 (an asynchronous command's stdin would otherwise be /dev/null). The trap first points its own
 # output at /dev/null: the dead caller's pipes would end it with SIGPIPE at its first message.
+# How the caller starts the guard: with SIGTERM as its parent-death signal.
+_GUARD_START = ("setpriv", "--pdeathsig", "TERM", "--")
 _GUARD_SCRIPT = r"""
 folder=$1
 shift
@@ -332,7 +334,7 @@ def run_python(
         command = _interpreter_command(config, site_packages)
         if use_namespaces:
             command = _in_namespaces(command, workdir, root, max_disk_mb)
-        command = ["setpriv", "--pdeathsig", "TERM", "--", "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
+        command = [*_GUARD_START, "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
         disk_used = None if use_namespaces else functools.partial(_directory_bytes, workdir)
         started = time.monotonic()
         process = subprocess.Popen(
@@ -388,7 +390,7 @@ def _check_guard() -> None:
     """The guard needs ``setpriv --pdeathsig`` (util-linux >= 2.33); without it a program could outlive
     its caller, so the sandbox refuses to start."""
     try:
-        ok = subprocess.run(["setpriv", "--pdeathsig", "TERM", "--", "true"], capture_output=True, timeout=30).returncode == 0
+        ok = subprocess.run([*_GUARD_START, "true"], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         ok = False
     if not ok:

@@ -217,19 +217,14 @@ class _Rows:
     def rows_at_ids(self, inputs: _Rows, ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
         """`rows_at_ids` (self = δ, inputs = x) for ids (B, S), the gathered columns within ``block_bytes``."""
         if self.offsets is None:
-            pairs = [(self.values, inputs.values)]
-        else:
-            pairs = [(d[None], x[None]) for d, x in zip(self.sequences(), inputs.sequences())]
-        parts = []
-        for i, (delta, x) in enumerate(pairs):
-            sequence_ids = ids if self.offsets is None else ids[i : i + 1]
+            parts = [(self.values, inputs.values, ids)]
+        else:  # one sequence at a time, as (1, T_i, ·)
+            parts = [(d[None], x[None], ids[i : i + 1]) for i, (d, x) in enumerate(zip(self.sequences(), inputs.sequences()))]
+        rows = []
+        for delta, x, part_ids in parts:
             chunk = max(1, block_bytes // (delta.shape[0] * delta.shape[1] * delta.element_size()))
-            parts.append(
-                torch.cat(
-                    [rows_at_ids(delta, x, sequence_ids[:, s : s + chunk]) for s in range(0, ids.shape[1], chunk)], 1
-                )
-            )
-        return torch.cat(parts)
+            rows.append(torch.cat([rows_at_ids(delta, x, part_ids[:, s : s + chunk]) for s in range(0, ids.shape[1], chunk)], 1))
+        return torch.cat(rows)
 
 
 @dataclass
