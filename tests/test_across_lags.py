@@ -162,3 +162,20 @@ def test_sync_rows_repeat_the_evidence_studys_on_the_same_cpu_and_the_prose_says
     kernels = json.loads((ROOT / "tables/kernel_pinning/kernel_pinning.json").read_text())["settings"]
     assert f"AVX2 pinning costs {kernels['avx2']['time_vs_native']:.2f}x" in doc
     assert f"`COMPATIBLE` branch costs {kernels['compatible']['time_vs_native']:.2f}x" in doc
+
+
+def test_the_prose_quotes_the_committed_search_outcome():
+    """docs/studies.md, README.md and the committed tir_search.md say what the search's rows give."""
+    from vcpo.studies.across_lags_report import rate_label, search_markdown
+
+    rows = [row for row in committed_rows() if row["counts"] and row["study_task"] == "tir_search"]
+    outcome = search_report(rows)
+    if not outcome["complete"]:
+        pytest.skip("the search is not complete in the committed rows")
+    chosen = next(c for c in outcome["cells"] if (c["lr"], c["lag"]) == (outcome["chosen"]["lr"], outcome["chosen"]["lag"]))
+    label = rate_label(chosen["lr"])
+    studies = " ".join((ROOT / "docs/studies.md").read_text().split())
+    assert (f"its registered rule chose lr {label} at k = {chosen['lag']}, where seq-TIS collapsed in "
+            f"{chosen['seq_tis_collapses']} of {chosen['seq_tis_n']} seeds and sync held in {chosen['sync_holds']} of {chosen['sync_n']}") in studies
+    assert f"the search found one (lr {label}, k = {chosen['lag']})" in " ".join((ROOT / "README.md").read_text().split())
+    assert (ROOT / "tables/across_lags/tir_search.md").read_text() == search_markdown(outcome)
