@@ -13,6 +13,7 @@ from vcpo.studies.across_lags import (
     DESIGN,
     REGISTRATION,
     TABLE,
+    confirm_report,
     counts,
     load_design,
     median_steps,
@@ -120,6 +121,31 @@ def test_the_report_compares_per_lag_and_times_to_target():
     assert [e["b"] for e in stats["equivalence"]] == ["sync_lr1e-4", "sync_lr1e-4"]
     assert stats["arms"]["seq_tis_lr5e-5_k12"]["median_steps"] == math.inf and stats["arms"]["vcpo_k12"]["reached"] == 10
     assert [(t["lag"], t["ratio"]) for t in stats["time_to_target"]] == [(12, pytest.approx(0.75)), (48, pytest.approx(1.25))]
+
+
+def test_the_confirmation_compares_vcpo_with_seq_tis_then_sync_holm_over_the_two():
+    from vcpo.studies.across_lags_report import summary_markdown
+
+    design = load_design(ROOT / DESIGN)
+    ends = {"sync_lr5e-4": 0.75, "seq_tis_lr5e-4_k8": 0.10, "vcpo_lr5e-4_k8": 0.20}
+    methods = {"sync_lr5e-4": "sync", "seq_tis_lr5e-4_k8": "seq_tis_c8", "vcpo_lr5e-4_k8": "vcpo"}
+    noise = {seed: 0.01 * (seed - 14.5) for seed in range(10, 20)}
+    rows = [{"task": "tir", "study_task": "tir_confirm", "arm": arm, "method": methods[arm], "lr": 5e-4, "lag": 8 if "k8" in arm else 0,
+             "seed": seed, "end": end + noise[seed] * (arm == "vcpo_lr5e-4_k8"), "end_validation": end, "last_quarter": end, "base": 0.6,
+             "collapsed": False, "mean_lr_scale": 0.8, "ess_mean": 0.5, "ess_min": 0.1, "grad_norm_max": 1.0, "counts": True}
+            for arm, end in ends.items() for seed in range(10, 20) if not (arm == "sync_lr5e-4" and seed == 19)]
+    confirm = confirm_report(rows, design)
+    primary, secondary = confirm["comparisons"]
+    assert (primary["a"], primary["b"], secondary["b"]) == ("vcpo_lr5e-4_k8", "seq_tis_lr5e-4_k8", "sync_lr5e-4")
+    # VCPO - seq-TIS: the ten differences are 0.10 + noise; the noise has mean 0 over seeds 10-19
+    assert primary["n"] == 10 and primary["mean"] == pytest.approx(0.10)
+    assert secondary["n"] == 9 and secondary["mean"] == pytest.approx(-0.55 + np.mean([noise[s] for s in range(10, 19)]))
+    assert primary["p_holm"] == pytest.approx(min(1.0, 2 * min(primary["p"], secondary["p"])) if primary["p"] < secondary["p"]
+                                              else max(min(1.0, 2 * secondary["p"]), primary["p"]))
+    assert confirm["missing"] == {"sync_lr5e-4": [19]}
+    stats = {**report(rows, design, None), "registration": {"commit": "0" * 40}}
+    summary = summary_markdown(stats)
+    assert "sync_lr5e-4 seeds 19" in summary and "| vcpo_lr5e-4_k8 - seq_tis_lr5e-4_k8 | 10 | +10.0" in summary
 
 
 def committed_rows() -> list[dict]:

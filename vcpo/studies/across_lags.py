@@ -50,6 +50,7 @@ EQUIVALENCE_MARGIN = 0.03  # across_lags.md: VCPO - sync inside [-3, +3] points
 TIMING_FROM_STEP = 10  # seconds per step: the mean of timing_s/step from this step on (start-up left out)
 STEP_FACTOR_LEAVES_ONE = 0.95  # tool-use search: VCPO's mean actor/lr_scale below this
 SEARCH_SEEDS = 3
+CONFIRM_TASK = "tir_confirm"  # the comparison at the search's chosen cell
 
 
 # -- rows -------------------------------------------------------------------------------------------
@@ -203,12 +204,27 @@ def search_report(rows: list[dict]) -> dict:
             "chosen": {"lr": qualifying[0]["lr"], "lag": qualifying[0]["lag"]} if qualifying else None}
 
 
+def confirm_report(rows: list[dict], design: Design) -> dict:
+    """across_lags.md: at the searched cell, VCPO - seq-TIS (primary) and VCPO - sync (secondary) on ``end``,
+    paired by seed, Holm over the two."""
+    arms = [arm for arm in design.arms if arm.task == CONFIRM_TASK]
+    by_arm: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+    name = {arm.method: arm.name for arm in arms}
+    summaries = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in arms if arm.name in by_arm}
+    missing = {arm.name: [s for s in design.seeds_of(CONFIRM_TASK) if s not in by_arm.get(arm.name, {})] for arm in arms}
+    return {"arms": summaries, "missing": {arm: seeds for arm, seeds in missing.items() if seeds},
+            "comparisons": compare(by_arm, [(name["vcpo"], name["seq_tis_c8"]), (name["vcpo"], name["sync"])])}
+
+
 def report(rows: list[dict], design: Design, timing: dict | None) -> dict:
     counted = [row for row in rows if row["counts"]]
     return {
         "registration": REGISTRATION, "rows": len(rows), "rows_counted": len(counted),
         "countdown": countdown_report([r for r in counted if r["study_task"] == "countdown"], design, timing),
         "tir_search": search_report([r for r in counted if r["study_task"] == "tir_search"]),
+        "tir_confirm": confirm_report([r for r in counted if r["study_task"] == CONFIRM_TASK], design),
         "timing": timing,
     }
 

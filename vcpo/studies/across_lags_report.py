@@ -113,7 +113,21 @@ def summary_markdown(stats: dict) -> str:
                   f"{timing['cpu']}, steps {timing['from_step']}-199 of seed 0; async runs concurrent):", ""]
         lines += time_lines(countdown["time_to_target"]) + ["", "![validation accuracy against wall-clock time](time.png)", ""]
     lines += ["## The tool-use search (`tir`, 3 seeds)", ""] + search_lines(stats["tir_search"]) + [""]
+    lines += confirm_lines(stats["tir_confirm"], stats["tir_search"]["chosen"])
     return "\n".join(lines)
+
+
+def confirm_lines(confirm: dict, chosen: dict | None) -> list[str]:
+    cell = f"lr {rate_label(chosen['lr'])}, k = {chosen['lag']}" if chosen else "no cell"
+    lines = [f"## The tool-use confirmation (`tir` at the chosen cell, {cell}; seeds 10-19)", "",
+             "`end` is the final accuracy on 400 held-out problems x 4 samples. Primary: VCPO - seq-TIS; secondary: "
+             "VCPO - sync; paired by seed, Holm over the two.", ""]
+    if confirm["missing"]:
+        lines += ["Runs not finished yet (left out, never filled in): " + "; ".join(
+            f"{name} seeds {', '.join(map(str, seeds))}" for name, seeds in confirm["missing"].items()) + ".", ""]
+    if confirm["arms"]:
+        lines += arms_table(confirm["arms"]) + [""]
+    return lines + comparison_table(confirm["comparisons"]) + [""]
 
 
 def draw_end_vs_lag(stats: dict, path: Path) -> None:
