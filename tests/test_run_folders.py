@@ -252,7 +252,8 @@ def test_a_reader_names_the_run_and_line_it_cannot_read(tmp_path):
 
 
 def test_the_evidence_runner_says_what_it_could_not_do(tmp_path, capsys):
-    from vcpo.studies.evidence import Arm, Design, run_all
+    from vcpo.studies.design import Arm, Design
+    from vcpo.studies.runner import run_all
 
     design = Design(seeds=[0], configs={"countdown": str(tmp_path / "missing.yaml")}, settings={"countdown": {}},
                     arms=[Arm("countdown", "sync", "sync", 1)])
@@ -379,7 +380,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_file(base, tmp_path, monkeypa
 
 def study_design(base, tmp_path, steps: int):
     """A one-run study (sync, from the test's random base, ``steps`` steps) for the evidence runner."""
-    from vcpo.studies.evidence import Arm, Design
+    from vcpo.studies.design import Arm, Design
 
     config = tmp_path / "study.yaml"
     config.write_text("task: countdown\nmodel_size: tiny\n")
@@ -389,11 +390,12 @@ def study_design(base, tmp_path, steps: int):
                   arms=[Arm("countdown", "sync", "sync", 1)])
 
 
-def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp_path, capsys):
+def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp_path, capfd):
     import threading
 
     from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock
-    from vcpo.studies.evidence import run_all, run_folder
+    from vcpo.studies.design import run_folder
+    from vcpo.studies.runner import run_all
 
     design, runs, archive = study_design(base, tmp_path, 6), tmp_path / "runs", tmp_path / "archive"
     with run_folder_lock(runs), pytest.raises(FolderInUse, match="is in use by"):
@@ -406,13 +408,19 @@ def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp
             held.set()
             release.wait(30)
 
+    def release_once_the_training_job_waits():  # the kernel lists a process blocked on a lock (/proc/locks: "->")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "->" not in Path("/proc/locks").read_text():
+            time.sleep(0.2)
+        release.set()
+
     holder = threading.Thread(target=earlier_training)
     holder.start()
     held.wait(10)
-    threading.Timer(1.0, release.set).start()
+    threading.Thread(target=release_once_the_training_job_waits, daemon=True).start()
     assert run_all(design, runs, 1, None, archive=archive) == 0  # waited for it, then ran: not a failure
     holder.join()
-    assert "waiting:" in capsys.readouterr().out and (archive / "countdown" / "sync" / "seed0" / "final" / "eval.json").exists()
+    assert "waiting:" in capfd.readouterr().out and (archive / "countdown" / "sync" / "seed0" / "final" / "eval.json").exists()
 
 
 @pytest.mark.slow
@@ -420,7 +428,7 @@ def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
     import yaml
 
     from vcpo.locks import run_folder_lock
-    from vcpo.studies.evidence import run_folder
+    from vcpo.studies.design import run_folder
 
     design = study_design(base, tmp_path, 400)
     spec = {"seeds": [0], "tasks": {"countdown": {"config": design.configs["countdown"], "settings": design.settings["countdown"],

@@ -11,16 +11,8 @@ from test_sim_train import small_config
 
 from vcpo.local_models import save_random_model
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
-from vcpo.studies.evidence import (
-    Arm,
-    Design,
-    compare,
-    ess_predictor,
-    last_quarter_mean,
-    predictor_report,
-    run_folder,
-    run_settings,
-)
+from vcpo.studies.design import Arm, Design, run_folder, run_settings
+from vcpo.studies.evidence import compare, ess_predictor, last_quarter_mean, predictor_report
 from vcpo.studies.statistics import (
     base_bootstrap_auc_interval,
     detectable_difference,
@@ -30,6 +22,7 @@ from vcpo.studies.statistics import (
     roc_auc,
     wilson_interval,
 )
+from vcpo.recipes import recipes_dir
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.train import Trainer
 
@@ -203,10 +196,11 @@ def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from
 
 
 def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
-    from vcpo.studies.evidence import load_design, report
+    from vcpo.studies.design import load_design
+    from vcpo.studies.evidence import DESIGN, report
     from vcpo.studies.evidence_report import write_report
 
-    design = load_design()
+    design = load_design(recipes_dir() / DESIGN)
 
     def row(arm, method, seed, end, lr=2e-4, lag=48, collapsed=False):
         return {"task": "countdown", "arm": arm, "method": method, "seed": seed, "base_seed": seed, "end": end, "lr": lr, "lag": lag,
@@ -230,9 +224,10 @@ def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
 
 def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
     """The archive keeps only the metrics the study reads, and the rows computed from it are the full run's."""
-    from vcpo.studies.evidence import archive_run, load_design, run_row
+    from vcpo.studies.design import archive_run, load_design
+    from vcpo.studies.evidence import DESIGN, run_row
 
-    design = load_design()
+    design = load_design(recipes_dir() / DESIGN)
     arm = design.arm("countdown", "sync")
     folder = run_folder(tmp_path / "runs", arm, 0)
     (folder / "final").mkdir(parents=True)
@@ -479,3 +474,21 @@ def test_the_evidence_corrections_quote_the_committed_power_framing_and_predicto
     low, high = predictor["lagged_auc_base_interval"]
     assert (f"on the {predictor['lagged_runs']} lagged runs the AUC is {predictor['lagged_auc']:.2f} with a 95% bootstrap over "
             f"SFT bases of {low:.2f}-{high:.2f}, which includes chance") in studies and low < 0.5 < high
+
+
+def test_the_runner_trains_every_committed_row_with_the_command_the_row_records(tmp_path, monkeypatch):
+    """Snakemake's train job (vcpo.studies.runner.train) runs exactly each row's recorded command, the runs
+    it reads (the controls' lr_scale_from and lr_from_mean_scale_of) taken from the committed archive."""
+    from vcpo.studies import runner
+    from vcpo.studies.design import load_design
+    from vcpo.studies.evidence import ARCHIVE, DESIGN, TABLE, read_rows
+
+    design, ran = load_design(recipes_dir() / DESIGN), []
+    monkeypatch.setattr(runner, "wait_for_an_earlier_writer", lambda folder: None)
+    monkeypatch.setattr(runner.subprocess, "run", lambda command, **kwargs: ran.append(command))
+    rows = read_rows(ROOT / TABLE)
+    for row in rows:
+        runner.train(design, design.arm(row["task"], row["arm"]), row["seed"], tmp_path / "RUNS", ROOT / ARCHIVE)
+    recorded = [row["command"] for row in rows]
+    assert len(ran) == len(rows) > 100
+    assert [" ".join(["python", *command[1:]]).replace(f"{tmp_path}/", "").replace(f"{ROOT / ARCHIVE}/", "RUNS/") for command in ran] == recorded

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
+from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.recipes import run_path
 from vcpo.runs import is_finished
 from vcpo.sim.config import (
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from vcpo.sim.train import Trainer
 
+            die_with_the_named_runner()  # a study's runner, however many processes lie between
             trainer = Trainer(_config(args, overrides))
             try:
                 print(trainer.run())

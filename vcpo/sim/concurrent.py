@@ -18,7 +18,6 @@ ignores Ctrl-C (the learner stops it), and reports its own failure as a tracebac
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import pickle
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from vcpo.lifetimes import die_with_parent
 
 # The generator side's share of a step, measured in the process that did the work.
 GENERATOR_TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/gen_wait_weights")
@@ -87,18 +88,10 @@ class SharedWeights:
         return waited
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it ends, however it ends."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _generate(produce: Callable[[int], Produced], bind: Callable, first: int, steps: int, weights: SharedWeights,
               channel, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the learner ended before the line above took effect
         os._exit(1)
     try:

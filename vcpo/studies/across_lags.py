@@ -26,17 +26,8 @@ from vcpo.provenance import cpu_name
 from vcpo.reporting.runs import read_metrics
 from vcpo.runs import VAL_ACCURACY, is_finished
 from vcpo.studies.statistics import ALPHA, equivalence, holm
-from vcpo.studies.evidence import (
-    Design,
-    arm_summary,
-    command_line,
-    compare,
-    load_design,
-    read_rows,
-    run_folder,
-    run_row,
-    run_settings,
-)
+from vcpo.studies.design import Design, command_line, load_design, run_folder, run_settings
+from vcpo.studies.evidence import arm_summary, compare, read_rows, run_row
 
 DESIGN = Path("recipes/sim/across_lags.yaml")
 TABLE = Path("tables/across_lags/runs.jsonl")

@@ -9,50 +9,50 @@ the functions below, as evidence.md registers them.
     python -m vcpo.studies.evidence rows [--table tables/evidence/runs.jsonl]
     python -m vcpo.studies.evidence report [--table tables/evidence/runs.jsonl] [--out tables/evidence]
 
-``run`` builds each replicate's SFT base first (one process per base), then trains every run not
-finished yet, ``--jobs`` at a time with one torch thread each; an interrupted run resumes from its
-checkpoint. One runner per study folder (a second is refused); its training children die with it, and
-a restarted runner waits for a run still going in its folder instead of counting it failed. Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each finished one is archived (``ARCHIVE``, the same
-layout, committed: config, final evaluation, the metrics the study reads), and a run archived there counts as
-done on any machine. ``rows`` writes one JSON line per archived run (what ``report`` reads, and the command
+``run`` trains every run not archived yet through Snakemake (``vcpo.studies.runner``: SFT bases, ``--jobs``
+runs at a time with one torch thread each, resumable). Runs live at ``RUNS/<task>/<arm>/seed<s>/``; each
+finished one is archived (``ARCHIVE``, the same layout, committed: config, final evaluation, the metrics the
+study reads), and a run archived there counts as done on any machine. ``rows`` writes one JSON line per archived run (what ``report`` reads, and the command
 that re-runs it); ``report`` writes the statistics.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import dataclasses
 import json
 import math
-import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock, write_atomic
+from vcpo.locks import FolderInUse, write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.recipes import recipes_dir
 from vcpo.reporting.runs import read_metrics
 from vcpo.runs import (
     CONFIG_FILE,
     EFFECTIVE_LR,
-    FINAL_DIR,
-    FINAL_EVAL,
     LR_SCALE,
-    METRICS_FILE,
     SEQ_ESS_RATIO,
     TEST_ACCURACY,
     VAL_ACCURACY,
     final_eval,
     is_finished,
 )
-from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
+from vcpo.sim.config import SimConfig, validate
+from vcpo.studies.design import (
+    Arm,
+    Design,
+    archive_finished,
+    command_line,
+    load_design,
+    run_folder,
+    run_settings,
+    sim_task,
+)
+from vcpo.studies.runner import run_all
 from vcpo.studies.statistics import (
     ALPHA,
     base_bootstrap_auc_interval,
@@ -67,11 +67,9 @@ from vcpo.studies.statistics import (
 
 DESIGN = "sim/evidence.yaml"
 TABLE = Path("tables/evidence/runs.jsonl")
-# Every finished run's config, final evaluation and the metrics below, committed (RUNS/<task>/<arm>/seed<s>/
-# layout): the rows are computed from it, and the controls read their sources there, on any machine.
+# Every finished run's record (vcpo.studies.design.archive_run), committed: the rows are computed from it, and
+# the controls read their sources there, on any machine.
 ARCHIVE = TABLE.parent / "runs"
-ARCHIVED_METRICS = ("step", VAL_ACCURACY, TEST_ACCURACY, SEQ_ESS_RATIO, "rollout_corr/kl", LR_SCALE, EFFECTIVE_LR, "actor/grad_norm", "critic/score/mean",
-                    "tool/calls_per_response", "tool/error_frac")
 # how the rows name the folder a reader's run of a command goes to
 RUNS_PLACEHOLDER = "RUNS"
 # evidence.md: the ESS early warning, fixed before the new runs (the study's alarm level, its 50-step window)
@@ -83,249 +81,6 @@ CORE_COMPARISONS = {
                   ("tis_ess", "seq_tis"), ("tis_opob", "seq_tis")],
     "tir": [("vcpo", "seq_tis"), ("vcpo", "sync"), ("vcpo", "tis_opob_sync"), ("tis_opob_sync", "sync")],
 }
-
-
-@dataclass(frozen=True)
-class Arm:
-    task: str  # the design's task key
-    name: str
-    method: str
-    phase: int
-    lr: float | None = None  # None: the task config's
-    lag: int | None = None  # None: the task config's (sync: 0)
-    lr_scale_from: str | None = None  # an arm of the same task: replay its run of the same seed
-    lr_from_mean_scale_of: str | None = None  # an arm of the same task: its lr x the mean actor/lr_scale of its runs
-
-
-@dataclass(frozen=True)
-class Design:
-    seeds: list[int]
-    configs: dict[str, str]  # task key -> config file
-    settings: dict[str, dict]  # task key -> key=value settings over the config file
-    arms: list[Arm]
-    task_seeds: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # a task's own seeds, where it has them
-
-    def seeds_of(self, task: str) -> list[int]:
-        return self.task_seeds.get(task, self.seeds)
-
-    def arm(self, task: str, name: str) -> Arm:
-        return next(arm for arm in self.arms if arm.task == task and arm.name == name)
-
-
-def load_design(path: str | Path | None = None) -> Design:
-    import yaml
-
-    path = Path(path) if path else recipes_dir() / DESIGN
-    raw = yaml.safe_load(Path(path).read_text())
-    arms = []
-    for task, spec in raw["tasks"].items():
-        for name, fields in spec["arms"].items():
-            unknown = set(fields) - {f.name for f in dataclasses.fields(Arm)}
-            if unknown:
-                raise ValueError(f"{path}: arm {task}/{name}: unknown keys {sorted(unknown)}")
-            arms.append(Arm(task=task, name=name, **fields))
-    design = Design(
-        seeds=list(raw["seeds"]),
-        configs={task: spec["config"] for task, spec in raw["tasks"].items()},
-        settings={task: dict(spec.get("settings", {})) for task, spec in raw["tasks"].items()},
-        arms=arms,
-        task_seeds={task: list(spec["seeds"]) for task, spec in raw["tasks"].items() if "seeds" in spec},
-    )
-    for arm in arms:
-        for source in (arm.lr_scale_from, arm.lr_from_mean_scale_of):
-            if source is not None and source not in {a.name for a in arms if a.task == arm.task}:
-                raise ValueError(f"{path}: arm {arm.task}/{arm.name} refers to unknown arm {source!r}")
-    return design
-
-
-def run_folder(root: Path, arm: Arm, seed: int) -> Path:
-    return Path(root) / arm.task / arm.name / f"seed{seed}"
-
-
-def archive_run(folder: Path, target: Path) -> None:
-    """A finished run's record as the study keeps it in the repository: its config, its final evaluation and
-    the metrics the rows and the controls read (ARCHIVED_METRICS) of every line, in the run's own layout."""
-    (target / FINAL_DIR).mkdir(parents=True, exist_ok=True)
-    write_atomic(target / CONFIG_FILE, (folder / CONFIG_FILE).read_text())
-    lines = [{key: line[key] for key in ARCHIVED_METRICS if key in line} for line in read_metrics(folder)]
-    write_atomic(target / METRICS_FILE, "".join(json.dumps(line) + "\n" for line in lines))
-    write_atomic(target / FINAL_EVAL, (folder / FINAL_EVAL).read_text())
-
-
-def archive_finished(design: Design, runs: Path, archive: Path, *, again: bool) -> int:
-    """Archive every run finished below ``runs`` (``again=False``: only those not archived yet); returns how many."""
-    kept = [(arm, seed) for arm in design.arms for seed in design.seeds_of(arm.task) if is_finished(run_folder(runs, arm, seed))
-            and (again or not is_finished(run_folder(archive, arm, seed)))]
-    for arm, seed in kept:
-        archive_run(run_folder(runs, arm, seed), run_folder(archive, arm, seed))
-    return len(kept)
-
-
-def mean_step_scale(folders: list[Path]) -> float:
-    """The mean of ``actor/lr_scale`` over every step of ``folders`` (evidence.md: the constant-rate control)."""
-    scales = [line[LR_SCALE] for folder in folders for line in read_metrics(folder) if LR_SCALE in line]
-    return float(np.mean(scales))
-
-
-def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None:
-    """The key=value settings of one run over its task's config file, or None while a run it depends on
-    has not finished."""
-    settings = {**design.settings[arm.task], "method": arm.method, "seed": seed, "base_seed": seed}
-    if arm.lag is not None:
-        settings["lag"] = arm.lag
-    elif arm.method == "sync":
-        settings["lag"] = 0
-    if arm.lr is not None:
-        settings["lr"] = arm.lr
-    if arm.lr_scale_from:
-        source = run_folder(root, design.arm(arm.task, arm.lr_scale_from), seed)
-        if not is_finished(source):
-            return None
-        settings["lr_scale_from"] = str(source)
-    if arm.lr_from_mean_scale_of:
-        source_arm = design.arm(arm.task, arm.lr_from_mean_scale_of)
-        folders = [run_folder(root, source_arm, s) for s in design.seeds_of(arm.task)]
-        if not all(is_finished(folder) for folder in folders):
-            return None
-        nominal = source_arm.lr if source_arm.lr is not None else load_config_file(design.configs[arm.task]).lr
-        settings["lr"] = float(f"{nominal * mean_step_scale(folders):.4g}")
-    return settings
-
-
-def run_config(design: Design, arm: Arm, seed: int, root: Path, settings: dict) -> SimConfig:
-    config = apply_overrides(load_config_file(design.configs[arm.task]), {k: str(v) for k, v in settings.items()})
-    return validate(dataclasses.replace(config, out=str(run_folder(root, arm, seed)), threads=1, progress=False))
-
-
-# how the runner runs every study run: one torch thread (two at a time on two cores), no progress bar in its log
-RUNNER_SETTINGS = ("threads=1", "progress=false")
-
-
-def command_line(design: Design, arm: Arm, settings: dict, out: str, runner_settings: tuple[str, ...] = RUNNER_SETTINGS) -> list[str]:
-    """The run's command; ``runner_settings``: those that change how it runs, not what it computes."""
-    overrides = [f"{key}={value}" for key, value in settings.items() if key not in ("method", "seed")]
-    return [sys.executable, "-m", "vcpo.sim", "train", "--config", design.configs[arm.task], "--method", arm.method,
-            "--seed", str(settings["seed"]), "--out", out, *overrides, *runner_settings]
-
-
-# -- running ------------------------------------------------------------------------------------------
-def sim_task(design: Design, arm: Arm) -> str:
-    return design.settings[arm.task].get("task") or load_config_file(design.configs[arm.task]).task
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the runner that started it dies, however it dies (Linux)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def wait_for_an_earlier_writer(folder: Path) -> None:
-    """A run still going in ``folder`` (started by a runner that was killed before children died with it)
-    is waited for, then resumed or found finished, not reported as a failure."""
-    try:
-        with run_folder_lock(folder):
-            return
-    except FolderInUse as busy:
-        print(f"waiting: {busy}", flush=True)
-    with exclusive(Path(folder) / LOCK_FILE, wait=True):
-        return
-
-
-def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
-    """``_run_all`` under the study folder's lock: one runner per folder (a second is refused at once)."""
-    with run_folder_lock(root):
-        return _run_all(design, root, jobs, phases, archive)
-
-
-def _run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path = ARCHIVE) -> int:
-    """Every unarchived run of ``phases`` (all: None), in phase order, seed by seed. A run waits for its
-    SFT base (built once, by one process, before the first run that needs it) and for the runs it reads
-    (``lr_scale_from``, ``lr_from_mean_scale_of``); each finished run is archived. Returns the number of
-    jobs that failed plus the runs left undone (whose sources never came)."""
-    archive_finished(design, root, archive, again=False)  # finished but not archived (stopped between the two)
-    arms = [arm for arm in design.arms if phases is None or arm.phase in phases]
-    order = sorted(((arm.phase, seed, index, arm) for index, arm in enumerate(arms) for seed in design.seeds_of(arm.task)), key=lambda t: t[:3])
-    pending = [(arm, seed) for _, seed, _, arm in order if not is_finished(run_folder(archive, arm, seed))]
-    print(f"evidence: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
-    lock, failed, running, bases = threading.Lock(), [], set(), {}  # bases: (task, seed) -> "building" | "done"
-
-    def next_job():
-        with lock:
-            for item in pending:
-                arm, seed = item
-                base = (sim_task(design, arm), seed)
-                if "base" in design.settings[arm.task]:  # the design names the model its runs start from
-                    bases[base] = "done"
-                if bases.get(base) is None:
-                    bases[base] = "building"
-                    return ("base", base)
-                if bases[base] != "done" or item in running:
-                    continue
-                settings = run_settings(design, arm, seed, archive)  # sources: the archived runs
-                if settings is not None:
-                    pending.remove(item)
-                    running.add(item)
-                    return ("run", (arm, seed, settings))
-            return "wait" if running or "building" in bases.values() else None
-
-    def run_job(kind, payload) -> tuple[str, int]:
-        if kind == "base":
-            task, seed = payload
-            command = [sys.executable, "-m", "vcpo.sim.base", "--task", task, "--seed", str(seed)]
-            log_path, label = Path(root) / "bases" / f"{task}-seed{seed}.log", f"SFT base {task} seed {seed}"
-        else:
-            arm, seed, settings = payload
-            out = run_folder(root, arm, seed)
-            command = command_line(design, arm, settings, str(out))
-            log_path, label = out / "train.log", f"{arm.task}/{arm.name} seed {seed}"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        if kind == "run":
-            wait_for_an_earlier_writer(out)
-        with open(log_path, "a") as log:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent).returncode
-        if kind == "run" and not code:
-            archive_run(out, run_folder(archive, arm, seed))
-        return label, code
-
-    def worker():
-        while True:
-            try:
-                job = next_job()
-            except Exception as error:  # a design or config that cannot be read: say so, stop this worker
-                with lock:
-                    failed.append(f"planning: {error}")
-                return
-            if job is None:
-                return
-            if job == "wait":
-                time.sleep(5)
-                continue
-            kind, payload = job
-            started, label, code = time.time(), f"{kind} {payload[:2]}", 1
-            try:
-                label, code = run_job(kind, payload)
-            except Exception as error:
-                label = f"{label}: {error}"
-            finally:
-                with lock:
-                    if kind == "base":
-                        bases[payload] = "failed" if code else "done"
-                    else:
-                        running.discard(payload[:2])
-                    if code:
-                        failed.append(label)
-                    print(f"{'FAILED' if code else 'done'}: {label} in {time.time() - started:.0f} s "
-                          f"({len(pending)} runs waiting)", flush=True)
-
-    workers = [threading.Thread(target=worker) for _ in range(jobs)]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join()
-    for label in failed:
-        print(f"failed: {label}", file=sys.stderr)
-    for arm, seed in pending:
-        print(f"not run: {arm.task}/{arm.name} seed {seed} (its base or the runs it reads did not finish)", file=sys.stderr)
-    return len(failed) + len(pending)
 
 
 # -- the evaluation's noise -------------------------------------------------------------------------
@@ -590,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--table", type=Path, default=TABLE)
     summary.add_argument("--out", type=Path, default=TABLE.parent)
     args = parser.parse_args(argv)
-    design = load_design(args.design)
+    design = load_design(args.design or recipes_dir() / DESIGN)
     if args.command == "noise":
         print(json.dumps(evaluation_noise(args.task, args.problems, args.samples, args.seeds, args.split)))
         return 0
@@ -612,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {busy}", file=sys.stderr)
             return 2
     if args.command == "archive":
-        print(f"{archive_finished(design, args.runs, args.archive, again=True)} finished runs -> {args.archive}")
+        print(f"{archive_finished(design, args.runs, args.archive)} finished runs -> {args.archive}")
         return 0
     if args.command == "rows":
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
