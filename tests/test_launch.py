@@ -318,3 +318,31 @@ def test_the_documented_verl_asynchrony_timings_are_the_committed_benchmark():
               f"waiting {lag1['timing_s/gen']:.3f} and {lag2['timing_s/gen']:.3f} s",
               f"takes {lag1['timing_s/update_actor']:.3f}-{lag2['timing_s/update_actor']:.3f} s against sync's {sync['timing_s/update_actor']:.3f}"]  # fmt: skip
     assert [text for text in quoted if text not in doc] == []
+
+
+def test_a_composition_is_read_back_from_the_cache_equal_and_keyed_by_overrides_and_verls_files(tmp_path, monkeypatch):
+    import shutil
+
+    import vcpo.launch as launch
+
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "verl_config_dir", lambda: tmp_path / "verl")
+    shutil.copytree(_verl_configs(), tmp_path / "verl")
+    run = launch.make_run("countdown", "vcpo", 10, 0, "/data", "/out")
+    composed = launch.compose(run)
+    assert len(list((tmp_path / "cache" / "verl-configs").iterdir())) == 1
+    cached = launch.compose(run)
+    assert cached == composed and OmegaConf.is_struct(cached) and OmegaConf.to_yaml(cached) == OmegaConf.to_yaml(composed)
+    with pytest.raises(Exception, match="nonesuch"):
+        cached.actor_rollout_ref.nonesuch  # struct mode, as Hydra returns it
+    assert launch.compose(run, ["actor_rollout_ref.actor.optim.lr=3e-6"]).actor_rollout_ref.actor.optim.lr == 3e-6
+    before = launch.composed_cache_file(launch.overrides(run))
+    (tmp_path / "verl" / "ppo_trainer.yaml").write_text((tmp_path / "verl" / "ppo_trainer.yaml").read_text() + "\n")
+    launch.verl_configs_fingerprint.cache_clear()  # read once per process
+    assert launch.composed_cache_file(launch.overrides(run)) != before  # verl's files changed: composed anew
+
+
+def _verl_configs() -> Path:
+    import verl
+
+    return Path(verl.__file__).parent / "trainer" / "config"

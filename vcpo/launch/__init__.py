@@ -20,6 +20,8 @@ verl seams used (no verl file is patched):
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import shlex
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
+from vcpo.data.countdown import cache_dir
+from vcpo.locks import write_atomic
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
@@ -360,7 +364,39 @@ def verl_config_dir() -> Path:
 
 
 def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
-    """The fully resolved verl config (an OmegaConf DictConfig) of the run, from verl's own Hydra config."""
+    """The fully resolved verl config (an OmegaConf DictConfig, struct mode, as Hydra returns it) of the run,
+    from verl's own Hydra config. Hydra reads some 30 YAML files per composition (2-3 s); a workflow's plan
+    composes every run, so each composition is kept in the cache under its overrides and verl's config files."""
+    from omegaconf import OmegaConf
+
+    requested = overrides(run, extra)
+    cached = composed_cache_file(requested)
+    if cached.exists():
+        config = OmegaConf.create(json.loads(cached.read_text()))
+        OmegaConf.set_struct(config, True)
+        return config
+    config = _hydra_compose(requested)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(cached, json.dumps(OmegaConf.to_container(config, resolve=False)))
+    return config
+
+
+def composed_cache_file(requested: list[str]) -> Path:
+    """Where the composition of ``requested`` is kept: named by the overrides and by verl's version and config
+    files (path, size, modification time), so that a changed verl composes anew."""
+    key = hashlib.sha256(json.dumps([verl_configs_fingerprint(verl_config_dir()), requested]).encode()).hexdigest()[:32]
+    return cache_dir() / "verl-configs" / f"{key}.json"
+
+
+@functools.lru_cache(maxsize=4)
+def verl_configs_fingerprint(folder: Path) -> list:
+    import verl
+
+    return [verl.__version__, sorted((str(path.relative_to(folder)), path.stat().st_size, path.stat().st_mtime_ns)
+                                     for path in folder.rglob("*.yaml"))]
+
+
+def _hydra_compose(requested: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -370,7 +406,7 @@ def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-            return hydra_compose(config_name="ppo_trainer", overrides=overrides(run, extra))
+            return hydra_compose(config_name="ppo_trainer", overrides=requested)
     except (HydraException, OmegaConfBaseException) as error:
         raise LaunchError(f"verl's Hydra config rejects the overrides: {error}") from None
 
