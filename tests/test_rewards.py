@@ -389,11 +389,11 @@ def test_adversarial_answers_are_scored_zero_in_bounded_time(answer_format):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("answer_format", ANSWER_FORMATS)
-def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time(answer_format):
+def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time():
+    """At scale in the strict format; the lenient one reads the same answers in the fast test above."""
     before = reward_stats()["timeouts"]
-    results, timings = score_adversarial(1000, timeout_s=5.0, answer_format=answer_format)
-    check_adversarial(results, timings, math_bound_s=180.0, answer_format=answer_format)
+    results, timings = score_adversarial(1000, timeout_s=5.0, answer_format="strict")
+    check_adversarial(results, timings, math_bound_s=180.0, answer_format="strict")
     timed_out = sum(result["reason"] == "timeout" for result in results["aime24"])
     assert reward_stats()["timeouts"] - before == timed_out
 
