@@ -1,6 +1,7 @@
 """One rank of tests/test_megatron_per_sequence.py: a small megatron-core GPT split over tensor-parallel ranks
 (and two pipeline stages for the ``_pp`` architecture) on gloo (CPU, float64); per-sequence squared norms and
-the OPOB update from one backward (MegatronSequenceNorms) against one backward per sequence. Run by
+the OPOB update from one backward (MegatronSequenceNorms) against one backward per sequence; for the ``_bf16``
+architecture, the same on the weights rounded to bf16, beside the one-per-sequence loop in bf16 (autograd's own error). Run by
 `python -m torch.distributed.run --nproc_per_node N THIS ARCH[,ARCH...] OUT`. The stages pass one micro-batch's hidden
 states and their gradient point to point (megatron's pipeline schedule allocates on "cuda").
 
@@ -48,6 +49,9 @@ ARCHITECTURES = {
                                    position_embedding_type="rope", tied=True, sequence_parallel=True),
     "layernorm_gelu_learned_sp": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
                                       position_embedding_type="learned_absolute", sequence_parallel=True),
+    # bf16 parameters (verl's Megatron engine trains in bf16): the float64 model's weights rounded
+    "rmsnorm_swiglu_rope_bf16": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                     position_embedding_type="rope", tied=True, dtype=torch.bfloat16),
     # two pipeline stages (one layer each; the ranks beyond the first two add tensor parallelism)
     "rmsnorm_swiglu_rope_pp": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                    position_embedding_type="rope", pipeline=2),
@@ -71,6 +75,7 @@ def build(architecture: str, tensor: int, pipeline: int) -> GPTModel:
     position_embedding_type = settings.pop("position_embedding_type")
     tied = settings.pop("tied", False)
     settings.pop("pipeline", None)
+    settings.pop("dtype", None)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=pipeline, pipeline_dtype=torch.float64,
@@ -126,41 +131,58 @@ def check(architecture: str) -> dict:
             dist.send(received.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
 
     params = [p for p in model.parameters() if p.requires_grad]
-    reference, per_sequence = [], []
-    for i in range(BATCH):  # one backward per sequence; the full gradient's squared norm by the reduction rule
-        model.zero_grad(set_to_none=True)
-        backward_of_scores([i])
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
-            if getattr(p, "sequence_parallel", False):
-                dist.all_reduce(g, group=group)
-        per_sequence.append(grads)
-        sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p)), torch.zeros((), dtype=torch.float64))
-        dist.all_reduce(sharded, group=group)
-        total = sharded + sum((g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p)), torch.zeros((), dtype=torch.float64))
-        if pp_group is not None:  # every stage holds its own parameters
-            dist.all_reduce(total, group=pp_group)
-        reference.append(float(total))
+
+    def one_backward_per_sequence() -> tuple[list[float], list[list[torch.Tensor]]]:
+        """Each sequence's gradient (float64 copies) and the full gradient's squared norm by the reduction rule."""
+        reference, per_sequence = [], []
+        for i in range(BATCH):
+            model.zero_grad(set_to_none=True)
+            backward_of_scores([i])
+            grads = [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double() for p in params]
+            for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(g, group=group)
+            per_sequence.append(grads)
+            sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p)), torch.zeros((), dtype=torch.float64))
+            dist.all_reduce(sharded, group=group)
+            total = sharded + sum((g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p)), torch.zeros((), dtype=torch.float64))
+            if pp_group is not None:  # every stage holds its own parameters
+                dist.all_reduce(total, group=pp_group)
+            reference.append(float(total))
+        return reference, per_sequence
 
     # OPOB: Σ_i (c^R_i − b_γ(i) c^S_i) g_i of every local parameter from the same one backward, two baseline groups
     coef_r = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
     coef_s = torch.tensor([0.2, 0.9, -0.5], dtype=torch.float64)
     groups = torch.tensor([7, 3, 7])  # two baseline groups: sequences 0 and 2, and 1
     baseline = torch.tensor([0.35, -0.6, 0.35], dtype=torch.float64)
+    weights = coef_r - baseline * coef_s
+
+    def update_error(grads: list[torch.Tensor], per_sequence: list[list[torch.Tensor]]) -> float:
+        """The largest relative error over the local parameters of ``grads`` against Σ_i w_i g_i of ``per_sequence``."""
+        errors = []
+        for j, grad in enumerate(grads):
+            expected = sum(weights[i] * per_sequence[i][j] for i in range(BATCH))
+            errors.append(float((grad - expected).norm() / expected.norm().clamp_min(1e-300)))
+        return max(errors)
+
+    truth, truth_per_sequence = one_backward_per_sequence()  # float64
+    result = {"reference": truth}
+    dtype = ARCHITECTURES[architecture].get("dtype", torch.float64)
+    if dtype != torch.float64:  # autograd's own error in that precision: the same loop on the rounded weights
+        model.to(dtype)
+        own, own_per_sequence = one_backward_per_sequence()
+        result |= {"autograd": own, "autograd_update_error": update_error(
+            [sum(weights[i] * own_per_sequence[i][j] for i in range(BATCH)) for j in range(len(params))], truth_per_sequence)}
     norms = MegatronSequenceNorms(model, group, pp_group)
     model.zero_grad(set_to_none=True)
     with norms.recording(BATCH, coef_r, coef_s, groups):
         backward_of_scores(list(range(BATCH)))
     norms.combine(baseline)
-    weights = coef_r - baseline * coef_s
-    errors = []
-    for j, p in enumerate(params):
-        expected = sum(weights[i] * per_sequence[i][j] for i in range(BATCH))
-        errors.append(float((p.grad - expected).norm() / expected.norm().clamp_min(1e-300)))
-    result = {"reference": reference, "engine": norms.sq_norms().tolist(), "update_error": max(errors),
-              "sharded_params": sum(is_sharded(p) for p in model.parameters()),
-              "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
-              "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}
+    result |= {"engine": norms.sq_norms().tolist(), "update_error": update_error([p.grad.double() for p in params], truth_per_sequence),
+               "sharded_params": sum(is_sharded(p) for p in model.parameters()),
+               "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
+               "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}
     parallel_state.destroy_model_parallel()
     return result
 

@@ -31,6 +31,9 @@ they are squared (the layer's own gradient is all-reduced for the same reason).
 Pipeline parallelism: each stage holds its own layers, so the stages' per-sequence squared norms add up
 (one all-reduce over ``pp_group``); each stage's `combine` writes its own parameters' update.
 
+In bf16 (verl's Megatron engine trains in bf16) the norms and the update are as close to the float64 truth as
+plain autograd's own bf16 gradients are (tests/test_megatron_per_sequence.py).
+
 Not handled here, and refused rather than mis-counted: embeddings tied across pipeline stages (the cross term
 would need the first stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
 class name, so ``vcpo.core`` imports nothing from megatron.
