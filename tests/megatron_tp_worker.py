@@ -55,6 +55,9 @@ ARCHITECTURES = {
     # two pipeline stages (one layer each; the ranks beyond the first two add tensor parallelism)
     "rmsnorm_swiglu_rope_pp": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                    position_embedding_type="rope", pipeline=2),
+    # the same with the output layer tied to the input embedding across the stages (the first holds E, the last H)
+    "rmsnorm_swiglu_rope_pp_tied": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                        position_embedding_type="rope", pipeline=2, tied=True),
 }
 BATCH, TOKENS, VOCAB = 3, 8, 64
 
@@ -108,6 +111,17 @@ def check(architecture: str) -> dict:
     group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group() if pipeline > 1 else None
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    tied_across_stages = pipeline > 1 and model.share_embeddings_and_output_weights
+    embedding_group = parallel_state.get_embedding_group() if tied_across_stages else None
+    tied = model.shared_embedding_or_output_weight() if tied_across_stages and (first or last) else None
+
+    def sum_tied_copies(grads: list[torch.Tensor]) -> None:
+        """As megatron does after the backward: the tied weight's gradient is E's plus H's, on both stages."""
+        if tied is not None:
+            dist.all_reduce(grads[[id(p) for p in params].index(id(tied))], group=embedding_group)
+
+    def counted(p: torch.Tensor) -> bool:  # the tied weight counts once, on the first stage
+        return not (tied is not None and p is tied and not first)
 
     def backward_of_scores(rows: list[int]) -> None:
         """The backward of Σ_i l_i over ``rows``, through the stages: hidden states forward, their gradient
@@ -142,10 +156,12 @@ def check(architecture: str) -> dict:
             for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(g, group=group)
+            sum_tied_copies(grads)
             per_sequence.append(grads)
-            sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p)), torch.zeros((), dtype=torch.float64))
+            sharded = sum((g.pow(2).sum() for p, g in zip(params, grads) if is_sharded(p) and counted(p)), torch.zeros((), dtype=torch.float64))
             dist.all_reduce(sharded, group=group)
-            total = sharded + sum((g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p)), torch.zeros((), dtype=torch.float64))
+            total = sharded + sum((g.pow(2).sum() for p, g in zip(params, grads) if not is_sharded(p) and counted(p)),
+                                  torch.zeros((), dtype=torch.float64))
             if pp_group is not None:  # every stage holds its own parameters
                 dist.all_reduce(total, group=pp_group)
             reference.append(float(total))
@@ -174,12 +190,14 @@ def check(architecture: str) -> dict:
         own, own_per_sequence = one_backward_per_sequence()
         result |= {"autograd": own, "autograd_update_error": update_error(
             [sum(weights[i] * own_per_sequence[i][j] for i in range(BATCH)) for j in range(len(params))], truth_per_sequence)}
-    norms = MegatronSequenceNorms(model, group, pp_group)
+    norms = MegatronSequenceNorms(model, group, pp_group, embedding_group)
     model.zero_grad(set_to_none=True)
-    with norms.recording(BATCH, coef_r, coef_s, groups):
+    with norms.recording(BATCH, coef_r, coef_s, groups, ids=ids):
         backward_of_scores(list(range(BATCH)))
     norms.combine(baseline)
-    result |= {"engine": norms.sq_norms().tolist(), "update_error": update_error([p.grad.double() for p in params], truth_per_sequence),
+    engine_update = [p.grad.double() for p in params]
+    sum_tied_copies(engine_update)
+    result |= {"engine": norms.sq_norms().tolist(), "update_error": update_error(engine_update, truth_per_sequence),
                "sharded_params": sum(is_sharded(p) for p in model.parameters()),
                "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
                "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}

@@ -26,9 +26,10 @@ from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 
-# (architecture, ranks): TP 2 for all but the pipeline one, which runs at PP 2 on two ranks and TP 2 x PP 2 on four
+# (architecture, ranks): TP 2 for all but the pipeline ones, which run at PP 2 on two ranks and TP 2 x PP 2 on four
 CASES = [("rmsnorm_swiglu_rope", 2), ("layernorm_gelu_learned", 2), ("rmsnorm_swiglu_rope_tied", 2), ("rmsnorm_swiglu_rope_sp", 2),
-         ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4)]
+         ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4),
+         ("rmsnorm_swiglu_rope_pp_tied", 2), ("rmsnorm_swiglu_rope_pp_tied", 4)]
 BF16_CASE = ("rmsnorm_swiglu_rope_bf16", 2)
 ERROR_RATIO = 4.0  # in bf16 the engine's error may be this many times autograd's own (as for the transformers path)
 
@@ -52,7 +53,8 @@ def results(tmp_path_factory) -> dict:
     return found
 
 
-@pytest.mark.parametrize("case", CASES, ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2"])
+@pytest.mark.parametrize("case", CASES, ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2",
+                                         "pp2-tied", "tp2xpp2-tied"])
 def test_parallel_norms_and_update_match_one_backward_per_sequence(results, case):
     architecture, _ = case
     result = results[case]
@@ -86,8 +88,14 @@ class _Unknown(nn.Module):
 
 
 def test_what_it_cannot_count_is_refused():
-    with pytest.raises(ValueError, match="tied across pipeline stages"):
+    with pytest.raises(ValueError, match="tied across pipeline stages need the embedding group"):
         MegatronSequenceNorms(SimpleNamespace(config=None, pre_process=True, post_process=False, share_embeddings_and_output_weights=True))
+    last_stage = nn.Module()
+    last_stage.config, last_stage.pre_process, last_stage.post_process, last_stage.share_embeddings_and_output_weights = None, False, True, True
+    last_stage.shared_embedding_or_output_weight = lambda: None
+    with pytest.raises(ValueError, match="the last stage of embeddings tied across pipeline stages needs the input ids"):
+        with MegatronSequenceNorms(last_stage, embedding_group=object()).recording(2):
+            pass
     with pytest.raises(ValueError, match=r"module 'block' \(_Unknown\) has trainable parameter 'scale'"):
         MegatronSequenceNorms(nn.ModuleDict({"block": _Unknown()}))
 

@@ -29,13 +29,18 @@ do); a norm sees only its rank's tokens, so its per-sequence gradient vectors ar
 they are squared (the layer's own gradient is all-reduced for the same reason).
 
 Pipeline parallelism: each stage holds its own layers, so the stages' per-sequence squared norms add up
-(one all-reduce over ``pp_group``); each stage's `combine` writes its own parameters' update.
+(one all-reduce over ``pp_group``); each stage's `combine` writes its own parameters' update. Embeddings tied
+across stages: the first stage holds the embedding E, the last a copy for the output layer H, and megatron
+sums their gradients over the embedding group after the backward; sequence i's squared norm of the tied weight
+is ||E_i||² + ||H_i||² + 2 Σ_t <H_i[id_t], δ^E_{i,t}>. Each stage counts its own part; for the cross term the
+last stage forms H_i's rows at the ids (``recording(ids=...)``: the last stage has no embedding to see them)
+and sends them to the first over the embedding group (one broadcast, in `sq_norms`). `combine` writes each
+copy its own part, which megatron's embedding-group sum then completes.
 
 In bf16 (verl's Megatron engine trains in bf16) the norms and the update are as close to the float64 truth as
 plain autograd's own bf16 gradients are (tests/test_megatron_per_sequence.py).
 
-Not handled here, and refused rather than mis-counted: embeddings tied across pipeline stages (the cross term
-would need the first stage's embedding gradient on the last), and any trainable module of another kind. Layers are matched by
+Not handled here, and refused rather than mis-counted: any trainable module of another kind. Layers are matched by
 class name, so ``vcpo.core`` imports nothing from megatron.
 """
 
@@ -92,15 +97,17 @@ class MegatronSequenceNorms:
     Raises ValueError at construction for a trainable module or a setting it does not handle.
     """
 
-    def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None):
-        self.model, self.tp_group, self.pp_group = model, tp_group, pp_group
+    def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
+                 embedding_group: dist.ProcessGroup | None = None):
+        self.model, self.tp_group, self.pp_group, self.embedding_group = model, tp_group, pp_group, embedding_group
         self.sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
-        one_stage = getattr(model, "pre_process", True) is not False and getattr(model, "post_process", True) is not False
+        self.first_stage, self.last_stage = getattr(model, "pre_process", True) is not False, getattr(model, "post_process", True) is not False
         tied = getattr(model, "share_embeddings_and_output_weights", False)
-        if tied and not one_stage:
-            raise ValueError("MegatronSequenceNorms: embeddings tied across pipeline stages are not handled (the cross term spans two stages)")
-        # The weight the output layer borrows from the embedding, if they are tied.
-        self.tied = model.shared_embedding_or_output_weight() if tied else None
+        self.tied_across_stages = tied and not (self.first_stage and self.last_stage)  # its other half on another stage
+        if self.tied_across_stages and embedding_group is None:
+            raise ValueError("MegatronSequenceNorms: embeddings tied across pipeline stages need the embedding group "
+                             "(megatron's parallel_state.get_embedding_group()) for their cross term")
+        self.tied = model.shared_embedding_or_output_weight() if tied else None  # this stage's copy of the tied weight
         self.modules = []
         for name, module in model.named_modules():
             trainable = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -128,10 +135,14 @@ class MegatronSequenceNorms:
         coef_r: torch.Tensor | None = None,
         coef_s: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
     ) -> Iterator[None]:
         """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block;
         with ``coef_r`` and ``coef_s`` (B,) also accumulate G_R = Σ c^R_i g_i and G_S^γ = Σ_{i in γ} c^S_i g_i,
-        one per baseline group (``groups``: a label per sequence; None: one group), for `combine`."""
+        one per baseline group (``groups``: a label per sequence; None: one group), for `combine`. ``ids``
+        (B, T): the input ids, which the last stage of embeddings tied across stages needs (and only it)."""
+        if self.tied_across_stages and self.last_stage and not self.first_stage and ids is None:
+            raise ValueError("recording: the last stage of embeddings tied across pipeline stages needs the input ids")
         self._sharded = torch.zeros(batch_size, dtype=torch.float64)
         self._replicated = torch.zeros(batch_size, dtype=torch.float64)
         self._buffers = {}
@@ -143,6 +154,10 @@ class MegatronSequenceNorms:
             self._coefficients = torch.cat([coef_r.detach().to(torch.float64).unsqueeze(0), score_rows])
             self._group_of_sequence = labels
         self._tied_ids = self._head_rows = None  # the embedding's local ids; H_i's rows at them
+        self._embedding_rows = None  # δ^E of the tied embedding (first stage), for the cross term across stages
+        self._cross_added = False
+        if ids is not None and self.tied_across_stages and not self.first_stage:
+            self._tied_ids = self._output_shard_ids(ids)
         handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
         try:
             yield
@@ -155,6 +170,8 @@ class MegatronSequenceNorms:
         summed over the pipeline stages (``pp_group``)."""
         if self._sharded is None:
             raise ValueError("sq_norms() needs a recording() block first")
+        if self.tied_across_stages and not self._cross_added:
+            self._add_cross_term_across_stages()
         sharded = self._sharded.clone()
         if dist.is_initialized():
             dist.all_reduce(sharded, group=self.tp_group)
@@ -180,6 +197,27 @@ class MegatronSequenceNorms:
                 buffer = self._buffers.get(id(param))
                 combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else torch.tensordot(weights, buffer, 1)
                 param.grad = combined.to(param.dtype)
+
+    def _output_shard_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids as rows of this rank's shard of the output layer (0 outside it; the first stage's δ^E
+        rows there are zero, so they add nothing to the cross term)."""
+        rows = self.tied.shape[0]
+        start = rows * (dist.get_rank(self.tp_group) if dist.is_initialized() and self.tp_group is not None else 0)
+        inside = (ids >= start) & (ids < start + rows)
+        return torch.where(inside, ids - start, torch.zeros_like(ids))
+
+    def _add_cross_term_across_stages(self) -> None:
+        """2 Σ_t <H_i[id_t], δ^E_{i,t}>: the last stage's rows of H_i, sent to the first stage, which adds it."""
+        self._cross_added = True
+        if not (self.first_stage or self.last_stage):
+            return
+        last = dist.get_process_group_ranks(self.embedding_group)[-1]
+        if self.last_stage:
+            dist.broadcast(self._head_rows.contiguous(), src=last, group=self.embedding_group)
+        else:
+            head_rows = torch.empty(self._embedding_rows.shape, dtype=torch.float64)  # contiguous, as it is sent
+            dist.broadcast(head_rows, src=last, group=self.embedding_group)
+            self._add(self.tied, 2.0 * torch.einsum("btd,btd->b", head_rows, self._embedding_rows))
 
     def _combine(self, param: torch.Tensor, gradients: torch.Tensor) -> None:
         """G_R and every G_S^γ += ``gradients`` (1 + G, *param.shape), the coefficient combinations of this part."""
@@ -260,7 +298,9 @@ class MegatronSequenceNorms:
             for row, coefficients in enumerate(self._coefficients):
                 combined[row].index_add_(0, local.flatten(), (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]))
             self._combine(module.weight, combined)
-        if module.weight is self.tied and self._head_rows is not None:
+        if module.weight is self.tied and self.tied_across_stages:
+            self._embedding_rows = rows
+        elif module.weight is self.tied and self._head_rows is not None:
             self._add(module.weight, 2.0 * torch.einsum("btd,btd->b", self._head_rows, rows))
 
     def _norm_gradient(self, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
