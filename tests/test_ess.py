@@ -64,3 +64,45 @@ def test_step_scale_rejects_bad_arguments():
         ess_step_scale(0.5, rho_on=0.0)
     with pytest.raises(ValueError, match="ess_ratio"):
         ess_step_scale(float("nan"))
+
+
+def _ess_rank(rank: int, world: int, store_file: str, results) -> None:
+    """One of four gloo ranks: data-parallel rank = rank % 2, pipeline stage = rank // 2 (the second stage is last)."""
+    import torch.distributed as dist
+
+    from vcpo.core import ess_ratio_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stage, dp_rank = rank // 2, rank % 2
+    if stage == 1:  # the last stage holds the log-probs: 3 and 5 sequences, some not valid
+        s, valid = LAST_STAGE_WEIGHTS[dp_rank]
+    else:  # an earlier stage's values are never read
+        s, valid = torch.full((2,), float("nan"), dtype=torch.float64), torch.ones(2, dtype=torch.bool)
+    results.put((rank, ess_ratio_over_ranks(s, valid, dp_group=dp_groups[stage], pp_group=pp_groups[dp_rank])))
+    dist.destroy_process_group()
+
+
+LAST_STAGE_WEIGHTS = [
+    (torch.tensor([0.3, -40.0, 2.5], dtype=torch.float64), torch.tensor([True, True, False])),
+    (torch.tensor([150.0, 149.0, -3.0, 0.0, 7.5], dtype=torch.float64), torch.tensor([True, True, True, False, True])),
+]
+
+
+def test_the_ess_of_a_mini_batch_over_data_parallel_ranks_and_pipeline_stages(tmp_path):
+    """Four gloo ranks (DP 2 x PP 2): every rank gets ρ_ess of the last stage's sequences of both data-parallel ranks."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [context.Process(target=_ess_rank, args=(rank, 4, str(tmp_path / "store"), results)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+    assert [process.exitcode for process in ranks] == [0, 0, 0, 0]
+    found = dict(results.get(timeout=10) for _ in range(4))
+    expected = float(ess_ratio(torch.cat([s for s, _ in LAST_STAGE_WEIGHTS]), torch.cat([v for _, v in LAST_STAGE_WEIGHTS])))
+    assert 0.1 < expected < 0.9  # two weights near e^150 dominate: neither 1 nor 1/B
+    assert found == {rank: expected for rank in range(4)}

@@ -26,7 +26,7 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     convention) and l^θ the learner's log-probs of this optimizer step's forward passes (the parameters
     do not move before ``optimizer.step``, so these are the log-probs at the start of the step). The
     s_i of every sequence of the mini-batch on every data-parallel rank are all-gathered, ρ_ess =
-    ``ess_ratio`` of them, and the optimizer's learning rate is multiplied by ``ess_step_scale(ρ_ess)``
+    ``ess_ratio_over_ranks`` of them, and the optimizer's learning rate is multiplied by ``ess_step_scale(ρ_ess)``
     (the preset's rho_on, or ``policy_loss.rho_on`` when set, form, clamp) for that ``optimizer.step()`` only (``scaled_learning_rate``
     restores it; the LR scheduler is untouched). The loss stays verl's ``ppo_loss``.
 
@@ -94,7 +94,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from vcpo.core import (
     PerSequenceGradients,
-    ess_ratio,
+    ess_ratio_over_ranks,
     offpolicy_diagnostics,
     opob_normaliser,
     opob_sequence_scores,
@@ -187,7 +187,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 with step_rule_applied():
                     outputs = self.forward_backward_batch(data, loss, forward_only=False)
                 state.close_micro_batch()
-                seq_log_weights, valid = self._gathered_log_weights(state, group)
+                ratio = self._mini_batch_ess_ratio(state, group)
                 if rule.opob:
                     extra.update(self._opob_combine(state, group))
         except BaseException:
@@ -198,7 +198,6 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             raise
         finally:
             self._step = None
-        ratio = float(ess_ratio(seq_log_weights, valid))
         scale = rule.lr_scale(ratio)
         lr = self.optimizer.param_groups[0]["lr"]
         with scaled_learning_rate(self.optimizer, scale):
@@ -217,13 +216,11 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             metrics.update({name: [value] for name, value in extra.items()})
         return outputs
 
-    def _gathered_log_weights(self, state: _StepState, group) -> tuple[torch.Tensor, torch.Tensor]:
-        local_s = (
-            torch.cat(state.seq_log_weights).cpu() if state.seq_log_weights else torch.zeros(0, dtype=torch.float64)
-        )
-        local_v = torch.cat(state.valid).cpu() if state.valid else torch.zeros(0, dtype=torch.bool)
-        parts = gather_objects((local_s, local_v), group)
-        return torch.cat([s for s, _ in parts]), torch.cat([v for _, v in parts])
+    @staticmethod
+    def _mini_batch_ess_ratio(state: _StepState, group) -> float:
+        local_s = torch.cat(state.seq_log_weights) if state.seq_log_weights else torch.zeros(0, dtype=torch.float64)
+        local_v = torch.cat(state.valid) if state.valid else torch.zeros(0, dtype=torch.bool)
+        return ess_ratio_over_ranks(local_s, local_v, dp_group=group)
 
     def _recording_loss(self, loss_function, state: _StepState):
         """verl's loss (or, for OPOB, the per-sequence scores) plus a record of s_i per micro-batch."""
