@@ -408,9 +408,10 @@ def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp
             held.set()
             release.wait(30)
 
-    def release_once_the_training_job_waits():  # the kernel lists a process blocked on a lock (/proc/locks: "->")
+    def release_once_the_training_job_waits():  # the kernel lists a process blocked on this lock file (/proc/locks: "->")
+        inode = f":{(folder / LOCK_FILE).stat().st_ino} "
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "->" not in Path("/proc/locks").read_text():
+        while time.monotonic() < deadline and not any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines()):
             time.sleep(0.2)
         release.set()
 
