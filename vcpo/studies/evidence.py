@@ -52,7 +52,7 @@ from vcpo.studies.design import (
     run_settings,
     sim_task,
 )
-from vcpo.studies.runner import run_all
+from vcpo.studies.runner import pending_runs, run_all
 from vcpo.studies.statistics import (
     ALPHA,
     base_bootstrap_auc_interval,
@@ -350,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(evaluation_noise(args.task, args.problems, args.samples, args.seeds, args.split)))
         return 0
     if args.command == "run":
-        if args.list:
-            for arm in design.arms:
-                for seed in design.seeds_of(arm.task):
-                    done = is_finished(run_folder(args.out, arm, seed)) or is_finished(run_folder(args.archive, arm, seed))
-                    if (args.phase is None or arm.phase in args.phase) and not done:
-                        settings = run_settings(design, arm, seed, args.archive)
-                        print(" ".join(command_line(design, arm, settings, str(run_folder(args.out, arm, seed))))
-                              if settings else f"{arm.task}/{arm.name} seed {seed}: waits for the runs it reads")
+        if args.list:  # what the runner will do, in its order
+            for arm, seed in pending_runs(design, args.archive, args.phase):
+                settings = run_settings(design, arm, seed, args.archive)
+                if is_finished(run_folder(args.out, arm, seed)):
+                    print(f"{arm.task}/{arm.name} seed {seed}: finished, to be archived")
+                else:
+                    print(" ".join(command_line(design, arm, settings, str(run_folder(args.out, arm, seed))))
+                          if settings else f"{arm.task}/{arm.name} seed {seed}: waits for the runs it reads")
             return 0
         if args.jobs < 1:
             parser.error("--jobs must be >= 1")
