@@ -94,7 +94,7 @@ def test_the_ess_of_a_mini_batch_over_data_parallel_ranks_and_pipeline_stages(tm
     """Four gloo ranks (DP 2 x PP 2): every rank gets ρ_ess of the last stage's sequences of both data-parallel ranks."""
     import multiprocessing
 
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # a fresh process: the test's may hold a process group already
     results = context.Queue()
     ranks = [context.Process(target=_ess_rank, args=(rank, 4, str(tmp_path / "store"), results)) for rank in range(4)]
     for process in ranks:
