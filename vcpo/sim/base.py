@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from vcpo.data.countdown import cache_dir as default_cache_dir
+from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.local_models import IM_END, IM_START, build_random_model, build_tokenizer
 from vcpo.locks import cache_entry_lock
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
@@ -354,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=None, help="SFT steps (default: the size's and task's)")
     args = parser.parse_args(argv)
+    die_with_the_named_runner()  # a study's runner, however many processes lie between
     path = sft_base(args.task, args.size, seed=args.seed, cache_dir=args.cache_dir, steps=args.steps)
     info = json.loads((path / INFO_FILE).read_text())
     print(path)

@@ -10,6 +10,12 @@ DESIGN = design_from_plan(config)
 RUNS, ARCHIVE = Path(config["runs"]), Path(config["archive"])
 PENDING = [(DESIGN.arm(task, name), seed) for task, name, seed in config["pending"]]
 PRIORITY = {(arm.task, arm.name, seed): len(PENDING) - index for index, (arm, seed) in enumerate(PENDING)}
+# a base is built when the first run that needs it comes up, not before (Snakemake gives dependencies no priority)
+BASE_PRIORITY = {}
+for (arm, seed) in PENDING:
+    marker = base_marker(DESIGN, arm, seed, RUNS)
+    if marker is not None:
+        BASE_PRIORITY.setdefault(marker.name, PRIORITY[(arm.task, arm.name, seed)])
 
 
 def run_of(wildcards):
@@ -39,6 +45,7 @@ rule sft_base:
     log:
         f"{RUNS}/bases/{{sim_task}}-seed{{seed}}.log",
     threads: 1
+    priority: lambda wildcards: BASE_PRIORITY.get(f"{wildcards.sim_task}-seed{wildcards.seed}.txt", 0)
     shell:
         "python -m vcpo.sim.base --task {wildcards.sim_task} --seed {wildcards.seed} > {output:q}.tmp 2> {log:q} && mv {output:q}.tmp {output:q}"
 
