@@ -162,12 +162,23 @@ def test_the_registration_constant_is_the_commit_that_added_the_registration():
     assert REGISTRATION == {"commit": commit, "time": time}
 
 
+def committed_table_and_archive() -> tuple[list[dict], list[Path]]:
+    """The rows and the archived runs' final evaluations as committed (HEAD), so that a runner archiving into this
+    working tree meanwhile changes nothing; the files themselves where there is no git history."""
+    table = subprocess.run(["git", "show", f"HEAD:{TABLE}"], cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", str(ARCHIVE)], cwd=ROOT, capture_output=True, text=True)
+    if table.returncode != 0 or listed.returncode != 0:
+        return committed_rows(), sorted((ROOT / ARCHIVE).glob("*/*/seed*/final/eval.json"))
+    rows = [json.loads(line) for line in table.stdout.splitlines() if line.strip()]
+    return rows, [Path(name) for name in listed.stdout.splitlines() if name.endswith("final/eval.json")]
+
+
 def test_every_committed_row_names_its_commit_and_started_after_the_registration():
-    rows = committed_rows()
+    rows, finals = committed_table_and_archive()
     if not rows:
         pytest.skip("no across-lags runs archived yet")
     assert all(row["commit"] and row["started"] > REGISTRATION["time"] and row["counts"] for row in rows)
-    archived = {(p.parts[-5], p.parts[-4], int(p.parts[-3].removeprefix("seed"))) for p in (ROOT / ARCHIVE).glob("*/*/seed*/final/eval.json")}
+    archived = {(p.parts[-5], p.parts[-4], int(p.parts[-3].removeprefix("seed"))) for p in finals}
     assert {(row["study_task"], row["arm"], row["seed"]) for row in rows} == archived  # one row per archived run
 
 
