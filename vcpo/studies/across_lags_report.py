@@ -142,10 +142,10 @@ def draw_end_vs_lag(stats: dict, path: Path) -> None:
         present = [(lag, arms[f"{prefix}_k{lag}"]) for lag in lags if f"{prefix}_k{lag}" in arms]
         if present:
             draw_ends(axis, [lag * offset for lag, _ in present], [a for _, a in present], marker="o", label=label)
-    for name, arm in arms.items():
-        if arm["method"] == "sync":
-            line = axis.axhline(100 * arm["end"], linestyle="--", linewidth=1, label=f"sync {rate_label(arm['lr'])} (k = 0)")
-            axis.axhspan(100 * arm["end_low"], 100 * arm["end_high"], alpha=0.12, color=line.get_color())
+    sync_arms = [arm for arm in arms.values() if arm["method"] == "sync"]
+    for arm, (color, style) in zip(sync_arms, (("black", "--"), ("grey", ":")), strict=False):  # two rates at most
+        axis.axhline(100 * arm["end"], color=color, linestyle=style, linewidth=1.2, label=f"sync {rate_label(arm['lr'])} (k = 0)")
+        axis.axhspan(100 * arm["end_low"], 100 * arm["end_high"], alpha=0.08, color=color)
     axis.set_xscale("log", base=2)
     axis.set_xticks(lags, [str(lag) for lag in lags])
     axis.minorticks_off()
