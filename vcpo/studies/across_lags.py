@@ -27,7 +27,7 @@ from vcpo.reporting.runs import read_metrics
 from vcpo.runs import VAL_ACCURACY, is_finished
 from vcpo.studies.statistics import ALPHA, equivalence, holm
 from vcpo.studies.design import Design, command_line, load_design, run_folder, run_settings
-from vcpo.studies.evidence import arm_summary, compare, read_rows, run_row
+from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
 
 DESIGN = Path("recipes/sim/across_lags.yaml")
 TABLE = Path("tables/across_lags/runs.jsonl")
@@ -100,9 +100,7 @@ def median_steps(values: list[int | None]) -> float:
 
 
 def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> dict:
-    by_arm: dict[str, dict[int, dict]] = {}
-    for row in rows:
-        by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+    by_arm = rows_by_arm(rows)
     arms = {}
     for arm in (a for a in design.arms if a.task == "countdown"):
         if arm.name in by_arm:
@@ -110,10 +108,9 @@ def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> d
             steps = [row["steps_to_target"] for row in members]
             arms[arm.name] = {**arm_summary(members), "reached": sum(s is not None for s in steps), "median_steps": median_steps(steps)}
     target = sync_target(rows)
-    missing = {arm.name: [s for s in design.seeds_of("countdown") if s not in by_arm.get(arm.name, {})]
-               for arm in design.arms if arm.task == "countdown"}
+    missing = missing_seeds(by_arm, [arm for arm in design.arms if arm.task == "countdown"], design.seeds_of("countdown"))
     result = {
-        "lags": list(LAGS), "arms": arms, "target": target, "missing": {name: seeds for name, seeds in missing.items() if seeds},
+        "lags": list(LAGS), "arms": arms, "target": target, "missing": missing,
         "primary": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
         "same_rate": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_k{k}") for k in LAGS]),
         "equivalence": equivalence_report(by_arm, arms),
@@ -199,13 +196,10 @@ def confirm_report(rows: list[dict], design: Design) -> dict:
     """across_lags.md: at the searched cell, VCPO - seq-TIS (primary) and VCPO - sync (secondary) on ``end``,
     paired by seed, Holm over the two."""
     arms = [arm for arm in design.arms if arm.task == CONFIRM_TASK]
-    by_arm: dict[str, dict[int, dict]] = {}
-    for row in rows:
-        by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+    by_arm = rows_by_arm(rows)
     name = {arm.method: arm.name for arm in arms}
     summaries = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in arms if arm.name in by_arm}
-    missing = {arm.name: [s for s in design.seeds_of(CONFIRM_TASK) if s not in by_arm.get(arm.name, {})] for arm in arms}
-    return {"arms": summaries, "missing": {arm: seeds for arm, seeds in missing.items() if seeds},
+    return {"arms": summaries, "missing": missing_seeds(by_arm, arms, design.seeds_of(CONFIRM_TASK)),
             "comparisons": compare(by_arm, [(name["vcpo"], name["seq_tis_c8"]), (name["vcpo"], name["sync"])])}
 
 

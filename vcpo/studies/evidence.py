@@ -212,6 +212,20 @@ def arm_summary(rows: list[dict]) -> dict:
     }
 
 
+def rows_by_arm(rows: list[dict]) -> dict[str, dict[int, dict]]:
+    """arm -> seed -> row."""
+    by_arm: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+    return by_arm
+
+
+def missing_seeds(by_arm: dict[str, dict[int, dict]], arms: list[Arm], seeds: list[int]) -> dict[str, list[int]]:
+    """The seeds each arm has no row for yet (arms with all of them left out)."""
+    missing = {arm.name: [seed for seed in seeds if seed not in by_arm.get(arm.name, {})] for arm in arms}
+    return {name: left for name, left in missing.items() if left}
+
+
 def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], metric: str = "end") -> list[dict]:
     """Paired differences (by seed, seeds both arms have) of ``metric``, Holm-adjusted over ``pairs``."""
     results = []
@@ -266,12 +280,9 @@ def report(rows: list[dict], design: Design) -> dict:
     for task in design.configs:
         task_arms = [arm for arm in design.arms if arm.task == task]
         task_rows = [row for row in rows if row["task"] == sim_task(design, task_arms[0])]
-        by_arm: dict[str, dict[int, dict]] = {}
-        for row in task_rows:
-            by_arm.setdefault(row["arm"], {})[row["seed"]] = row
+        by_arm = rows_by_arm(task_rows)
         arms = {arm.name: arm_summary(list(by_arm[arm.name].values())) for arm in task_arms if arm.name in by_arm}
-        missing = {arm.name: [seed for seed in design.seeds_of(task) if seed not in by_arm.get(arm.name, {})] for arm in task_arms}
-        missing = {name: seeds for name, seeds in missing.items() if seeds}
+        missing = missing_seeds(by_arm, task_arms, design.seeds_of(task))
         entry = {"arms": arms, "missing": missing, "comparisons": compare(by_arm, CORE_COMPARISONS.get(task, [])),
                  "comparisons_last_quarter": compare(by_arm, CORE_COMPARISONS.get(task, []), "last_quarter"),
                  "predictor": predictor_report(task_rows)}
