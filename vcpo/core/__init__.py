@@ -17,7 +17,13 @@ from vcpo.core.baselines import (
     opob_baseline,
     opob_coefficients,
 )
-from vcpo.core.ess import ess_ratio, ess_ratio_over_ranks, ess_step_scale, log_effective_sample_size, scaled_learning_rate
+from vcpo.core.ess import (
+    ess_ratio,
+    ess_ratio_over_ranks,
+    ess_step_scale,
+    log_effective_sample_size,
+    scaled_learning_rate,
+)
 from vcpo.core.losses import (
     kl_in_reward,
     m2po_loss,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from vcpo.core.collectives import gather_objects
 from vcpo.core.validation import as_bool_mask, check_float, check_sequence_inputs
 
 STEP_SIZE_RULES = ("sqrt", "linear")
@@ -48,20 +49,15 @@ def ess_ratio(seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) 
 
 def ess_ratio_over_ranks(seq_log_weights: torch.Tensor, valid: torch.Tensor, dp_group=None, pp_group=None) -> float:
     """ρ_ess of a mini-batch split over data-parallel ranks: every rank's s_i and validity all-gathered over
-    ``dp_group`` (ranks hold different numbers of sequences). Under pipeline parallelism only the last stage has
+    ``dp_group`` (ranks hold different numbers of sequences; None: the default group, as torch.distributed takes it). Under pipeline parallelism only the last stage has
     log-probs (``seq_log_weights`` is ignored elsewhere): its ratio is broadcast over ``pp_group``, so that every
     stage scales its step alike. The same number on every rank."""
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
     last_stage = pp_group is None or dist.get_rank(pp_group) == dist.get_world_size(pp_group) - 1
     ratio = torch.zeros((), dtype=torch.float64)
     if last_stage:
-        local = (seq_log_weights.detach().double().cpu(), as_bool_mask(valid, "valid").cpu())
-        parts = [local]
-        if distributed and dp_group is not None and dist.get_world_size(dp_group) > 1:
-            parts = [None] * dist.get_world_size(dp_group)
-            dist.all_gather_object(parts, local, group=dp_group)
+        parts = gather_objects((seq_log_weights.detach().double().cpu(), as_bool_mask(valid, "valid").cpu()), dp_group)
         ratio = ess_ratio(torch.cat([s for s, _ in parts]), torch.cat([v for _, v in parts]))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.broadcast(ratio, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)

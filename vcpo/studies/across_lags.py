@@ -25,9 +25,9 @@ from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.reporting.runs import read_metrics
 from vcpo.runs import VAL_ACCURACY, is_finished
-from vcpo.studies.statistics import ALPHA, equivalence, holm
 from vcpo.studies.design import Design, command_line, load_design, run_folder, run_settings
 from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
+from vcpo.studies.statistics import ALPHA, equivalence, holm
 
 DESIGN = Path("recipes/sim/across_lags.yaml")
 TABLE = Path("tables/across_lags/runs.jsonl")

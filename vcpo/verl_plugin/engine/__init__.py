@@ -100,11 +100,11 @@ from vcpo.core import (
     opob_sequence_scores,
     scaled_learning_rate,
 )
+from vcpo.core.collectives import gather_objects
 from vcpo.methods import StepRule
 from vcpo.runs import EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
 from vcpo.verl_plugin.engine.batch import (
     all_reduce_gradients,
-    gather_objects,
     padded,
     response_log_probs,
     reward_key,

@@ -13,14 +13,6 @@ from vcpo.core import sequence_log_ratio, token_log_ratio
 from vcpo.core.per_sequence_grads.reductions import widened
 
 
-def gather_objects(obj, group) -> list:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def all_reduce_gradients(params: list[torch.Tensor], group) -> None:
     """Sum p.grad over the group with ONE all-reduce of a flat buffer (VCPO App. C)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
