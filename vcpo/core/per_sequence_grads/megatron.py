@@ -73,12 +73,15 @@ def normalized(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return F.rms_norm(x, module.normalized_shape, None, module.eps)
 
 
-def local_ids(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An embedding's ids as rows of its shard (0 outside it), and which ids fall inside the shard."""
-    start = getattr(module, "vocab_start_index", 0)
-    end = getattr(module, "vocab_end_index", module.weight.shape[0])
+def shard_rows(ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vocabulary ids as rows of the shard holding rows [start, end) (0 outside it), and which fall inside it."""
     inside = (ids >= start) & (ids < end)
     return torch.where(inside, ids - start, torch.zeros_like(ids)), inside
+
+
+def local_ids(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding's ids as rows of its shard (`shard_rows`)."""
+    return shard_rows(ids, getattr(module, "vocab_start_index", 0), getattr(module, "vocab_end_index", module.weight.shape[0]))
 
 
 class MegatronSequenceNorms:
@@ -203,8 +206,7 @@ class MegatronSequenceNorms:
         rows there are zero, so they add nothing to the cross term)."""
         rows = self.tied.shape[0]
         start = rows * (dist.get_rank(self.tp_group) if dist.is_initialized() and self.tp_group is not None else 0)
-        inside = (ids >= start) & (ids < start + rows)
-        return torch.where(inside, ids - start, torch.zeros_like(ids))
+        return shard_rows(ids, start, start + rows)[0]
 
     def _add_cross_term_across_stages(self) -> None:
         """2 Σ_t <H_i[id_t], δ^E_{i,t}>: the last stage's rows of H_i, sent to the first stage, which adds it."""
