@@ -93,12 +93,12 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
     with run_folder_lock(root):
         pending = pending_runs(design, archive, phases)
         print(f"study: {len(pending)} runs to do, {jobs} at a time, under {root}", flush=True)
-        unreadable = {}
+        unreadable = set()
         for task in {arm.task for arm, _ in pending}:
             try:
                 load_config_file(design.configs[task])
             except Exception as error:  # a design whose config cannot be read: say so, run nothing of it
-                unreadable[task] = error
+                unreadable.add(task)
                 print(f"failed: planning: {error}", file=sys.stderr)
         planned = [(arm, seed) for arm, seed in pending if arm.task not in unreadable]
         if planned:
