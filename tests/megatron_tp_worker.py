@@ -123,26 +123,35 @@ def check(architecture: str) -> dict:
     def counted(p: torch.Tensor) -> bool:  # the tied weight counts once, on the first stage
         return not (tied is not None and p is tied and not first)
 
-    def backward_of_scores(rows: list[int]) -> None:
-        """The backward of Σ_i l_i over ``rows``, through the stages: hidden states forward, their gradient
-        back (one micro-batch, point to point)."""
-        received = None
-        if not first:
-            received = torch.empty(TOKENS, len(rows), 32, dtype=torch.float64)
-            dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-            received.requires_grad_()
-            model.set_input_tensor(received)
-        if last:
-            token_loss = model(ids[rows] if first else None, positions[rows], attention_mask=causal, labels=labels[rows])
-            (-(token_loss * loss_mask[rows]).sum()).backward()
-        else:
-            hidden = model(ids[rows] if first else None, positions[rows], attention_mask=causal)
-            dist.send(hidden.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
-            gradient = torch.empty_like(hidden)
-            dist.recv(gradient, src=parallel_state.get_pipeline_model_parallel_next_rank())
-            hidden.backward(gradient)
-        if received is not None:
-            dist.send(received.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
+    def backward_of_scores(micro_batches: list[list[int]], announce=lambda rows: None) -> None:
+        """The backward of Σ_i l_i over each micro-batch's rows, through the stages (hidden states forward, their
+        gradient back, point to point), every forward before any backward, as a pipeline schedule's warm-up
+        interleaves them; ``announce(rows)`` runs before each forward."""
+        pending = []
+        for rows in micro_batches:
+            announce(rows)
+            received = None
+            if not first:
+                received = torch.empty(TOKENS, len(rows), 32, dtype=torch.float64)
+                dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                received.requires_grad_()
+                model.set_input_tensor(received)
+            if last:
+                token_loss = model(ids[rows] if first else None, positions[rows], attention_mask=causal, labels=labels[rows])
+                output = -(token_loss * loss_mask[rows]).sum()
+            else:
+                output = model(ids[rows] if first else None, positions[rows], attention_mask=causal)
+                dist.send(output.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            pending.append((output, received))
+        for output, received in pending:
+            if last:
+                output.backward()
+            else:
+                gradient = torch.empty_like(output)
+                dist.recv(gradient, src=parallel_state.get_pipeline_model_parallel_next_rank())
+                output.backward(gradient)
+            if received is not None:
+                dist.send(received.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -151,7 +160,7 @@ def check(architecture: str) -> dict:
         reference, per_sequence = [], []
         for i in range(BATCH):
             model.zero_grad(set_to_none=True)
-            backward_of_scores([i])
+            backward_of_scores([[i]])
             grads = [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double() for p in params]
             for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
                 if getattr(p, "sequence_parallel", False):
@@ -191,13 +200,28 @@ def check(architecture: str) -> dict:
         result |= {"autograd": own, "autograd_update_error": update_error(
             [sum(weights[i] * own_per_sequence[i][j] for i in range(BATCH)) for j in range(len(params))], truth_per_sequence)}
     norms = MegatronSequenceNorms(model, group, pp_group, embedding_group)
+
+    def engine_update() -> list[torch.Tensor]:
+        """`combine`'s gradients, completed as megatron's finalize_model_grads would: a sequence-parallel
+        parameter's parts summed over the TP group, the tied copies summed."""
+        norms.combine(baseline)
+        update = [p.grad.double() for p in params]
+        for p, g in zip(params, update):
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=group)
+        sum_tied_copies(update)
+        return update
+
     model.zero_grad(set_to_none=True)
     with norms.recording(BATCH, coef_r, coef_s, groups, ids=ids):
-        backward_of_scores(list(range(BATCH)))
-    norms.combine(baseline)
-    engine_update = [p.grad.double() for p in params]
-    sum_tied_copies(engine_update)
-    result |= {"engine": norms.sq_norms().tolist(), "update_error": update_error(engine_update, truth_per_sequence),
+        backward_of_scores([list(range(BATCH))])
+    result |= {"engine": norms.sq_norms().tolist(), "update_error": update_error(engine_update(), truth_per_sequence)}
+    # a step of two micro-batches, the second's forward before the first's backward; groups labelled 0..G-1 over the step
+    step_labels = torch.unique(groups, return_inverse=True)[1]
+    model.zero_grad(set_to_none=True)
+    with norms.step(num_groups=int(step_labels.max()) + 1):
+        backward_of_scores([[0, 1], [2]], lambda rows: norms.micro_batch(len(rows), coef_r[rows], coef_s[rows], step_labels[rows], ids=ids[rows]))
+    result |= {"step_engine": norms.sq_norms().tolist(), "step_update_error": update_error(engine_update(), truth_per_sequence),
                "sharded_params": sum(is_sharded(p) for p in model.parameters()),
                "replicated_params": sum(not is_sharded(p) for p in model.parameters()),
                "sequence_parallel": [getattr(m, "sequence_parallel", None) for m in model.modules() if type(m).__name__ == "RowParallelLinear"]}

@@ -251,7 +251,7 @@ def test_a_wsd_decay_phase_is_refused(monkeypatch):
     "override, named",
     [
         ("actor_rollout_ref.model.model_type=null", "+actor_rollout_ref.model.model_type=vcpo_language_model (got None)"),
-        ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy=fsdp2 (got megatron)"),
+        ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy=fsdp2 (got fsdp)"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=geo_tis", "loss_mode=seq_tis (got geo_tis)"),
         ("actor_rollout_ref.actor.loss_agg_mode=token-mean", "loss_agg_mode=seq-mean-token-mean (got token-mean)"),
     ],
@@ -346,3 +346,32 @@ def _verl_configs() -> Path:
     import verl
 
     return Path(verl.__file__).parent / "trainer" / "config"
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math", "simpletir"])
+def test_the_megatron_strategy_composes_verls_megatron_trainer_with_the_authors_layout(task, capsys):
+    """`-- actor_rollout_ref.actor.strategy=megatron`: verl's Megatron trainer config, the task's layout from
+    recipes/megatron.yaml (the authors' scripts) for actor and reference, Table 2's Adam constants where
+    verl's Megatron optimizer takes them, bf16 on the Megatron engine."""
+    from vcpo.recipes import read_yaml
+
+    assert main(["--task", task, "--method", "vcpo", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
+    printed = capsys.readouterr().out
+    assert "python -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer" in printed
+    layout = read_yaml(REPO / "recipes/megatron.yaml")["tasks"][task]["layout"]
+    run = make_run(task, "vcpo", strategy="megatron")
+    config = compose(run)
+    check(run, config, check_paths=False)
+    for role in ("actor", "ref"):
+        megatron = config.actor_rollout_ref[role].megatron
+        assert {key: megatron[key] for key in layout} == layout
+    assert config.actor_rollout_ref.actor.strategy == "megatron" and config.actor_rollout_ref.actor.megatron.dtype == "bfloat16"
+    adam = config.actor_rollout_ref.actor.optim.override_optimizer_config
+    sim = __import__("vcpo.sim.config", fromlist=["SimConfig"]).SimConfig()
+    assert (adam.adam_beta1, adam.adam_beta2, adam.adam_eps) == (*sim.betas, sim.eps)
+    assert config.actor_rollout_ref.ref.megatron.param_offload is True
+
+
+def test_a_strategy_the_launcher_does_not_compose_is_refused():
+    with pytest.raises(LaunchError, match=r"actor_rollout_ref.actor.strategy=veomni: vcpo.launch composes fsdp2\|fsdp\|megatron"):
+        make_run("math", "vcpo", strategy="veomni")

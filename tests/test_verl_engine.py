@@ -28,6 +28,7 @@ import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.core import PerSequenceGradients, ess_ratio, ess_step_scale, opob_baseline  # noqa: E402
 from vcpo.core.baselines import group_reward_std  # noqa: E402
 from vcpo.verl_plugin import engine as vcpo_engine  # noqa: E402
+from vcpo.verl_plugin.engine.batch import reward_key  # noqa: E402
 
 B, PROMPT, RESPONSE, GROUP, MICRO, VOCAB = 8, 5, 7, 4, 2, 96
 BASE_LR = 1e-3
@@ -397,15 +398,14 @@ def test_opob_refuses_losses_it_would_drop():
     vcpo_engine.check_opob_loss(ppo_loss_for("vcpo"))
 
 
-def test_megatron_strategy_raises_clearly():
+def test_the_megatron_strategy_selects_the_vcpo_megatron_engine():
+    """The same model type on the megatron backend is the Megatron engine (vcpo.verl_plugin.engine.megatron)."""
+    from vcpo.methods import step_rule
+    from vcpo.verl_plugin.engine.megatron import VcpoMegatronEngineWithLMHead
+
+    assert EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, "megatron") is VcpoMegatronEngineWithLMHead
     for method in ("vcpo", "tis_ess", "tis_opob"):
-        with pytest.raises(NotImplementedError, match="Megatron strategy is not supported"):
-            vcpo_engine.check_strategy(method, "megatron")
-        vcpo_engine.check_strategy(method, "fsdp2")
-    vcpo_engine.check_strategy("seq_tis_c8", "megatron")
-    cls = EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, "megatron")
-    with pytest.raises(NotImplementedError, match="Megatron strategy is not supported"):
-        cls(model_config=None, engine_config=None, optimizer_config=None, checkpoint_config=None)
+        assert "megatron" in step_rule(method).strategies
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,11 +464,11 @@ def test_opob_sums_the_kl_penalised_rewards_when_verl_sends_them():
     from tensordict import TensorDict
 
     scores, penalised = torch.ones(2, 3), torch.zeros(2, 3)
-    assert vcpo_engine.reward_key(TensorDict({"rm_scores": scores}, batch_size=[2])) == "rm_scores"
+    assert reward_key(TensorDict({"rm_scores": scores}, batch_size=[2])) == "rm_scores"
     both = TensorDict({"rm_scores": scores, "token_level_rewards": penalised}, batch_size=[2])
-    assert vcpo_engine.reward_key(both) == "token_level_rewards"
+    assert reward_key(both) == "token_level_rewards"
     with pytest.raises(KeyError, match="per-token rewards"):
-        vcpo_engine.reward_key(TensorDict({"advantages": scores}, batch_size=[2]))
+        reward_key(TensorDict({"advantages": scores}, batch_size=[2]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vcpo.core.collectives import gather_objects
+from vcpo.core.collectives import broadcast_here, gather_objects
 from vcpo.core.validation import as_bool_mask, check_float, check_sequence_inputs
 
 STEP_SIZE_RULES = ("sqrt", "linear")
@@ -60,7 +60,7 @@ def ess_ratio_over_ranks(seq_log_weights: torch.Tensor, valid: torch.Tensor, dp_
         parts = gather_objects((seq_log_weights.detach().double().cpu(), as_bool_mask(valid, "valid").cpu()), dp_group)
         ratio = ess_ratio(torch.cat([s for s, _ in parts]), torch.cat([v for _, v in parts]))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.broadcast(ratio, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
+        ratio = broadcast_here(ratio, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
     return float(ratio)
 
 

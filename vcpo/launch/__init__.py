@@ -40,6 +40,7 @@ from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
 from vcpo.runs import METRICS_FILE
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
+STRATEGIES = ("fsdp2", "fsdp", "megatron")  # the actor strategies vcpo.launch composes (verl also has others)
 # verl's FSDP optimizer offers constant and cosine schedules: a WSD schedule without decay is
 # "constant with linear warm-up".
 SUPPORTED_DECAY_STEPS = 0
@@ -74,6 +75,7 @@ class Run:
     seed: int = 0
     data_dir: Path = Path("data")
     output_dir: Path = Path("results/verl")
+    strategy: str | None = None  # the actor's verl strategy; None: the method's (StepRule.strategies[0]), else fsdp2
 
     @property
     def name(self) -> str:
@@ -101,6 +103,7 @@ def make_run(
     data_dir: Path | str = "data",
     output_dir: Path | str = "results/verl",
     default_lag: int | None = None,
+    strategy: str | None = None,
 ) -> Run:
     """The run for ``--task --method [--lag] [--seed]``; the lag defaults to ``default_lag``, else the task's
     (paper) value (``vcpo.methods.run_lag``: a method that fixes its lag refuses another ``--lag``)."""
@@ -114,7 +117,24 @@ def make_run(
         resolved_lag = run_lag(method, lag, default, task_recipe.paper["training_steps"])
     except ValueError as error:
         raise LaunchError(f"--lag: {error} (task {task!r})") from None
-    return Run(task_recipe, method_preset, resolved_lag, seed, Path(data_dir), Path(output_dir))
+    if strategy is not None and strategy not in STRATEGIES:
+        raise LaunchError(f"actor_rollout_ref.actor.strategy={strategy}: vcpo.launch composes {'|'.join(STRATEGIES)}")
+    return Run(task_recipe, method_preset, resolved_lag, seed, Path(data_dir), Path(output_dir), strategy)
+
+
+def strategy_of(extra: list[str] | tuple[str, ...]) -> str | None:
+    """The actor strategy the user's overrides set (the last wins, as in Hydra), or None."""
+    values = [item.split("=", 1)[1] for item in extra if item.split("=", 1)[0].lstrip("+") == "actor_rollout_ref.actor.strategy"]
+    return values[-1] if values else None
+
+
+def actor_strategy(run: Run) -> str:
+    return run.strategy or step_rule(run.method).strategies[0]
+
+
+def config_name(run: Run) -> str:
+    """verl's top-level config: its Megatron trainer's for the Megatron strategy."""
+    return "ppo_megatron_trainer" if actor_strategy(run) == "megatron" else "ppo_trainer"
 
 
 def _value(value: Any) -> str:
@@ -175,13 +195,19 @@ def optimizer_overrides(run: Run) -> list[str]:
             f"{run.task.path}: paper.lr_decay_steps={paper['lr_decay_steps']}: verl's FSDP optimizer has constant "
             "and cosine schedules only, so a WSD decay phase cannot be expressed"
         )
+    if actor_strategy(run) == "megatron":  # verl hands megatron's OptimizerConfig only these overrides for Adam's constants
+        adam = [_set(f"+{optim}.override_optimizer_config.adam_beta1", table["betas"][0]),
+                _set(f"+{optim}.override_optimizer_config.adam_beta2", table["betas"][1]),
+                _set(f"+{optim}.override_optimizer_config.adam_eps", table["eps"]),
+                _set(f"{optim}.lr_decay_style", "constant")]
+    else:
+        adam = [_set(f"{optim}.betas", table["betas"]), _set(f"{optim}.override_optimizer_config", {"eps": table["eps"]}),
+                _set(f"{optim}.lr_scheduler_type", "constant")]
     return [
         _set(f"{optim}.lr", run.method.spec["optimizer"]["lr"]),
         _set(f"{optim}.weight_decay", table["weight_decay"]),
-        _set(f"{optim}.betas", table["betas"]),
-        _set(f"{optim}.override_optimizer_config", {"eps": table["eps"]}),
+        *adam,
         _set(f"{optim}.clip_grad", table["grad_clip"]),
-        _set(f"{optim}.lr_scheduler_type", "constant"),
         _set(f"{optim}.lr_warmup_steps", paper["lr_warmup_steps"]),
         _set(f"{optim}.total_training_steps", paper["training_steps"]),
         _set("actor_rollout_ref.actor.entropy_coeff", table["entropy_coeff"]),
@@ -222,7 +248,8 @@ def method_overrides(run: Run) -> list[str]:
         settings.append(_set("algorithm.norm_adv_by_std_in_grpo", advantage["params"]["norm_by_std"]))
 
     dtype = PRECISION_DTYPES[spec["precision"]]
-    settings += [_set(f"{actor}.fsdp_config.dtype", dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
+    engine_config = "megatron" if actor_strategy(run) == "megatron" else "fsdp_config"
+    settings += [_set(f"{actor}.{engine_config}.dtype", dtype), _set("actor_rollout_ref.rollout.dtype", dtype)]
 
     beta = spec.get("kl_in_reward_beta")
     settings.append(_set("algorithm.use_kl_in_reward", bool(beta)))
@@ -242,13 +269,24 @@ def engine_overrides(run: Run) -> list[str]:
         return []
     settings = [
         _set("+actor_rollout_ref.model.model_type", ENGINE_MODEL_TYPE),
-        _set(f"{actor}.strategy", rule.strategies[0]),
+        _set(f"{actor}.strategy", actor_strategy(run)),
         # every Ray worker imports the engine module inside `import verl`, on a cluster started by `ray start` too
         _set(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}", ENGINE_MODULE),
     ]
     if rule.ess and (rho_on := run_rho_on(None, run.task.paper)) is not None:
         settings.append(_set(f"+{actor}.policy_loss.rho_on", rho_on))
     return settings
+
+
+def megatron_overrides(run: Run) -> list[str]:
+    """The task's Megatron layout (``recipes/megatron.yaml``, the authors' scripts) for the actor and the
+    reference, under the Megatron strategy only."""
+    if actor_strategy(run) != "megatron":
+        return []
+    recipe = read_yaml(recipes_dir() / "megatron.yaml")
+    layout = recipe["tasks"][run.task.name]["layout"]
+    settings = [_set(f"actor_rollout_ref.{role}.megatron.{key}", value) for role in ("actor", "ref") for key, value in layout.items()]
+    return settings + [_set("actor_rollout_ref.ref.megatron.param_offload", recipe["reference"]["param_offload"])]
 
 
 def asynchrony_overrides(run: Run) -> list[str]:
@@ -315,6 +353,7 @@ def overrides(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
         *rollout_overrides(run),
         *optimizer_overrides(run),
         *method_overrides(run),
+        *megatron_overrides(run),
         *asynchrony_overrides(run),
         *trainer_overrides(run),
         *chosen_overrides(run),
@@ -336,15 +375,15 @@ def run_environment(run: Run) -> dict[str, str]:
 
 
 def command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, *VERL_ENTRY, *overrides(run, extra)]
+    return [sys.executable, *VERL_ENTRY, f"--config-name={config_name(run)}", *overrides(run, extra)]
 
 
 def shell_command(run: Run, extra: list[str] | tuple[str, ...] = ()) -> str:
     """The exact command ``--dry-run`` prints, one override per line."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in run_environment(run).items())
     _, *args = command(run, extra)  # printed as `python`: the interpreter's path differs between machines
-    lines = [f"{env} python {' '.join(args[:2])}"]
-    lines += [f"  {shlex.quote(arg)}" for arg in args[2:]]
+    lines = [f"{env} python {' '.join(args[:3])}"]
+    lines += [f"  {shlex.quote(arg)}" for arg in args[3:]]
     return " \\\n".join(lines)
 
 
@@ -370,12 +409,12 @@ def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
     from omegaconf import OmegaConf
 
     requested = overrides(run, extra)
-    cached = composed_cache_file(requested)
+    cached = composed_cache_file([config_name(run), *requested])
     if cached.exists():
         config = OmegaConf.create(json.loads(cached.read_text()))
         OmegaConf.set_struct(config, True)
         return config
-    config = _hydra_compose(requested)
+    config = _hydra_compose(requested, config_name(run))
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cached, json.dumps(OmegaConf.to_container(config, resolve=False)))
     return config
@@ -396,7 +435,7 @@ def verl_configs_fingerprint(folder: Path) -> list:
                                      for path in folder.rglob("*.yaml"))]
 
 
-def _hydra_compose(requested: list[str]):
+def _hydra_compose(requested: list[str], name: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -406,7 +445,7 @@ def _hydra_compose(requested: list[str]):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-            return hydra_compose(config_name="ppo_trainer", overrides=requested)
+            return hydra_compose(config_name=name, overrides=requested)
     except (HydraException, OmegaConfBaseException) as error:
         raise LaunchError(f"verl's Hydra config rejects the overrides: {error}") from None
 

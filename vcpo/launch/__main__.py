@@ -23,6 +23,7 @@ from vcpo.launch import (
     make_run,
     run_environment,
     shell_command,
+    strategy_of,
     write_launch_record,
 )
 
@@ -49,7 +50,7 @@ def composed_config(argv: list[str], checked: bool = False):
 
 def _composed(args: argparse.Namespace):
     """The run of the parsed arguments and its composed verl config, the user's overrides applied last."""
-    run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir)
+    run = make_run(args.task, args.method, args.lag, args.seed, args.data_dir, args.output_dir, strategy=strategy_of(args.overrides))
     return run, compose(run, args.overrides)
 
 

@@ -227,9 +227,9 @@ class StepRule:
     def strategies(self) -> tuple[str, ...]:
         """verl actor strategies on which the vcpo engine applies this rule, the first the one vcpo.launch
         sets: OPOB writes each module's per-sequence gradient into its parameter's gradient, which FSDP1's
-        flat parameters do not expose (fsdp2 only); the ESS step size touches only log-probs and the
-        learning rate (fsdp2 and fsdp)."""
-        return ("fsdp2",) if self.opob else ("fsdp2", "fsdp")
+        flat parameters do not expose (fsdp2 and megatron); the ESS step size touches only log-probs and the
+        learning rate (every strategy)."""
+        return ("fsdp2", "megatron") if self.opob else ("fsdp2", "fsdp", "megatron")
 
     @property
     def needs(self) -> str:

@@ -98,10 +98,6 @@ def _as_verl_loss(loss: PolicyLoss):
 
         params = resolve_params(loss.name, policy_config)
         method = policy_config.get("method", None) if policy_config is not None else None
-        if config is not None and config.get("strategy", None) == "megatron":
-            from vcpo.verl_plugin.engine import check_strategy
-
-            check_strategy(method, "megatron")
         check_step_rule_applied(method)
         behav_log_prob, is_weights = old_log_prob, rollout_is_weights
         if loss.needs_prox:

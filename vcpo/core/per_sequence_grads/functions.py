@@ -86,21 +86,28 @@ class _AffineFunction(torch.autograd.Function):
         return grad_x_hat, None, None, None
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+def module_type(module: nn.Module) -> type:
+    """The module's class, seen through FSDP2: ``fully_shard`` turns a module's class into a new
+    ``FSDP<Class>(FSDPModule, Class)`` whose forward is the class's own (FSDP2 adds hooks, not a forward)."""
+    cls = type(module)
+    bases = [base for base in cls.__bases__ if base.__name__ != "FSDPModule"]
+    if len(bases) == 1 and len(cls.__bases__) == 2 and cls.__name__ == f"FSDP{bases[0].__name__}":
+        return bases[0]
+    return cls
 
 
 def module_kind(module: nn.Module) -> str | None:
     """The handler for ``module``, or None. Exact types: a subclass may change the forward."""
-    if type(module) is nn.Linear:
+    cls = module_type(module)
+    if cls is nn.Linear:
         return "linear"
-    if _is_hf_conv1d(module):
+    if cls.__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
         return "conv1d"
-    if type(module) is nn.Embedding:
+    if cls is nn.Embedding:
         return "embedding"
-    if type(module) is nn.LayerNorm:
+    if cls is nn.LayerNorm:
         return "layer_norm"
-    if type(module).__name__ in HF_RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+    if cls.__name__ in HF_RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
         return "rms_norm"
     return None
 

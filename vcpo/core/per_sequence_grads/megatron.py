@@ -48,13 +48,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, rows_at_ids, sparse_rows_sq_norms
+from vcpo.core.collectives import all_reduce_here, broadcast_here
+from vcpo.core.per_sequence_grads.reductions import ghost_sq_norms, rows_at_ids, sparse_rows_sq_norms, wide_dtype
 
 LINEARS = ("ColumnParallelLinear", "RowParallelLinear")
 NORMS = ("RMSNorm", "LayerNorm")
@@ -84,20 +86,39 @@ def local_ids(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return shard_rows(ids, getattr(module, "vocab_start_index", 0), getattr(module, "vocab_end_index", module.weight.shape[0]))
 
 
+@dataclass
+class _MicroBatch:
+    """One micro-batch of a step: its sequences' squared-norm parts, coefficients and tied-embedding rows."""
+
+    sharded: torch.Tensor  # (B,) float64: parts from tensor-parallel shards (summed over the TP group later)
+    replicated: torch.Tensor  # (B,) float64: parts from replicated parameters (counted once)
+    groups: torch.Tensor | None = None  # (B,) each sequence's baseline group, in [0, num_groups)
+    coefficients: torch.Tensor | None = None  # (1 + g, B): c^R, then c^S of the sequences of each group present
+    buffer_rows: torch.Tensor | None = None  # (1 + g,): the rows of the step's buffers these combinations add to
+    tied_ids: torch.Tensor | None = None  # the ids as rows of this rank's shard of the tied weight
+    head_rows: torch.Tensor | None = None  # rows of H_i (the output layer's gradient) at those ids
+    embedding_rows: torch.Tensor | None = None  # δ^E of the tied embedding (first stage, tied across stages)
+
+
 class MegatronSequenceNorms:
-    """||g_i||² of every sequence of a micro-batch over ALL of a megatron-core model's trainable
-    parameters (every TP shard), from the one backward of Σ_i l_i, and, given coefficients, the OPOB
+    """||g_i||² of every sequence of a step over ALL of a megatron-core model's trainable parameters (every
+    TP shard, every pipeline stage), from the one backward of Σ_i l_i, and, given coefficients, the OPOB
     update Σ_i (c^R_i − b c^S_i) g_i of every local parameter (``docs/ALGORITHMS.md`` §4).
 
-    Usage, on every tensor-parallel rank::
+    A step is any number of micro-batches whose forwards and backwards may interleave, as megatron's
+    pipeline schedules run them: each forward hook binds the layer's gradient to the micro-batch announced
+    last (`micro_batch`, before its forward). On every rank::
 
-        norms = MegatronSequenceNorms(model, tp_group)
-        with norms.recording(batch_size, coef_r, coef_s):
-            per_sequence_scores(model(...)).sum().backward()
-        sq_norms = norms.sq_norms()          # (B,) float64, the same on every rank
-        norms.combine(opob_baseline(rewards, sq_norms, seq_log_weights))   # p.grad of every local parameter
+        norms = MegatronSequenceNorms(model, tp_group, pp_group, embedding_group)
+        with norms.step(num_groups):
+            for batch in micro_batches:                       # the same order on every stage
+                norms.micro_batch(coef_r, coef_s, groups, ids)
+                ... forward (and, at any later point, the backward of) Σ_i l_i ...
+        sq_norms = norms.sq_norms()          # (sequences of the step,) float64, in micro-batch order, alike on every rank
+        for param, gradient in norms.combined(opob_baseline(...)): ...   # or norms.combine(...) into p.grad
 
-    Raises ValueError at construction for a trainable module or a setting it does not handle.
+    `recording` is the step of one micro-batch. Raises ValueError at construction for a trainable module or a
+    setting it does not handle.
     """
 
     def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
@@ -125,11 +146,61 @@ class MegatronSequenceNorms:
                 if self.tied is None:
                     raise ValueError(f"MegatronSequenceNorms: {name!r} has no weight of its own and the model ties none")
                 self.modules.append(module)
-        self._sharded: torch.Tensor | None = None
-        self._replicated: torch.Tensor | None = None
-        self._coefficients: torch.Tensor | None = None  # (1 + G, B): c^R, then c^S of each group's sequences
-        self._group_of_sequence: torch.Tensor | None = None  # (B,) row index - 1 of each sequence's group
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._micro_batches: list[_MicroBatch] = []
+        self._current: _MicroBatch | None = None
+        self._num_groups = 0
+        self._combining = False
+        self._cross_added = False
         self._buffers: dict[int, torch.Tensor] = {}  # parameter id -> (1 + G, *shape): G_R, then every G_S^γ
+
+    @contextlib.contextmanager
+    def step(self, num_groups: int | None = None) -> Iterator[None]:
+        """Hooks on the model for one step; every micro-batch's forward AND backward run inside. ``num_groups``:
+        the baseline groups of the step (the labels `micro_batch` takes lie in [0, num_groups)); None: norms only."""
+        self._micro_batches, self._current, self._buffers, self._cross_added = [], None, {}, False
+        self._combining = num_groups is not None
+        self._num_groups = num_groups or 0
+        handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._current = None
+
+    def micro_batch(
+        self,
+        batch_size: int,
+        coef_r: torch.Tensor | None = None,
+        coef_s: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> None:
+        """The next forward's micro-batch of ``batch_size`` sequences. In a step with groups, its gradients add
+        c^R_i g_i to G_R and c^S_i g_i to G_S^γ of sequence i's group (``groups``: labels in [0, num_groups);
+        None: group 0). ``ids`` (B, T): the input ids, which the last stage of embeddings tied across stages
+        needs (and only it)."""
+        if self.tied_across_stages and self.last_stage and not self.first_stage and ids is None:
+            raise ValueError("micro_batch: the last stage of embeddings tied across pipeline stages needs the input ids")
+        zeros = torch.zeros(batch_size, dtype=torch.float64, device=self.device)
+        record = _MicroBatch(zeros, zeros.clone())
+        if self._combining:
+            if coef_r is None or coef_s is None:
+                raise ValueError("micro_batch: a step with groups needs coef_r and coef_s")
+            labels = torch.zeros(batch_size, dtype=torch.long) if groups is None else torch.as_tensor(groups, dtype=torch.long).cpu()
+            if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < self._num_groups:
+                raise ValueError(f"micro_batch: group labels must lie in [0, {self._num_groups}), got {labels.tolist()}")
+            present, position = torch.unique(labels, return_inverse=True)
+            score_rows = torch.zeros(present.numel(), batch_size, dtype=torch.float64)
+            score_rows[position, torch.arange(batch_size)] = coef_s.detach().cpu().to(torch.float64)
+            record.coefficients = torch.cat([coef_r.detach().cpu().to(torch.float64).unsqueeze(0), score_rows]).to(self.device)
+            record.groups = labels
+            record.buffer_rows = torch.cat([torch.zeros(1, dtype=torch.long), 1 + present]).to(self.device)
+        if ids is not None and self.tied_across_stages and not self.first_stage:
+            record.tied_ids = self._output_shard_ids(ids)
+        self._micro_batches.append(record)
+        self._current = record
 
     @contextlib.contextmanager
     def recording(
@@ -140,66 +211,61 @@ class MegatronSequenceNorms:
         groups: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
     ) -> Iterator[None]:
-        """Run the forward AND the backward of one micro-batch of ``batch_size`` sequences inside this block;
-        with ``coef_r`` and ``coef_s`` (B,) also accumulate G_R = Σ c^R_i g_i and G_S^γ = Σ_{i in γ} c^S_i g_i,
-        one per baseline group (``groups``: a label per sequence; None: one group), for `combine`. ``ids``
-        (B, T): the input ids, which the last stage of embeddings tied across stages needs (and only it)."""
-        if self.tied_across_stages and self.last_stage and not self.first_stage and ids is None:
-            raise ValueError("recording: the last stage of embeddings tied across pipeline stages needs the input ids")
-        self._sharded = torch.zeros(batch_size, dtype=torch.float64)
-        self._replicated = torch.zeros(batch_size, dtype=torch.float64)
-        self._buffers = {}
-        self._coefficients = None
-        if coef_r is not None:
-            labels = torch.zeros(batch_size, dtype=torch.long) if groups is None else torch.unique(groups, return_inverse=True)[1]
-            score_rows = torch.zeros(int(labels.max()) + 1, batch_size, dtype=torch.float64)
-            score_rows[labels, torch.arange(batch_size)] = coef_s.detach().to(torch.float64)
-            self._coefficients = torch.cat([coef_r.detach().to(torch.float64).unsqueeze(0), score_rows])
-            self._group_of_sequence = labels
-        self._tied_ids = self._head_rows = None  # the embedding's local ids; H_i's rows at them
-        self._embedding_rows = None  # δ^E of the tied embedding (first stage), for the cross term across stages
-        self._cross_added = False
-        if ids is not None and self.tied_across_stages and not self.first_stage:
-            self._tied_ids = self._output_shard_ids(ids)
-        handles = [module.register_forward_hook(self._forward_hook) for module in self.modules]
-        try:
+        """A step of one micro-batch: run its forward AND its backward inside this block. ``groups``: any
+        labels, one per sequence (None: one group)."""
+        labels = None if groups is None else torch.unique(torch.as_tensor(groups), return_inverse=True)[1]
+        num_groups = None if coef_r is None else (1 if labels is None else int(labels.max()) + 1)
+        with self.step(num_groups):
+            self.micro_batch(batch_size, coef_r, coef_s, labels, ids)
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def sq_norms(self) -> torch.Tensor:
-        """The per-sequence squared norms of the last `recording` block, reduced over the TP group and
-        summed over the pipeline stages (``pp_group``)."""
-        if self._sharded is None:
-            raise ValueError("sq_norms() needs a recording() block first")
+        """The per-sequence squared norms of the last step, in micro-batch order, reduced over the TP group
+        and summed over the pipeline stages (``pp_group``)."""
+        if not self._micro_batches:
+            raise ValueError("sq_norms() needs a step with a micro-batch first")
         if self.tied_across_stages and not self._cross_added:
             self._add_cross_term_across_stages()
-        sharded = self._sharded.clone()
+        sharded = torch.cat([record.sharded for record in self._micro_batches])
         if dist.is_initialized():
-            dist.all_reduce(sharded, group=self.tp_group)
-        total = sharded + self._replicated
+            sharded = all_reduce_here(sharded, self.tp_group)
+        total = sharded + torch.cat([record.replicated for record in self._micro_batches])
         if self.pp_group is not None:
-            dist.all_reduce(total, group=self.pp_group)
+            total = all_reduce_here(total, self.pp_group)
         return total
 
-    def combine(self, baseline: torch.Tensor | float) -> None:
-        """p.grad ← G_R − Σ_γ b_γ G_S^γ for every local trainable parameter, ``baseline`` per sequence
-        (constant within each group, as `opob_baseline` returns it) or one number (a parameter no sequence
-        reached gets zeros). Replaces the layers' own gradient of Σ_i l_i."""
-        if self._coefficients is None:
-            raise ValueError("combine() needs a recording() block given coef_r and coef_s")
-        per_sequence = torch.as_tensor(baseline, dtype=torch.float64).expand(self._group_of_sequence.shape[0])
-        per_group = torch.zeros(self._coefficients.shape[0] - 1, dtype=torch.float64)
-        per_group[self._group_of_sequence] = per_sequence
-        if not torch.allclose(per_group[self._group_of_sequence], per_sequence, rtol=1e-6, atol=1e-12):
+    @property
+    def num_sequences(self) -> int:
+        """The sequences of the step's micro-batches so far."""
+        return sum(record.sharded.numel() for record in self._micro_batches)
+
+    def combined(self, baseline: torch.Tensor | float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, G_R − Σ_γ b_γ G_S^γ) for every local trainable parameter, ``baseline`` per sequence of
+        the step (constant within each group, as `opob_baseline` returns it) or one number; a parameter no
+        sequence reached gets zeros. In the buffers' dtype (float64 for float64 parameters, float32 for
+        bf16/fp16). A ``sequence_parallel`` parameter gets this rank's tokens' part, which the TP group's sum
+        completes (megatron's ``finalize_model_grads`` sums its gradient so)."""
+        if not self._combining:
+            raise ValueError("combined() needs a step with groups, whose micro-batches had coef_r and coef_s")
+        labels = torch.cat([record.groups for record in self._micro_batches])
+        per_sequence = torch.as_tensor(baseline, dtype=torch.float64).expand(labels.shape[0])
+        per_group = torch.zeros(self._num_groups, dtype=torch.float64)
+        per_group[labels] = per_sequence
+        if not torch.allclose(per_group[labels], per_sequence, rtol=1e-6, atol=1e-12):
             raise ValueError("combine: the baseline must be constant within each group")
         weights = torch.cat([torch.ones(1, dtype=torch.float64), -per_group])  # 1 · G_R − Σ_γ b_γ G_S^γ
         for param in self.model.parameters():
             if param.requires_grad:
                 buffer = self._buffers.get(id(param))
-                combined = torch.zeros_like(param, dtype=torch.float64) if buffer is None else torch.tensordot(weights, buffer, 1)
-                param.grad = combined.to(param.dtype)
+                if buffer is None:
+                    yield param, torch.zeros_like(param, dtype=wide_dtype(param.dtype))
+                else:
+                    yield param, torch.tensordot(weights.to(device=buffer.device, dtype=buffer.dtype), buffer, 1)
+
+    def combine(self, baseline: torch.Tensor | float) -> None:
+        """p.grad ← `combined` for every local trainable parameter (replacing the layers' own gradient of Σ_i l_i)."""
+        for param, gradient in self.combined(baseline):
+            param.grad = gradient.to(param.dtype)
 
     def _output_shard_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The ids as rows of this rank's shard of the output layer (0 outside it; the first stage's δ^E
@@ -209,30 +275,39 @@ class MegatronSequenceNorms:
         return shard_rows(ids, start, start + rows)[0]
 
     def _add_cross_term_across_stages(self) -> None:
-        """2 Σ_t <H_i[id_t], δ^E_{i,t}>: the last stage's rows of H_i, sent to the first stage, which adds it."""
+        """2 Σ_t <H_i[id_t], δ^E_{i,t}>: the last stage's rows of H_i, sent to the first stage, which adds them,
+        one broadcast per micro-batch (their token counts may differ)."""
         self._cross_added = True
         if not (self.first_stage or self.last_stage):
             return
         last = dist.get_process_group_ranks(self.embedding_group)[-1]
-        if self.last_stage:
-            dist.broadcast(self._head_rows.contiguous(), src=last, group=self.embedding_group)
-        else:
-            head_rows = torch.empty(self._embedding_rows.shape, dtype=torch.float64)  # contiguous, as it is sent
-            dist.broadcast(head_rows, src=last, group=self.embedding_group)
-            self._add(self.tied, 2.0 * torch.einsum("btd,btd->b", head_rows, self._embedding_rows))
+        for record in self._micro_batches:
+            if self.last_stage:
+                broadcast_here(record.head_rows, src=last, group=self.embedding_group)
+            else:  # a fresh contiguous buffer: one made with empty_like would keep a transposed stride
+                head_rows = broadcast_here(torch.empty(record.embedding_rows.shape, dtype=torch.float64, device=record.embedding_rows.device),
+                                           src=last, group=self.embedding_group)
+                self._add(record, self.tied, 2.0 * torch.einsum("btd,btd->b", head_rows, record.embedding_rows))
 
-    def _combine(self, param: torch.Tensor, gradients: torch.Tensor) -> None:
-        """G_R and every G_S^γ += ``gradients`` (1 + G, *param.shape), the coefficient combinations of this part."""
+    def _combine(self, record: _MicroBatch, param: torch.Tensor, gradients: torch.Tensor) -> None:
+        """G_R and every G_S^γ of the micro-batch's groups += ``gradients`` (1 + g, *param.shape)."""
         if id(param) not in self._buffers:
-            self._buffers[id(param)] = torch.zeros((self._coefficients.shape[0], *param.shape), dtype=torch.float64)
-        self._buffers[id(param)].add_(gradients)
+            self._buffers[id(param)] = torch.zeros((1 + self._num_groups, *param.shape), dtype=wide_dtype(param.dtype), device=param.device)
+        buffer = self._buffers[id(param)]
+        buffer.index_add_(0, record.buffer_rows, gradients.to(buffer.dtype))
 
-    def _add_dense(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
-        """Per-sequence gradients (B, *param.shape) of a whole parameter: squared norms and combinations."""
+    def _add_dense(self, record: _MicroBatch, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
+        """Per-sequence gradients (B, *param.shape) of a whole parameter: squared norms and combinations.
+        A ``sequence_parallel`` parameter's vectors are this rank's tokens' parts: squared after their sum
+        over the TP group, combined as they are (its gradient is summed over the group afterwards)."""
         flat = per_sequence.reshape(per_sequence.shape[0], -1)
-        self._add(param, (flat * flat).sum(1))
-        if self._coefficients is not None:
-            self._combine(param, (self._coefficients @ flat).view(-1, *param.shape))
+        if self.sequence_parallel and getattr(param, "sequence_parallel", False):
+            summed = all_reduce_here(flat, self.tp_group)
+            self._add(record, param, (summed * summed).sum(1))
+        else:
+            self._add(record, param, (flat * flat).sum(1))
+        if record.coefficients is not None:
+            self._combine(record, param, (record.coefficients @ flat).view(-1, *param.shape))
 
     def _gather_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """A sequence-parallel activation (tokens/TP, ...) -> (tokens, ...), the ranks' slices in rank order."""
@@ -240,19 +315,14 @@ class MegatronSequenceNorms:
         dist.all_gather(parts, values.contiguous(), group=self.tp_group)
         return torch.cat(parts)
 
-    def _add_summed_over_tokens(self, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
-        """Per-sequence gradients (B, n) of a replicated parameter from this rank's tokens: under sequence
-        parallelism the ranks hold different tokens, so the vectors are summed over the group first."""
-        if self.sequence_parallel:  # in place: the caller's vectors are fresh
-            dist.all_reduce(per_sequence, group=self.tp_group)
-        self._add_dense(param, per_sequence)
-
-    def _add(self, param: torch.Tensor, values: torch.Tensor) -> None:
-        target = self._sharded if is_sharded(param) else self._replicated
+    @staticmethod
+    def _add(record: _MicroBatch, param: torch.Tensor, values: torch.Tensor) -> None:
+        target = record.sharded if is_sharded(param) else record.replicated
         target += values.detach().to(device=target.device, dtype=torch.float64)
 
     def _forward_hook(self, module: nn.Module, args: tuple, output) -> None:
-        if not torch.is_grad_enabled():
+        record = self._current
+        if not torch.is_grad_enabled() or record is None:
             return
         kind = type(module).__name__
         inputs = args[0].detach()
@@ -265,52 +335,53 @@ class MegatronSequenceNorms:
             handler = self._embedding_gradient
             inputs = local_ids(module, inputs)
             if module.weight is self.tied:
-                self._tied_ids = inputs[0]
+                record.tied_ids = inputs[0]
         else:
             handler = self._norm_gradient
             inputs = normalized(inputs, module)
-        out.register_hook(lambda grad: handler(module, inputs, grad.detach()))
+        out.register_hook(lambda grad: handler(record, module, inputs, grad.detach()))
 
-    def _linear_gradient(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
+    def _linear_gradient(self, record: _MicroBatch, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
+        local_delta = delta  # under sequence parallelism a row-parallel output holds this rank's tokens
         if getattr(module, "sequence_parallel", False) and type(module).__name__ == "RowParallelLinear":
             delta = self._gather_tokens(delta)
         rows, cols = delta.transpose(0, 1).to(torch.float64), x.transpose(0, 1).to(torch.float64)  # (sequences, tokens, width)
         weight = module.weight if module.weight is not None else self.tied
         if weight.requires_grad:
-            self._add(weight, ghost_sq_norms(rows, cols))
-            if self._coefficients is not None:  # Σ_i c_i δ_iᵀ x_i: one matmul per combination
+            self._add(record, weight, ghost_sq_norms(rows, cols))
+            if record.coefficients is not None:  # Σ_i c_i δ_iᵀ x_i: one matmul per combination
                 flat_cols = cols.reshape(-1, cols.shape[-1])
-                self._combine(weight, torch.stack([
-                    (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]).t() @ flat_cols for coefficients in self._coefficients
+                self._combine(record, weight, torch.stack([
+                    (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]).t() @ flat_cols for coefficients in record.coefficients
                 ]))
-            if weight is self.tied and self._tied_ids is not None:
-                self._head_rows = rows_at_ids(rows, cols, self._tied_ids)
+            if weight is self.tied and record.tied_ids is not None:
+                record.head_rows = rows_at_ids(rows, cols, record.tied_ids)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
-            self._add_dense(bias, rows.sum(1))  # full tokens here: the output gradient is gathered
+            self._add_dense(record, bias, local_delta.to(torch.float64).sum(0))  # megatron marks it sequence_parallel when the tokens are split
 
-    def _embedding_gradient(self, module: nn.Module, ids: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor) -> None:
+    def _embedding_gradient(self, record: _MicroBatch, module: nn.Module, ids: tuple[torch.Tensor, torch.Tensor], delta: torch.Tensor) -> None:
         if getattr(module, "reduce_scatter_embeddings", False):  # its output is (tokens/TP, sequences, width)
             delta = self._gather_tokens(delta).transpose(0, 1)
         local, inside = ids  # `local_ids`
         rows = (delta * inside.unsqueeze(-1).to(delta.dtype)).to(torch.float64)
-        self._add(module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
-        if self._coefficients is not None:  # the weighted rows scattered at the ids
-            combined = torch.zeros((self._coefficients.shape[0], *module.weight.shape), dtype=torch.float64)
-            for row, coefficients in enumerate(self._coefficients):
+        self._add(record, module.weight, sparse_rows_sq_norms(local, rows, module.weight.shape[0]))
+        if record.coefficients is not None:  # the weighted rows scattered at the ids
+            combined = torch.zeros((record.coefficients.shape[0], *module.weight.shape), dtype=torch.float64, device=rows.device)
+            for row, coefficients in enumerate(record.coefficients):
                 combined[row].index_add_(0, local.flatten(), (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]))
-            self._combine(module.weight, combined)
+            self._combine(record, module.weight, combined)
         if module.weight is self.tied and self.tied_across_stages:
-            self._embedding_rows = rows
-        elif module.weight is self.tied and self._head_rows is not None:
-            self._add(module.weight, 2.0 * torch.einsum("btd,btd->b", self._head_rows, rows))
+            record.embedding_rows = rows
+        elif module.weight is self.tied and record.head_rows is not None:
+            self._add(record, module.weight, 2.0 * torch.einsum("btd,btd->b", record.head_rows, rows))
 
-    def _norm_gradient(self, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
+    def _norm_gradient(self, record: _MicroBatch, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
         delta64 = delta.to(torch.float64)
-        self._add_summed_over_tokens(module.weight, (delta64 * x_hat.to(torch.float64)).sum(0))  # (sequences, width)
+        self._add_dense(record, module.weight, (delta64 * x_hat.to(torch.float64)).sum(0))  # (sequences, width)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
-            self._add_summed_over_tokens(bias, delta64.sum(0))
+            self._add_dense(record, bias, delta64.sum(0))
 
 
 __all__ = ["KINDS", "MegatronSequenceNorms", "is_sharded"]

@@ -5,19 +5,24 @@ hands them over (the engine tests and benchmarks/opob_engine.py).
 Select the platform before anything imports verl (`vcpo.verl_shared.select_cpu_platform`); then
 `build_engine` runs verl's own ``initialize()`` (HF load, FSDP2 wrapping on gloo, optimizer) and
 ``train_batch(data, ppo_loss)`` is verl's step with the vcpo loss and engine.
+
+`build_megatron_engine` does the same for verl's Megatron engine (backend ``megatron``, mbridge, bf16,
+padded path) on the ranks of this process group, with the CPU shims of `vcpo.verl_plugin.cpu.megatron`;
+`megatron_actor_config` is the actor config verl binds to ``ppo_loss`` for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-from verl.workers.config.actor import FSDPActorConfig
+from verl.workers.config.actor import FSDPActorConfig, McoreActorConfig
 from verl.workers.engine import EngineRegistry
 from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -79,6 +84,79 @@ def actor_config(method: str, batch: int, group: int, micro: int) -> FSDPActorCo
         use_dynamic_bsz=False,
         loss_agg_mode="seq-mean-token-mean",
         policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method),
+    )
+
+
+def build_megatron_engine(
+    model_dir: str | Path,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    lr: float = 1e-3,
+    model_type: str = "language_model",
+    use_distributed_optimizer: bool = False,
+    seed: int = 42,
+):
+    """The engine verl's registry returns for ``(model_type, "megatron")`` on the cpu device, initialised
+    by verl's own ``initialize()`` (mbridge builds the megatron-core GPTModel, loads the HF weights, wraps it
+    in megatron's DDP and Float16Module; megatron's optimizer), on the ranks of this process group
+    (world size = data x ``tensor_parallel`` x ``pipeline_parallel``). bf16 parameters with fp32 main
+    parameters and gradients (the engine accepts bf16/fp16 only, and verl's fp16 turns on megatron's
+    precision-aware optimizer, which needs Transformer Engine), the padded (bshd) path, legacy mbridge.
+    Applies `vcpo.verl_plugin.cpu.megatron.enable_megatron_on_cpu` first."""
+    from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+
+    from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG, enable_megatron_on_cpu
+
+    enable_megatron_on_cpu()
+    model_config = HFModelConfig(
+        path=str(model_dir),
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+        load_tokenizer=False,
+    )
+    # forward_step reads tokenizer.pad_token_id (used only for vision models); the tiny model has no tokenizer
+    model_config.tokenizer = SimpleNamespace(pad_token_id=0)
+    model_config.model_type = model_type
+    cls = EngineRegistry.get_engine_cls(model_type, "megatron")
+    engine = cls(
+        model_config=model_config,
+        engine_config=McoreEngineConfig(
+            strategy="megatron",
+            dtype="bfloat16",
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            sequence_parallel=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+            use_remove_padding=False,
+            use_dynamic_bsz=False,
+            use_fused_kernels=False,
+            use_mbridge=True,
+            vanilla_mbridge=True,
+            seed=seed,
+            override_transformer_config=dict(CPU_TRANSFORMER_CONFIG),
+        ),
+        optimizer_config=McoreOptimizerConfig(
+            lr=lr, clip_grad=1e9, weight_decay=0.0, lr_decay_style="constant", total_training_steps=1000
+        ),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def megatron_actor_config(method: str, batch: int, group: int, micro: int, engine=None) -> McoreActorConfig:
+    """`actor_config` for strategy ``megatron`` (verl's ``McoreActorConfig``, carrying the ``McoreEngineConfig``
+    of ``engine`` when given)."""
+    extra = {} if engine is None else {"megatron": engine.engine_config}
+    return McoreActorConfig(
+        strategy="megatron",
+        rollout_n=group,
+        ppo_mini_batch_size=batch // group,
+        ppo_micro_batch_size_per_gpu=micro,
+        use_dynamic_bsz=False,
+        loss_agg_mode="seq-mean-token-mean",
+        policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method),
+        **extra,
     )
 
 
@@ -177,4 +255,12 @@ def actor_batch(
     return td, raw
 
 
-__all__ = ["RawBatch", "actor_batch", "actor_config", "build_engine", "save_random_qwen2"]
+__all__ = [
+    "RawBatch",
+    "actor_batch",
+    "actor_config",
+    "build_engine",
+    "build_megatron_engine",
+    "megatron_actor_config",
+    "save_random_qwen2",
+]

@@ -73,85 +73,38 @@ unsharded gradients at ``combine``; the one all-reduce sums them in float32 (the
 gradient are each rounded once to bf16, like FSDP2's own bf16 gradient before its fp32 reduction) and
 each fp32 sharded parameter gets its shard. fp16 loss scaling is refused (it would scale every norm). The ESS rule works with every strategy and precision (it touches only log-probs and the
 learning rate).
-Megatron: not supported; the ``megatron`` backend of this model type raises at construction.
+Megatron (``strategy=megatron``): the same rule in ``vcpo.verl_plugin.engine.megatron``, registered here for that backend.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.utils.metric import AggregationType, Metric
 from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from vcpo.core import (
-    PerSequenceGradients,
-    ess_ratio_over_ranks,
-    offpolicy_diagnostics,
-    opob_normaliser,
-    opob_sequence_scores,
-    scaled_learning_rate,
-)
-from vcpo.core.collectives import gather_objects
+from vcpo.core import PerSequenceGradients, scaled_learning_rate
 from vcpo.methods import StepRule
-from vcpo.runs import EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
-from vcpo.verl_plugin.engine.batch import (
-    all_reduce_gradients,
-    padded,
-    response_log_probs,
-    reward_key,
-    sequence_labels,
-    sequence_log_weights,
+from vcpo.verl_plugin.engine.batch import all_reduce_gradients
+from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
+from vcpo.verl_plugin.engine.step import (
+    StepState,
+    opob_baseline_over_ranks,
+    opob_micro_batch,
+    prepare_opob,
+    recording_loss,
+    step_metrics,
 )
-from vcpo.verl_plugin.engine.rule import check_opob_loss, check_strategy, rule_from_loss_function
-from vcpo.verl_shared import (
-    ENGINE_MODEL_TYPE,
-    metrics_to_floats,
-    step_rule_applied,
-)
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-step state.
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _StepState:
-    rule: StepRule
-    opob: bool
-    packed: bool = False
-    fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
-    normaliser: float = 1.0
-    stack: contextlib.ExitStack | None = None
-    seq_log_weights: list[torch.Tensor] = field(default_factory=list)
-    valid: list[torch.Tensor] = field(default_factory=list)
-    rewards: list[torch.Tensor] = field(default_factory=list)
-    lengths: list[torch.Tensor] = field(default_factory=list)  # response tokens per sequence
-    coef_s: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor] = field(default_factory=list)
-
-    def close_micro_batch(self) -> None:
-        if self.stack is not None:
-            stack, self.stack = self.stack, None
-            stack.close()
-
-    def abort(self) -> None:
-        if self.stack is not None:
-            stack, self.stack = self.stack, None
-            with contextlib.suppress(BaseException):
-                stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
 
 class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
@@ -161,7 +114,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # Selected by model_type; build and run as verl's language model.
         model_config.model_type = "language_model"
         super().__init__(model_config, *args, **kwargs)
-        self._step: _StepState | None = None
+        self._step: StepState | None = None
         self._per_sequence: PerSequenceGradients | None = None
 
     # -- the optimizer step ------------------------------------------------------------------------
@@ -173,7 +126,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
         maybe_fix_3d_position_ids(data)
         group = self.get_data_parallel_group()
-        state = _StepState(rule=rule, opob=rule.opob)
+        state = StepState(rule=rule, opob=rule.opob)
         extra: dict[str, float] = {}
         if rule.opob:
             check_opob_loss(loss_function)
@@ -183,11 +136,11 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             with self._fsdp2_unsharded(state):
                 if rule.opob:
                     self._prepare_opob(data, state, group)
-                loss = self._recording_loss(loss_function, state)
+                loss = recording_loss(loss_function, state, self._opob_loss)
                 with step_rule_applied():
                     outputs = self.forward_backward_batch(data, loss, forward_only=False)
                 state.close_micro_batch()
-                ratio = self._mini_batch_ess_ratio(state, group)
+                ratio = state.ess_ratio(group)
                 if rule.opob:
                     extra.update(self._opob_combine(state, group))
         except BaseException:
@@ -203,38 +156,8 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         with scaled_learning_rate(self.optimizer, scale):
             grad_norm = self.optimizer_step()
         if self.is_mp_src_rank_with_outputs():
-            metrics = outputs["metrics"]
-            assert "grad_norm" not in metrics
-            metrics["grad_norm"] = grad_norm
-            extra.update(
-                {SEQ_ESS_RATIO: ratio, LR_SCALE: scale, EFFECTIVE_LR: lr * scale}
-            )
-            if rule.opob:
-                # verl's "loss" (summed over micro-batches, averaged over ranks) would be Σ l_i here
-                outputs["loss"] = [extra["actor/pg_loss"]]
-            # one entry per step, as a list like verl's per-micro-batch metrics (the worker flattens lists)
-            metrics.update({name: [value] for name, value in extra.items()})
+            step_metrics(outputs, rule, ratio, scale, lr, grad_norm, extra)
         return outputs
-
-    @staticmethod
-    def _mini_batch_ess_ratio(state: _StepState, group) -> float:
-        local_s = torch.cat(state.seq_log_weights) if state.seq_log_weights else torch.zeros(0, dtype=torch.float64)
-        local_v = torch.cat(state.valid) if state.valid else torch.zeros(0, dtype=torch.bool)
-        return ess_ratio_over_ranks(local_s, local_v, dp_group=group)
-
-    def _recording_loss(self, loss_function, state: _StepState):
-        """verl's loss (or, for OPOB, the per-sequence scores) plus a record of s_i per micro-batch."""
-
-        def loss(model_output, data, dp_group=None):
-            log_prob, behav, mask = response_log_probs(model_output, data)
-            state.seq_log_weights.append(sequence_log_weights(log_prob, behav, mask))
-            state.valid.append(mask.any(-1))
-            if state.opob:
-                return self._opob_scores(state, data, log_prob, behav, mask)
-            return loss_function(model_output=model_output, data=data, dp_group=dp_group)
-
-        loss.keywords = getattr(loss_function, "keywords", {})
-        return loss
 
     # -- OPOB --------------------------------------------------------------------------------------
     def _per_sequence_gradients(self, fsdp2: bool, rule: StepRule) -> PerSequenceGradients:
@@ -262,7 +185,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     @contextlib.contextmanager
-    def _fsdp2_unsharded(self, state: _StepState):
+    def _fsdp2_unsharded(self, state: StepState):
         """FSDP2 + OPOB: hold every parameter unsharded for the step, then shard the combined gradient.
 
         The per-sequence handlers write into the unsharded Parameters' ``.grad``; FSDP2's own gradient
@@ -317,8 +240,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 grad = distribute_tensor(grad.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.grad = grad
 
-    def _prepare_opob(self, data: TensorDict, state: _StepState, group) -> None:
-        rule = state.rule
+    def _prepare_opob(self, data: TensorDict, state: StepState, group) -> None:
         if self.use_ulysses_sp:
             # each SP rank holds a slice of the packed row: per-sequence norms would need a cross-rank sum
             raise NotImplementedError("OPOB in the vcpo engine does not support Ulysses sequence parallelism")
@@ -326,32 +248,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             # fp16's loss scaling would scale every per-sequence norm (and its logged statistics) by the scale
             raise NotImplementedError("OPOB in the vcpo engine does not support fp16 loss scaling; train in bf16 or fp32")
         self._per_sequence_gradients(fsdp2=bool(state.fsdp2), rule=state.rule)
-        remove_padding = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
-        state.packed = bool(remove_padding)
-        mask = padded(data["response_mask"]).to(torch.bool)
-        rewards = padded(data[reward_key(data)]).to(torch.float64).sum(-1)
-        labels = sequence_labels(data) if rule.scope == "group" else [0] * len(data)
-        parts = gather_objects((rewards.cpu(), labels, mask.any(-1).cpu(), mask.sum().item()), group)
-        all_rewards = torch.cat([r for r, _, _, _ in parts])
-        all_labels = [label for _, ls, _, _ in parts for label in ls]
-        all_valid = torch.cat([v for _, _, v, _ in parts])
-        tokens = sum(t for _, _, _, t in parts)
-        ids = {label: i for i, label in enumerate(sorted(set(all_labels), key=str))}
-        global_groups = torch.tensor([ids[label] for label in all_labels], dtype=torch.long)
-        std = rule.reward_std(all_rewards, global_groups)
-        rank = [len(ls) for _, ls, _, _ in parts]
-        start = sum(rank[: self._dp_rank_index(group)])
-        device = data["response_mask"].device
-        data["vcpo_reward"] = rewards.to(device)
-        data["vcpo_group"] = global_groups[start : start + len(data)].to(device)
-        data["vcpo_std"] = std[start : start + len(data)].to(device)
-        state.normaliser = opob_normaliser(rule.agg, tokens, int(all_valid.sum()))
-
-    @staticmethod
-    def _dp_rank_index(group) -> int:
-        if not dist.is_initialized():
-            return 0
-        return dist.get_rank(group)
+        prepare_opob(data, state, group)
 
     @contextlib.contextmanager
     def _gradient_sync_context(self, *, is_last_micro_batch: bool):
@@ -378,74 +275,36 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         state.stack = stack
         return super().forward_step(micro_batch, loss_function, forward_only)
 
-    def _opob_scores(self, state: _StepState, data: TensorDict, log_prob, behav, mask):
+    def _opob_loss(self, data: TensorDict, log_prob, behav, mask):
         """Set c^R, c^S from this forward's log-probs; return Σ_i l_i for the backward."""
-        rule = state.rule
-        rewards = data["vcpo_reward"].double()
-        coefficients = rule.coefficients(log_prob, behav, mask, rewards, data["vcpo_std"], state.normaliser)
+        coefficients, scores, metric = opob_micro_batch(self._step, data, log_prob, behav, mask)
         self._per_sequence.set_coefficients(coefficients.reward, coefficients.score)
-        scores = opob_sequence_scores(log_prob, mask, rule.agg)
-        r, weights = coefficients.log_ratio, coefficients.weights
-        state.rewards.append(rewards.detach().cpu())
-        state.lengths.append(mask.sum(-1).detach().cpu())
-        state.coef_s.append(coefficients.score.detach().cpu())
-        state.scores.append(scores.detach().double().cpu())
-        # the loss's own diagnostics (ratio and KL statistics) under the names its verl loss logs; the step's
-        # global seq_ess_ratio replaces this micro-batch's
-        diagnostics = {**offpolicy_diagnostics(log_prob, behav, r, mask), **weights.metrics}
-        diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
-        diagnostics.pop(SEQ_ESS_RATIO)
-        return scores.sum(), Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
+        return scores.sum(), metric
 
-    def _opob_combine(self, state: _StepState, group) -> dict[str, float]:
+    def _opob_combine(self, state: StepState, group) -> dict[str, float]:
         """Baseline from the norms of every rank, combine locally, ONE all-reduce of the gradient."""
-        rule = state.rule
-        engine = self._per_sequence
-        sq_norms = engine.sq_norms.cpu()
-        local = (
-            sq_norms,
-            torch.cat(state.seq_log_weights).cpu(),
-            torch.cat(state.rewards),
-            engine.groups if rule.scope == "group" else None,
-            torch.cat(state.coef_s) * torch.cat(state.scores),
-            torch.cat(state.lengths),
-        )
-        parts = gather_objects(local, group)
-        all_norms, all_s, all_rewards = (torch.cat([p[k] for p in parts]) for k in range(3))
-        all_groups = torch.cat([p[3] for p in parts]) if rule.scope == "group" else None
-        all_lengths = torch.cat([p[5] for p in parts])
-        baseline = rule.baseline(all_rewards, all_norms, all_s, all_groups, all_lengths)
-        start = sum(p[0].shape[0] for p in parts[: self._dp_rank_index(group)])
-        engine.combine(baseline[start : start + sq_norms.shape[0]])
+        baseline, metrics = opob_baseline_over_ranks(state, self._per_sequence.sq_norms, group)
+        self._per_sequence.combine(baseline)
         all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
-        # The loss whose gradient this is: Σ_i c^S_i (R_i − b_i) l_i over all ranks.
-        pg_loss = float((torch.cat([p[4] for p in parts]) * (all_rewards - baseline)).sum())
-        norms = all_norms.sqrt()
-        return {
-            "actor/pg_loss": pg_loss,
-            "actor/opob_baseline": float(baseline.mean()),
-            "actor/seq_grad_norm_mean": float(norms.mean()),
-            "actor/seq_grad_norm_max": float(norms.max()),
-            "actor/seq_grad_norm_min": float(norms.min()),
-            "actor/opob_packed": float(state.packed),
-        }
+        return metrics
 
 
 EngineRegistry.register(model_type=MODEL_TYPE, backend=["fsdp", "fsdp2"], device=DEVICES)(VcpoFSDPEngineWithLMHead)
 
 
-class VcpoMegatronUnsupported(BaseEngine):
-    """Placeholder so that selecting the vcpo engine with the Megatron strategy fails loudly."""
+try:
+    from vcpo.verl_plugin.engine.megatron import VcpoMegatronEngineWithLMHead
+except ImportError as missing:  # megatron-core (the `gpu` extra) not installed
+    _megatron_missing = missing
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"model_type={MODEL_TYPE!r} (VCPO's ESS step size and OPOB update) is implemented for verl's FSDP "
-            "engine only (actor_rollout_ref.actor.strategy=fsdp or fsdp2); the Megatron strategy is not supported. "
-            "Drop +actor_rollout_ref.model.model_type or switch the strategy to fsdp/fsdp2"
-        )
+    class VcpoMegatronEngineWithLMHead(BaseEngine):
+        """Stands in for the Megatron engine where megatron-core cannot be imported: selecting it says why."""
 
-
-EngineRegistry.register(model_type=MODEL_TYPE, backend="megatron", device=DEVICES)(VcpoMegatronUnsupported)
+        def __init__(self, *args, **kwargs):
+            raise ImportError(f"the vcpo Megatron engine needs megatron-core (pip install 'vcpo[gpu]'): {_megatron_missing}")
 
 
-__all__ = ["MODEL_TYPE", "VcpoFSDPEngineWithLMHead", "check_strategy", "rule_from_loss_function"]
+EngineRegistry.register(model_type=MODEL_TYPE, backend="megatron", device=DEVICES)(VcpoMegatronEngineWithLMHead)
+
+
+__all__ = ["MODEL_TYPE", "VcpoFSDPEngineWithLMHead", "VcpoMegatronEngineWithLMHead", "rule_from_loss_function"]

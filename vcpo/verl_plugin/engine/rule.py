@@ -4,7 +4,6 @@ config), and the checks that refuse a configuration whose step the engine would 
 from __future__ import annotations
 
 from vcpo.methods import StepRule, check_loss_mode, step_rule
-from vcpo.verl_shared import ENGINE_MODEL_TYPE
 
 
 def rule_from_loss_function(loss_function) -> StepRule | None:
@@ -27,23 +26,6 @@ def rule_from_loss_function(loss_function) -> StepRule | None:
                 f"actor_rollout_ref.actor.loss_agg_mode={rule.agg}"
             )
     return rule
-
-
-def check_strategy(method_name: str | None, strategy: str | None) -> None:
-    """Raise if a method whose step needs this engine (ESS step size or OPOB) runs with Megatron.
-
-    For verl's policy-loss function (the plugin), which is the only vcpo code a Megatron run calls:
-    there the engine is never built, so the ESS rule and OPOB would be silently skipped.
-    """
-    if not method_name or strategy != "megatron":
-        return
-    rule = step_rule(method_name)
-    if rule.active:
-        raise NotImplementedError(
-            f"method {method_name!r} needs the vcpo engine (for {rule.needs}), which exists for verl's "
-            "FSDP strategy only: the Megatron strategy is not supported. Use actor_rollout_ref.actor.strategy=fsdp2 "
-            f"with +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE}, or a method without them (e.g. seq_tis_c8)"
-        )
 
 
 def check_opob_loss(loss_function) -> None:

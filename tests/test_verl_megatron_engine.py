@@ -1,0 +1,110 @@
+"""The vcpo Megatron engine (vcpo.verl_plugin.engine.megatron) against the vcpo FSDP engine: one VCPO actor
+step (ESS step size and OPOB) on the same model and batch.
+
+The Megatron step runs in verl's Megatron engine on two gloo ranks (tests/verl_megatron_vcpo_worker.py: bf16
+parameters as the engine requires, the padded path, megatron's own pipeline schedule) at TP 2 on a model with
+tied embeddings and at PP 2 on an untied one; the FSDP step runs here, in float32 on one rank. The engines share
+the step rule (vcpo.verl_plugin.engine.step) and differ in where the per-sequence gradients come from (hooks on
+megatron's parallel layers, combined from the backward of Σ_i c^S_i l_i; the FSDP engine's own forward
+replacement, from Σ_i l_i), so their norms, baseline and ESS ratio agree to bf16's precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+import torch.distributed as dist  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
+from vcpo.verl_plugin.cpu import standalone  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from verl_megatron_vcpo_worker import B, GROUP, MICRO, PROMPT, RESPONSE, VOCAB, scalars  # noqa: E402
+
+WORKER = Path(__file__).with_name("verl_megatron_vcpo_worker.py")
+PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Megatron engine alone, against the HF model
+# (tensor, pipeline, tied embeddings): embeddings tied across pipeline stages are refused by the engine
+CASES = [(2, 1, True), (1, 2, False)]
+BF16 = 2e-2  # relative: a bf16 engine against a float32 one
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[bool, Path]:
+    return {tied: standalone.save_random_qwen2(tmp_path_factory.mktemp("tied" if tied else "untied"), vocab_size=VOCAB,
+                                               tie_word_embeddings=tied) for tied in (True, False)}
+
+
+def torchrun(worker: Path, args: list, out: Path) -> dict:
+    """``worker`` on two gloo ranks; the JSON its output rank writes to ``out``."""
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), str(worker), *map(str, args), str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def fsdp_step(model: Path) -> dict[str, float]:
+    engine = standalone.build_engine(model, remove_padding=False, lr=1e-3)
+    td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
+    config = standalone.actor_config("vcpo", B, GROUP, MICRO)
+    with engine.train_mode():
+        return scalars(engine.train_batch(td, functools.partial(ppo_loss, config=config))["metrics"])
+
+
+@pytest.mark.parametrize("tensor, pipeline, tied", CASES, ids=["tp2-tied", "pp2-untied"])
+def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, models, tmp_path, tensor, pipeline, tied):
+    megatron = torchrun(WORKER, [tensor, pipeline, models[tied]], tmp_path / "megatron.json")
+    assert megatron["engine"] == "VcpoMegatronEngineWithLMHead"
+    ours, fsdp = megatron["metrics"], fsdp_step(models[tied])
+
+    def relative(name: str) -> float:
+        return abs(ours[name] - fsdp[name]) / abs(fsdp[name])
+
+    # the mini-batch ESS and the step it sets (far off-policy: the rule is at work)
+    assert fsdp["rollout_corr/seq_ess_ratio"] < 0.5 and fsdp["actor/lr_scale"] < 0.75
+    assert relative("rollout_corr/seq_ess_ratio") < 5e-3 and relative("actor/lr_scale") < 5e-3
+    assert relative("actor/effective_lr") < 5e-3
+    # the per-sequence gradient norms (over every shard and stage) and the OPOB baseline
+    for name in ("actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min", "actor/opob_baseline",
+                 "actor/pg_loss"):
+        assert relative(name) < BF16, (name, ours[name], fsdp[name])
+
+
+@pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_verls_megatron_engine_runs_on_cpu_as_the_hf_model_computes(tmp_path, tensor, pipeline):
+    """verl's own Megatron engine (mbridge, megatron's DDP, optimizer and schedule) with the CPU shims of
+    vcpo.verl_plugin.cpu.megatron, untied and tied embeddings: its log-probs against the HF model's float32 ones
+    (no further than the HF model's own bf16 ones are, times 3), one plain step's loss and gradient norm against
+    verl's ppo_loss on the HF model in float32, and the step moves the policy."""
+    results = torchrun(PLAIN_WORKER, [tensor, pipeline], tmp_path / "plain.json")
+    assert set(results) == {"untied", "tied"}
+    for name, result in results.items():
+        assert (result["tensor"], result["pipeline"]) == (tensor, pipeline), name
+        assert result["engine_vs_fp32"]["max_abs"] <= 3 * result["hf_bf16_vs_fp32"]["max_abs"], name
+        reference = result["reference_fp32_step"]
+        assert abs(result["metrics"]["actor/pg_loss"] - reference["loss"]) <= 1e-2 * abs(reference["loss"]), name
+        assert abs(result["grad_norm"] - reference["grad_norm"]) <= 1e-2 * reference["grad_norm"], name
+        assert result["after_step_vs_before"]["max_abs"] > 1e-2, name

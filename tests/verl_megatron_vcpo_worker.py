@@ -1,0 +1,50 @@
+"""One rank of tests/test_verl_megatron_engine.py: one VCPO actor step (ESS step size and OPOB) of the vcpo
+Megatron engine (`vcpo.verl_plugin.engine.megatron`) inside verl 0.9.1's Megatron engine on CPU (gloo, bf16,
+padded path, the shims of `vcpo.verl_plugin.cpu.megatron`), on the model and batch the test gives the FSDP
+engine. Run by ``python -m torch.distributed.run --nproc_per_node 2 THIS TP PP MODEL_DIR OUT``; the rank
+holding the engine's outputs (tensor rank 0 of the last pipeline stage) writes the step's metrics to OUT.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import torch.distributed as dist
+
+from vcpo.verl_shared import select_cpu_platform
+
+# the test's batch: 8 sequences in prompt groups of 4, micro-batches of 2
+B, GROUP, PROMPT, RESPONSE, VOCAB, MICRO = 8, 4, 6, 6, 96, 2
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """The step's one-value metrics (the engine logs them as one-element lists)."""
+    return {name: float(value[0]) for name, value in metrics.items() if isinstance(value, list) and len(value) == 1
+            and isinstance(value[0], (int, float))}
+
+
+def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
+    select_cpu_platform()  # before verl is imported (the test imports this module for its constants only)
+    dist.init_process_group("gloo")
+    from verl.workers.utils.losses import ppo_loss
+
+    import vcpo.verl_plugin  # noqa: F401  (the vcpo policy losses)
+    from vcpo.verl_plugin.cpu import standalone
+    from vcpo.verl_plugin.engine import MODEL_TYPE
+
+    engine = standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
+                                              model_type=MODEL_TYPE)
+    td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
+    config = standalone.megatron_actor_config("vcpo", B, GROUP, MICRO, engine=engine)
+    with engine.train_mode():
+        outputs = engine.train_batch(td, functools.partial(ppo_loss, config=config))
+    if engine.is_mp_src_rank_with_outputs():
+        with open(out, "w") as handle:
+            json.dump({"engine": type(engine).__name__, "metrics": scalars(outputs["metrics"])}, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

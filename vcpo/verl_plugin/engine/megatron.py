@@ -1,0 +1,200 @@
+"""VCPO's ESS step size and single-backward OPOB update inside verl 0.9.1's Megatron training engine.
+
+Selected as the FSDP engine is (``+actor_rollout_ref.model.model_type=vcpo_language_model``), with
+``actor_rollout_ref.actor.strategy=megatron``; the same step rule from the same preset (`vcpo.verl_plugin.engine`).
+
+(1) ESS step size. The loss records s_i on the last pipeline stage (the only one with log-probs);
+    ρ_ess is gathered over the data-parallel ranks there and broadcast over the pipeline stages
+    (``ess_ratio_over_ranks``); megatron's optimizer steps with every param group's learning rate scaled.
+
+(2) OPOB. Megatron's layers compute their own weight gradients, so `MegatronSequenceNorms` watches them
+    (hooks on the parallel linears, embeddings and norms; docs/per_sequence_gradients.md). Its pipeline
+    schedules interleave the micro-batches' forwards and backwards, and only the last stage learns a
+    micro-batch's coefficients, after its forward: the first stages' backward of that micro-batch runs
+    later, but they never see the coefficients. So the backward here is of Σ_i c^S_i l_i (the last stage's
+    loss), whose per-sequence gradients are h_i = c^S_i g_i on every stage, and the step accumulates
+    G_R = Σ_i R_i h_i and G_S^γ = Σ_{i∈γ} h_i, with R_i and the groups known to every stage from the batch:
+    G_R − Σ_γ b_γ G_S^γ = Σ_i c^S_i (R_i − b_i) g_i, the update of docs/ALGORITHMS.md §4 (c^R_i = c^S_i R_i).
+    The norms follow as ||g_i||² = ||h_i||² / (c^S_i)² (c^S_i broadcast from the last stage). A sequence with
+    c^S_i = 0 (its truncated weight underflowed, or it has no response token) has no update to scale: its
+    norm is recorded as 0, and its weight w_i² in the baseline is 0 anyway.
+    Megatron's schedule ends in ``finalize_model_grads`` (verl sets it), which sums the gradients over the
+    data-parallel ranks (averaging: megatron's DDP scales by 1/DP), the tied embedding's copies over the
+    embedding group and sequence-parallel parameters over the TP group. For the step the engine wraps it:
+    first the baseline b* from every rank's norms (on the last stage, broadcast over the stages), then
+    G_R − Σ_γ b_γ G_S^γ (times DP, for megatron's average) written over each parameter's ``main_grad``, then
+    megatron's own finalize: one reduction of the combined gradient, as in VCPO App. C.
+
+Refused with a clear error: virtual pipeline stages, context parallelism, megatron's per-token loss,
+overlapping gradient reduction (it would start reducing before the combination is written), embeddings
+tied across pipeline stages (the last stage would need the ids as the first stage's embedding sees them),
+top-K distillation, and anything `MegatronSequenceNorms` cannot count (it names the module). Metrics as
+the FSDP engine logs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.utils import get_model_config
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.megatron_utils import unwrap_model
+from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from vcpo.core import scaled_learning_rate
+from vcpo.core.collectives import broadcast_here
+from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
+from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
+from vcpo.verl_plugin.engine.step import (
+    StepState,
+    opob_baseline_over_ranks,
+    opob_micro_batch,
+    prepare_opob,
+    recording_loss,
+    step_metrics,
+)
+from vcpo.verl_shared import step_rule_applied
+
+
+class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
+    """verl's Megatron LM engine plus the ESS step size and the single-backward OPOB update (module doc)."""
+
+    def __init__(self, model_config, *args, **kwargs):
+        # Selected by model_type; build and run as verl's language model.
+        model_config.model_type = "language_model"
+        super().__init__(model_config, *args, **kwargs)
+        self._step: StepState | None = None
+        self._norms: MegatronSequenceNorms | None = None
+
+    def train_batch(self, data: TensorDict, loss_function) -> Any:
+        rule = rule_from_loss_function(loss_function)
+        if rule is None or not rule.active:
+            return super().train_batch(data, loss_function)
+        if tu.get_non_tensor_data(data=data, key="distillation_use_topk", default=False):
+            raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
+        maybe_fix_3d_position_ids(data)
+        group = self.get_data_parallel_group()
+        state = StepState(rule=rule, opob=rule.opob)
+        if rule.opob:
+            check_opob_loss(loss_function)
+            prepare_opob(data, state, group)
+        self.optimizer_zero_grad()
+        self._step = state
+        try:
+            with self._opob_step(state, data):
+                loss = recording_loss(loss_function, state, self._opob_loss)
+                with step_rule_applied():
+                    outputs = self.forward_backward_batch(data, loss, forward_only=False)
+            ratio = state.ess_ratio(group, self._pipeline_group())
+        except BaseException:
+            self.optimizer_zero_grad()
+            raise
+        finally:
+            self._step = None
+        scale = rule.lr_scale(ratio)
+        lr = self.optimizer.param_groups[0]["lr"]
+        with scaled_learning_rate(self.optimizer, scale):
+            grad_norm = self.optimizer_step()
+        if self.is_mp_src_rank_with_outputs():
+            step_metrics(outputs, rule, ratio, scale, lr, grad_norm, state.metrics)
+        return outputs
+
+    @staticmethod
+    def _pipeline_group():
+        return mpu.get_pipeline_model_parallel_group() if mpu.get_pipeline_model_parallel_world_size() > 1 else None
+
+    # -- OPOB --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _opob_step(self, state: StepState, data: TensorDict):
+        """`MegatronSequenceNorms` hooked for the step, and megatron's finalize_model_grads wrapped (module doc)."""
+        if not state.opob:
+            yield
+            return
+        self._check_opob_setting()
+        model = unwrap_model(self.module[0])
+        tied_across_stages = getattr(model, "share_embeddings_and_output_weights", False) and mpu.get_pipeline_model_parallel_world_size() > 1
+        if tied_across_stages:
+            raise NotImplementedError(
+                "OPOB in the vcpo Megatron engine does not support embeddings tied across pipeline stages "
+                "(tie_word_embeddings with pipeline_model_parallel_size > 1); use PP 1 or an untied model")
+        norms = MegatronSequenceNorms(model, mpu.get_tensor_model_parallel_group(), self._pipeline_group())
+        local_groups = torch.unique(data["vcpo_group"].cpu(), return_inverse=True)[1]
+        num_groups = int(local_groups.max()) + 1 if local_groups.numel() else 1
+        data["vcpo_local_group"] = local_groups.to(data["vcpo_group"].device)
+        config = get_model_config(self.module[0])
+        finalize = config.finalize_model_grads_func
+        config.finalize_model_grads_func = functools.partial(self._finalize_opob, state, norms, finalize)
+        self._norms = norms
+        try:
+            with norms.step(num_groups):
+                yield
+        finally:
+            config.finalize_model_grads_func = finalize
+            self._norms = None
+
+    def _check_opob_setting(self) -> None:
+        config = get_model_config(self.module[0])
+        refusals = {
+            "virtual pipeline stages": len(self.module) > 1,
+            "context parallelism (context_parallel_size > 1)": mpu.get_context_parallel_world_size() > 1,
+            "megatron's per-token loss (calculate_per_token_loss)": bool(getattr(config, "calculate_per_token_loss", False)),
+            "overlap_grad_reduce (the reduction would start before the combined gradient is written)":
+                bool(getattr(getattr(self.module[0], "ddp_config", None), "overlap_grad_reduce", False)),
+            "fp16 loss scaling (it would scale every per-sequence norm)": self.param_dtype == torch.float16,
+        }
+        refused = [name for name, present in refusals.items() if present]
+        if refused:
+            raise NotImplementedError(f"OPOB in the vcpo Megatron engine does not support {', '.join(refused)}")
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        state = self._step
+        if state is None or not state.opob:
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        batch = next(batch_iter)
+        size = len(batch)
+        # every stage: this micro-batch's rewards and groups, which its gradients h_i = c^S_i g_i are combined with
+        self._norms.micro_batch(size, coef_r=batch["vcpo_reward"].double(), coef_s=torch.ones(size, dtype=torch.float64),
+                                groups=batch["vcpo_local_group"])
+        return super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+
+    def _opob_loss(self, data: TensorDict, log_prob, behav, mask):
+        """Σ_i c^S_i l_i for the backward (last stage), the coefficients recorded."""
+        coefficients, scores, metric = opob_micro_batch(self._step, data, log_prob, behav, mask)
+        return (coefficients.score.to(device=scores.device, dtype=scores.dtype) * scores).sum(), metric
+
+    def _finalize_opob(self, state: StepState, norms: MegatronSequenceNorms, finalize, *args, **kwargs) -> None:
+        """The combined OPOB gradient over each parameter's main_grad, then megatron's own finalize."""
+        pp_group = self._pipeline_group()
+        last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        last_rank = dist.get_process_group_ranks(pp_group)[-1] if pp_group is not None else None
+        count = norms.num_sequences
+        coef_s = torch.cat(state.coef_s) if last_stage else torch.zeros(count, dtype=torch.float64)
+        if pp_group is not None:
+            coef_s = broadcast_here(coef_s, src=last_rank, group=pp_group)
+        sq_scaled = norms.sq_norms().cpu()  # ||c^S_i g_i||²
+        nonzero = coef_s != 0
+        sq_norms = torch.where(nonzero, sq_scaled / torch.where(nonzero, coef_s, 1.0) ** 2, 0.0)
+        baseline = torch.zeros(count, dtype=torch.float64)
+        if last_stage:
+            baseline, state.metrics = opob_baseline_over_ranks(state, sq_norms, self.get_data_parallel_group())
+        if pp_group is not None:
+            baseline = broadcast_here(baseline, src=last_rank, group=pp_group)
+        # megatron averages the gradient over the data-parallel ranks; the update is their sum
+        ranks = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        for param, gradient in norms.combined(baseline):
+            target = getattr(param, "main_grad", None)
+            if target is None:
+                param.grad = (gradient * ranks).to(param.dtype)
+            else:
+                target.copy_(gradient * ranks)
+        finalize(*args, **kwargs)
+
+
+__all__ = ["VcpoMegatronEngineWithLMHead"]

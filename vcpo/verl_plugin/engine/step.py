@@ -1,0 +1,176 @@
+"""What the vcpo engines do per optimizer step whatever the backend (FSDP, Megatron): the step's record, the
+mini-batch ESS ratio, and OPOB's batch preparation, per-micro-batch coefficients and baseline over ranks.
+The backends keep only where gradients live and how they are reduced."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+
+from vcpo.core import ess_ratio_over_ranks, offpolicy_diagnostics, opob_normaliser, opob_sequence_scores
+from vcpo.core.collectives import gather_objects
+from vcpo.methods import StepRule
+from vcpo.runs import SEQ_ESS_RATIO
+from vcpo.verl_plugin.engine.batch import padded, response_log_probs, reward_key, sequence_labels, sequence_log_weights
+from vcpo.verl_shared import metrics_to_floats
+
+
+@dataclass
+class StepState:
+    """One optimizer step's record, per micro-batch in the order the forwards ran."""
+
+    rule: StepRule
+    opob: bool
+    packed: bool = False
+    fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
+    normaliser: float = 1.0
+    stack: contextlib.ExitStack | None = None
+    seq_log_weights: list[torch.Tensor] = field(default_factory=list)
+    valid: list[torch.Tensor] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    groups: list[torch.Tensor] = field(default_factory=list)  # global baseline-group ids (over all DP ranks)
+    lengths: list[torch.Tensor] = field(default_factory=list)  # response tokens per sequence
+    coef_s: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # the step's own metrics (OPOB's), beside verl's
+
+    def close_micro_batch(self) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            stack.close()
+
+    def abort(self) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            with contextlib.suppress(BaseException):
+                stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def record_log_weights(self, log_prob: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> None:
+        self.seq_log_weights.append(sequence_log_weights(log_prob, behav, mask))
+        self.valid.append(mask.any(-1))
+
+    def ess_ratio(self, dp_group, pp_group=None) -> float:
+        """ρ_ess of the mini-batch over every data-parallel rank (from the last pipeline stage, which has the
+        log-probs: the same on every rank)."""
+        local_s = torch.cat(self.seq_log_weights) if self.seq_log_weights else torch.zeros(0, dtype=torch.float64)
+        local_v = torch.cat(self.valid) if self.valid else torch.zeros(0, dtype=torch.bool)
+        return ess_ratio_over_ranks(local_s, local_v, dp_group=dp_group, pp_group=pp_group)
+
+
+def rank_in(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def prepare_opob(data: TensorDict, state: StepState, group) -> None:
+    """Per sequence of this rank's mini-batch, into ``data`` (so that every micro-batch carries them): its
+    reward R_i (``vcpo_reward``), its baseline group numbered over all data-parallel ranks (``vcpo_group``)
+    and that group's reward std (``vcpo_std``); the step's normaliser N (global count of sequences, or of
+    tokens for token-mean) into ``state``."""
+    rule = state.rule
+    state.packed = bool(tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True))
+    mask = padded(data["response_mask"]).to(torch.bool)
+    rewards = padded(data[reward_key(data)]).to(torch.float64).sum(-1)
+    labels = sequence_labels(data) if rule.scope == "group" else [0] * len(data)
+    parts = gather_objects((rewards.cpu(), labels, mask.any(-1).cpu(), mask.sum().item()), group)
+    all_rewards = torch.cat([r for r, _, _, _ in parts])
+    all_labels = [label for _, ls, _, _ in parts for label in ls]
+    all_valid = torch.cat([v for _, _, v, _ in parts])
+    tokens = sum(t for _, _, _, t in parts)
+    ids = {label: i for i, label in enumerate(sorted(set(all_labels), key=str))}
+    global_groups = torch.tensor([ids[label] for label in all_labels], dtype=torch.long)
+    std = rule.reward_std(all_rewards, global_groups)
+    start = sum(len(ls) for _, ls, _, _ in parts[: rank_in(group)])
+    device = data["response_mask"].device
+    data["vcpo_reward"] = rewards.to(device)
+    data["vcpo_group"] = global_groups[start : start + len(data)].to(device)
+    data["vcpo_std"] = std[start : start + len(data)].to(device)
+    state.normaliser = opob_normaliser(rule.agg, tokens, int(all_valid.sum()))
+
+
+def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
+    """The OPOB coefficients of one micro-batch's sequences from this forward's log-probs (recorded in
+    ``state``), the per-sequence scores l_i (with their graph) and the loss's diagnostics as verl's metric."""
+    rule = state.rule
+    rewards = data["vcpo_reward"].double()
+    coefficients = rule.coefficients(log_prob, behav, mask, rewards, data["vcpo_std"], state.normaliser)
+    scores = opob_sequence_scores(log_prob, mask, rule.agg)
+    r, weights = coefficients.log_ratio, coefficients.weights
+    state.rewards.append(rewards.detach().cpu())
+    state.groups.append(data["vcpo_group"].detach().cpu())
+    state.lengths.append(mask.sum(-1).detach().cpu())
+    state.coef_s.append(coefficients.score.detach().cpu())
+    state.scores.append(scores.detach().double().cpu())
+    # the loss's own diagnostics (ratio and KL statistics) under the names its verl loss logs; the step's
+    # global seq_ess_ratio replaces this micro-batch's
+    diagnostics = {**offpolicy_diagnostics(log_prob, behav, r, mask), **weights.metrics}
+    diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
+    diagnostics.pop(SEQ_ESS_RATIO)
+    return coefficients, scores, Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
+
+
+def opob_baseline_over_ranks(state: StepState, sq_norms: torch.Tensor, group) -> tuple[torch.Tensor, dict[str, float]]:
+    """b* from the per-sequence squared norms, log-weights, rewards and groups of every data-parallel rank
+    (``sq_norms`` of this rank's sequences in micro-batch order); this rank's slice of it, and the step's
+    OPOB metrics."""
+    rule = state.rule
+    local = (
+        sq_norms.cpu(),
+        torch.cat(state.seq_log_weights).cpu(),
+        torch.cat(state.rewards),
+        torch.cat(state.groups) if rule.scope == "group" else None,
+        torch.cat(state.coef_s) * torch.cat(state.scores),
+        torch.cat(state.lengths),
+    )
+    parts = gather_objects(local, group)
+    all_norms, all_s, all_rewards = (torch.cat([p[k] for p in parts]) for k in range(3))
+    all_groups = torch.cat([p[3] for p in parts]) if rule.scope == "group" else None
+    all_lengths = torch.cat([p[5] for p in parts])
+    baseline = rule.baseline(all_rewards, all_norms, all_s, all_groups, all_lengths)
+    start = sum(p[0].shape[0] for p in parts[: rank_in(group)])
+    # the loss whose gradient the update is: Σ_i c^S_i (R_i − b_i) l_i over all ranks
+    pg_loss = float((torch.cat([p[4] for p in parts]) * (all_rewards - baseline)).sum())
+    norms = all_norms.sqrt()
+    metrics = {
+        "actor/pg_loss": pg_loss,
+        "actor/opob_baseline": float(baseline.mean()),
+        "actor/seq_grad_norm_mean": float(norms.mean()),
+        "actor/seq_grad_norm_max": float(norms.max()),
+        "actor/seq_grad_norm_min": float(norms.min()),
+        "actor/opob_packed": float(state.packed),
+    }
+    return baseline[start : start + sq_norms.shape[0]], metrics
+
+
+def recording_loss(loss_function, state: StepState, opob_loss):
+    """verl's loss (or, for OPOB, ``opob_loss(data, log_prob, behav, mask)``) plus a record of s_i per micro-batch."""
+
+    def loss(model_output, data, dp_group=None):
+        log_prob, behav, mask = response_log_probs(model_output, data)
+        state.record_log_weights(log_prob, behav, mask)
+        if state.opob:
+            return opob_loss(data, log_prob, behav, mask)
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+
+    loss.keywords = getattr(loss_function, "keywords", {})
+    return loss
+
+
+def step_metrics(outputs: dict, rule: StepRule, ratio: float, scale: float, lr: float, grad_norm, extra: dict[str, float]) -> None:
+    """The step's metrics into verl's outputs (on the rank that reports them): one entry per step, as a list
+    like verl's per-micro-batch metrics (the worker flattens lists)."""
+    from vcpo.runs import EFFECTIVE_LR, LR_SCALE
+
+    metrics = outputs["metrics"]
+    assert "grad_norm" not in metrics
+    metrics["grad_norm"] = grad_norm
+    extra = {**extra, SEQ_ESS_RATIO: ratio, LR_SCALE: scale, EFFECTIVE_LR: lr * scale}
+    if rule.opob:
+        # verl's "loss" (summed over micro-batches, averaged over ranks) would be that of the backward's scores here
+        outputs["loss"] = [extra["actor/pg_loss"]]
+    metrics.update({name: [value] for name, value in extra.items()})
