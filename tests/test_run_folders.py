@@ -455,3 +455,32 @@ def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
             time.sleep(0.2)
     else:
         pytest.fail("the training child outlived its runner")
+
+
+def test_the_runner_plans_again_when_snakemake_ends_without_error_and_runs_left(tmp_path, monkeypatch, capsys):
+    """Once seen after a killed runner: Snakemake ran only the interrupted jobs and ended without error. The runner
+    plans again while a plan ends that way and archives runs, and stops when one archives nothing."""
+    import subprocess
+
+    from vcpo.runs import FINAL_EVAL
+    from vcpo.studies import runner
+    from vcpo.studies.design import Arm, Design, run_folder
+
+    arm = Arm("countdown", "sync", "sync", 1)
+    design = Design(seeds=[0, 1, 2], configs={"countdown": str(Path(__file__).parents[1] / "recipes/sim/regime.yaml")}, settings={"countdown": {}},
+                    arms=[arm])
+    archive, calls = tmp_path / "archive", []
+
+    def one_run_per_plan(command, **kwargs):  # a Snakemake that archives one run per invocation, then none
+        calls.append(command)
+        if len(calls) <= 2:
+            folder = run_folder(archive, arm, len(calls) - 1)
+            (folder / FINAL_EVAL).parent.mkdir(parents=True, exist_ok=True)
+            (folder / FINAL_EVAL).write_text("{}")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(runner.subprocess, "run", one_run_per_plan)
+    assert runner.run_all(design, tmp_path / "runs", 1, None, archive=archive) == 1
+    assert len(calls) == 3  # the third plan archived nothing: no fourth
+    out, err = capsys.readouterr()
+    assert out.count("planning again") == 2 and "not run: countdown/sync seed 2" in err
