@@ -1,5 +1,5 @@
 """The vcpo Megatron engine (vcpo.verl_plugin.engine.megatron) against the vcpo FSDP engine: one VCPO actor
-step (ESS step size and OPOB) on the same model and batch.
+step (ESS step size and OPOB), then one tis_ess step (the ESS step size alone), on the same model and batch.
 
 The Megatron step runs in verl's Megatron engine on two gloo ranks (tests/verl_megatron_vcpo_worker.py: bf16
 parameters as the engine requires, the padded path, megatron's own pipeline schedule) at TP 2 on a model with
@@ -31,7 +31,7 @@ import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.verl_plugin.cpu import standalone  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_megatron_vcpo_worker import B, GROUP, MICRO, PROMPT, RESPONSE, VOCAB, scalars  # noqa: E402
+from verl_megatron_vcpo_worker import B, GROUP, METHODS, MICRO, PROMPT, RESPONSE, VOCAB, scalars  # noqa: E402
 
 WORKER = Path(__file__).with_name("verl_megatron_vcpo_worker.py")
 PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Megatron engine alone, against the HF model
@@ -66,31 +66,38 @@ def torchrun(worker: Path, args: list, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def fsdp_step(model: Path) -> dict[str, float]:
+def fsdp_steps(model: Path) -> dict[str, dict[str, float]]:
     engine = standalone.build_engine(model, remove_padding=False, lr=1e-3)
-    td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
-    config = standalone.actor_config("vcpo", B, GROUP, MICRO)
-    with engine.train_mode():
-        return scalars(engine.train_batch(td, functools.partial(ppo_loss, config=config))["metrics"])
+    steps = {}
+    for method in METHODS:
+        td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
+        config = standalone.actor_config(method, B, GROUP, MICRO)
+        with engine.train_mode():
+            steps[method] = scalars(engine.train_batch(td, functools.partial(ppo_loss, config=config))["metrics"])
+    return steps
 
 
 @pytest.mark.parametrize("tensor, pipeline, tied", CASES, ids=["tp2-tied", "pp2-untied"])
 def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, models, tmp_path, tensor, pipeline, tied):
     megatron = torchrun(WORKER, [tensor, pipeline, models[tied]], tmp_path / "megatron.json")
     assert megatron["engine"] == "VcpoMegatronEngineWithLMHead"
-    ours, fsdp = megatron["metrics"], fsdp_step(models[tied])
+    fsdp = fsdp_steps(models[tied])
+    for method in METHODS:  # vcpo (ESS and OPOB), then tis_ess (ESS only) from the parameters vcpo's step left
+        ours, theirs = megatron["steps"][method], fsdp[method]
 
-    def relative(name: str) -> float:
-        return abs(ours[name] - fsdp[name]) / abs(fsdp[name])
+        def relative(name: str) -> float:
+            return abs(ours[name] - theirs[name]) / abs(theirs[name])
 
-    # the mini-batch ESS and the step it sets (far off-policy: the rule is at work)
-    assert fsdp["rollout_corr/seq_ess_ratio"] < 0.5 and fsdp["actor/lr_scale"] < 0.75
-    assert relative("rollout_corr/seq_ess_ratio") < 5e-3 and relative("actor/lr_scale") < 5e-3
-    assert relative("actor/effective_lr") < 5e-3
+        # the mini-batch ESS and the step it sets (far off-policy: the rule is at work)
+        assert theirs["rollout_corr/seq_ess_ratio"] < 0.5 and theirs["actor/lr_scale"] < 0.75, method
+        for name in ("rollout_corr/seq_ess_ratio", "actor/lr_scale", "actor/effective_lr"):
+            assert relative(name) < 5e-3, (method, name, ours[name], theirs[name])
     # the per-sequence gradient norms (over every shard and stage) and the OPOB baseline
+    ours, theirs = megatron["steps"]["vcpo"], fsdp["vcpo"]
     for name in ("actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min", "actor/opob_baseline",
                  "actor/pg_loss"):
-        assert relative(name) < BF16, (name, ours[name], fsdp[name])
+        assert abs(ours[name] - theirs[name]) < BF16 * abs(theirs[name]), (name, ours[name], theirs[name])
+    assert "actor/opob_baseline" not in megatron["steps"]["tis_ess"]
 
 
 @pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)], ids=["tp2", "pp2"])

@@ -1,8 +1,8 @@
-"""One rank of tests/test_verl_megatron_engine.py: one VCPO actor step (ESS step size and OPOB) of the vcpo
+"""One rank of tests/test_verl_megatron_engine.py: one VCPO actor step (ESS step size and OPOB), then one tis_ess step (the ESS step size alone), of the vcpo
 Megatron engine (`vcpo.verl_plugin.engine.megatron`) inside verl 0.9.1's Megatron engine on CPU (gloo, bf16,
 padded path, the shims of `vcpo.verl_plugin.cpu.megatron`), on the model and batch the test gives the FSDP
 engine. Run by ``python -m torch.distributed.run --nproc_per_node 2 THIS TP PP MODEL_DIR OUT``; the rank
-holding the engine's outputs (tensor rank 0 of the last pipeline stage) writes the step's metrics to OUT.
+holding the engine's outputs (tensor rank 0 of the last pipeline stage) writes the steps' metrics to OUT.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from vcpo.verl_shared import select_cpu_platform
 
 # the test's batch: 8 sequences in prompt groups of 4, micro-batches of 2
 B, GROUP, PROMPT, RESPONSE, VOCAB, MICRO = 8, 4, 6, 6, 96, 2
+METHODS = ("vcpo", "tis_ess")  # ESS step size and OPOB; then the ESS step size alone
 
 
 def scalars(metrics: dict) -> dict[str, float]:
@@ -36,13 +37,17 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
 
     engine = standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
                                               model_type=MODEL_TYPE)
-    td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
-    config = standalone.megatron_actor_config("vcpo", B, GROUP, MICRO, engine=engine)
-    with engine.train_mode():
-        outputs = engine.train_batch(td, functools.partial(ppo_loss, config=config))
+    steps = {}
+    for method in METHODS:  # one step each, in turn, on the same batch
+        td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
+        config = standalone.megatron_actor_config(method, B, GROUP, MICRO, engine=engine)
+        with engine.train_mode():
+            outputs = engine.train_batch(td, functools.partial(ppo_loss, config=config))
+        if engine.is_mp_src_rank_with_outputs():  # the other ranks get no outputs
+            steps[method] = scalars(outputs["metrics"])
     if engine.is_mp_src_rank_with_outputs():
         with open(out, "w") as handle:
-            json.dump({"engine": type(engine).__name__, "metrics": scalars(outputs["metrics"])}, handle)
+            json.dump({"engine": type(engine).__name__, "steps": steps}, handle)
     dist.destroy_process_group()
 
 
