@@ -35,9 +35,10 @@ from verl_megatron_vcpo_worker import B, GROUP, METHODS, MICRO, PROMPT, RESPONSE
 
 WORKER = Path(__file__).with_name("verl_megatron_vcpo_worker.py")
 PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Megatron engine alone, against the HF model
-# (tensor, pipeline, tied embeddings): embeddings tied across pipeline stages are refused by the engine
-CASES = [(2, 1, True), (1, 2, False)]
-BF16 = 2e-2  # relative: a bf16 engine against a float32 one
+# (tensor, pipeline, tied embeddings): at PP 2 the tied weight spans the first and last stages
+CASES = [(2, 1, True), (1, 2, False), (1, 2, True)]
+BF16 = 1e-2  # relative: a bf16 engine against a float32 one (3.4e-3 measured; without the tied weight's cross term
+# across stages the PP 2 tied norms move by 1.2-2.8% and the baseline by 9.5%)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def fsdp_steps(model: Path) -> dict[str, dict[str, float]]:
     return steps
 
 
-@pytest.mark.parametrize("tensor, pipeline, tied", CASES, ids=["tp2-tied", "pp2-untied"])
+@pytest.mark.parametrize("tensor, pipeline, tied", CASES, ids=["tp2-tied", "pp2-untied", "pp2-tied"])
 def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, models, tmp_path, tensor, pipeline, tied):
     megatron = torchrun(WORKER, [tensor, pipeline, models[tied]], tmp_path / "megatron.json")
     assert megatron["engine"] == "VcpoMegatronEngineWithLMHead"

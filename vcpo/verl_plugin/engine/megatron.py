@@ -27,8 +27,8 @@ Selected as the FSDP engine is (``+actor_rollout_ref.model.model_type=vcpo_langu
 
 Refused with a clear error: virtual pipeline stages, context parallelism, megatron's per-token loss,
 overlapping gradient reduction (it would start reducing before the combination is written), embeddings
-tied across pipeline stages (the last stage would need the ids as the first stage's embedding sees them),
-top-K distillation, and anything `MegatronSequenceNorms` cannot count (it names the module). Metrics as
+tied across pipeline stages on the packed path (the last stage, which has no embedding, is given the ids in
+verl's padded layout; the packed one is not wired), top-K distillation, and anything `MegatronSequenceNorms` cannot count (it names the module). Metrics as
 the FSDP engine logs them.
 """
 
@@ -72,6 +72,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         super().__init__(model_config, *args, **kwargs)
         self._step: StepState | None = None
         self._norms: MegatronSequenceNorms | None = None
+        self._ids_for_tied_head = False  # the last stage of embeddings tied across stages needs the input ids
 
     def train_batch(self, data: TensorDict, loss_function) -> Any:
         rule = rule_from_loss_function(loss_function)
@@ -120,11 +121,14 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         self._check_opob_setting()
         model = unwrap_model(self.module[0])
         tied_across_stages = getattr(model, "share_embeddings_and_output_weights", False) and mpu.get_pipeline_model_parallel_world_size() > 1
-        if tied_across_stages:
+        if tied_across_stages and self.engine_config.use_remove_padding:
             raise NotImplementedError(
-                "OPOB in the vcpo Megatron engine does not support embeddings tied across pipeline stages "
-                "(tie_word_embeddings with pipeline_model_parallel_size > 1); use PP 1 or an untied model")
-        norms = MegatronSequenceNorms(model, mpu.get_tensor_model_parallel_group(), self._pipeline_group())
+                "OPOB in the vcpo Megatron engine does not support embeddings tied across pipeline stages on the packed "
+                "path (the last stage would need the ids as the first stage's embedding sees them in verl's THD layout); "
+                "set actor_rollout_ref.actor.megatron.use_remove_padding=false, use PP 1 or an untied model")
+        embedding_group = mpu.get_embedding_group() if tied_across_stages else None
+        norms = MegatronSequenceNorms(model, mpu.get_tensor_model_parallel_group(), self._pipeline_group(), embedding_group)
+        self._ids_for_tied_head = tied_across_stages and norms.last_stage and not norms.first_stage
         local_groups = torch.unique(data["vcpo_group"].cpu(), return_inverse=True)[1]
         num_groups = int(local_groups.max()) + 1 if local_groups.numel() else 1
         data["vcpo_local_group"] = local_groups.to(data["vcpo_group"].device)
@@ -159,9 +163,15 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
         size = len(batch)
+        ids = None
+        if self._ids_for_tied_head:  # the ids as the first stage's embedding sees them: verl's padded (BSHD) layout
+            from verl.models.mcore.util import preprocess_bshd_engine
+
+            forced = tu.get_non_tensor_data(data=batch, key="forced_max_seqlen", default=None)
+            ids = preprocess_bshd_engine(batch["input_ids"], pre_process=True, forced_max_seqlen=forced)[0]
         # every stage: this micro-batch's rewards and groups, which its gradients h_i = c^S_i g_i are combined with
         self._norms.micro_batch(size, coef_r=batch["vcpo_reward"].double(), coef_s=torch.ones(size, dtype=torch.float64),
-                                groups=batch["vcpo_local_group"])
+                                groups=batch["vcpo_local_group"], ids=ids)
         return super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
 
     def _opob_loss(self, data: TensorDict, log_prob, behav, mask):
