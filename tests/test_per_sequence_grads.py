@@ -570,3 +570,21 @@ def test_coefficients_set_after_the_forward_give_the_same_update():
         assert torch.allclose(actual, reference, rtol=1e-12, atol=1e-15)
     with pytest.raises(RuntimeError, match="outside `micro_batch`"):
         engine.set_coefficients(batch["coef_r"], batch["coef_s"])
+
+
+def test_modules_wrapped_by_fsdp2_keep_their_handler():
+    """fully_shard turns a module's class into FSDP<Class>(FSDPModule, Class) with the class's own forward (verl wraps
+    an untied model's embedding so): the handler is the class's. Another subclass may change the forward: none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from vcpo.core.per_sequence_grads.functions import module_kind
+
+    for module, kind in ((nn.Embedding(4, 3), "embedding"), (nn.Linear(3, 2), "linear"), (nn.LayerNorm(3), "layer_norm")):
+        module.__class__ = type(f"FSDP{type(module).__name__}", (FSDPModule, type(module)), {})  # as fully_shard does
+        assert module_kind(module) == kind
+
+    class ScaledLinear(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert module_kind(ScaledLinear(3, 2)) is None
