@@ -8,7 +8,9 @@ does, then starts verl in a child process whose environment selects the CPU plat
 it must be set before ``import verl``, so verl's trainer is never imported here). Metrics go to
 ``DIR/metrics.jsonl`` (verl's file logger), checkpoints to ``DIR/checkpoints``, the launch record to
 ``DIR/launch.json`` (as ``vcpo.launch`` writes it). Extra Hydra overrides after
-``--`` are appended last. ``--print`` prints the command and exits.
+``--`` are appended last; ``-- actor_rollout_ref.actor.strategy=megatron`` runs verl's Megatron engine (on gloo,
+:mod:`vcpo.verl_plugin.cpu.megatron`) with one trainer slot per rank of its TP x PP layout. ``--print`` prints
+the command and exits.
 """
 
 from __future__ import annotations
@@ -23,21 +25,25 @@ from vcpo.cli import output_folder_problem
 from vcpo.launch import (
     EXTERNAL_MODULES,
     LaunchError,
+    actor_strategy,
     check,
     command,
     compose,
     make_run,
+    megatron_overrides,
     run_environment,
+    strategy_of,
     write_launch_record,
 )
-from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, write_data
+from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, megatron_layout, write_data
 
 
 def build(args: argparse.Namespace, extra: list[str]):
     """The run, its checked config, command and environment (writes the random model and data if missing)."""
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
-    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1)
+    # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
+    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
@@ -50,7 +56,10 @@ def build(args: argparse.Namespace, extra: list[str]):
     else:
         train, val = args.train, args.val
     env = environment(out, run_environment(run))
-    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0)
+    strategy = actor_strategy(run)
+    # Megatron: the task's layout (recipes/megatron.yaml) unless the user's overrides change it; it sets the trainer's slots
+    layout = megatron_layout([*megatron_overrides(run), *extra]) if strategy == "megatron" else None
+    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout)
     overrides += [
         f"trainer.default_local_dir={out / 'checkpoints'}",
         # Ray workers get the driver's module list (CPU platform first), not the launcher's engine-only one

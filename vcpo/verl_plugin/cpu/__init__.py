@@ -9,6 +9,9 @@ its workers, agent loop, rollout replicas and reward loop). Nothing here edits v
 * :mod:`.rollout`: a ``transformers`` rollout registered as ``actor_rollout_ref.rollout.name=hf``,
   returning per-token log-probs;
 * :mod:`.training`: verl's FSDP engines registered for the ``cpu`` device;
+* :mod:`.megatron`: verl's Megatron engines registered for the ``cpu`` device, and the shims that run them on
+  gloo, applied when a Megatron engine is constructed on the CPU platform (``megatron.install``; not at import:
+  they patch ``torch.cuda`` entry points process-wide, which an FSDP worker must not see);
 * :mod:`.checkpoint`: a checkpoint engine over Ray's object store (``checkpoint_engine.backend=ray``) for
   the ``separate_async`` trainer, whose device transports (NCCL, ...) do not exist on CPU;
 * :mod:`.recipe`: the Hydra overrides of the CPU recipe and its data, and the launcher
@@ -21,8 +24,10 @@ the local Ray cluster's workers inherit. (Importing this package also happens th
 entry point if ``vcpo/verl_plugin/__init__.py`` imports it; both are idempotent.)
 """
 
-from vcpo.verl_plugin.cpu import checkpoint, platform, rollout, training  # noqa: F401  (registration side effects)
+from vcpo.verl_plugin.cpu import checkpoint, megatron, platform, rollout, training  # noqa: F401  (registration side effects)
 from vcpo.verl_plugin.cpu.platform import PLATFORM_NAME, PlatformCPU
 from vcpo.verl_plugin.cpu.rollout import ROLLOUT_NAME, HFReplica, HFRolloutServer, HFServerAdapter
+
+megatron.install()
 
 __all__ = ["PLATFORM_NAME", "ROLLOUT_NAME", "HFReplica", "HFRolloutServer", "HFServerAdapter", "PlatformCPU"]

@@ -16,6 +16,13 @@ installed), ``use_remove_padding=False`` (the packed path needs Transformer Engi
 ``override_transformer_config`` :data:`CPU_TRANSFORMER_CONFIG` (no sequence parallelism: the local layer
 spec's torch norms refuse it). Packages: mbridge 0.15.1 (and einops, which ``import mbridge`` needs).
 
+In verl's trainer (``python -m vcpo.launch.cpu ... -- actor_rollout_ref.actor.strategy=megatron``, whose
+overrides are ``vcpo.verl_plugin.cpu.recipe.megatron_engine_overrides``), the CPU plugin calls :func:`install` at
+import in every process: the shims are applied by the construction of a Megatron engine on the CPU platform, so
+only the trainer's Megatron workers get them (tests/test_verl_megatron_cpu_trainer.py). The rollout replica gets
+the weights through the engine's ``get_per_tensor_param`` (mbridge's ``export_weights``, whose names the local
+norms are mapped for below) and the ``ray`` checkpoint engine.
+
 Covered (tests/verl_megatron_worker.py): the padded (bshd) path with tensor, pipeline (1F1B) or data
 parallelism, tied or untied embeddings, bf16 parameters with fp32 main parameters and gradients, megatron's
 plain (``Float16OptimizerWithFloat16Params``) or distributed optimizer. Not covered: the packed (thd) path,
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 
 import torch
@@ -50,6 +58,8 @@ CPU_TRANSFORMER_CONFIG = {
 }
 
 _ENABLED = False
+# what a worker prints once its Megatron engine is constructed on the CPU platform (see `install`)
+ENGINE_BUILT = "vcpo cpu megatron engine:"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -308,4 +318,44 @@ def enable_megatron_on_cpu() -> None:
     _ENABLED = True
 
 
-__all__ = ["CPU_TRANSFORMER_CONFIG", "enable_megatron_on_cpu", "register_cpu_megatron_engines"]
+def install() -> None:
+    """What the CPU plugin does at import (``vcpo.verl_plugin.cpu``, in the driver and every Ray worker); idempotent.
+
+    Registers verl's Megatron engines for the cpu device (verl's registry lookup precedes construction) and
+    makes the construction of any Megatron engine (verl's ``MegatronEngine.__init__``, which the vcpo engine's
+    runs too) apply :func:`enable_megatron_on_cpu` first when verl's device is the cpu. The shims change
+    ``torch.cuda`` entry points process-wide, so they are applied only in the workers that build a Megatron
+    engine on the CPU platform, never at import: an FSDP run (or a process on a GPU platform) is unchanged.
+    Nothing happens where verl's Megatron engine cannot be imported (no megatron-core or mbridge)."""
+    try:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+    except ImportError:
+        return
+    register_cpu_megatron_engines()
+    init = MegatronEngine.__init__
+    if getattr(init, "__vcpo_cpu_shim__", False):
+        return
+
+    @functools.wraps(init)
+    def init_with_cpu_shims(self, *args, **kwargs):
+        from verl.utils.device import get_device_name
+
+        if get_device_name() != DEVICE:
+            return init(self, *args, **kwargs)
+        enable_megatron_on_cpu()
+        init(self, *args, **kwargs)
+        # one line per rank in the worker's output (Ray forwards it to the driver's log): which engine runs
+        config = self.engine_config
+        print(
+            f"{ENGINE_BUILT} {type(self).__name__} (backend megatron, device {DEVICE}, gloo; "
+            f"TP {config.tensor_model_parallel_size}, PP {config.pipeline_model_parallel_size}, "
+            f"CP {config.context_parallel_size}, dtype {config.dtype}, rank {torch.distributed.get_rank()})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    init_with_cpu_shims.__vcpo_cpu_shim__ = True
+    MegatronEngine.__init__ = init_with_cpu_shims
+
+
+__all__ = ["CPU_TRANSFORMER_CONFIG", "ENGINE_BUILT", "enable_megatron_on_cpu", "install", "register_cpu_megatron_engines"]

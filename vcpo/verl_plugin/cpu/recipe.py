@@ -6,6 +6,10 @@ launcher ``python -m vcpo.launch.cpu`` share one list. It is applied on top of a
 (task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout engine
 and device replaced. Every override is explained next to it in :func:`cpu_overrides`.
 
+The actor runs FSDP2 in float32 by default; a run that asks for ``actor_rollout_ref.actor.strategy=megatron`` gets
+verl's Megatron engine in bf16 on the padded path instead (:func:`megatron_engine_overrides`, the shims of
+:mod:`.megatron`), with one trainer slot per rank of its TP x PP x CP layout (:func:`megatron_layout`).
+
 Environment every verl process needs (see :data:`ENV`): ``VERL_PLATFORM=cpu`` selects the CPU
 platform, ``VERL_USE_EXTERNAL_MODULES=vcpo.verl_plugin.cpu`` makes ``import verl`` register it (and the
 ``hf`` rollout, the cpu engines and the ``ray`` checkpoint engine) in the driver and in every Ray worker.
@@ -18,6 +22,7 @@ exactly zero; the dense term makes the 2-3 optimizer steps of the smoke run move
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from pathlib import Path
@@ -76,6 +81,65 @@ def write_data(out_dir: str | os.PathLike, train_rows: int = 16, val_rows: int =
     return paths
 
 
+# the Megatron parallel sizes whose product is a trainer's world (one data-parallel rank on CPU)
+MEGATRON_WORLD = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def megatron_layout(overrides: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """The actor's Megatron parallel sizes that ``overrides`` set (the last wins, as in Hydra; 1 when unset)."""
+    layout = dict.fromkeys(MEGATRON_WORLD, 1)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        prefix, _, name = key.lstrip("+").rpartition(".")
+        if prefix == "actor_rollout_ref.actor.megatron" and name in layout:
+            layout[name] = int(value)
+    return layout
+
+
+def fsdp_engine_overrides() -> list[str]:
+    """FSDP2 in float32 with SDPA attention (no flash-attn, no torch.compile); verl's default remove-padding
+    packing stays on (transformers' SDPA separates the packed sequences by position_ids)."""
+    actor = "actor_rollout_ref.actor"
+    return [
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{actor}.strategy=fsdp2",
+        f"{actor}.fsdp_config.dtype=float32",
+        f"++{MIXED_PRECISION_KEY}={FP32_MIXED_PRECISION_HYDRA}",
+        f"{actor}.fsdp_config.use_torch_compile=false",
+    ]
+
+
+def megatron_engine_overrides() -> list[str]:
+    """verl's Megatron engine as :mod:`.megatron` runs it on CPU (gloo), for the actor (the reference follows).
+
+    The parallel layout (TP/PP from ``recipes/megatron.yaml`` or the user's overrides) is kept; what changes
+    is what the CPU shims need (the module doc of :mod:`vcpo.verl_plugin.cpu.megatron`)."""
+    from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG
+
+    megatron = "actor_rollout_ref.actor.megatron"
+    return [
+        "actor_rollout_ref.actor.strategy=megatron",
+        # the padded (bshd) path: the packed (thd) one needs Transformer Engine's attention; verl's workers read
+        # the model's flag (engine_workers.py), the engine's own is kept consistent
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.use_fused_kernels=false",
+        f"{megatron}.use_remove_padding=false",
+        # bf16 parameters, fp32 main parameters and gradients: the engine takes bf16/fp16 only, and verl's fp16
+        # turns on megatron's precision-aware optimizer, which needs Transformer Engine
+        f"{megatron}.dtype=bfloat16",
+        # the legacy mbridge (verl's Megatron-Bridge path pins a release that is not installed)
+        f"{megatron}.use_mbridge=true",
+        f"{megatron}.vanilla_mbridge=true",
+        # the local layer spec's torch norms refuse sequence parallelism (mbridge turns it on with TP > 1)
+        f"{megatron}.sequence_parallel=false",
+        "actor_rollout_ref.ref.megatron.sequence_parallel=false",  # the reference's other keys follow the actor's
+        # megatron's own attention on the local layer spec (verl's default asks for flash-attn)
+        f"++{megatron}.override_transformer_config.attention_backend=local",
+        *(f"++{megatron}.override_transformer_config.{key}={'true' if value else 'false'}"
+          for key, value in CPU_TRANSFORMER_CONFIG.items()),
+    ]
+
+
 def cpu_overrides(
     model: str | os.PathLike,
     train_file: str | os.PathLike,
@@ -83,6 +147,8 @@ def cpu_overrides(
     *,
     steps: int = 3,
     separate: bool = True,
+    strategy: str = "fsdp2",
+    layout: dict[str, int] | None = None,
 ) -> list[str]:
     """What a ``vcpo.launch`` run changes to fit one CPU: appended after the run's own overrides (they win).
 
@@ -90,8 +156,15 @@ def cpu_overrides(
     ``separate_async`` with the lag's warm-up batches and off-policy threshold) and Table 2's optimizer;
     this replaces the model, data and sizes (4 prompts x 2 responses, 16-token responses), the rollout
     (the ``hf`` server of :mod:`.rollout`), the device, the weight-sync transport and Ray's resources.
-    ``separate``: the run is ``separate_async`` (a second logical GPU slot for the rollout replica).
+    ``separate``: the run is ``separate_async`` (a logical GPU slot for the rollout replica besides the trainer's).
+    ``strategy``: the actor's (``fsdp2`` unless the run asks for ``megatron``, see :func:`megatron_engine_overrides`);
+    ``layout``: the Megatron world (:func:`megatron_layout`), which sets the trainer's GPU slots.
     """
+    if strategy not in ("fsdp", "fsdp2", "megatron"):
+        raise ValueError(f"cpu_overrides: the CPU recipe runs the fsdp2 or megatron strategy, not {strategy!r}")
+    trainer_slots = 1
+    if strategy == "megatron":
+        trainer_slots = math.prod((layout or {}).get(key, 1) for key in MEGATRON_WORLD)
     actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     overrides = [
         # --- data: 4 prompts x 2 responses, 16-token responses
@@ -105,14 +178,9 @@ def cpu_overrides(
         "reward.custom_reward_function.path=pkg://vcpo.verl_plugin.cpu.recipe",
         "reward.custom_reward_function.name=shaped_reward",
         "reward.num_workers=1",
-        # --- model: FSDP2 in float32 with SDPA attention (no flash-attn, no torch.compile); verl's default
-        # remove-padding packing stays on (transformers' SDPA separates the packed sequences by position_ids)
+        # --- model and engine: FSDP2 in float32 (fsdp_engine_overrides) or Megatron in bf16 (megatron_engine_overrides)
         f"actor_rollout_ref.model.path={model}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        f"{actor}.strategy=fsdp2",
-        f"{actor}.fsdp_config.dtype=float32",
-        f"++{MIXED_PRECISION_KEY}={FP32_MIXED_PRECISION_HYDRA}",
-        f"{actor}.fsdp_config.use_torch_compile=false",
+        *(megatron_engine_overrides() if strategy == "megatron" else fsdp_engine_overrides()),
         f"{actor}.ppo_mini_batch_size=4",
         f"{actor}.ppo_micro_batch_size_per_gpu=4",
         # a random model needs a large step to move within 3 steps (so lagged steps see ratios != 1)
@@ -126,18 +194,20 @@ def cpu_overrides(
         f"{rollout}.tensor_model_parallel_size=1",
         f"{rollout}.log_prob_micro_batch_size_per_gpu=4",
         f"{rollout}.agent.num_workers=1",
-        # --- trainer: one CPU "GPU slot" for the trainer (and one for a separate rollout replica)
+        # --- trainer: one CPU "GPU slot" per trainer rank (FSDP: 1; Megatron: TP x PP x CP, data parallel 1),
+        # and one for a separate rollout replica
         "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={trainer_slots}",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
         f"trainer.save_freq={steps}",
         "trainer.project_name=vcpo_cpu",
         # --- Ray and TransferQueue: logical CPUs are bookkeeping (placement groups reserve 3 per worker
-        # bundle; TransferQueue's controller and storage 1 each), one logical GPU slot per worker group
-        "ray_kwargs.ray_init.num_cpus=16",
-        f"+ray_kwargs.ray_init.num_gpus={2 if separate else 1}",
+        # bundle, 3 more per extra trainer rank; TransferQueue's controller and storage 1 each), one logical GPU
+        # slot per worker
+        f"ray_kwargs.ray_init.num_cpus={16 + 3 * (trainer_slots - 1)}",
+        f"+ray_kwargs.ray_init.num_gpus={trainer_slots + (1 if separate else 0)}",
         "+ray_kwargs.ray_init.object_store_memory=536870912",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",

@@ -250,17 +250,29 @@ class HFRolloutServer:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
-        """Load full tensors (HF parameter names) into the model; returns how many were loaded."""
+        """Load full tensors (HF parameter names) into the model; returns how many were loaded.
+
+        A sync is the whole model (verl's checkpoint engines send every parameter each time): a parameter
+        the trainer did not send (a weight-name mapping that lost it, e.g. Megatron's exporter) raises rather
+        than leaving the rollout on a stale copy of it."""
         # state_dict names include tied weights (lm_head.weight shares embed_tokens.weight).
         targets = self.model.state_dict(keep_vars=True)
+        received: set[int] = set()
         loaded = 0
         with self._model_lock, torch.no_grad():
             for name, tensor in named_tensors:
                 target = targets.get(name)
                 if target is None:
                     raise KeyError(f"hf rollout: the trainer sent weight {name!r}, which the rollout model lacks")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"hf rollout: weight {name!r} of shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}")
                 target.copy_(tensor.to(dtype=target.dtype))
+                received.add(id(target))
                 loaded += 1
+        # named_parameters lists a tied parameter once, under whichever name it has first
+        missing = [name for name, param in self.model.named_parameters() if id(param) not in received]
+        if missing:
+            raise KeyError(f"hf rollout: the trainer's weight sync lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
         self._weights_version += 1
         if global_steps is not None:
             self.global_steps = global_steps
