@@ -118,6 +118,9 @@ def broken(name: str, **changes) -> dict:
         ("ci", {"tasks": {"mathh": "countdown", "countdown": "countdown"}}, "tasks: ['mathh'] are not paper tasks"),
         ("ci", {"lags": {"10": 100000}}, "sim: run countdown/seq_tis_c8/lag100000/seed0: config key 'lag': a lag of 100000 cannot"),
         ("paper", {"lags": {"10": 100000}}, "lags: run countdown/seq_tis_c8/lag100000/seed0: --lag: a lag of 100000 cannot be reached in a run of 400 steps"),
+        ("paper", {"launch": {"args": ["actor_rollout_ref.actor.strategy=megatron"]}}, None),  # the Megatron engine runs every method
+        ("paper", {"launch": {"args": ["actor_rollout_ref.actor.strategy=veomni"]}},
+         "lags: run countdown/seq_tis_c8/lag10/seed0: actor_rollout_ref.actor.strategy=veomni: vcpo.launch composes fsdp2|fsdp|megatron"),
     ],
 )
 def test_a_broken_config_fails_when_the_plan_is_made_naming_the_key(name, changes, message):

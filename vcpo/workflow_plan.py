@@ -167,9 +167,9 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
                 given["steps"] = steps_of(config, run)
                 validate(apply_overrides(apply_overrides(sim_start(config), given), settings))
             else:
-                from vcpo.launch import make_run
+                from vcpo.launch import make_run, strategy_of
 
-                make_run(run.task, run.method, run.lag, run.seed)
+                make_run(run.task, run.method, run.lag, run.seed, strategy=strategy_of(config.get("launch", {}).get("args", [])))
         except ValueError as error:
             key = "sim" if config["backend"] == "sim" else "lags"
             raise WorkflowConfigError(f"{key}: {where}: {error}") from None
