@@ -178,7 +178,8 @@ def check_exported_weights(exported: Path, initial: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2"])  # pp2 runs too (137 s); CI's 30 minutes keep one layout end to end, and the
+# engine's PP 2 steps are checked against the FSDP engine in tests/test_verl_megatron_engine.py
 def test_verls_trainer_runs_vcpo_with_the_megatron_strategy_on_cpu(tmp_path, layout):
     extra, ranks, reported = LAYOUTS[layout]
     out = tmp_path / "run"

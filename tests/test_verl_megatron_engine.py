@@ -101,7 +101,7 @@ def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, mo
     assert "actor/opob_baseline" not in megatron["steps"]["tis_ess"]
 
 
-@pytest.mark.parametrize("tensor, pipeline", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tensor, pipeline", [(2, 1)], ids=["tp2"])  # PP 2 runs verl's engine in the tests above
 def test_verls_megatron_engine_runs_on_cpu_as_the_hf_model_computes(tmp_path, tensor, pipeline):
     """verl's own Megatron engine (mbridge, megatron's DDP, optimizer and schedule) with the CPU shims of
     vcpo.verl_plugin.cpu.megatron, untied and tied embeddings: its log-probs against the HF model's float32 ones
