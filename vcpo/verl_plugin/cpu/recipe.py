@@ -28,8 +28,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from vcpo.verl_shared import CPU_PLATFORM_ENV, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
 from vcpo.runs import METRICS_FILE
+from vcpo.verl_shared import CPU_PLATFORM_ENV, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
 
 ENV = {
     **CPU_PLATFORM_ENV,

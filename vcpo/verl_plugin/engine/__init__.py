@@ -83,23 +83,22 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
-from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from vcpo.core import PerSequenceGradients, scaled_learning_rate
+from vcpo.core import PerSequenceGradients
 from vcpo.methods import StepRule
 from vcpo.verl_plugin.engine.batch import all_reduce_gradients
 from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    active_rule,
     opob_baseline_over_ranks,
     opob_micro_batch,
     prepare_opob,
     recording_loss,
-    step_metrics,
+    scaled_optimizer_step,
 )
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
@@ -119,15 +118,11 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:
-        rule = rule_from_loss_function(loss_function)
-        if rule is None or not rule.active:
+        rule = active_rule(data, loss_function)
+        if rule is None:
             return super().train_batch(data, loss_function)
-        if tu.get_non_tensor_data(data=data, key="distillation_use_topk", default=False):
-            raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
-        maybe_fix_3d_position_ids(data)
         group = self.get_data_parallel_group()
         state = StepState(rule=rule, opob=rule.opob)
-        extra: dict[str, float] = {}
         if rule.opob:
             check_opob_loss(loss_function)
         self.optimizer_zero_grad()
@@ -142,7 +137,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 state.close_micro_batch()
                 ratio = state.ess_ratio(group)
                 if rule.opob:
-                    extra.update(self._opob_combine(state, group))
+                    state.metrics.update(self._opob_combine(state, group))
         except BaseException:
             state.abort()
             if self._per_sequence is not None:
@@ -151,13 +146,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             raise
         finally:
             self._step = None
-        scale = rule.lr_scale(ratio)
-        lr = self.optimizer.param_groups[0]["lr"]
-        with scaled_learning_rate(self.optimizer, scale):
-            grad_norm = self.optimizer_step()
-        if self.is_mp_src_rank_with_outputs():
-            step_metrics(outputs, rule, ratio, scale, lr, grad_norm, extra)
-        return outputs
+        return scaled_optimizer_step(self, state, ratio, outputs)
 
     # -- OPOB --------------------------------------------------------------------------------------
     def _per_sequence_gradients(self, fsdp2: bool, rule: StepRule) -> PerSequenceGradients:

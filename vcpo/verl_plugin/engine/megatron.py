@@ -45,20 +45,19 @@ from megatron.core.utils import get_model_config
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.megatron_utils import unwrap_model
-from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-from vcpo.core import scaled_learning_rate
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
-from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
+from vcpo.verl_plugin.engine.rule import check_opob_loss
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    active_rule,
     opob_baseline_over_ranks,
     opob_micro_batch,
     prepare_opob,
     recording_loss,
-    step_metrics,
+    scaled_optimizer_step,
 )
 from vcpo.verl_shared import step_rule_applied
 
@@ -75,12 +74,9 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         self._ids_for_tied_head = False  # the last stage of embeddings tied across stages needs the input ids
 
     def train_batch(self, data: TensorDict, loss_function) -> Any:
-        rule = rule_from_loss_function(loss_function)
-        if rule is None or not rule.active:
+        rule = active_rule(data, loss_function)
+        if rule is None:
             return super().train_batch(data, loss_function)
-        if tu.get_non_tensor_data(data=data, key="distillation_use_topk", default=False):
-            raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
-        maybe_fix_3d_position_ids(data)
         group = self.get_data_parallel_group()
         state = StepState(rule=rule, opob=rule.opob)
         if rule.opob:
@@ -99,13 +95,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             raise
         finally:
             self._step = None
-        scale = rule.lr_scale(ratio)
-        lr = self.optimizer.param_groups[0]["lr"]
-        with scaled_learning_rate(self.optimizer, scale):
-            grad_norm = self.optimizer_step()
-        if self.is_mp_src_rank_with_outputs():
-            step_metrics(outputs, rule, ratio, scale, lr, grad_norm, state.metrics)
-        return outputs
+        return scaled_optimizer_step(self, state, ratio, outputs)
 
     @staticmethod
     def _pipeline_group():

@@ -12,8 +12,15 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
+from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 
-from vcpo.core import ess_ratio_over_ranks, offpolicy_diagnostics, opob_normaliser, opob_sequence_scores
+from vcpo.core import (
+    ess_ratio_over_ranks,
+    offpolicy_diagnostics,
+    opob_normaliser,
+    opob_sequence_scores,
+    scaled_learning_rate,
+)
 from vcpo.core.collectives import gather_objects
 from vcpo.methods import StepRule
 from vcpo.runs import SEQ_ESS_RATIO
@@ -159,6 +166,32 @@ def recording_loss(loss_function, state: StepState, opob_loss):
 
     loss.keywords = getattr(loss_function, "keywords", {})
     return loss
+
+
+def active_rule(data: TensorDict, loss_function) -> StepRule | None:
+    """The preset's rule for this optimizer step, or None where verl's own step is the method's; refuses what the
+    vcpo step does not support."""
+    from vcpo.verl_plugin.engine.rule import rule_from_loss_function
+
+    rule = rule_from_loss_function(loss_function)
+    if rule is None or not rule.active:
+        return None
+    if tu.get_non_tensor_data(data=data, key="distillation_use_topk", default=False):
+        raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
+    maybe_fix_3d_position_ids(data)
+    return rule
+
+
+def scaled_optimizer_step(engine, state: StepState, ratio: float, outputs: dict) -> dict:
+    """The engine's optimizer step with the learning rate scaled by the rule for ρ_ess, and the step's metrics
+    into verl's outputs on the rank that reports them."""
+    scale = state.rule.lr_scale(ratio)
+    lr = engine.optimizer.param_groups[0]["lr"]
+    with scaled_learning_rate(engine.optimizer, scale):
+        grad_norm = engine.optimizer_step()
+    if engine.is_mp_src_rank_with_outputs():
+        step_metrics(outputs, state.rule, ratio, scale, lr, grad_norm, state.metrics)
+    return outputs
 
 
 def step_metrics(outputs: dict, rule: StepRule, ratio: float, scale: float, lr: float, grad_norm, extra: dict[str, float]) -> None:
