@@ -54,3 +54,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from vcpo.local_models import save_random_model
 
     return save_random_model(tmp_path_factory.mktemp("tiny-model"), vocab_size=320, hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A one-rank gloo group in this process, for engines built in it (the verl engine tests)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield

@@ -36,14 +36,6 @@ TIS_CAP = 8.0
 
 
 @pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return cpu.save_random_qwen2(tmp_path_factory.mktemp("tiny"), vocab_size=VOCAB)
 

@@ -24,14 +24,13 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
-import torch.distributed as dist  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.verl_plugin.cpu import standalone  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_megatron_vcpo_worker import B, GROUP, METHODS, MICRO, PROMPT, RESPONSE, VOCAB, scalars  # noqa: E402
+from verl_megatron_vcpo_worker import GROUP, METHODS, MICRO, PROMPT, RESPONSE, VOCAB, B, scalars  # noqa: E402
 
 WORKER = Path(__file__).with_name("verl_megatron_vcpo_worker.py")
 PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Megatron engine alone, against the HF model
@@ -39,14 +38,6 @@ PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Meg
 CASES = [(2, 1, True), (1, 2, False), (1, 2, True)]
 BF16 = 1e-2  # relative: a bf16 engine against a float32 one (3.4e-3 measured; without the tied weight's cross term
 # across stages the PP 2 tied norms move by 1.2-2.8% and the baseline by 9.5%)
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +76,10 @@ def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, mo
     fsdp = fsdp_steps(models[tied])
     for method in METHODS:  # vcpo (ESS and OPOB), then tis_ess (ESS only) from the parameters vcpo's step left
         ours, theirs = megatron["steps"][method], fsdp[method]
-
-        def relative(name: str) -> float:
-            return abs(ours[name] - theirs[name]) / abs(theirs[name])
-
         # the mini-batch ESS and the step it sets (far off-policy: the rule is at work)
         assert theirs["rollout_corr/seq_ess_ratio"] < 0.5 and theirs["actor/lr_scale"] < 0.75, method
         for name in ("rollout_corr/seq_ess_ratio", "actor/lr_scale", "actor/effective_lr"):
-            assert relative(name) < 5e-3, (method, name, ours[name], theirs[name])
+            assert abs(ours[name] - theirs[name]) < 5e-3 * abs(theirs[name]), (method, name, ours[name], theirs[name])
     # the per-sequence gradient norms (over every shard and stage) and the OPOB baseline
     ours, theirs = megatron["steps"]["vcpo"], fsdp["vcpo"]
     for name in ("actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min", "actor/opob_baseline",
