@@ -1,15 +1,16 @@
 """What OPOB costs in the simulator's learner: one optimizer step of VCPO against seq-TIS on the same batches.
 
     python benchmarks/sim_update_cost.py                          # Countdown, the study's regime, k = 12
-    python benchmarks/sim_update_cost.py --profile vcpo           # one VCPO update's operators by self time
+    python benchmarks/sim_update_cost.py --profile                # operators by self time, VCPO against seq-TIS
     python benchmarks/sim_update_cost.py --config recipes/sim/regime.yaml task=tir --batches 4
 
 A VCPO run of the regime's settings (``--config`` plus key=value overrides, ``threads=1``) trains
 ``--warmup-steps`` steps and keeps the ``--batches`` real batches of the steps after; then each method's
 learner takes one update per batch from the same weights and optimizer state (the run's last), the variants
 taking turns (round-robin, so background load slows them alike), ``--repeats`` times: seq-TIS, VCPO as it
-runs (PerSequenceGradients choosing ghost norms or materialised per-sequence gradients per call), and VCPO
-forced to each route. It prints, per variant, the median seconds of an update and of its forward and
+runs by default (PerSequenceGradients with the deferred combination, choosing ghost norms or materialised
+per-sequence gradients per call), VCPO forced to each route, and VCPO with the two-buffer combination (G_R and
+G_S^γ during the backward, the studies' numerics: recipes/sim/regime.yaml keeps it). It prints, per variant, the median seconds of an update and of its forward and
 backward, and the ratio to seq-TIS (the paper reports OPOB at +19% of a step). ``--json`` also writes them.
 """
 
@@ -34,9 +35,10 @@ from vcpo.sim.learner import Learner, collate, warmup_stable_decay
 from vcpo.sim.train import Trainer
 
 METHODS = ("seq_tis_c8", "vcpo")
-# what is timed: (label, method, PerSequenceGradients mode; None: the learner's own, "auto")
-VARIANTS = (("seq_tis_c8", "seq_tis_c8", None), ("vcpo", "vcpo", None), ("vcpo materialize", "vcpo", "materialize"),
-            ("vcpo ghost", "vcpo", "ghost"))
+# what is timed: (label, method, PerSequenceGradients settings over the learner's own: mode "auto", the
+# config's combination, "deferred" by default)
+VARIANTS = (("seq_tis_c8", "seq_tis_c8", {}), ("vcpo", "vcpo", {}), ("vcpo materialize", "vcpo", {"mode": "materialize"}),
+            ("vcpo ghost", "vcpo", {"mode": "ghost"}), ("vcpo buffers", "vcpo", {"combination": "buffers"}))
 PARTS = ("timing_s/update", "timing_s/forward", "timing_s/backward")
 
 
@@ -59,16 +61,40 @@ def batches(config, count: int, warmup_steps: int, folder: Path) -> tuple[Traine
     return trainer, produced
 
 
-def timed_update(trainer: Trainer, config, step: int, batch, mode: str | None = None) -> dict:
+def timed_update(trainer: Trainer, config, step: int, batch, engine_settings: dict | None = None) -> dict:
     """One update by a fresh learner of ``config``'s method on copies of the trainer's model and optimizer state."""
     learner = Learner(copy.deepcopy(trainer.model), config.method_preset, config)
-    if mode is not None:
-        learner.opob.mode = mode
+    for name, value in (engine_settings or {}).items():
+        setattr(learner.opob, name, value)
     learner.optimizer.load_state_dict(trainer.learner.optimizer.state_dict())
     lr_scale = warmup_stable_decay(step, config.steps, config.warmup_steps, config.decay_steps)
     started = time.perf_counter()
     metrics = learner.update(batch, lr_scale, None)
     return {"timing_s/update": time.perf_counter() - started, **{k: metrics[k] for k in PARTS[1:]}}
+
+
+def operator_times(trainer: Trainer, configs: dict, step: int, batch, repeats: int) -> dict:
+    """Each method's update under torch.profiler, after a warm-up: mean self CPU milliseconds per operator over
+    ``repeats`` updates; prints the operators by VCPO's excess over seq-TIS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    self_ms = {}
+    for method in METHODS:
+        timed_update(trainer, configs[method], step, batch)
+        totals: dict[str, float] = {}
+        for _ in range(repeats):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                timed_update(trainer, configs[method], step, batch)
+            for event in prof.key_averages():
+                totals[event.key] = totals.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / repeats
+        self_ms[method] = totals
+    base, vcpo = self_ms["seq_tis_c8"], self_ms["vcpo"]
+    total = {method: sum(times.values()) for method, times in self_ms.items()}
+    print(f"self CPU of one update: seq-TIS {total['seq_tis_c8']:.1f} ms, VCPO {total['vcpo']:.1f} ms "
+          f"({total['vcpo'] / total['seq_tis_c8']:.2f}x); operators by VCPO's excess (ms):")
+    for op in sorted(set(base) | set(vcpo), key=lambda op: base.get(op, 0.0) - vcpo.get(op, 0.0))[:12]:
+        print(f"  {op[:48]:48s} seq-TIS {base.get(op, 0.0):7.2f}  VCPO {vcpo.get(op, 0.0):7.2f}  {vcpo.get(op, 0.0) - base.get(op, 0.0):+7.2f}")
+    return {"self_ms": self_ms, "total_ms": total}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,31 +103,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", choices=METHODS, help="print one update's operators by self time, then stop")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile both methods' updates instead (--repeats each): operators by self time, VCPO against seq-TIS")
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*", help="key=value settings over the config file (default lag=12)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     settings = {"lag": "12", "lag_model": "pipeline_overlap", "method": "vcpo", "threads": "1", "progress": "false",
-                **dict(item.split("=", 1) for item in args.overrides)}
+                "opob_combination": "deferred", **dict(item.split("=", 1) for item in args.overrides)}
     configs = {method: validate(apply_overrides(load_config_file(args.config), {**settings, "method": method})) for method in METHODS}
     config = configs["vcpo"]
     with tempfile.TemporaryDirectory() as scratch:
         trainer, produced = batches(config, args.batches, args.warmup_steps, Path(scratch) / "run")
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            step, batch = produced[0]
-            timed_update(trainer, configs[args.profile], step, batch)  # warm-up
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                timed_update(trainer, configs[args.profile], step, batch)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            profiled = operator_times(trainer, configs, *produced[0], args.repeats)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"cpu": cpu_name(), "settings": settings, "repeats": args.repeats, **profiled}, indent=1) + "\n")
             return
         times = {label: [] for label, _, _ in VARIANTS}
         for _ in tqdm(range(args.repeats), desc="repeats"):
             for step, batch in produced:
-                for label, method, mode in VARIANTS:
-                    times[label].append(timed_update(trainer, configs[method], step, batch, mode))
+                for label, method, engine_settings in VARIANTS:
+                    times[label].append(timed_update(trainer, configs[method], step, batch, engine_settings))
     result = {"cpu": cpu_name(), "config": args.config, "settings": settings, "batches": args.batches,
               "repeats": args.repeats, "tokens_per_batch": [int(b.mask.sum()) for _, b in produced],
               "padded_shape": [list(b.mask.shape) for _, b in produced], "median_s": {}}

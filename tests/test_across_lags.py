@@ -216,3 +216,15 @@ def test_the_prose_quotes_the_committed_search_outcome():
             f"{chosen['seq_tis_collapses']} of {chosen['seq_tis_n']} seeds and sync held in {chosen['sync_holds']} of {chosen['sync_n']}") in studies
     assert f"the search found one (lr {label}, k = {chosen['lag']})" in " ".join((ROOT / "README.md").read_text().split())
     assert (ROOT / "tables/across_lags/tir_search.md").read_text() == search_markdown(outcome)
+
+
+def test_the_studies_config_keeps_the_floating_point_order_of_every_archived_row():
+    """OPOB combines "deferred" by default since both studies ran; every archived row's command reads
+    recipes/sim/regime.yaml, which keeps the two-buffer combination they ran with, and none overrides it."""
+    from vcpo.sim.config import SimConfig, load_config_file
+
+    assert SimConfig().opob_combination == "deferred"
+    assert load_config_file(ROOT / "recipes/sim/regime.yaml").opob_combination == "buffers"
+    for table in (ROOT / TABLE, ROOT / "tables/evidence/runs.jsonl"):
+        commands = [json.loads(line)["command"] for line in table.read_text().splitlines()]
+        assert commands and all("--config recipes/sim/regime.yaml " in c and "opob_combination" not in c for c in commands)

@@ -15,7 +15,7 @@ from devices import DEVICE, on_device
 from torch import nn
 
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.per_sequence_grads import COMBINATIONS, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import (
     ghost_sq_norms,
     per_sample_outer,
@@ -166,26 +166,28 @@ def assert_norms_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("kind", MODELS)
-def test_matches_per_sequence_loop_float64(kind, padding, mode):
+def test_matches_per_sequence_loop_float64(kind, padding, mode, combination):
     model = tiny_model(kind)
     batch = make_batch(seed=1, padding=padding)
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, mode=mode)
+    norms, grads = run_engine(model, batch, mode=mode, combination=combination)
     assert float(expected_norms.min()) == 0.0 and float(expected_norms.max()) > 0.0  # one-token sequence
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
 @pytest.mark.parametrize("kind", MODELS)
-def test_matches_per_sequence_loop_float32(kind, mode):
+def test_matches_per_sequence_loop_float32(kind, mode, combination):
     model = tiny_model(kind, torch.float32, seed=2)
     batch = make_batch(seed=2, lengths=[12, 5, 9, 3], padding="left")
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, mode=mode)
+    norms, grads = run_engine(model, batch, mode=mode, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -264,34 +266,38 @@ def test_update_equals_naive_two_backward_method():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
-def test_batch_scope_accumulates_across_micro_batches(mode):
+def test_batch_scope_accumulates_across_micro_batches(mode, combination):
     model = tiny_model("gpt2")
     batch = make_batch(seed=8)
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
-def test_group_scope_with_group_aligned_micro_batches(mode):
+def test_group_scope_with_group_aligned_micro_batches(mode, combination):
     """Two groups per micro-batch (three score buffers), combined after each micro-batch."""
     model = tiny_model("qwen2_tied")
     batch = make_batch(seed=9, lengths=[9, 4, 7, 6, 5, 8, 3, 7])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    norms, grads = run_engine(model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode)
+    norms, grads = run_engine(model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode,
+                              combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
-def test_groups_spanning_micro_batches_keep_a_buffer_per_group():
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_groups_spanning_micro_batches_keep_a_buffer_per_group(combination):
     model = tiny_model("llama")
     batch = make_batch(seed=10, lengths=[9, 4, 7, 6, 5, 8])
     groups = torch.tensor([5, 7, 5, 7, 7, 5])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    norms, grads = run_engine(model, batch, (slice(0, 2), slice(2, 6)), groups=groups)
+    norms, grads = run_engine(model, batch, (slice(0, 2), slice(2, 6)), groups=groups, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -325,6 +331,26 @@ def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
         for k, prev in enumerate(previous)
     ]
     assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
+
+
+def test_deferred_combination_adds_the_update_to_what_was_there_only_at_combine():
+    """Deferred: the backward leaves p.grad untouched; combine adds Σ_i (c^R_i − b c^S_i) g_i to it."""
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=12)
+    norms, update = reference_update(reference_gradients(model, batch), batch)
+    previous = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), previous, strict=True):
+        p.grad = g.clone()
+    engine = PerSequenceGradients(model, combination="deferred")
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        batched_scores(model, batch).sum().backward()
+    assert all(torch.equal(p.grad, prev) for p, prev in zip(model.parameters(), previous, strict=True))
+    engine.combine(opob_baseline(batch["rewards"], engine.sq_norms, batch["seq_log_weights"]))
+    expected = [prev + part for prev, part in zip(previous, update, strict=True)]
+    assert not any(p.grad.requires_grad for p in model.parameters())  # no graph through the kept activations
+    assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
+    with pytest.raises(ValueError, match="combination must be one of"):
+        PerSequenceGradients(model, combination="later")
 
 
 def test_combine_with_a_constant_baseline():
@@ -384,6 +410,13 @@ def test_cost_model_prefers_materialising_long_sequences():
     assert prefers_ghost([12], 64, 64, 2, 20.0) and not prefers_ghost([12], 64, 64, 3, 20.0)
     # Sequences of unequal lengths (packed) are costed together: one long sequence decides for the rest.
     assert prefers_ghost([4, 4], 896, 896, 2, 32.0) and not prefers_ghost([4, 2048], 896, 896, 2, 32.0)
+    # Deferred, only the norms are costed: ghost T²(R+C) against materialised (T + pass_cost)·R·C, whatever k.
+    # The simulator's MLP at T = 50: 2500·640 against 114·65536 multiply-adds, ghost; at T = 2048 materialised.
+    assert prefers_ghost([50], 128, 512, 9, 64.0, deferred=True) and not prefers_ghost([50], 128, 512, 9, 64.0)
+    assert not prefers_ghost([2048], 896, 896, 2, 64.0, deferred=True)
+    boundary = tokens**2 * (4 + 4) / (4 * 4) - tokens  # 24: ghost 512 = (8 + 24)·16 materialised
+    assert not prefers_ghost([tokens], 4, 4, 5, boundary, deferred=True)
+    assert prefers_ghost([tokens], 4, 4, 5, boundary * 1.01, deferred=True)
 
 
 # ----------------------------------------------------------------------------------------------

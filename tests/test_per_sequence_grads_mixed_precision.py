@@ -45,8 +45,8 @@ def precision_context(precision: str):
     return torch.autocast(DEVICE.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
 
 
-def engine_update(model, batch, layout: str, precision: str, mode: str):
-    engine = PerSequenceGradients(model, mode=mode)
+def engine_update(model, batch, layout: str, precision: str, mode: str, combination: str):
+    engine = PerSequenceGradients(model, mode=mode, combination=combination)
     model.zero_grad(set_to_none=True)
     packed = batch["cu_seqlens"] if layout == "packed" else None
     with engine.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=packed):
@@ -62,11 +62,12 @@ def norm_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected).abs().max() / expected.max())
 
 
-@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+# deferred: the norms of either route, then one weight-gradient product per parameter (the ghost route's)
+@pytest.mark.parametrize(("mode", "combination"), [("materialize", "buffers"), ("ghost", "buffers"), ("auto", "deferred")])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("kind", MODELS)
-def test_within_a_few_times_autograds_own_error(kind, precision, layout, mode):
+def test_within_a_few_times_autograds_own_error(kind, precision, layout, mode, combination):
     param_dtype = PRECISIONS[precision][0]
     model = float64_model(kind).to(param_dtype)
     truth = copy.deepcopy(model).double()  # the same (rounded) weights, in float64
@@ -80,7 +81,7 @@ def test_within_a_few_times_autograds_own_error(kind, precision, layout, mode):
     autograd_update_error = relative_error(autograd_update, true_update)
     assert autograd_norm_error > 1e-7 and autograd_update_error > 1e-7  # low precision really ran
 
-    norms, update = engine_update(model, batch, layout, precision, mode)
+    norms, update = engine_update(model, batch, layout, precision, mode, combination)
     assert [g.dtype for g in update] == [p.dtype for p in model.parameters()]  # gradients keep the params' dtype
     assert norm_error(norms, true_norms) <= ERROR_RATIO * autograd_norm_error
     assert relative_error(update, true_update) <= ERROR_RATIO * autograd_update_error

@@ -194,8 +194,9 @@ def test_packed_matches_per_sequence_backward(kind, mode):
     assert relative_error(final, expected_final) < TOLERANCE
 
 
+@pytest.mark.parametrize("combination", ["buffers", "deferred"])
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
-def test_packed_with_groups(mode):
+def test_packed_with_groups(mode, combination):
     """Two baseline groups (three gradient buffers) in one packed micro-batch."""
     model = tiny_model("qwen2_tied")
     lengths, prompts = [9, 4, 7, 6, 5, 8], [3, 2, 2, 4, 1, 3]
@@ -204,7 +205,7 @@ def test_packed_with_groups(mode):
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
 
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, mode=mode)
+    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination=combination)
     assert_norms_close(norms, expected_norms, TOLERANCE)
     expected_baseline = opob_baseline(batch["rewards"], expected_norms, batch["seq_log_weights"], groups)
     assert torch.allclose(baseline, expected_baseline, rtol=TOLERANCE)

@@ -499,7 +499,7 @@ def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_di
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").double()
     config = SimpleNamespace(
         base_lr=BASE_LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1e9, rho_on=None, temperature=1.0,
-        responses_per_prompt=GROUP, prompts_per_step=B // GROUP, micro_batch_size=GROUP,
+        responses_per_prompt=GROUP, prompts_per_step=B // GROUP, micro_batch_size=GROUP, opob_combination="deferred",
     )
     learner = Learner(model, get_method(method), config)
     sim_grads, sim_lr = [], []

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
 from vcpo.sim.base import MODEL_SIZES
@@ -72,6 +73,10 @@ class SimConfig:
     warmup_steps: int = 5  # warmup-stable-decay (VCPO Table 3)
     decay_steps: int = 0
     micro_batch_size: int = 64  # sequences per learner forward/backward (whole groups)
+    # how OPOB combines per-sequence gradients (vcpo.core.PerSequenceGradients): "deferred", one weight-gradient
+    # product per parameter once the baseline is known; "buffers", G_R and G_S^γ during the backward, the
+    # floating-point order of every run before "deferred" existed (recipes/sim/regime.yaml keeps it for the studies)
+    opob_combination: str = "deferred"
     # precision
     learner_dtype: str = "float32"
     rollout_dtype: str = "float32"  # "preset": the preset's precision (bf16/fp16), a training-inference mismatch
@@ -275,6 +280,8 @@ def validate(config: SimConfig) -> SimConfig:
         method = config.method_preset
     except ValueError as error:
         fail("method", str(error))
+    if config.opob_combination not in COMBINATIONS:
+        fail("opob_combination", f"must be one of {COMBINATIONS}, got {config.opob_combination!r}")
     if config.kv_cache not in KV_CACHE_MODES:
         fail("kv_cache", f"must be one of {KV_CACHE_MODES}, got {config.kv_cache!r}")
     if config.lag_model not in LAG_MODELS:

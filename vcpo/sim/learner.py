@@ -157,7 +157,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.base_lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
-        self.opob = PerSequenceGradients(model) if self.rule.opob else None
+        self.opob = PerSequenceGradients(model, combination=config.opob_combination) if self.rule.opob else None
 
     def _actor_config(self) -> FSDPActorConfig:
         if self.loss_name in VERL_POLICY_LOSSES:

@@ -51,6 +51,12 @@ Scope "group" with group-aligned micro-batches (whole groups in one micro-batch)
 ``groups=`` to `micro_batch` and call `combine` after each micro-batch with that micro-batch's
 baseline; the groups' score buffers are freed at once.
 
+Combination "deferred" (``PerSequenceGradients(model, combination="deferred")``): the backward forms only the
+norms and keeps each part's input and output gradient (Linear, Conv1D) or per-sequence gradients (the rest);
+`combine`, knowing b, forms Ĝ = Σ_i (c^R_i − b_γ(i) c^S_i) g_i with one weight-gradient product per parameter and
+no score buffers. Cheaper where there are many groups (k − 1 fewer combinations of every per-sequence gradient, and
+then the ghost norms win for short sequences); it holds the kept tensors of every micro-batch until `combine`.
+
 Packed ("remove padding") micro-batches: ``micro_batch(..., cu_seqlens=offsets)`` with B sequences
 concatenated along the token dimension of ONE row (every module input (1, tokens, ...), sequence i =
 tokens [c_i, c_{i+1}), attention block-diagonal). Every handler reduces per segment. Linear/Conv1D
@@ -98,6 +104,7 @@ from vcpo.core.per_sequence_grads.functions import (
     module_kind,
 )
 from vcpo.core.per_sequence_grads.reductions import (
+    COMBINATIONS,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_PASS_COST,
     LOW_PRECISION,
@@ -121,20 +128,31 @@ class PerSequenceGradients:
         block_bytes: size of one block of materialised per-sequence gradients; default per device
             type (``DEFAULT_BLOCK_BYTES``).
         pass_cost: the machine balance of `prefers_ghost`; default per device type (``DEFAULT_PASS_COST``).
+        combination: "buffers" accumulates G_R and one score buffer G_S^γ per open group during the
+            backward (k = 1 + #groups combinations of every per-sequence gradient; memory: the buffers,
+            any number of micro-batches). "deferred" keeps every part's inputs and output gradients
+            until `combine`, which knows b and forms Ĝ = Σ_i (c^R_i − b_γ(i) c^S_i) g_i with ONE
+            weight-gradient product per parameter, as a plain backward would (memory: every open
+            micro-batch's layer inputs and output gradients; for one micro-batch per combine, or few).
+            The two differ in floating-point order only.
 
     Raises ValueError naming the module and parameter if a trainable parameter is not handled.
     """
 
     def __init__(
-        self, model: nn.Module, mode: str = "auto", block_bytes: int | None = None, pass_cost: float | None = None
+        self, model: nn.Module, mode: str = "auto", block_bytes: int | None = None, pass_cost: float | None = None,
+        combination: str = "buffers",
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if combination not in COMBINATIONS:
+            raise ValueError(f"combination must be one of {COMBINATIONS}, got {combination!r}")
         if block_bytes is not None and not block_bytes > 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if pass_cost is not None and not (math.isfinite(pass_cost) and pass_cost > 0):
             raise ValueError(f"pass_cost must be a positive finite number, got {pass_cost}")
         self.mode = mode
+        self.combination = combination
         self._block_bytes = block_bytes
         self._pass_cost = pass_cost
         self.sites, self.tied_params = _collect_sites(self, model)
@@ -144,6 +162,7 @@ class PerSequenceGradients:
         self._reward_buffers: dict = {}  # parameter id -> (parameter, float32 G_R) of low-precision parameters
         self._open_norms: list[torch.Tensor] = []
         self._open_labels: list = []
+        self._open_micro_batches: list[_MicroBatch] = []  # combination "deferred": their pending parts
         self._grouped: bool | None = None
 
     def block_bytes(self, like: torch.Tensor) -> int:
@@ -248,12 +267,15 @@ class PerSequenceGradients:
             raise
         finally:
             self._active = None
+            micro_batch.grams.clear()
             for site in self.sites:
                 site.uninstall()
             for guard in guards:
                 guard.remove()
         self._open_norms.append(micro_batch.sq_norms)
         self._open_labels.extend(label_of_sequence)
+        if micro_batch.pending:
+            self._open_micro_batches.append(micro_batch)
 
     def set_coefficients(self, coef_r: torch.Tensor, coef_s: torch.Tensor) -> None:
         """Replace c^R and c^S of the open micro-batch after its forward and before its backward.
@@ -298,7 +320,8 @@ class PerSequenceGradients:
         return torch.cat([coef_r.unsqueeze(0), score_rows]), labels, label_of_sequence
 
     def combine(self, baseline: torch.Tensor | float) -> None:
-        """p.grad ← G_R − Σ_γ b_γ G_S^γ, then free the score buffers (Algorithm 1, line 15).
+        """p.grad ← G_R − Σ_γ b_γ G_S^γ, then free the score buffers (Algorithm 1, line 15); deferred:
+        p.grad ← Σ_i (c^R_i − b_γ(i) c^S_i) g_i from the kept parts.
 
         Args:
             baseline: b per sequence since the last combine, shape (n,), constant within each group
@@ -307,6 +330,11 @@ class PerSequenceGradients:
         if not self._open_norms:
             raise ValueError("combine() needs at least one micro_batch since the last combine()")
         per_label = self._baseline_per_label(baseline)
+        with torch.no_grad():  # the kept layer inputs are activations of the graph
+            for micro_batch in self._open_micro_batches:
+                coefficients_as = micro_batch.deferred_coefficients(per_label)
+                for param, combine_into in micro_batch.pending:
+                    combine_into(coefficients_as, [self.reward_buffer(param).view(-1)])
         for label, buffers in self._score_buffers.items():
             for param, buffer in buffers.values():
                 self.reward_buffer(param).add_(buffer, alpha=-per_label[label])
@@ -338,6 +366,7 @@ class PerSequenceGradients:
         self._reward_buffers = {}
         self._open_norms = []
         self._open_labels = []
+        self._open_micro_batches = []
         self._grouped = None
 
 
@@ -391,4 +420,4 @@ def _collect_sites(engine: PerSequenceGradients, model: nn.Module) -> tuple[list
     return sites, tied
 
 
-__all__ = ["MODES", "PackedSegments", "PerSequenceGradients"]
+__all__ = ["COMBINATIONS", "MODES", "PackedSegments", "PerSequenceGradients"]

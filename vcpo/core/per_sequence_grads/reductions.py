@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("auto", "materialize", "ghost")
+# How the per-sequence gradients are combined: during the backward into G_R and the score buffers, or
+# once the baseline is known into Ĝ (PerSequenceGradients).
+COMBINATIONS = ("buffers", "deferred")
 # Per-sequence gradients of these dtypes (autocast's matmul outputs, bf16 parameters) are widened to
 # float32 before they are squared, summed over sequences or scaled by coefficients.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -51,17 +54,26 @@ def per_sample_outer(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows.transpose(1, 2), cols)
 
 
+def gram(values: torch.Tensor) -> torch.Tensor:
+    """The Gram matrices values_i values_iᵀ, shape (B, T, T), widened, for values (B, T, w)."""
+    return widened(torch.bmm(values, values.transpose(1, 2)))
+
+
 def ghost_sq_norms(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """||rows_iᵀ cols_i||²_F = Σ_{t,s} (rows_t·rows_s)(cols_t·cols_s) per sequence, shape (B,).
 
     Never forms the (R, C) matrix: cost B·T²·(R + C) multiply-adds and 2·B·T² values of memory.
     """
-    row_gram = torch.bmm(rows, rows.transpose(1, 2))
-    col_gram = torch.bmm(cols, cols.transpose(1, 2))
-    return torch.einsum("bts,bts->b", widened(row_gram), widened(col_gram))
+    return gram_sq_norms(gram(rows), gram(cols))
 
 
-def prefers_ghost(lengths: list[int], rows: int, cols: int, num_combinations: int, pass_cost: float) -> bool:
+def gram_sq_norms(row_gram: torch.Tensor, col_gram: torch.Tensor) -> torch.Tensor:
+    """`ghost_sq_norms` from the two sides' Gram matrices (B, T, T): Σ_{t,s} of their product."""
+    return torch.linalg.vecdot(row_gram.flatten(1), col_gram.flatten(1))
+
+
+def prefers_ghost(lengths: list[int], rows: int, cols: int, num_combinations: int, pass_cost: float,
+                  deferred: bool = False) -> bool:
     """True when the ghost route costs less than materialising per-sequence gradients, for sequences of
     these token counts.
 
@@ -71,7 +83,13 @@ def prefers_ghost(lengths: list[int], rows: int, cols: int, num_combinations: in
       ghost:       the Gram matrices, and one weight-gradient matmul per combination beyond the first:
                    T²·(R + C) + (k − 1)·T·R·C
     Long sequences therefore materialise; only very short ones (T below ~pass_cost) go ghost.
+    Deferred combination (one weight-gradient matmul either way, at `combine`), the norms alone:
+      materialise: T·R·C + pass_cost·R·C        ghost: T²·(R + C)
     """
+    if deferred:
+        materialize = sum(tokens + pass_cost for tokens in lengths) * rows * cols
+        ghost = sum(tokens * tokens * (rows + cols) for tokens in lengths)
+        return ghost < materialize
     materialize = len(lengths) * pass_cost * rows * cols
     ghost = sum(tokens * tokens * (rows + cols) + (num_combinations - 1) * tokens * rows * cols for tokens in lengths)
     return ghost < materialize

@@ -16,6 +16,8 @@ from vcpo.core.per_sequence_grads.reductions import (
     PackedSegments,
     add_product,
     ghost_sq_norms,
+    gram,
+    gram_sq_norms,
     per_sample_outer,
     prefers_ghost,
     rms_normalize,
@@ -31,6 +33,7 @@ class Engine(Protocol):
     import it)."""
 
     mode: str
+    combination: str
     tied_params: set[int]
 
     def active_micro_batch(self, name: str) -> _MicroBatch: ...
@@ -187,14 +190,17 @@ class _Rows:
             torch.mm(rows_i[:, start:stop].t(), cols_i, out=out[i])
         return out
 
-    def ghost_sq_norms(self, cols: _Rows, block_bytes: int) -> torch.Tensor:
-        """||selfᵢᵀ colsᵢ||² per sequence, the Gram matrices of at most ``block_bytes`` at a time."""
+    def ghost_sq_norms(self, cols: _Rows, block_bytes: int, grams) -> torch.Tensor:
+        """||selfᵢᵀ colsᵢ||² per sequence, the Gram matrices of at most ``block_bytes`` at a time, each
+        from ``grams(values, start, stop)`` (sequences [start, stop) of one side)."""
         if self.offsets is not None:
             return torch.cat([ghost_sq_norms(r[None], c[None]) for r, c in zip(self.sequences(), cols.sequences())])
         batch, tokens = self.values.shape[0], self.values.shape[1]
         chunk = max(1, block_bytes // (2 * tokens * tokens * self.values.element_size()))
-        rows, cols = self.values, cols.values
-        return torch.cat([ghost_sq_norms(rows[s : s + chunk], cols[s : s + chunk]) for s in range(0, batch, chunk)])
+        return torch.cat([
+            gram_sq_norms(grams(self.values, s, s + chunk), grams(cols.values, s, s + chunk))
+            for s in range(0, batch, chunk)
+        ])
 
     def tokens(self) -> torch.Tensor:
         """Every token that belongs to a sequence, (N, w), in sequence order."""
@@ -248,6 +254,9 @@ class _MicroBatch:
     received: set = field(default_factory=set)  # (site name, parameter id) of every gradient part
     forwards: set = field(default_factory=set)  # sites whose forward built a graph
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
+    # combination "deferred": (parameter, combine_into) of every gradient part, for `combine`
+    pending: list = field(default_factory=list)
+    grams: dict = field(default_factory=dict)  # deferred: Gram matrices of this backward, by tensor
     _cast: dict = field(default_factory=dict)
 
     @property
@@ -256,10 +265,33 @@ class _MicroBatch:
 
     def coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
         """The (k, B) coefficients in like's dtype and device."""
-        key = (like.dtype, like.device)
-        if key not in self._cast:
-            self._cast[key] = self.coefficients.to(device=like.device, dtype=like.dtype)
-        return self._cast[key]
+        return _cast_once(self._cast, self.coefficients, like)
+
+    def gram(self, values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Gram matrices of sequences [start, stop) of a layer input or output gradient. Deferred, one
+        tensor that several weights read (the input of q, k and v) is formed once per backward: its
+        values are kept for `combine` anyway, and the reference kept here stops the storage being reused."""
+        if self.engine.combination != "deferred":
+            return gram(values[start:stop])
+        key = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(), start)
+        if key not in self.grams:
+            self.grams[key] = (values, gram(values[start:stop]))
+        return self.grams[key][1]
+
+    def deferred_coefficients(self, per_label: dict) -> _CoefficientRow:
+        """c_i = c^R_i − b_γ(i) c^S_i: the single row the deferred parts combine with, once b is known."""
+        baselines = torch.tensor([per_label[label] for label in self.labels], dtype=torch.float64)
+        combined = self.coefficients[0] - baselines.to(self.coefficients.device) @ self.coefficients[1:]
+        return _CoefficientRow(combined.unsqueeze(0))
+
+    def _combination(self, param: torch.Tensor, combine_into) -> None:
+        """A gradient part's combination ``combine_into(coefficients_as, targets)``, which adds
+        Σ_i coefficients[j, i] P_i to targets[j]: now into G_R and the score buffers (combination
+        "buffers"), or kept for `combine`, which applies it once with c^R − b c^S into G_R ("deferred")."""
+        if self.engine.combination == "deferred":
+            self.pending.append((param, combine_into))
+        else:
+            combine_into(self.coefficients_as, self._targets(param))
 
     def rows(self, values: torch.Tensor) -> _Rows:
         """A Linear/Conv1D input or output gradient as `_Rows` (views of the packed row, if packed)."""
@@ -309,13 +341,10 @@ class _MicroBatch:
         self.sq_norms += values.to(device=self.sq_norms.device, dtype=torch.float64)
 
     def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
-        """Norms and k combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
+        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
         self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
-        coefficients = self.coefficients_as(per_sample)
-        n = per_sample.shape[1]
-        for row, target in enumerate(self._targets(param)):
-            add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1], per_sample)
+        self._combination(param, lambda coefficients_as, targets: _add_combinations(coefficients_as, targets, per_sample, offset))
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
         """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
@@ -323,16 +352,20 @@ class _MicroBatch:
         self._accumulate(param, per_sample, 0)
 
     def add_outer_products(self, name: str, param: torch.Tensor, rows: _Rows, cols: _Rows) -> None:
-        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route."""
+        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route.
+
+        Deferred, the combination is one weight-gradient product by either route (`combine` knows the
+        single coefficient row), so a materialised block only gives its norms."""
         self._receive(name, param)
-        mode = self.engine.mode
+        mode, deferred = self.engine.mode, self.engine.combination == "deferred"
         if mode == "ghost" or (
             mode == "auto"
             and prefers_ghost(
-                rows.lengths, rows.width, cols.width, self.coefficients.shape[0], self.engine.pass_cost(param)
+                rows.lengths, rows.width, cols.width, self.coefficients.shape[0], self.engine.pass_cost(param), deferred
             )
         ):
-            self._add_outer_products_ghost(param, rows, cols)
+            self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param), self.gram))
+            self._combination(param, lambda coefficients_as, targets: _add_weighted_products(coefficients_as, targets, rows, cols))
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
         # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
@@ -341,27 +374,27 @@ class _MicroBatch:
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
         for start in range(0, num_rows, block_rows):
             block = rows.outer(cols, start, min(start + block_rows, num_rows))
-            self._accumulate(param, block, start * num_cols)
-
-    def _add_outer_products_ghost(self, param: torch.Tensor, rows: _Rows, cols: _Rows) -> None:
-        self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param)))
-        # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
-        # autograd's weight gradient of the same micro-batch would.
-        coefficients = self.coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
-        flat_cols = cols.tokens()
-        for row, target in enumerate(self._targets(param)):
-            add_product(target.view(rows.width, -1), rows.weighted_tokens(coefficients[row]).t(), flat_cols)
+            if deferred:
+                block = widened(block.reshape(block.shape[0], -1))
+                self._add_sq_norms(torch.linalg.vecdot(block, block))
+            else:
+                self._accumulate(param, block, start * num_cols)
+        if deferred:
+            self._combination(param, lambda coefficients_as, targets: _add_weighted_products(coefficients_as, targets, rows, cols))
 
     def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
         self._receive(name, param)
         self._add_sq_norms(sparse_rows_sq_norms(ids, rows, param.shape[0]))
         rows = widened(rows)
-        coefficients = self.coefficients_as(rows)
-        flat_ids = ids.flatten()
-        for row, target in enumerate(self._targets(param)):
-            weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
-            target.view(param.shape).index_add_(0, flat_ids, weighted_rows.to(target.dtype))
+
+        def combine_into(coefficients_as, targets):
+            coefficients, flat_ids = coefficients_as(rows), ids.flatten()
+            for row, target in enumerate(targets):
+                weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
+                target.view(param.shape).index_add_(0, flat_ids, weighted_rows.to(target.dtype))
+
+        self._combination(param, combine_into)
 
     def add_tied_part(self, param: torch.Tensor, rows_at) -> None:
         """Cross term 2 Σ_t <H_i[id_t], δ^E_{i,t}> of a tied weight, once both parts have arrived.
@@ -386,6 +419,44 @@ class _MicroBatch:
                 f"modules {missing[:3]} ran a forward inside `micro_batch` but their backward did not run inside "
                 "it; call backward() inside the `with engine.micro_batch(...)` block"
             )
+
+
+def _cast_once(cache: dict, coefficients: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    key = (like.dtype, like.device)
+    if key not in cache:
+        cache[key] = coefficients.to(device=like.device, dtype=like.dtype)
+    return cache[key]
+
+
+@dataclass
+class _CoefficientRow:
+    """The combined coefficients (1, B) of a deferred micro-batch, cast once per dtype and device."""
+
+    row: torch.Tensor
+    _cast: dict = field(default_factory=dict)
+
+    def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        return _cast_once(self._cast, self.row, like)
+
+
+def _add_combinations(coefficients_as, targets: list[torch.Tensor], per_sample: torch.Tensor, offset: int) -> None:
+    """targets[j][offset : offset + n] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n)."""
+    coefficients, n = coefficients_as(per_sample), per_sample.shape[1]
+    for row, target in enumerate(targets):
+        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1], per_sample)
+
+
+def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _Rows, cols: _Rows) -> None:
+    """targets[j] += Σ_i coefficients[j, i] rows_iᵀ cols_i, one weight-gradient matmul per target, the
+    narrower side scaled by the coefficients."""
+    # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
+    # autograd's weight gradient of the same micro-batch would.
+    coefficients = coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
+    for row, target in enumerate(targets):
+        if cols.width < rows.width:
+            add_product(target.view(rows.width, -1), rows.tokens().t(), cols.weighted_tokens(coefficients[row]))
+        else:
+            add_product(target.view(rows.width, -1), rows.weighted_tokens(coefficients[row]).t(), cols.tokens())
 
 
 def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:
