@@ -18,6 +18,7 @@ from vcpo.core.baselines import opob_baseline
 from vcpo.core.per_sequence_grads import COMBINATIONS, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import (
     ghost_sq_norms,
+    gram,
     per_sample_outer,
     prefers_ghost,
     rows_at_ids,
@@ -225,15 +226,16 @@ def test_padding_idx_rows_get_no_gradient():
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing(reentrant):
+def test_gradient_checkpointing(reentrant, combination):
     """The checkpointed forward is recomputed inside backward; each handler still runs once."""
     batch = make_batch(seed=6)
     expected_norms, expected_grads = reference_update(reference_gradients(tiny_model("qwen2_tied"), batch), batch)
     model = tiny_model("qwen2_tied").train()
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    norms, grads = run_engine(model, batch)
+    norms, grads = run_engine(model, batch, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -331,6 +333,24 @@ def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
         for k, prev in enumerate(previous)
     ]
     assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
+
+
+def test_deferred_ghost_norms_form_a_shared_inputs_gram_once(monkeypatch):
+    """Deferred, q, k and v (and gate and up) read one input: its Gram matrices are formed once, for the first
+    of them, and only the last input's are held. Buffers form them per weight."""
+    from vcpo.core.per_sequence_grads import sites
+
+    model, batch = tiny_model("llama"), make_batch(seed=13)
+    formed = []
+    monkeypatch.setattr(sites, "gram", lambda values: formed.append(values.shape) or gram(values))
+    layers, linears = model.config.num_hidden_layers, sum(isinstance(m, nn.Linear) for m in model.modules())
+    counts = {}
+    for combination in COMBINATIONS:
+        formed.clear()
+        run_engine(model, batch, mode="ghost", combination=combination)
+        counts[combination] = len(formed)
+    # every Linear's output-gradient Gram, and the inputs: per layer q/k/v's, o's, gate/up's, down's; the head's
+    assert counts == {"buffers": 2 * linears, "deferred": linears + 4 * layers + 1}
 
 
 def test_deferred_combination_adds_the_update_to_what_was_there_only_at_combine():
@@ -583,11 +603,12 @@ def test_benchmark_runs_and_variants_agree(capsys):
     assert peak > 0
 
 
-def test_coefficients_set_after_the_forward_give_the_same_update():
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_coefficients_set_after_the_forward_give_the_same_update(combination):
     """set_coefficients between forward and backward = passing the coefficients up front."""
     model, batch = tiny_model("qwen2"), make_batch()
-    expected_norms, expected = run_engine(model, batch)
-    engine = PerSequenceGradients(model)
+    expected_norms, expected = run_engine(model, batch, combination=combination)
+    engine = PerSequenceGradients(model, combination=combination)
     model.zero_grad(set_to_none=True)
     zeros = torch.zeros_like(batch["coef_r"])
     with engine.micro_batch(zeros, zeros):

@@ -1,6 +1,7 @@
 """The evidence study's statistics against hand-computed values, its run plan, and the two simulator keys
 it added: the final test-split evaluation and the replayed step-size factor (lr_scale_from)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,10 @@ import pytest
 from test_sim_train import small_config
 
 from vcpo.local_models import save_random_model
+from vcpo.recipes import recipes_dir
+from vcpo.runs import METRICS_FILE
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
+from vcpo.sim.train import Trainer
 from vcpo.studies.design import Arm, Design, run_folder, run_settings
 from vcpo.studies.evidence import compare, ess_predictor, last_quarter_mean, predictor_report
 from vcpo.studies.statistics import (
@@ -22,9 +26,6 @@ from vcpo.studies.statistics import (
     roc_auc,
     wilson_interval,
 )
-from vcpo.recipes import recipes_dir
-from vcpo.runs import METRICS_FILE
-from vcpo.sim.train import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,18 @@ def test_a_run_recorded_before_a_key_existed_resumes_with_its_default():
     recorded = {key: value for key, value in config.recorded().items() if key not in ("test_problems", "test_samples", "lr_scale_from")}
     assert settings_changed(recorded, config) == []
     assert settings_changed(recorded, validate(SimConfig(test_problems=5))) == ["test_problems: 0 -> 5"]
+
+
+def test_a_run_recorded_before_opob_combination_existed_resumes_only_with_the_buffers_it_used():
+    """Runs recorded before the key combined OPOB in two buffers, not the "deferred" default that came with it:
+    the studies' config (which keeps the buffers) resumes them, a config with the new default is refused."""
+    from vcpo.sim.config import load_config_file
+
+    studies = validate(load_config_file(Path(__file__).resolve().parents[1] / "recipes/sim/regime.yaml"))
+    recorded = {key: value for key, value in studies.recorded().items() if key != "opob_combination"}
+    assert settings_changed(recorded, studies) == []
+    default = validate(dataclasses.replace(studies, opob_combination=SimConfig().opob_combination))
+    assert settings_changed(recorded, default) == ["opob_combination: 'buffers' -> 'deferred'"]
 
 
 def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from_its_table():

@@ -18,8 +18,8 @@ from typing import Any
 from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
-from vcpo.sim.base import MODEL_SIZES
 from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
+from vcpo.sim.base import MODEL_SIZES
 from vcpo.sim.rollout import KV_CACHE_MODES, LAG_MODELS, OVERLAPPING_LAG_MODELS, SIM_TOOL_TIMEOUT_S
 from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
@@ -134,6 +134,8 @@ class SimConfig:
 
 
 FIELD_TYPES = {f.name: f.type for f in fields(SimConfig)}
+# Keys whose default is not what a run recorded before the key existed did: the arithmetic those runs used.
+BEFORE_THE_KEY = {"opob_combination": "buffers"}
 # Keys a restart may change: they do not change what the run computes.
 RESUMABLE_CHANGES = ("progress", "wandb", "checkpoint_every", "out", "config_file", "extra", "tool_workers", "execution")
 
@@ -144,8 +146,8 @@ def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
     now = config.recorded()
     if config.base is None:  # the cached SFT base of (task, model_size, base_seed), which are compared
         del now["base"]
-    defaults = SimConfig()  # a key added after the run was recorded: the run had its default
-    was = {key: recorded.get(key, getattr(defaults, key, None)) for key in now}
+    defaults = SimConfig()  # a key added after the run was recorded: the run had its default, or what it did before
+    was = {key: recorded.get(key, BEFORE_THE_KEY.get(key, getattr(defaults, key, None))) for key in now}
     return [f"{key}: {was[key]!r} -> {value!r}" for key, value in now.items()
             if key not in RESUMABLE_CHANGES and was[key] != value]
 

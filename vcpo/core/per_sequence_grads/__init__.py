@@ -267,7 +267,7 @@ class PerSequenceGradients:
             raise
         finally:
             self._active = None
-            micro_batch.grams.clear()
+            micro_batch.input_grams = (None, {})
             for site in self.sites:
                 site.uninstall()
             for guard in guards:

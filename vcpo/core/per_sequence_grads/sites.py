@@ -117,7 +117,7 @@ class _Site:
         weight, bias = self.module.weight, self.module.bias
         if weight.requires_grad:
             rows, cols = (inputs, delta) if self.transposed else (delta, inputs)
-            micro_batch.add_outer_products(self.name, weight, rows, cols)
+            micro_batch.add_outer_products(self.name, weight, rows, cols, shared=inputs)
             if micro_batch.is_tied(weight):
                 block_bytes = self.engine.block_bytes(weight)
                 micro_batch.add_tied_part(weight, lambda ids: delta.rows_at_ids(inputs, ids, block_bytes))
@@ -256,7 +256,8 @@ class _MicroBatch:
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
     # combination "deferred": (parameter, combine_into) of every gradient part, for `combine`
     pending: list = field(default_factory=list)
-    grams: dict = field(default_factory=dict)  # deferred: Gram matrices of this backward, by tensor
+    # deferred: the last layer input's identity and its Gram matrices by chunk, for the next weight that reads it
+    input_grams: tuple = (None, {})
     _cast: dict = field(default_factory=dict)
 
     @property
@@ -267,16 +268,22 @@ class _MicroBatch:
         """The (k, B) coefficients in like's dtype and device."""
         return _cast_once(self._cast, self.coefficients, like)
 
-    def gram(self, values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Gram matrices of sequences [start, stop) of a layer input or output gradient. Deferred, one
-        tensor that several weights read (the input of q, k and v) is formed once per backward: its
-        values are kept for `combine` anyway, and the reference kept here stops the storage being reused."""
+    def input_gram(self, values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Gram matrices of sequences [start, stop) of a layer input. Deferred, the weights that read one input
+        (q, k and v; gate and up) run their backward one after another, so the last input's Grams are kept for
+        the next: formed once, and one input's at a time held (its values are kept for `combine` anyway; the
+        reference kept here also stops its storage being reused while the Grams are)."""
         if self.engine.combination != "deferred":
             return gram(values[start:stop])
-        key = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(), start)
-        if key not in self.grams:
-            self.grams[key] = (values, gram(values[start:stop]))
-        return self.grams[key][1]
+        identity = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(),
+                    values.dtype)
+        kept, chunks = self.input_grams
+        if kept is None or kept[0] != identity:
+            chunks = {}
+            self.input_grams = ((identity, values), chunks)
+        if (start, stop) not in chunks:
+            chunks[start, stop] = gram(values[start:stop])
+        return chunks[start, stop]
 
     def deferred_coefficients(self, per_label: dict) -> _CoefficientRow:
         """c_i = c^R_i − b_γ(i) c^S_i: the single row the deferred parts combine with, once b is known."""
@@ -351,8 +358,9 @@ class _MicroBatch:
         self._receive(name, param)
         self._accumulate(param, per_sample, 0)
 
-    def add_outer_products(self, name: str, param: torch.Tensor, rows: _Rows, cols: _Rows) -> None:
-        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route.
+    def add_outer_products(self, name: str, param: torch.Tensor, rows: _Rows, cols: _Rows, shared: _Rows) -> None:
+        """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route; ``shared``
+        is whichever side is the layer's input (other weights may read it too).
 
         Deferred, the combination is one weight-gradient product by either route (`combine` knows the
         single coefficient row), so a materialised block only gives its norms."""
@@ -364,7 +372,10 @@ class _MicroBatch:
                 rows.lengths, rows.width, cols.width, self.coefficients.shape[0], self.engine.pass_cost(param), deferred
             )
         ):
-            self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param), self.gram))
+            def grams(values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+                return self.input_gram(values, start, stop) if values is shared.values else gram(values[start:stop])
+
+            self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param), grams))
             self._combination(param, lambda coefficients_as, targets: _add_weighted_products(coefficients_as, targets, rows, cols))
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
