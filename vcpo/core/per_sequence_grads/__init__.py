@@ -81,7 +81,8 @@ Memory beyond a plain backward: for bf16 / fp16 parameters a float32 G_R buffer 
 (float32 for those) score buffer per open group label (one for scope "batch", one
 per group of the micro-batch for scope "group"), plus one block of per-sequence gradients
 (``block_bytes``) or the ghost Gram matrices (2·B·T² values, chunked to ``block_bytes``; packed: 2·T_i²
-for one sequence at a time).
+for one sequence at a time). Deferred: no score buffers, but every open micro-batch's layer inputs and output
+gradients until `combine`, and the Gram matrices of one layer input (shared by the weights that read it).
 
 Limits: the engine cannot see the attention, and sequences must not interact through it (rows of a
 padded batch; the block-diagonal mask of a packed row, which HF transformers 5 builds from position_ids
