@@ -40,7 +40,7 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
     steps = {}
     for method in METHODS:  # one step each, in turn, on the same batch
         td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
-        config = standalone.megatron_actor_config(method, B, GROUP, MICRO, engine=engine)
+        config = standalone.actor_config(method, B, GROUP, MICRO, megatron_engine=engine)
         with engine.train_mode():
             outputs = engine.train_batch(td, functools.partial(ppo_loss, config=config))
         if engine.is_mp_src_rank_with_outputs():  # the other ranks get no outputs

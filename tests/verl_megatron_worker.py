@@ -117,7 +117,7 @@ def run(model_dir: Path, tensor: int, pipeline: int, distributed_optimizer: bool
     td["advantages"], whole["advantages"] = advantages[rows], advantages
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     reference = reference_log_probs(hf, raw)
-    config = standalone.megatron_actor_config("seq_tis_c8", B, GROUP, MICRO, engine=engine)
+    config = standalone.actor_config("seq_tis_c8", B, GROUP, MICRO, megatron_engine=engine)
     loss_function = functools.partial(ppo_loss, config=config)
     step_reference = reference_step(hf, whole, raw, loss_function)
     reference_bf16 = reference_log_probs(hf.to(torch.bfloat16), raw)

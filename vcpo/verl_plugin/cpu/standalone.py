@@ -8,7 +8,7 @@ Select the platform before anything imports verl (`vcpo.verl_shared.select_cpu_p
 
 `build_megatron_engine` does the same for verl's Megatron engine (backend ``megatron``, mbridge, bf16,
 padded path) on the ranks of this process group, with the CPU shims of `vcpo.verl_plugin.cpu.megatron`;
-`megatron_actor_config` is the actor config verl binds to ``ppo_loss`` for it.
+`actor_config` given that engine is the actor config verl binds to ``ppo_loss`` for it.
 """
 
 from __future__ import annotations
@@ -74,16 +74,21 @@ def build_engine(
     return engine
 
 
-def actor_config(method: str, batch: int, group: int, micro: int) -> FSDPActorConfig:
-    """The actor config verl binds to ``ppo_loss`` (``policy_loss.method`` selects the engine's rule)."""
-    return FSDPActorConfig(
-        strategy="fsdp2",
+def actor_config(method: str, batch: int, group: int, micro: int, megatron_engine=None) -> FSDPActorConfig | McoreActorConfig:
+    """The actor config verl binds to ``ppo_loss`` (``policy_loss.method`` selects the engine's rule): FSDP2's,
+    or for a ``megatron_engine`` (`build_megatron_engine`) verl's ``McoreActorConfig`` carrying its engine config."""
+    cls, strategy, extra = FSDPActorConfig, "fsdp2", {}
+    if megatron_engine is not None:
+        cls, strategy, extra = McoreActorConfig, "megatron", {"megatron": megatron_engine.engine_config}
+    return cls(
+        strategy=strategy,
         rollout_n=group,
         ppo_mini_batch_size=batch // group,
         ppo_micro_batch_size_per_gpu=micro,
         use_dynamic_bsz=False,
         loss_agg_mode="seq-mean-token-mean",
         policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method),
+        **extra,
     )
 
 
@@ -142,22 +147,6 @@ def build_megatron_engine(
     )
     engine.initialize()
     return engine
-
-
-def megatron_actor_config(method: str, batch: int, group: int, micro: int, engine=None) -> McoreActorConfig:
-    """`actor_config` for strategy ``megatron`` (verl's ``McoreActorConfig``, carrying the ``McoreEngineConfig``
-    of ``engine`` when given)."""
-    extra = {} if engine is None else {"megatron": engine.engine_config}
-    return McoreActorConfig(
-        strategy="megatron",
-        rollout_n=group,
-        ppo_mini_batch_size=batch // group,
-        ppo_micro_batch_size_per_gpu=micro,
-        use_dynamic_bsz=False,
-        loss_agg_mode="seq-mean-token-mean",
-        policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method),
-        **extra,
-    )
 
 
 @dataclass
@@ -261,6 +250,5 @@ __all__ = [
     "actor_config",
     "build_engine",
     "build_megatron_engine",
-    "megatron_actor_config",
     "save_random_qwen2",
 ]
