@@ -3,6 +3,7 @@ per-sequence gradients to squared norms and to the coefficient combinations (G_R
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -347,11 +348,16 @@ class _MicroBatch:
         """sq_norms += values, one per sequence."""
         self.sq_norms += values.to(device=self.sq_norms.device, dtype=torch.float64)
 
-    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
-        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
+    def _add_per_sample_sq_norms(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """sq_norms += ||per_sample_i||² of per-sequence gradients (B, ...); returns them widened, as (B, n)."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
         self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
-        self._combination(param, lambda coefficients_as, targets: _add_combinations(coefficients_as, targets, per_sample, offset))
+        return per_sample
+
+    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
+        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
+        per_sample = self._add_per_sample_sq_norms(per_sample)
+        self._combination(param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset))
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
         """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
@@ -366,6 +372,7 @@ class _MicroBatch:
         single coefficient row), so a materialised block only gives its norms."""
         self._receive(name, param)
         mode, deferred = self.engine.mode, self.engine.combination == "deferred"
+        weighted_products = functools.partial(_add_weighted_products, rows=rows, cols=cols)
         if mode == "ghost" or (
             mode == "auto"
             and prefers_ghost(
@@ -376,7 +383,7 @@ class _MicroBatch:
                 return self.input_gram(values, start, stop) if values is shared.values else gram(values[start:stop])
 
             self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param), grams))
-            self._combination(param, lambda coefficients_as, targets: _add_weighted_products(coefficients_as, targets, rows, cols))
+            self._combination(param, weighted_products)
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
         # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
@@ -386,12 +393,11 @@ class _MicroBatch:
         for start in range(0, num_rows, block_rows):
             block = rows.outer(cols, start, min(start + block_rows, num_rows))
             if deferred:
-                block = widened(block.reshape(block.shape[0], -1))
-                self._add_sq_norms(torch.linalg.vecdot(block, block))
+                self._add_per_sample_sq_norms(block)
             else:
                 self._accumulate(param, block, start * num_cols)
         if deferred:
-            self._combination(param, lambda coefficients_as, targets: _add_weighted_products(coefficients_as, targets, rows, cols))
+            self._combination(param, weighted_products)
 
     def add_sparse_rows(self, name: str, param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Per-sequence embedding gradients: rows (B, T, d) scattered at ids (B, T)."""
