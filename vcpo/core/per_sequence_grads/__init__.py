@@ -268,7 +268,7 @@ class PerSequenceGradients:
             raise
         finally:
             self._active = None
-            micro_batch.input_grams = (None, {})
+            micro_batch.input_grams = None
             for site in self.sites:
                 site.uninstall()
             for guard in guards:

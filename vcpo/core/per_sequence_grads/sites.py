@@ -257,8 +257,8 @@ class _MicroBatch:
     tied: dict = field(default_factory=dict)  # parameter id -> _TiedState
     # combination "deferred": (parameter, combine_into) of every gradient part, for `combine`
     pending: list = field(default_factory=list)
-    # deferred: the last layer input's identity and its Gram matrices by chunk, for the next weight that reads it
-    input_grams: tuple = (None, {})
+    # deferred: the last layer input (its identity, the tensor) and its Gram matrices by chunk, for the next weight
+    input_grams: tuple | None = None
     _cast: dict = field(default_factory=dict)
 
     @property
@@ -278,10 +278,9 @@ class _MicroBatch:
             return gram(values[start:stop])
         identity = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(),
                     values.dtype)
-        kept, chunks = self.input_grams
-        if kept is None or kept[0] != identity:
-            chunks = {}
-            self.input_grams = ((identity, values), chunks)
+        if self.input_grams is None or self.input_grams[0] != identity:
+            self.input_grams = (identity, values, {})
+        chunks = self.input_grams[2]
         if (start, stop) not in chunks:
             chunks[start, stop] = gram(values[start:stop])
         return chunks[start, stop]
