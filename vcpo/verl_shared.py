@@ -32,6 +32,13 @@ FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_d
 FP32_MIXED_PRECISION_HYDRA = "{" + ",".join(f"{key}:{value}" for key, value in FP32_MIXED_PRECISION.items()) + "}"
 
 
+def last_override(overrides: list[str] | tuple[str, ...], key: str) -> str | None:
+    """The value the Hydra overrides give ``key`` (``key=v``, ``+key=v`` or ``++key=v``; the last wins, as in
+    Hydra), or None where none sets it."""
+    values = [item.partition("=")[2] for item in overrides if item.partition("=")[0].lstrip("+") == key]
+    return values[-1] if values else None
+
+
 def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     """One device-to-host copy for all metrics instead of one sync per ``.item()``."""
     if not metrics:

@@ -36,7 +36,7 @@ from vcpo.data.countdown import cache_dir
 from vcpo.locks import write_atomic
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES
+from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES, last_override
 from vcpo.runs import METRICS_FILE
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
@@ -124,8 +124,7 @@ def make_run(
 
 def strategy_of(extra: list[str] | tuple[str, ...]) -> str | None:
     """The actor strategy the user's overrides set (the last wins, as in Hydra), or None."""
-    values = [item.split("=", 1)[1] for item in extra if item.split("=", 1)[0].lstrip("+") == "actor_rollout_ref.actor.strategy"]
-    return values[-1] if values else None
+    return last_override(extra, "actor_rollout_ref.actor.strategy")
 
 
 def actor_strategy(run: Run) -> str:

@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.runs import METRICS_FILE
-from vcpo.verl_shared import CPU_PLATFORM_ENV, EXTERNAL_MODULES, FP32_MIXED_PRECISION_HYDRA, MIXED_PRECISION_KEY
+from vcpo.verl_shared import (
+    CPU_PLATFORM_ENV,
+    EXTERNAL_MODULES,
+    FP32_MIXED_PRECISION_HYDRA,
+    MIXED_PRECISION_KEY,
+    last_override,
+)
 
 ENV = {
     **CPU_PLATFORM_ENV,
@@ -87,13 +93,8 @@ MEGATRON_WORLD = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 
 def megatron_layout(overrides: list[str] | tuple[str, ...]) -> dict[str, int]:
     """The actor's Megatron parallel sizes that ``overrides`` set (the last wins, as in Hydra; 1 when unset)."""
-    layout = dict.fromkeys(MEGATRON_WORLD, 1)
-    for item in overrides:
-        key, _, value = item.partition("=")
-        prefix, _, name = key.lstrip("+").rpartition(".")
-        if prefix == "actor_rollout_ref.actor.megatron" and name in layout:
-            layout[name] = int(value)
-    return layout
+    values = {name: last_override(overrides, f"actor_rollout_ref.actor.megatron.{name}") for name in MEGATRON_WORLD}
+    return {name: 1 if value is None else int(value) for name, value in values.items()}
 
 
 def fsdp_engine_overrides() -> list[str]:
