@@ -101,6 +101,13 @@ def operator_times(trainer: Trainer, configs: dict, step: int, batch, repeats: i
     return {"self_ms": self_ms, "total_ms": total}
 
 
+def write_json(path: Path | None, result: dict) -> None:
+    """``--json``: the result, where one was asked for."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="recipes/sim/regime.yaml")
@@ -121,9 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer, produced = batches(config, args.batches, args.warmup_steps, Path(scratch) / "run")
         if args.profile:
             profiled = operator_times(trainer, configs, *produced[0], args.repeats)
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps({"cpu": cpu_name(), "settings": settings, "repeats": args.repeats, **profiled}, indent=1) + "\n")
+            write_json(args.json, {"cpu": cpu_name(), "settings": settings, "repeats": args.repeats, **profiled})
             return
         times = {label: [] for label, _, _ in VARIANTS}
         for _ in tqdm(range(args.repeats), desc="repeats"):
@@ -141,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         line = ", ".join(f"{p.split('/')[1]}{' CPU' if p.startswith('cpu') else ''} {result['median_s'][label][p] * 1e3:.1f} ms "
                          f"({result['ratio_to_seq_tis'][label][p]:.2f}x)" for p in PARTS)
         print(f"{label}: {line}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
