@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prose_quotes import assert_quotes_are_the_statistics, normalised
 
 from vcpo.studies.across_lags import (
     ARCHIVE,
     DESIGN,
+    LAGS,
     REGISTRATION,
     TABLE,
     confirm_report,
@@ -23,6 +25,7 @@ from vcpo.studies.across_lags import (
     sync_target,
     timing_command,
 )
+from vcpo.studies.across_lags_report import time_lines
 from vcpo.studies.statistics import equivalence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +115,7 @@ def test_the_report_compares_per_lag_and_times_to_target():
             rows.append({"task": "countdown", "study_task": "countdown", "arm": arm, "method": method, "lr": lr, "lag": lag,
                          "seed": seed, "end": value, "end_validation": value, "last_quarter": value, "base": 0.2, "collapsed": False,
                          "mean_lr_scale": 1.0, "ess_mean": 1.0, "ess_min": 1.0, "grad_norm_max": 1.0, "counts": True,
-                         "steps_to_target": 100 if method != "seq_tis_c8" else None})
+                         "steps_to_target": 100 if method != "seq_tis_c8" and arm != "vcpo_k48" else None})
     timing = {"seconds_per_step": {"sync_lr1e-4": 0.4, "vcpo_k12": 0.3, "vcpo_k48": 0.5}}
     stats = report(rows, design, timing)["countdown"]
     primary = {c["a"]: c for c in stats["primary"]}
@@ -120,7 +123,10 @@ def test_the_report_compares_per_lag_and_times_to_target():
     assert primary["vcpo_k24"]["n"] == 0 and "verdict" not in primary["vcpo_k24"]  # no runs: not tested, not guessed
     assert [e["b"] for e in stats["equivalence"]] == ["sync_lr1e-4", "sync_lr1e-4"]
     assert stats["arms"]["seq_tis_lr5e-5_k12"]["median_steps"] == math.inf and stats["arms"]["vcpo_k12"]["reached"] == 10
-    assert [(t["lag"], t["ratio"]) for t in stats["time_to_target"]] == [(12, pytest.approx(0.75)), (48, pytest.approx(1.25))]
+    # vcpo_k48 never reaches the target: at least the 200 steps of the runs, 200 x 0.5 s against sync's 100 x 0.4 s
+    assert [(t["lag"], t["ratio"], t["at_least"]) for t in stats["time_to_target"]] == [
+        (12, pytest.approx(0.75), False), (48, pytest.approx(2.5), True)]
+    assert time_lines(stats["time_to_target"])[-1] == "| 48 | > 200 x 0.500 = > 100 | 100 x 0.400 = 40 | > 2.50 |"
 
 
 def test_the_confirmation_compares_vcpo_with_seq_tis_then_sync_holm_over_the_two():
@@ -228,3 +234,54 @@ def test_the_studies_config_keeps_the_floating_point_order_of_every_archived_row
     for table in (ROOT / TABLE, ROOT / "tables/evidence/runs.jsonl"):
         commands = [json.loads(line)["command"] for line in table.read_text().splitlines()]
         assert commands and all("--config recipes/sim/regime.yaml " in c and "opob_combination" not in c for c in commands)
+
+
+def across_lags_prose(path: str) -> str:
+    text = (ROOT / path).read_text()
+    if path == "docs/studies.md":
+        text = text[text.index("**Results** (all 272 runs"):text.index("Running and continuing it")]
+    else:
+        text = text[text.index("<!-- across_lags -->"):text.index("<!-- /across_lags -->")]
+    return normalised(text)
+
+
+@pytest.mark.parametrize("path", ["docs/studies.md", "README.md"])
+def test_every_interval_the_results_quote_is_in_the_committed_statistics(path):
+    """The results prose quotes tables/across_lags/stats.json (written by `report` from the committed rows)."""
+    stats = json.loads((ROOT / "tables/across_lags/stats.json").read_text())
+    countdown, confirm = stats["countdown"], stats["tir_confirm"]
+    arms = [*countdown["arms"].values(), *confirm["arms"].values()]
+    comparisons = countdown["primary"] + countdown["same_rate"] + confirm["comparisons"]
+    assert_quotes_are_the_statistics(across_lags_prose(path), arms, comparisons)
+
+
+def test_the_results_counts_steps_and_times_are_the_committed_ones():
+    stats = json.loads((ROOT / "tables/across_lags/stats.json").read_text())
+    countdown, confirm = stats["countdown"], stats["tir_confirm"]
+    arms, times = countdown["arms"], countdown["time_to_target"]
+    prose, readme = across_lags_prose("docs/studies.md"), across_lags_prose("README.md")
+    assert stats["rows_counted"] == stats["rows"] == 272 and "(all 272 runs" in prose
+    frozen = [arms[f"seq_tis_lr5e-5_k{lag}"] for lag in LAGS]
+    assert sum(a["collapses"] for a in frozen) == 0 and f"none of its {sum(a['n'] for a in frozen)} runs collapses" in prose
+    same_rate = [arms[f"seq_tis_k{lag}"]["collapses"] for lag in LAGS]
+    assert f"seq-TIS collapses there in {min(same_rate)} to {max(same_rate)} runs of 10" in prose
+    assert (f"(mean {arms['vcpo_k12']['mean_lr_scale']:.2f} at k = 12, {arms['vcpo_k96']['mean_lr_scale']:.2f} at k = 96)"
+            in prose)
+    equivalence = countdown["equivalence"]
+    assert all(e["verdict"] == "equivalence not shown" for e in equivalence)
+    gaps = [-100 * e["mean"] for e in equivalence]
+    assert f"ends {min(gaps):.1f} to {max(gaps):.1f} points below sync at its best rate" in prose
+    target, sync = countdown["target"], arms[countdown["target"]["arm"]]
+    assert (f"({100 * target['target']:.1f}% validation, the mean final of sync at 1e-4, reached by {sync['reached']} of its "
+            f"{sync['n']} runs, median {sync['median_steps']:g} steps)") in prose
+    reached = [arms[f"vcpo_k{lag}"]["reached"] for lag in LAGS]
+    assert reached[0] == 3 and not any(reached[1:]) and "in 3 of 10 runs at k = 12 and in none at larger lags" in prose
+    assert all(t["at_least"] for t in times)
+    low, high = min(t["ratio"] for t in times), max(t["ratio"] for t in times)
+    assert f"more than {low:.2f}-{high:.2f}x sync's (lower bounds)" in prose and f"more than {low:.2f}x sync's" in readme
+    per_step = stats["timing"]["seconds_per_step"]
+    vcpo_seconds = [per_step[f"vcpo_k{lag}"] for lag in LAGS]
+    assert f"({min(vcpo_seconds):.3f}-{max(vcpo_seconds):.3f} s against {per_step[target['arm']]:.3f} s" in prose
+    seq_tis, vcpo = confirm["arms"]["seq_tis_lr5e-4_k8"], confirm["arms"]["vcpo_lr5e-4_k8"]
+    assert seq_tis["collapses"] == seq_tis["n"] == 10 and f"ends at {100 * seq_tis['end']:.1f}%;" in prose
+    assert f"({vcpo['collapses']} of 10 collapse)" in prose and "collapses in 10 of 10 runs" in readme

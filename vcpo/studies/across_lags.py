@@ -24,6 +24,7 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.reporting.runs import read_metrics
+from vcpo.sim.config import load_config_file
 from vcpo.runs import VAL_ACCURACY, is_finished
 from vcpo.studies.design import Design, command_line, load_design, run_folder, run_settings
 from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
@@ -116,7 +117,7 @@ def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> d
         "equivalence": equivalence_report(by_arm, arms),
     }
     if timing and target:
-        result["time_to_target"] = time_report(arms, target["arm"], timing)
+        result["time_to_target"] = time_report(arms, target["arm"], timing, load_config_file(design.configs["countdown"]).steps)
     return result
 
 
@@ -143,20 +144,24 @@ def equivalence_report(by_arm: dict[str, dict[int, dict]], arms: dict) -> list[d
     return results
 
 
-def time_report(arms: dict, sync_arm: str, timing: dict) -> list[dict]:
-    """Per lag: median steps to target x seconds per step, async VCPO (2e-4) against sync at its best rate."""
+def time_report(arms: dict, sync_arm: str, timing: dict, last_step: int) -> list[dict]:
+    """Per lag: median steps to target x seconds per step, async VCPO (2e-4) against sync at its best rate. An
+    arm whose median falls on runs that never reached the target ("> last_step") takes at least last_step steps:
+    its seconds and its ratio to sync are then lower bounds (``at_least``); sync's must be reached."""
     per_step = timing["seconds_per_step"]
     results = []
-    sync_time = arms[sync_arm]["median_steps"] * per_step[sync_arm] if sync_arm in per_step and sync_arm in arms else math.nan
+    sync_steps = arms[sync_arm]["median_steps"] if sync_arm in arms else math.nan
+    sync_time = sync_steps * per_step[sync_arm] if sync_arm in per_step else math.nan
     for lag in LAGS:
         name = f"vcpo_k{lag}"
         if name not in arms or name not in per_step:
             continue
-        seconds = arms[name]["median_steps"] * per_step[name]
+        at_least = arms[name]["median_steps"] == math.inf
+        seconds = (last_step if at_least else arms[name]["median_steps"]) * per_step[name]
+        ratio = seconds / sync_time if math.isfinite(sync_time) and sync_time else math.nan
         results.append({"lag": lag, "arm": name, "median_steps": arms[name]["median_steps"], "seconds_per_step": per_step[name],
-                        "seconds": seconds, "sync_arm": sync_arm, "sync_median_steps": arms.get(sync_arm, {}).get("median_steps"),
-                        "sync_seconds_per_step": per_step.get(sync_arm), "sync_seconds": sync_time,
-                        "ratio": seconds / sync_time if math.isfinite(seconds) and math.isfinite(sync_time) and sync_time else math.nan})
+                        "seconds": seconds, "at_least": at_least, "sync_arm": sync_arm, "sync_median_steps": sync_steps,
+                        "sync_seconds_per_step": per_step.get(sync_arm), "sync_seconds": sync_time, "ratio": ratio})
     return results
 
 

@@ -51,9 +51,10 @@ def time_lines(results: list[dict]) -> list[str]:
     lines = ["| lag | async VCPO: median steps x s / step = s | sync: median steps x s / step = s | VCPO / sync |",
              "|---:|---|---|---:|"]
     for r in results:
-        lines.append(f"| {r['lag']} | {steps_text(r['median_steps'])} x {r['seconds_per_step']:.3f} = {r['seconds']:.0f} | "
+        bound = "> " if r["at_least"] else ""
+        lines.append(f"| {r['lag']} | {steps_text(r['median_steps'])} x {r['seconds_per_step']:.3f} = {bound}{r['seconds']:.0f} | "
                      f"{steps_text(r['sync_median_steps'])} x {r['sync_seconds_per_step']:.3f} = {r['sync_seconds']:.0f} | "
-                     f"{r['ratio']:.2f} |")
+                     f"{bound}{r['ratio']:.2f} |")
     return lines
 
 
