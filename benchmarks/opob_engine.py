@@ -8,11 +8,17 @@ the trainer hands it over (``vcpo.verl_plugin.cpu.standalone``), and three optim
   plain    method seq_tis_c8: verl's own train_batch (forward, seq-TIS ppo_loss backward, AdamW step),
   ess      method tis_ess:    the same plus the gathered ESS ratio and the scaled learning rate,
   vcpo     method vcpo:       OPOB in one backward (PerSequenceGradients per micro-batch, baseline
-                              from the gathered norms, combine) plus the ESS step size.
+                              from the gathered norms, combine) plus the ESS step size, with the engine's
+                              combination ("split"), and with each other one of ``--combinations``.
+
+The behaviour log-probs are the model's own on the batch plus Gaussian noise (``--spread`` per token), so
+the sequences' importance weights are spread around 1 as in asynchronous training; with unrelated log-probs
+the weights of long responses underflow to 0, OPOB's coefficients are all 0, and "split" has nothing to combine.
 
 The variants run round-robin (each repeat runs all of them, after one warm-up each) and the median
 step time of each is printed with its ratio to plain, with the minimum and the median process CPU
-time (with one thread, CPU time does not count the time other jobs on a shared machine take the core). Remove-padding (packed micro-batches, verl's
+time (with one thread, CPU time does not count the time other jobs on a shared machine take the core), and the
+median over rounds of each round's CPU-time ratio to plain's step in the same round (paired: steadiest). Remove-padding (packed micro-batches, verl's
 default) unless ``--padded``.
 
     python benchmarks/opob_engine.py                      # small model, packed, 1 thread
@@ -32,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.verl_shared import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
@@ -55,10 +62,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--padded", action="store_true", help="padded micro-batches (use_remove_padding=False)")
     parser.add_argument("--autocast", choices=("bfloat16",), help="forward and backward under torch.autocast")
+    parser.add_argument("--spread", type=float, default=0.05,
+                        help="SD of the per-token noise between the behaviour's and the model's log-probs")
+    parser.add_argument("--combinations", default="buffers",
+                        help="other OPOB combinations to time beside the engine's, comma-separated ('' for none)")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
         setattr(args, name, value)
     return args
+
+
+def first(value):
+    """A metric's value: verl logs some as one-element lists."""
+    return value[0] if isinstance(value, list) else value
+
+
+def near_policy_log_probs(model_dir, raw, spread: float, seed: int = 0) -> torch.Tensor:
+    """The model's log-probs of the batch's response tokens, (batch, response), plus N(0, spread²) per token."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(raw.input_ids, attention_mask=raw.attention, position_ids=raw.position_ids).logits
+    log_probs = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, raw.input_ids[:, 1:, None]).squeeze(-1)
+    response = log_probs[:, raw.prompt_width - 1 :]
+    noise = torch.randn(response.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return response + spread * noise
 
 
 def main(argv=None) -> dict[str, float]:
@@ -87,35 +116,38 @@ def main(argv=None) -> dict[str, float]:
         name: functools.partial(ppo_loss, config=cpu.actor_config(method, args.batch, args.group, args.micro))
         for name, method in VARIANTS.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    cpu_times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    metrics = {}
     engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6)
     if args.autocast:  # verl's forward_step then runs the model under torch.autocast, as on GPUs
         engine._autocast_dtype = getattr(torch, args.autocast)
+    combination_of = {name: engine.opob_combination for name in VARIANTS}
+    for combination in filter(None, args.combinations.split(",")):
+        if combination not in COMBINATIONS:
+            raise SystemExit(f"--combinations: {combination!r} is not one of {COMBINATIONS}")
+        if combination != engine.opob_combination:
+            losses[f"vcpo[{combination}]"] = losses["vcpo"]
+            combination_of[f"vcpo[{combination}]"] = combination
+    names = list(losses)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    metrics = {}
+
+    shape = (args.batch, args.group, args.prompt, args.response, args.vocab, remove_padding, args.micro)
+    _, raw = cpu.actor_batch(*shape, min_response=args.min_response)
+    behaviour = near_policy_log_probs(model_dir, raw, args.spread)
 
     def step(name: str) -> tuple[float, float]:
-        td, _ = cpu.actor_batch(
-            args.batch,
-            args.group,
-            args.prompt,
-            args.response,
-            args.vocab,
-            remove_padding,
-            args.micro,
-            dtype=torch.float32,
-            min_response=args.min_response,
-        )
+        engine.opob_combination = combination_of[name]
+        td, _ = cpu.actor_batch(*shape, dtype=torch.float32, min_response=args.min_response, behaviour_log_probs=behaviour)
         started, started_cpu = time.perf_counter(), time.process_time()
         out = engine.train_batch(td, losses[name])
         elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
         metrics[name] = out["metrics"]
         return elapsed, elapsed_cpu
 
-    for name in VARIANTS:
+    for name in names:
         step(name)  # warm-up
     for _ in range(args.repeats):
-        for name in VARIANTS:
+        for name in names:
             wall, used = step(name)
             times[name].append(wall)
             cpu_times[name].append(used)
@@ -128,19 +160,27 @@ def main(argv=None) -> dict[str, float]:
         f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, float32{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
         f"median of {args.repeats}"
     )
-    for name in VARIANTS:
+    # each round's step against plain's step of the same round, the median over rounds: drifts in the machine's
+    # speed over the run (seen here at +-15% between rounds of an idle VM) cancel out of each ratio
+    paired = {name: statistics.median(v / p for v, p in zip(cpu_times[name], cpu_times["plain"], strict=True))
+              for name in names}
+    for name in names:
         print(
-            f"  {name:6s} median {medians[name] * 1e3:8.1f} ms  x{medians[name] / medians['plain']:.3f}"
+            f"  {name:14s} median {medians[name] * 1e3:8.1f} ms  x{medians[name] / medians['plain']:.3f}"
             f"   min {minima[name] * 1e3:8.1f} ms  x{minima[name] / minima['plain']:.3f}"
             f"   process CPU {cpu_medians[name] * 1e3:8.1f} ms  x{cpu_medians[name] / cpu_medians['plain']:.3f}"
+            f"   paired x{paired[name]:.3f}"
         )
     packed = metrics["vcpo"].get("actor/opob_packed", [0.0])[0]
     print(
         f"  vcpo/plain = {medians['vcpo'] / medians['plain']:.3f} (median), {minima['vcpo'] / minima['plain']:.3f} (min), "
-        f"{cpu_medians['vcpo'] / cpu_medians['plain']:.3f} (process CPU time); "
-        f"OPOB micro-batches packed: {bool(packed)}"
+        f"{cpu_medians['vcpo'] / cpu_medians['plain']:.3f} (process CPU time), {paired['vcpo']:.3f} (paired by round); "
+        f"OPOB micro-batches packed: {bool(packed)}; vcpo combines with {combination_of['vcpo']!r}"
     )
-    return {name: medians[name] / medians["plain"] for name in VARIANTS}
+    vcpo = metrics["vcpo"]
+    print(f"  vcpo's last step: sequence ESS ratio {first(vcpo.get('rollout_corr/seq_ess_ratio'))}, "
+          f"gradient norm {first(vcpo.get('grad_norm'))}, OPOB baseline {first(vcpo.get('actor/opob_baseline'))}")
+    return {name: medians[name] / medians["plain"] for name in names}
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ A VCPO run of the regime's settings (``--config`` plus key=value overrides, ``th
 learner takes one update per batch from the same weights and optimizer state (the run's last), the variants
 taking turns (round-robin, so background load slows them alike), ``--repeats`` times: seq-TIS, VCPO as it
 runs by default (PerSequenceGradients with the deferred combination, choosing ghost norms or materialised
-per-sequence gradients per call), VCPO forced to each route, and VCPO with the two-buffer combination (G_R and
-G_S^γ during the backward, the studies' numerics: recipes/sim/regime.yaml keeps it). It prints, per variant, the median seconds of an update, of its forward and backward, and the update's
+per-sequence gradients per call), VCPO forced to each route, VCPO with the two-buffer combination (G_R and
+G_S^γ during the backward, the studies' numerics: recipes/sim/regime.yaml keeps it) and with the split one (each
+group's success and failure buffers during the backward, verl's engine's). It prints, per variant, the median seconds of an update, of its forward and backward, and the update's
 process CPU time (steadier on a shared machine), each with its ratio to seq-TIS (the paper reports OPOB at +19% of
 a step). ``--json`` also writes them.
 """
@@ -39,7 +40,8 @@ METHODS = ("seq_tis_c8", "vcpo")
 # what is timed: (label, method, PerSequenceGradients settings over the learner's own: mode "auto", the
 # config's combination, "deferred" by default)
 VARIANTS = (("seq_tis_c8", "seq_tis_c8", {}), ("vcpo", "vcpo", {}), ("vcpo materialize", "vcpo", {"mode": "materialize"}),
-            ("vcpo ghost", "vcpo", {"mode": "ghost"}), ("vcpo buffers", "vcpo", {"combination": "buffers"}))
+            ("vcpo ghost", "vcpo", {"mode": "ghost"}), ("vcpo buffers", "vcpo", {"combination": "buffers"}),
+            ("vcpo split", "vcpo", {"combination": "split"}))
 # cpu_s/update: the process's CPU time of the update; on one thread it leaves out the time other jobs on a shared
 # machine hold the core, so its ratio moves less between runs there than the wall-clock ones
 PARTS = ("timing_s/update", "timing_s/forward", "timing_s/backward", "cpu_s/update")

@@ -88,3 +88,26 @@ def test_the_simulator_cost_table_quotes_its_measurement():
     for op in ("aten::bmm", "aten::addmm_", "aten::mul", "_OuterProductFunctionBackward"):
         assert f"(`{op}`) {vcpo.get(op, 0.0) - base.get(op, 0.0):+.1f} ms" in text
     assert f"{vcpo['aten::mm'] - base['aten::mm']:+.1f} ms of `aten::mm`" in text
+
+
+def test_the_engine_step_table_quotes_its_measurement():
+    """docs/verl.md's engine table is tables/opob_engine/cpu_split.log (benchmarks/opob_engine.py's output, one run
+    per configuration): the plain step's process CPU time and each variant's median process-CPU ratio."""
+    import re
+
+    blocks = (REPO / "tables/opob_engine/cpu_split.log").read_text().split("== python benchmarks/opob_engine.py ")[1:]
+    labels = {"--repeats 15": "small (4.2M), packed, verl's default (15)", "--padded --repeats 12": "small (4.2M), padded (12)",
+              "--autocast bfloat16 --repeats 10": "small (4.2M), packed, `--autocast bfloat16` (10)",
+              "--model 50m --batch 8 --repeats 8": "50M (46.5M, batch 8), packed (8)",
+              "--model 50m --batch 8 --padded --repeats 6": "50M (46.5M, batch 8), padded (6)"}
+    doc = (REPO / "docs/verl.md").read_text()
+    ess = []
+    for block in blocks:
+        arguments = block.splitlines()[0]
+        cpu = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"^  (\S+)\s+median.*process CPU\s+([\d.]+) ms  x([\d.]+)", block, re.M)}
+        ess.append(cpu["ess"][1])
+        row = (f"| {labels[arguments.removesuffix(' --combinations buffers')]} | {cpu['plain'][0] / 1e3:.2f} s | {cpu['ess'][1]:.2f} | "
+               f"{cpu['vcpo'][1]:.2f} | {cpu['vcpo[buffers]'][1]:.2f} |")
+        assert row in doc, row
+        assert "vcpo combines with 'split'" in block
+    assert len(blocks) == len(labels) and f"reads {min(ess):.2f}-{max(ess):.2f}" in " ".join(doc.split())

@@ -58,8 +58,10 @@ def tiny_model(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0, **o
     return model.to(DEVICE, dtype).eval()  # eval: no dropout, so the batch and the loop see the same function
 
 
-def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregation: str = "seq-mean-token-mean"):
-    """Token ids padded to the longest sequence, and per-sequence score scales a_i (u_{i,t} = a_i m_{i,t})."""
+def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregation: str = "seq-mean-token-mean",
+               rewards: str = "uniform"):
+    """Token ids padded to the longest sequence, and per-sequence score scales a_i (u_{i,t} = a_i m_{i,t}).
+    Rewards uniform in [0, 1), or "binary": 1, 0, 1, 0, ... (c^R_i = R_i c^S_i)."""
     generator = torch.Generator().manual_seed(seed)
     batch, tokens = len(lengths), max(lengths)
     ids = torch.randint(0, VOCAB, (batch, tokens), generator=generator)
@@ -75,7 +77,9 @@ def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregati
         "token-sum": torch.ones(batch, dtype=torch.float64),
         "token-mean": torch.full((batch,), 1.0 / float(targets.sum()), dtype=torch.float64),
     }[aggregation]
-    rewards = torch.rand(batch, generator=generator, dtype=torch.float64)
+    reward_values = torch.rand(batch, generator=generator, dtype=torch.float64)
+    if rewards == "binary":
+        reward_values = (torch.arange(batch) % 2 == 0).double()
     seq_log_weights = 0.7 * torch.randn(batch, generator=generator, dtype=torch.float64)
     tis = seq_log_weights.exp().clamp(max=8.0)
     return on_device(
@@ -84,9 +88,9 @@ def make_batch(seed: int = 0, lengths=LENGTHS, padding: str = "right", aggregati
             mask=mask,
             padding=padding,
             scale=scale,
-            rewards=rewards,
+            rewards=reward_values,
             seq_log_weights=seq_log_weights,
-            coef_r=tis * rewards / batch,
+            coef_r=tis / batch * reward_values,
             coef_s=tis / batch,
         )
     )
@@ -304,6 +308,48 @@ def test_groups_spanning_micro_batches_keep_a_buffer_per_group(combination):
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_split_reads_each_sequence_of_binary_rewards_for_one_buffer(mode, grouped):
+    """Binary rewards: every sequence is in the success or the failure buffer of its group, not both, and a
+    sequence with zero coefficients in none; the update is still exact, over micro-batches that share groups."""
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=12, lengths=[9, 4, 7, 6, 5, 8], rewards="binary")
+    batch["coef_r"][2] = batch["coef_s"][2] = 0.0
+    groups = torch.tensor([5, 7, 7, 5, 7, 5]) if grouped else None
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    engine = PerSequenceGradients(model, mode=mode, combination="split")
+    members, norms = [], []
+    for rows in (slice(0, 4), slice(4, 6)):
+        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], None if groups is None else groups[rows]):
+            batched_scores(model, batch, rows).sum().backward()
+            members.append(sorted(i + rows.start for row in engine._active.members for i in row))
+            assert engine._active.combinations_per_sequence == 1
+    assert members == [[0, 1, 3], [4, 5]]
+    labels = [5, 7] if grouped else [None]
+    assert set(engine._score_buffers) == {(label, v) for label in labels for v in (0, 1)}
+    norms = engine.sq_norms
+    engine.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], engine.groups))
+    assert_norms_close(norms, expected_norms)
+    assert relative_error([p.grad for p in model.parameters()], expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_split_with_rewards_of_every_kind(mode, grouped):
+    """Rewards 1, 0 and in between: a sequence in between is in both buffers of its group, and the rows of the
+    materialised blocks are reordered so that each buffer's sequences are consecutive."""
+    model = tiny_model("llama")
+    batch = make_batch(seed=13, lengths=[9, 4, 7, 6, 5, 8], rewards="binary")
+    batch["rewards"] = torch.tensor([0.5, 1.0, 0.0, 1.0, 0.25, 0.0], dtype=torch.float64, device=batch["rewards"].device)
+    batch["coef_r"] = batch["coef_s"] * batch["rewards"]
+    groups = torch.tensor([3, 3, 3, 4, 4, 4]) if grouped else None
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, grads = run_engine(model, batch, groups=groups, mode=mode, combination="split")
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
 def test_zero_coefficients_keep_exact_norms():
     model = tiny_model("qwen2")
     batch = make_batch(seed=11)
@@ -337,7 +383,7 @@ def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
 
 def test_deferred_ghost_norms_form_a_shared_inputs_gram_once(monkeypatch):
     """Deferred, q, k and v (and gate and up) read one input: its Gram matrices are formed once, for the first
-    of them, and only the last input's are held. Buffers form them per weight."""
+    of them, and only the last input's are held. Buffers and split form them per weight."""
     from vcpo.core.per_sequence_grads import sites
 
     model, batch = tiny_model("llama"), make_batch(seed=13)
@@ -350,7 +396,7 @@ def test_deferred_ghost_norms_form_a_shared_inputs_gram_once(monkeypatch):
         run_engine(model, batch, mode="ghost", combination=combination)
         counts[combination] = len(formed)
     # every Linear's output-gradient Gram, and the inputs: per layer q/k/v's, o's, gate/up's, down's; the head's
-    assert counts == {"buffers": 2 * linears, "deferred": linears + 4 * layers + 1}
+    assert counts == {"buffers": 2 * linears, "deferred": linears + 4 * layers + 1, "split": 2 * linears}
 
 
 def test_deferred_combination_adds_the_update_to_what_was_there_only_at_combine():

@@ -62,9 +62,11 @@ def norm_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected).abs().max() / expected.max())
 
 
-# deferred: the norms of either route, then one weight-gradient product per parameter
+# deferred: the norms of either route, then one weight-gradient product per parameter; split: binary rewards,
+# so that each buffer reads a subset of the sequences
 @pytest.mark.parametrize(("mode", "combination"),
-                         [("materialize", "buffers"), ("ghost", "buffers"), ("materialize", "deferred"), ("ghost", "deferred")])
+                         [("materialize", "buffers"), ("ghost", "buffers"), ("materialize", "deferred"), ("ghost", "deferred"),
+                          ("materialize", "split"), ("ghost", "split")])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("kind", MODELS)
@@ -72,7 +74,7 @@ def test_within_a_few_times_autograds_own_error(kind, precision, layout, mode, c
     param_dtype = PRECISIONS[precision][0]
     model = float64_model(kind).to(param_dtype)
     truth = copy.deepcopy(model).double()  # the same (rounded) weights, in float64
-    batch = make_batch(seed=4)
+    batch = make_batch(seed=4, rewards="binary" if combination == "split" else "uniform")
     true_norms, true_update = reference_update(reference_gradients(truth, batch), batch)
 
     with precision_context(precision):

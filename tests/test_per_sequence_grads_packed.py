@@ -11,6 +11,7 @@ use_cache=True in eval mode the packed detection is skipped and attention crosse
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -42,8 +43,9 @@ def tiny_model(kind: str, attn: str = "sdpa", seed: int = 0) -> nn.Module:
     return model
 
 
-def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 0) -> dict:
-    """Sequences, their packed row (plus ``trailing`` padding tokens) and OPOB coefficients."""
+def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 0, rewards: str = "uniform") -> dict:
+    """Sequences, their packed row (plus ``trailing`` padding tokens) and OPOB coefficients; rewards uniform
+    in [0, 1), or "binary": 1, 0, 1, 0, ... (c^R_i = R_i c^S_i)."""
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(0, VOCAB, (length,), generator=generator) for length in lengths]
     # u over target positions t = 1 .. L-1 of each sequence: the response tokens, mean-aggregated.
@@ -54,7 +56,9 @@ def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 
     batch = len(lengths)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     pad_ids = torch.randint(0, VOCAB, (trailing,), generator=generator)
-    rewards = torch.rand(batch, generator=generator, dtype=torch.float64)
+    reward_values = torch.rand(batch, generator=generator, dtype=torch.float64)
+    if rewards == "binary":
+        reward_values = (torch.arange(batch) % 2 == 0).double()
     seq_log_weights = 0.7 * torch.randn(batch, generator=generator, dtype=torch.float64)
     tis = seq_log_weights.exp().clamp(max=8.0)
     return on_device(dict(
@@ -63,9 +67,9 @@ def make_batch(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, trailing: int = 
         cu_seqlens=cu_seqlens,
         ids=torch.cat([*sequences, pad_ids]).unsqueeze(0),
         position_ids=torch.cat([torch.arange(length) for length in [*lengths, trailing]]).unsqueeze(0),
-        rewards=rewards,
+        rewards=reward_values,
         seq_log_weights=seq_log_weights,
-        coef_r=tis * rewards / batch,
+        coef_r=tis / batch * reward_values,
         coef_s=tis / batch,
     ))
 
@@ -195,6 +199,22 @@ def test_packed_matches_per_sequence_backward(kind, mode, combination):
     assert relative_error(final, expected_final) < TOLERANCE
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_packed_split_with_binary_rewards(mode, grouped):
+    """Split's buffers read only their sequences' views of the packed row: 0, 2, 4 (not consecutive: gathered)
+    and 1, 3 without groups; one or two consecutive sequences per buffer with groups."""
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=6, trailing=2, rewards="binary")
+    groups = torch.tensor([0, 0, 0, 1, 1]) if grouped else None
+    gradients = reference_gradients(model, batch)
+    expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
+    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination="split")
+    assert_norms_close(norms, expected_norms, TOLERANCE)
+    expected_final = weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)
+    assert relative_error(final, expected_final) < TOLERANCE
+
+
 @pytest.mark.parametrize("combination", ["buffers", "deferred"])
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
 def test_packed_with_groups(mode, combination):
@@ -221,14 +241,15 @@ def test_linear_inputs_are_views_of_the_packed_row():
     spans = [(0, 6), (6, 15), (15, 18), (18, 21)]  # two trailing padding tokens
     segments = PackedSegments.from_cu_seqlens(torch.tensor([0, 6, 15, 18, 21]))
     micro_batch = per_sequence_sites._MicroBatch(
-        engine=None, coefficients=torch.ones(2, 4), labels=[None], sq_norms=torch.zeros(4), segments=segments
+        engine=types.SimpleNamespace(combination="buffers"), coefficients=torch.ones(2, 4), keys=[None, (None, 0)],
+        sq_norms=torch.zeros(4), segments=segments,
     )
     rows = micro_batch.rows(packed)
     assert rows.lengths == [6, 9, 3, 3]
     for sequence, (start, end) in zip(rows.sequences(), spans, strict=True):
         assert sequence.data_ptr() == packed[0, start].data_ptr() and torch.equal(sequence, packed[0, start:end])
     assert torch.equal(rows.tokens(), packed[0, :21])  # the trailing padding is never read
-    assert torch.equal(rows.sums(), torch.stack([packed[0, a:b].sum(0) for a, b in spans]))
+    assert torch.allclose(rows.sums(), torch.stack([packed[0, a:b].sum(0) for a, b in spans]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -75,7 +75,8 @@ class SimConfig:
     micro_batch_size: int = 64  # sequences per learner forward/backward (whole groups)
     # how OPOB combines per-sequence gradients (vcpo.core.PerSequenceGradients): "deferred", one weight-gradient
     # product per parameter once the baseline is known; "buffers", G_R and G_S^γ during the backward, the
-    # floating-point order of every run before "deferred" existed (recipes/sim/regime.yaml keeps it for the studies)
+    # floating-point order of the studies' runs (recipes/sim/regime.yaml keeps it); "split", each group's success
+    # and failure buffers during the backward (verl's engine's), slower here than deferred (8 groups, T = 50)
     opob_combination: str = "deferred"
     # precision
     learner_dtype: str = "float32"

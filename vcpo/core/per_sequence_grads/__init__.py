@@ -135,7 +135,12 @@ class PerSequenceGradients:
             until `combine`, which knows b and forms Ĝ = Σ_i (c^R_i − b_γ(i) c^S_i) g_i with ONE
             weight-gradient product per parameter, as a plain backward would (memory: every open
             micro-batch's layer inputs and output gradients; for one micro-batch per combine, or few).
-            The two differ in floating-point order only.
+            "split" accumulates during the backward, as "buffers" does, into the success buffer
+            G_1^γ = Σ c^R_i g_i and the failure buffer G_0^γ = Σ (c^S_i − c^R_i) g_i of each group, so
+            that Ĝ = Σ_γ (1 − b_γ) G_1^γ − b_γ G_0^γ; a sequence whose c^R_i is 0 or c^S_i (binary rewards,
+            c^R_i = R_i c^S_i) is combined into one buffer only, once, and only the sequences a buffer
+            holds are read for it (memory: two float32 buffers per open group). The three differ in
+            floating-point order only; "buffers" keeps the arithmetic of the archived simulator runs.
 
     Raises ValueError naming the module and parameter if a trainable parameter is not handled.
     """
@@ -159,7 +164,9 @@ class PerSequenceGradients:
         self.sites, self.tied_params = _collect_sites(self, model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._active: _MicroBatch | None = None
-        self._score_buffers: dict = {}  # label -> {parameter id: (parameter, G_S buffer)}
+        # (label, v) -> {parameter id: (parameter, buffer)}: the buffer of the rows of that label whose sum enters
+        # Ĝ with factor v − b_label (v = 0: G_S^γ, or split's G_0^γ; v = 1: split's G_1^γ)
+        self._score_buffers: dict = {}
         self._reward_buffers: dict = {}  # parameter id -> (parameter, float32 G_R) of low-precision parameters
         self._open_norms: list[torch.Tensor] = []
         self._open_labels: list = []
@@ -177,8 +184,8 @@ class PerSequenceGradients:
             raise RuntimeError(f"module {name!r} ran its per-sequence forward or backward outside `micro_batch`")
         return self._active
 
-    def score_buffer(self, label, param: torch.Tensor) -> torch.Tensor:
-        buffers = self._score_buffers.setdefault(label, {})
+    def score_buffer(self, key, param: torch.Tensor) -> torch.Tensor:
+        buffers = self._score_buffers.setdefault(key, {})
         if id(param) not in buffers:
             buffers[id(param)] = (param, torch.zeros_like(param, dtype=wide_dtype(param.dtype)))
         return buffers[id(param)][1]
@@ -193,6 +200,16 @@ class PerSequenceGradients:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         return param.grad
+
+    def _add_to_reward_buffer(self, param: torch.Tensor, buffer: torch.Tensor, alpha: float) -> None:
+        """G_R += alpha · buffer, where G_R not made yet (split: nothing reached it during the backward) becomes
+        the buffer itself, scaled: no zeros written and added to."""
+        if param.dtype in LOW_PRECISION and id(param) not in self._reward_buffers:
+            self._reward_buffers[id(param)] = (param, buffer.mul_(alpha))
+        elif param.dtype not in LOW_PRECISION and param.grad is None:
+            param.grad = buffer.mul_(alpha)
+        else:
+            self.reward_buffer(param).add_(buffer, alpha=alpha)
 
     @property
     def sq_norms(self) -> torch.Tensor:
@@ -238,7 +255,7 @@ class PerSequenceGradients:
         if self._active is not None:
             raise RuntimeError("micro_batch blocks cannot be nested")
         grouped_before = self._grouped
-        coefficients, labels, label_of_sequence = self._coefficient_rows(coef_r, coef_s, groups)
+        coefficients, keys, label_of_sequence = self._coefficient_rows(coef_r, coef_s, groups)
         device = self._params[0].device if self._params else coef_r.device
         segments = None
         if cu_seqlens is not None:
@@ -251,7 +268,7 @@ class PerSequenceGradients:
         micro_batch = _MicroBatch(
             engine=self,
             coefficients=coefficients,
-            labels=labels,
+            keys=keys,
             sq_norms=torch.zeros(coefficients.shape[1], dtype=torch.float64, device=device),
             groups=groups,
             segments=segments,
@@ -287,14 +304,14 @@ class PerSequenceGradients:
         active = self.active_micro_batch("set_coefficients")
         if active.received:
             raise RuntimeError("set_coefficients must be called before the micro-batch's backward")
-        coefficients, labels, _ = self._coefficient_rows(coef_r, coef_s, active.groups)
+        coefficients, keys, _ = self._coefficient_rows(coef_r, coef_s, active.groups)
         if coefficients.shape[1] != active.batch_size:
             raise ValueError(f"coef_r has {coefficients.shape[1]} sequences, the micro-batch {active.batch_size}")
-        active.coefficients, active.labels = coefficients, labels
-        active._cast.clear()
+        active.set_rows(coefficients, keys)
 
     def _coefficient_rows(self, coef_r, coef_s, groups):
-        """(k, B) coefficient matrix, the labels of its score rows, and each sequence's label."""
+        """(k, B) coefficient matrix, the buffer key of each row (None: G_R, the reward buffer; (label, v): a
+        score buffer), and each sequence's label."""
         check_float(coef_r, "coef_r")
         check_float(coef_s, "coef_s")
         if coef_r.dim() != 1 or coef_r.shape[0] == 0:
@@ -311,18 +328,25 @@ class PerSequenceGradients:
             raise ValueError(f"groups must hold integer labels, got dtype {groups.dtype}")
         self._grouped = grouped
         coef_r, coef_s = coef_r.detach().to(torch.float64), coef_s.detach().to(torch.float64)
-        if not grouped:
-            return torch.stack([coef_r, coef_s]), [None], [None] * batch
-        label_of_sequence = groups.tolist()
-        labels = sorted(set(label_of_sequence))
-        row_of_sequence = torch.tensor([labels.index(label) for label in label_of_sequence], device=coef_s.device)
-        score_rows = torch.zeros(len(labels), batch, dtype=torch.float64, device=coef_s.device)
-        score_rows[row_of_sequence, torch.arange(batch, device=coef_s.device)] = coef_s
-        return torch.cat([coef_r.unsqueeze(0), score_rows]), labels, label_of_sequence
+        label_of_sequence = groups.tolist() if grouped else [None] * batch
+        labels = sorted(set(label_of_sequence)) if grouped else [None]
+        in_label = torch.tensor([[sequence_label == label for sequence_label in label_of_sequence] for label in labels],
+                                device=coef_s.device)
+
+        def of_label(values: torch.Tensor) -> torch.Tensor:  # (labels, B): each label's sequences' values, +0 elsewhere
+            return torch.where(in_label, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+        if self.combination == "split":
+            rows = torch.stack([of_label(coef_r), of_label(coef_s - coef_r)], 1).flatten(0, 1)
+            keys = [(label, v) for label in labels for v in (1, 0)]
+            used = [i for i in range(len(keys)) if bool(rows[i].ne(0).any())]
+            return rows[used], [keys[i] for i in used], label_of_sequence
+        return torch.cat([coef_r.unsqueeze(0), of_label(coef_s)]), [None] + [(label, 0) for label in labels], label_of_sequence
 
     def combine(self, baseline: torch.Tensor | float) -> None:
-        """p.grad ← G_R − Σ_γ b_γ G_S^γ, then free the score buffers (Algorithm 1, line 15); deferred:
-        p.grad ← Σ_i (c^R_i − b_γ(i) c^S_i) g_i from the kept parts.
+        """p.grad ← G_R − Σ_γ b_γ G_S^γ, then free the score buffers (Algorithm 1, line 15); split:
+        p.grad ← Σ_γ (1 − b_γ) G_1^γ − b_γ G_0^γ; deferred: p.grad ← Σ_i (c^R_i − b_γ(i) c^S_i) g_i from the kept
+        parts.
 
         Args:
             baseline: b per sequence since the last combine, shape (n,), constant within each group
@@ -336,9 +360,9 @@ class PerSequenceGradients:
                 coefficients_as = micro_batch.deferred_coefficients(per_label)
                 for param, combine_into in micro_batch.pending:
                     combine_into(coefficients_as, [self.reward_buffer(param).view(-1)])
-        for label, buffers in self._score_buffers.items():
+        for (label, v), buffers in self._score_buffers.items():
             for param, buffer in buffers.values():
-                self.reward_buffer(param).add_(buffer, alpha=-per_label[label])
+                self._add_to_reward_buffer(param, buffer, v - per_label[label])
         for param, combined in self._reward_buffers.values():
             param.grad = combined.to(param.dtype) if param.grad is None else param.grad.add_(combined)
         self._discard()

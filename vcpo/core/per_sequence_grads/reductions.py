@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("auto", "materialize", "ghost")
-# How the per-sequence gradients are combined: during the backward into G_R and the score buffers, or
-# once the baseline is known into Ĝ (PerSequenceGradients).
-COMBINATIONS = ("buffers", "deferred")
+# How the per-sequence gradients are combined: during the backward into G_R and the score buffers, once
+# the baseline is known into Ĝ, or during the backward into each group's success and failure buffers
+# (PerSequenceGradients).
+COMBINATIONS = ("buffers", "deferred", "split")
 # Per-sequence gradients of these dtypes (autocast's matmul outputs, bf16 parameters) are widened to
 # float32 before they are squared, summed over sequences or scaled by coefficients.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -152,6 +153,19 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
     return offsets
 
 
+def segment_sums(packed: torch.Tensor, offsets: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Σ over tokens [offsets[i], offsets[i + 1]) of packed (tokens, ...) for every i, shape (B, ...), in ``dtype``
+    (default packed's): one product with the (B, tokens) indicator of the segments (B Python-level sums, or a
+    zero-padded (B, max_len, ...) copy summed, cost more than the product of this width)."""
+    dtype = dtype or packed.dtype
+    total, batch = offsets[-1], len(offsets) - 1
+    token = torch.arange(total, device=packed.device)
+    starts, ends = (torch.tensor(bound, device=packed.device) for bound in (offsets[:-1], offsets[1:]))
+    indicator = ((token >= starts[:, None]) & (token < ends[:, None])).to(dtype)
+    flat = packed[:total].reshape(total, -1).to(dtype)
+    return (indicator @ flat).view(batch, *packed.shape[1:])
+
+
 @dataclass(frozen=True)
 class PackedSegments:
     """B sequences packed along the token dimension of one row, at offsets cu_seqlens (B + 1,).
@@ -190,6 +204,10 @@ class PackedSegments:
     @property
     def total_tokens(self) -> int:
         return self.flat_index.shape[0]
+
+    def sums(self, packed: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) with tokens >= total_tokens  ->  (B, ...): each sequence's sum over its tokens."""
+        return segment_sums(packed, self.offsets)
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         """(tokens, ...) with tokens >= total_tokens  ->  (B, max_len, ...), zero-filled; trailing tokens dropped."""

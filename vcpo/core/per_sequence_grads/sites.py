@@ -23,6 +23,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     prefers_ghost,
     rms_normalize,
     rows_at_ids,
+    segment_sums,
     sparse_rows_sq_norms,
     wide_dtype,
     widened,
@@ -40,7 +41,7 @@ class Engine(Protocol):
     def active_micro_batch(self, name: str) -> _MicroBatch: ...
     def block_bytes(self, like: torch.Tensor) -> int: ...
     def pass_cost(self, like: torch.Tensor) -> float: ...
-    def score_buffer(self, label, param: torch.Tensor) -> torch.Tensor: ...
+    def score_buffer(self, key, param: torch.Tensor) -> torch.Tensor: ...
     def reward_buffer(self, param: torch.Tensor) -> torch.Tensor: ...
 
 @dataclass(eq=False)
@@ -138,12 +139,11 @@ class _Site:
 
     def affine_backward(self, x_hat: torch.Tensor, grad_out: torch.Tensor) -> None:
         micro_batch = self.engine.active_micro_batch(self.name)
-        x_hat, delta = micro_batch.per_sequence(x_hat), micro_batch.per_sequence(grad_out)
         weight, bias = self.module.weight, getattr(self.module, "bias", None)
         if weight.requires_grad:
-            micro_batch.add_dense(self.name, weight, (delta * x_hat).sum(1))
+            micro_batch.add_dense(self.name, weight, micro_batch.sequence_sums(grad_out * x_hat))
         if bias is not None and bias.requires_grad:
-            micro_batch.add_dense(self.name, bias, delta.sum(1))
+            micro_batch.add_dense(self.name, bias, micro_batch.sequence_sums(grad_out))
 
 
 @dataclass(frozen=True)
@@ -178,17 +178,23 @@ class _Rows:
             return [self.values.shape[1]] * self.values.shape[0]
         return [end - start for start, end in zip(self.offsets, self.offsets[1:])]
 
-    def sequences(self) -> list[torch.Tensor]:
-        """Packed: the (T_i, w) view of every sequence."""
+    @functools.cached_property
+    def _views(self) -> list[torch.Tensor]:
         return [self.values[start:end] for start, end in zip(self.offsets, self.offsets[1:])]
 
-    def outer(self, cols: _Rows, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of every sequence's selfᵢᵀ colsᵢ, shape (B, stop − start, C)."""
+    def sequences(self) -> list[torch.Tensor]:
+        """Packed: the (T_i, w) view of every sequence."""
+        return self._views
+
+    def outer(self, cols: _Rows, start: int, stop: int, order: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of every sequence's selfᵢᵀ colsᵢ, shape (B, stop − start, C); packed, with ``order``,
+        the sequences in that order."""
         if self.offsets is None:
             return per_sample_outer(self.values[..., start:stop], cols.values)
+        rows, columns = self.sequences(), cols.sequences()
         out = self.values.new_empty((self.batch_size, stop - start, cols.width))
-        for i, (rows_i, cols_i) in enumerate(zip(self.sequences(), cols.sequences())):
-            torch.mm(rows_i[:, start:stop].t(), cols_i, out=out[i])
+        for j, i in enumerate(range(self.batch_size) if order is None else order.tolist()):
+            torch.mm(rows[i][:, start:stop].t(), columns[i], out=out[j])
         return out
 
     def ghost_sq_norms(self, cols: _Rows, block_bytes: int, grams) -> torch.Tensor:
@@ -202,6 +208,17 @@ class _Rows:
             gram_sq_norms(grams(self.values, s, s + chunk), grams(cols.values, s, s + chunk))
             for s in range(0, batch, chunk)
         ])
+
+    def select(self, indices: list[int]) -> _Rows:
+        """Sequences ``indices`` alone (copied, unless they are consecutive)."""
+        if self.offsets is None:
+            return _Rows(self.values[indices])
+        lengths = [self.lengths[i] for i in indices]
+        offsets = tuple(int(end) for end in torch.tensor([0, *lengths]).cumsum(0))
+        if indices == list(range(indices[0], indices[-1] + 1)):
+            return _Rows(self.values[self.offsets[indices[0]] : self.offsets[indices[-1] + 1]], offsets)
+        sequences = self.sequences()
+        return _Rows(torch.cat([sequences[i] for i in indices]), offsets)
 
     def tokens(self) -> torch.Tensor:
         """Every token that belongs to a sequence, (N, w), in sequence order."""
@@ -219,7 +236,7 @@ class _Rows:
         dtype = wide_dtype(self.dtype)
         if self.offsets is None:
             return self.values.sum(1, dtype=dtype)
-        return torch.stack([sequence.sum(0, dtype=dtype) for sequence in self.sequences()])
+        return segment_sums(self.values, self.offsets, dtype)
 
     def rows_at_ids(self, inputs: _Rows, ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
         """`rows_at_ids` (self = δ, inputs = x) for ids (B, S), the gathered columns within ``block_bytes``."""
@@ -247,8 +264,10 @@ class _MicroBatch:
     """Accumulates one micro-batch: squared norms, and k combinations into p.grad and the score buffers."""
 
     engine: Engine
-    coefficients: torch.Tensor  # (k, B) float64: row 0 = c^R, row 1 + j = c^S of the sequences of labels[j]
-    labels: list
+    # (k, B) float64, one row per buffer: keys[j] None = G_R (p.grad), (label, v) = a score buffer. "buffers" and
+    # "deferred": row 0 = c^R, then c^S of each label's sequences; "split": c^R and c^S − c^R of each label's
+    coefficients: torch.Tensor
+    keys: list
     sq_norms: torch.Tensor  # (B,) float64
     groups: torch.Tensor | None = None
     segments: PackedSegments | None = None  # None: one row per sequence
@@ -260,6 +279,36 @@ class _MicroBatch:
     # deferred: the last layer input (its identity, the tensor) and its Gram matrices by chunk, for the next weight
     input_grams: tuple | None = None
     _cast: dict = field(default_factory=dict)
+    # "split": the sequences each row holds (its nonzero coefficients), which alone its combination reads, and an
+    # order of all sequences in which each row's are consecutive, at positions spans[j] = (start, stop)
+    members: list | None = None
+    order: torch.Tensor | None = None
+    spans: list | None = None
+
+    def __post_init__(self) -> None:
+        self.set_rows(self.coefficients, self.keys)
+
+    def set_rows(self, coefficients: torch.Tensor, keys: list) -> None:
+        self.coefficients, self.keys = coefficients, keys
+        self._cast.clear()
+        self.members = self.order = self.spans = None
+        if self.engine.combination == "split":
+            self.members = [row.nonzero().flatten().tolist() for row in coefficients.cpu()]
+            order = _consecutive_order(self.members, [label for label, _ in keys], self.batch_size)
+            position = {sequence: j for j, sequence in enumerate(order)}
+            self.spans = [(min(position[i] for i in m), min(position[i] for i in m) + len(m)) for m in self.members]
+            self.order = torch.tensor(order, device=coefficients.device)
+
+    @property
+    def combinations_per_sequence(self) -> int:
+        """How many weight-gradient products of one sequence's tokens the combination forms (ghost route)."""
+        if self.members is None:
+            return self.coefficients.shape[0]
+        counts = [0] * self.batch_size
+        for row in self.members:
+            for i in row:
+                counts[i] += 1
+        return max(1, *counts)
 
     @property
     def batch_size(self) -> int:
@@ -268,6 +317,13 @@ class _MicroBatch:
     def coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
         """The (k, B) coefficients in like's dtype and device."""
         return _cast_once(self._cast, self.coefficients, like)
+
+    def ordered_coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
+        """`coefficients_as` with the sequences in `order`."""
+        key = ("ordered", like.dtype, like.device)
+        if key not in self._cast:
+            self._cast[key] = self.coefficients[:, self.order].to(device=like.device, dtype=like.dtype)
+        return self._cast[key]
 
     def input_gram(self, values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Gram matrices of sequences [start, stop) of a layer input. Deferred, the weights that read one input
@@ -287,24 +343,31 @@ class _MicroBatch:
 
     def deferred_coefficients(self, per_label: dict) -> _CoefficientRow:
         """c_i = c^R_i − b_γ(i) c^S_i: the single row the deferred parts combine with, once b is known."""
-        baselines = torch.tensor([per_label[label] for label in self.labels], dtype=torch.float64)
+        baselines = torch.tensor([per_label[label] for label, _ in self.keys[1:]], dtype=torch.float64)
         combined = self.coefficients[0] - baselines.to(self.coefficients.device) @ self.coefficients[1:]
         return _CoefficientRow(combined.unsqueeze(0))
 
-    def _combination(self, param: torch.Tensor, combine_into) -> None:
+    def _combination(self, param: torch.Tensor, combine_into, ordered: bool = False) -> None:
         """A gradient part's combination ``combine_into(coefficients_as, targets)``, which adds
-        Σ_i coefficients[j, i] P_i to targets[j]: now into G_R and the score buffers (combination
-        "buffers"), or kept for `combine`, which applies it once with c^R − b c^S into G_R ("deferred")."""
+        Σ_i coefficients[j, i] P_i to targets[j]: now into the buffers of the rows (combinations "buffers",
+        "split"; ``ordered``: P in `order`), or kept for `combine`, which applies it once with c^R − b c^S into
+        G_R ("deferred")."""
         if self.engine.combination == "deferred":
             self.pending.append((param, combine_into))
         else:
-            combine_into(self.coefficients_as, self._targets(param))
+            combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, self._targets(param))
 
     def rows(self, values: torch.Tensor) -> _Rows:
         """A Linear/Conv1D input or output gradient as `_Rows` (views of the packed row, if packed)."""
         if self.segments is None:
             return _Rows(values.reshape(self.batch_size, -1, values.shape[-1]))
         return _Rows(values[0], self.segments.offsets)
+
+    def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Σ_t of a module input or output gradient per sequence, (B, width)."""
+        if self.segments is not None:
+            return self.segments.sums(values[0])
+        return values.reshape(self.batch_size, -1, values.shape[-1]).sum(1)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """A module input or output gradient as (B, T, ...), row i = sequence i.
@@ -338,25 +401,42 @@ class _MicroBatch:
         self.received.add(key)
 
     def _targets(self, param: torch.Tensor) -> list[torch.Tensor]:
-        """Flat views of the G_R accumulator (p.grad, or a float32 buffer for a low-precision parameter)
-        and of the score buffer of each label of this micro-batch (G_S^γ)."""
-        buffers = [self.engine.reward_buffer(param)] + [self.engine.score_buffer(label, param) for label in self.labels]
+        """Flat views of the buffer of each coefficient row: the G_R accumulator (p.grad, or a float32 buffer
+        for a low-precision parameter) and the score buffers (G_S^γ; split: G_1^γ, G_0^γ)."""
+        buffers = [
+            self.engine.reward_buffer(param) if key is None else self.engine.score_buffer(key, param) for key in self.keys
+        ]
         return [buffer.view(-1) for buffer in buffers]
 
-    def _add_sq_norms(self, values: torch.Tensor) -> None:
-        """sq_norms += values, one per sequence."""
-        self.sq_norms += values.to(device=self.sq_norms.device, dtype=torch.float64)
+    def _add_sq_norms(self, values: torch.Tensor, ordered: bool = False) -> None:
+        """sq_norms += values, one per sequence (``ordered``: the sequences in `order`)."""
+        values = values.to(device=self.sq_norms.device, dtype=torch.float64)
+        if ordered:
+            self.sq_norms.index_add_(0, self.order.to(self.sq_norms.device), values)
+        else:
+            self.sq_norms += values
 
-    def _add_per_sample_sq_norms(self, per_sample: torch.Tensor) -> torch.Tensor:
-        """sq_norms += ||per_sample_i||² of per-sequence gradients (B, ...); returns them widened, as (B, n)."""
+    def _add_per_sample_sq_norms(self, per_sample: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+        """sq_norms += ||per_sample_i||² of per-sequence gradients (B, ...); returns them widened, as (B, n).
+
+        "buffers" keeps the archived runs' arithmetic (vecdot); the others use the norm kernel, one
+        vectorised pass (vecdot multiplied into a temporary first: 3-6x slower on CPU)."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
-        self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
+        if self.engine.combination == "buffers":
+            self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
+        else:
+            self._add_sq_norms(torch.linalg.vector_norm(per_sample, dim=1).square(), ordered)
         return per_sample
 
-    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int) -> None:
-        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n)."""
-        per_sample = self._add_per_sample_sq_norms(per_sample)
-        self._combination(param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset))
+    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, ordered: bool = False) -> None:
+        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n);
+        ``ordered``: their rows in `order`, each coefficient row's sequences consecutive (split), so that each
+        combination reads its own sequences' rows only."""
+        per_sample = self._add_per_sample_sq_norms(per_sample, ordered)
+        spans = self.spans if ordered else None
+        self._combination(
+            param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset, spans=spans), ordered
+        )
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
         """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
@@ -371,11 +451,12 @@ class _MicroBatch:
         single coefficient row), so a materialised block only gives its norms."""
         self._receive(name, param)
         mode, deferred = self.engine.mode, self.engine.combination == "deferred"
-        weighted_products = functools.partial(_add_weighted_products, rows=rows, cols=cols)
+        weighted_products = functools.partial(_add_weighted_products, rows=rows, cols=cols, members=self.members)
         if mode == "ghost" or (
             mode == "auto"
             and prefers_ghost(
-                rows.lengths, rows.width, cols.width, self.coefficients.shape[0], self.engine.pass_cost(param), deferred
+                rows.lengths, rows.width, cols.width, self.combinations_per_sequence, self.engine.pass_cost(param),
+                deferred,
             )
         ):
             def grams(values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -389,12 +470,15 @@ class _MicroBatch:
         num_rows, num_cols = rows.width, cols.width
         block_rows = self.engine.block_bytes(param) // (rows.batch_size * num_cols * wide_dtype(rows.dtype).itemsize)
         block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
+        # split, packed: each block's sequences in `order`, free (one matmul per sequence view either way); one row
+        # per sequence, a reordered copy of the inputs cost more than the combinations read less (measured)
+        ordered = self.order is not None and rows.offsets is not None
         for start in range(0, num_rows, block_rows):
-            block = rows.outer(cols, start, min(start + block_rows, num_rows))
+            block = rows.outer(cols, start, min(start + block_rows, num_rows), self.order if ordered else None)
             if deferred:
                 self._add_per_sample_sq_norms(block)
             else:
-                self._accumulate(param, block, start * num_cols)
+                self._accumulate(param, block, start * num_cols, ordered=ordered)
         if deferred:
             self._combination(param, weighted_products)
 
@@ -437,6 +521,20 @@ class _MicroBatch:
             )
 
 
+def _consecutive_order(members: list, labels: list, batch_size: int) -> list[int]:
+    """An order of the sequences 0..B−1 in which the members of each row are consecutive. Rows of one label (a
+    success and a failure row, either may be absent) share sequences only with each other: that label's success-
+    only sequences, then those in both rows, then the failure-only ones. Sequences in no row come last."""
+    order, placed = [], set()
+    for label in dict.fromkeys(labels):
+        rows = [set(m) for m, row_label in zip(members, labels) if row_label == label]
+        first, second = rows if len(rows) == 2 else (rows[0], set())
+        for part in (first - second, first & second, second - first):
+            order += sorted(part)
+        placed |= first | second
+    return order + [i for i in range(batch_size) if i not in placed]
+
+
 def _cast_once(cache: dict, coefficients: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     key = (like.dtype, like.device)
     if key not in cache:
@@ -455,24 +553,32 @@ class _CoefficientRow:
         return _cast_once(self._cast, self.row, like)
 
 
-def _add_combinations(coefficients_as, targets: list[torch.Tensor], per_sample: torch.Tensor, offset: int) -> None:
-    """targets[j][offset : offset + n] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n)."""
+def _add_combinations(coefficients_as, targets: list[torch.Tensor], per_sample: torch.Tensor, offset: int,
+                      spans: list | None = None) -> None:
+    """targets[j][offset : offset + n] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n); with
+    ``spans``, row j's sequences are per_sample[start:stop] alone (the others' coefficients are 0, unread)."""
     coefficients, n = coefficients_as(per_sample), per_sample.shape[1]
     for row, target in enumerate(targets):
-        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1], per_sample)
+        start, stop = (0, per_sample.shape[0]) if spans is None else spans[row]
+        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1, start:stop], per_sample[start:stop])
 
 
-def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _Rows, cols: _Rows) -> None:
+def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _Rows, cols: _Rows,
+                           members: list | None = None) -> None:
     """targets[j] += Σ_i coefficients[j, i] rows_iᵀ cols_i, one weight-gradient matmul per target, the
-    narrower side scaled by the coefficients."""
+    narrower side scaled by the coefficients; with ``members``, over the tokens of members[j] only."""
     # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
     # autograd's weight gradient of the same micro-batch would.
     coefficients = coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
     for row, target in enumerate(targets):
+        row_rows, row_cols, row_coefficients = rows, cols, coefficients[row]
+        if members is not None and len(members[row]) < rows.batch_size:
+            row_rows, row_cols = rows.select(members[row]), cols.select(members[row])
+            row_coefficients = row_coefficients[members[row]]
         if cols.width < rows.width:
-            add_product(target.view(rows.width, -1), rows.tokens().t(), cols.weighted_tokens(coefficients[row]))
+            add_product(target.view(rows.width, -1), row_rows.tokens().t(), row_cols.weighted_tokens(row_coefficients))
         else:
-            add_product(target.view(rows.width, -1), rows.weighted_tokens(coefficients[row]).t(), cols.tokens())
+            add_product(target.view(rows.width, -1), row_rows.weighted_tokens(row_coefficients).t(), row_cols.tokens())
 
 
 def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:

@@ -178,10 +178,13 @@ def actor_batch(
     rows: slice | None = None,
     dtype: torch.dtype = torch.float64,
     min_response: int = 2,
+    behaviour_log_probs: torch.Tensor | None = None,
 ):
     """A verl actor mini-batch (as ``RayPPOTrainer._update_actor`` hands it over) and the `RawBatch`.
 
-    Random lengths (prompts in [2, prompt], responses in [min_response, response]), behaviour log-probs in [-4, -0.1] (far off-policy), 0/1 rewards at the last response
+    Random lengths (prompts in [2, prompt], responses in [min_response, response]), behaviour log-probs in [-4, -0.1]
+    (far off-policy: long responses' sequence weights underflow to 0) unless ``behaviour_log_probs`` (batch,
+    response) are given (read at the response tokens), 0/1 rewards at the last response
     token, ``uid`` per prompt group, GRPO-style zero advantages (unused by OPOB). ``rows`` keeps one
     data-parallel rank's share of the TensorDict; the `RawBatch` is always the whole batch.
     """
@@ -200,7 +203,10 @@ def actor_batch(
         response_mask[i, :r] = 1
     input_ids = torch.cat([prompts, responses], 1)
     position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
-    old = (-(torch.rand(batch, response, generator=g, dtype=torch.float64) * 3.9 + 0.1) * response_mask).to(dtype)
+    old = -(torch.rand(batch, response, generator=g, dtype=torch.float64) * 3.9 + 0.1)
+    if behaviour_log_probs is not None:
+        old = behaviour_log_probs.double()
+    old = (old * response_mask).to(dtype)
     rewards = torch.randint(0, 2, (batch,), generator=g).double()
     rewards[: min(4, batch)] = torch.tensor([1.0, 0.0, 0.0, 1.0])[: min(4, batch)]
     token_rewards = torch.zeros(batch, response, dtype=dtype)

@@ -34,10 +34,12 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     ``PerSequenceGradients.micro_batch``: after the forward the coefficients c^S_i = −w^TIS_i/(σ_g N),
     c^R_i = c^S_i R_i are set (w^TIS_i = min(w_i, c) from the learner's log-probs, σ_g the group's reward
     std when ``norm_by_std``, N the global count of valid sequences, or of tokens for token-mean) and
-    the backward runs on Σ_i l_i (l_i the loss aggregation's per-sequence score). After the last
+    the backward runs on Σ_i l_i (l_i the loss aggregation's per-sequence score), combining each
+    sequence's gradient into its group's success or failure buffer (combination "split": one buffer per
+    sequence for binary rewards; any reward is exact). After the last
     micro-batch the rewards, s_i and ||g_i||² of all ranks are all-gathered, b* = ``opob_baseline`` is
     computed (per prompt group for scope "group", labels from ``uid``; groups may span micro-batches
-    and ranks), ``combine`` forms G_R − Σ_γ b_γ G_S^γ locally, and the combined gradient is summed over
+    and ranks), ``combine`` forms Σ_γ (1 − b_γ) G_1^γ − b_γ G_0^γ locally, and the combined gradient is summed over
     data-parallel ranks with ONE all-reduce (one flat buffer). Then the ESS-scaled optimizer step.
     R_i = Σ_t token_level_rewards (after the KL-in-reward penalty; verl's V1 trainer sends them to the actor
     only when it applies one) or else Σ_t rm_scores (the verifiable reward). The advantages in the batch are not
@@ -68,7 +70,7 @@ reduce-scatter would also be exact, since RS(G_R − b G_S) = RS(G_R) − b RS(G
 reduces, so the handlers' writes would be lost: OPOB raises a clear error (use fsdp2). Mixed
 precision: verl's default (FSDP2 bf16 parameters for compute, fp32 reduction, the forward under
 ``torch.autocast(bf16)``) works: ``PerSequenceGradients`` forms the per-sequence gradients in bf16 as
-autograd would, accumulates G_R and G_S in float32 and writes the combined gradient into the bf16
+autograd would, accumulates its buffers in float32 and writes the combined gradient into the bf16
 unsharded gradients at ``combine``; the one all-reduce sums them in float32 (the local and the summed
 gradient are each rounded once to bf16, like FSDP2's own bf16 gradient before its fp32 reduction) and
 each fp32 sharded parameter gets its shard. fp16 loss scaling is refused (it would scale every norm). The ESS rule works with every strategy and precision (it touches only log-probs and the
@@ -115,6 +117,9 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         super().__init__(model_config, *args, **kwargs)
         self._step: StepState | None = None
         self._per_sequence: PerSequenceGradients | None = None
+        # Each sequence's gradient added to one buffer (binary rewards) during the backward: the micro-batches
+        # are many and long, so nothing waits for the baseline (benchmarks/opob_engine.py times the others)
+        self.opob_combination = "split"
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:
@@ -159,11 +164,9 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 f"{strategy}: OPOB's per-sequence gradients cannot be written into FSDP1 flat-parameter gradients "
                 "(or use a method without OPOB, e.g. tis_ess)"
             )
-        if fsdp2:
-            # the unsharded Parameters of this step (FSDP2 may re-create them between steps)
-            self._per_sequence = PerSequenceGradients(self.module)
-        elif self._per_sequence is None:
-            self._per_sequence = PerSequenceGradients(self.module)
+        # FSDP2: the unsharded Parameters of this step (FSDP2 may re-create them between steps)
+        if fsdp2 or self._per_sequence is None:
+            self._per_sequence = PerSequenceGradients(self.module, combination=self.opob_combination)
         return self._per_sequence
 
     def _fsdp2_modules(self) -> list:
