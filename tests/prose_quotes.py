@@ -5,6 +5,7 @@ comparison, with its adjusted (and, where quoted, unadjusted) p-value."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from vcpo.studies.evidence_report import interval, p_value, points, signed_points
 
@@ -16,6 +17,14 @@ COMPARISON_QUOTE = re.compile(r"([+-]\d+\.\d points \[[+-]\d+\.\d, [+-]\d+\.\d\]
 def normalised(text: str) -> str:
     """Whitespace-joined, typographic minus signs as '-'."""
     return " ".join(text.replace("\u2212", "-").split())
+
+
+def study_prose(root: Path, path: str, studies_span: tuple[str, str], readme_marker: str) -> str:
+    """A study's part of docs/studies.md (from studies_span[0] to studies_span[1]) or of the README (between
+    <!-- readme_marker --> and <!-- /readme_marker -->), `normalised`."""
+    text = (root / path).read_text()
+    start, stop = studies_span if path == "docs/studies.md" else (f"<!-- {readme_marker} -->", f"<!-- /{readme_marker} -->")
+    return normalised(text[text.index(start):text.index(stop)])
 
 
 def assert_quotes_are_the_statistics(prose: str, arms: list[dict], comparisons: list[dict]) -> None:

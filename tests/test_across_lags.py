@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prose_quotes import assert_quotes_are_the_statistics, normalised
+from prose_quotes import assert_quotes_are_the_statistics, study_prose
 
 from vcpo.studies.across_lags import (
     ARCHIVE,
@@ -237,12 +237,7 @@ def test_the_studies_config_keeps_the_floating_point_order_of_every_archived_row
 
 
 def across_lags_prose(path: str) -> str:
-    text = (ROOT / path).read_text()
-    if path == "docs/studies.md":
-        text = text[text.index("**Results** (all 272 runs"):text.index("Running and continuing it")]
-    else:
-        text = text[text.index("<!-- across_lags -->"):text.index("<!-- /across_lags -->")]
-    return normalised(text)
+    return study_prose(ROOT, path, ("**Results** (all 272 runs", "Running and continuing it"), "across_lags")
 
 
 @pytest.mark.parametrize("path", ["docs/studies.md", "README.md"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prose_quotes import assert_quotes_are_the_statistics, normalised
+from prose_quotes import assert_quotes_are_the_statistics, study_prose
 from test_sim_train import small_config
 
 from vcpo.local_models import save_random_model
@@ -277,13 +277,7 @@ def committed_stats() -> dict:
 
 def evidence_prose(path):
     """The evidence study's section of a document, whitespace-joined, with typographic minus signs as '-'."""
-
-    text = (ROOT / path).read_text()
-    if path == "docs/studies.md":
-        text = text[text.index("## The evidence study"):text.index("## The across-lags study")]
-    else:
-        text = text[text.index("<!-- evidence -->"):text.index("<!-- /evidence -->")]
-    return normalised(text)
+    return study_prose(ROOT, path, ("## The evidence study", "## The across-lags study"), "evidence")
 
 
 @pytest.mark.parametrize("path", ["docs/studies.md", "README.md"])

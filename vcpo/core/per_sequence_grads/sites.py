@@ -284,6 +284,8 @@ class _MicroBatch:
     members: list | None = None
     order: torch.Tensor | None = None
     spans: list | None = None
+    # how many weight-gradient products of one sequence's tokens the combination forms (ghost route's cost)
+    combinations_per_sequence: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.set_rows(self.coefficients, self.keys)
@@ -292,23 +294,14 @@ class _MicroBatch:
         self.coefficients, self.keys = coefficients, keys
         self._cast.clear()
         self.members = self.order = self.spans = None
+        self.combinations_per_sequence = coefficients.shape[0]
         if self.engine.combination == "split":
             self.members = [row.nonzero().flatten().tolist() for row in coefficients.cpu()]
             order = _consecutive_order(self.members, [label for label, _ in keys], self.batch_size)
             position = {sequence: j for j, sequence in enumerate(order)}
             self.spans = [(min(position[i] for i in m), min(position[i] for i in m) + len(m)) for m in self.members]
             self.order = torch.tensor(order, device=coefficients.device)
-
-    @property
-    def combinations_per_sequence(self) -> int:
-        """How many weight-gradient products of one sequence's tokens the combination forms (ghost route)."""
-        if self.members is None:
-            return self.coefficients.shape[0]
-        counts = [0] * self.batch_size
-        for row in self.members:
-            for i in row:
-                counts[i] += 1
-        return max(1, *counts)
+            self.combinations_per_sequence = max(1, *(sum(i in m for m in self.members) for i in range(self.batch_size)))
 
     @property
     def batch_size(self) -> int:
@@ -420,7 +413,7 @@ class _MicroBatch:
         """sq_norms += ||per_sample_i||² of per-sequence gradients (B, ...); returns them widened, as (B, n).
 
         "buffers" keeps the archived runs' arithmetic (vecdot); the others use the norm kernel, one
-        vectorised pass (vecdot multiplied into a temporary first: 3-6x slower on CPU)."""
+        vectorised pass (vecdot multiplies into a temporary first)."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
         if self.engine.combination == "buffers":
             self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
