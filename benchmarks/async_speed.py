@@ -3,6 +3,8 @@ bound, and sync against async seq-TIS and VCPO across lags, in one run of this s
 
     python benchmarks/async_speed.py --out tables/async_speed                # ~30 minutes, an idle 2-core machine
     python benchmarks/async_speed.py --out /tmp/speed --tasks countdown --lags 4 --steps 20   # a quick look
+    python benchmarks/async_speed.py --out tables/async_speed/rounds_tir --tasks tir --lags 2 --skip-overlap --repeats 5
+    python benchmarks/async_speed.py --out tables/async_speed/rounds_countdown --tasks countdown --lags 48 --skip-overlap --repeats 5
 
 Every run is a fresh ``python -m vcpo.sim train`` process from the task's cached SFT base (seed 0,
 ``eval_every=0``, one thread per process unless said), timed from its start to its end. Parts:
@@ -32,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from vcpo.reporting.runs import read_metrics
 from vcpo.provenance import cpu_name
+from vcpo.reporting.runs import read_metrics
+from vcpo.sim.config import SimConfig
 
 STEPS = {"countdown": 100, "tir": 50}
 GENERATOR_SIDE = ("timing_s/gen", "timing_s/reward")
@@ -72,25 +75,42 @@ def overlap_part(root: Path) -> dict:
             "serial_over_concurrent": serial["wall_s"] / concurrent["wall_s"]}  # fmt: skip
 
 
-def task_part(root: Path, task: str, steps: int, methods: list[str], lags: list[int]) -> dict:
-    sync = {threads: run(task, "sync", 0, steps, root / f"{task}-sync-t{threads}", threads=threads) for threads in (1, 2)}
+def task_part(root: Path, task: str, steps: int, methods: list[str], lags: list[int], repeats: int = 1) -> dict:
+    """Sync on one thread and on two, then each method at each lag, concurrent; ``repeats`` rounds of all of them
+    in turn (round-robin, so a drift of the machine's speed reaches every arm alike). A configuration's result is
+    its run of median wall time, with every round's wall time beside it."""
+    configs = [("sync", 0, {"threads": threads}) for threads in (1, 2)]
+    configs += [(method, lag, {"execution": "concurrent"}) for method in methods for lag in lags]
+    rounds = [[run(task, method, lag, steps, root / f"{task}-{method}-k{lag}-{'-'.join(map(str, settings.values()))}-r{r}", **settings)
+               for method, lag, settings in configs] for r in range(repeats)]  # fmt: skip
+    results = []
+    for runs in zip(*rounds, strict=True):
+        median = sorted(runs, key=lambda result: result["wall_s"])[(len(runs) - 1) // 2]
+        results.append(median | {"wall_s_rounds": [result["wall_s"] for result in runs]})
+    sync = {config[2]["threads"]: result for config, result in zip(configs, results, strict=True) if config[0] == "sync"}
     best = min(sync.values(), key=lambda r: r["wall_s"])
     arms = []
-    for method in methods:
-        for lag in lags:
-            result = run(task, method, lag, steps, root / f"{task}-{method}-k{lag}", execution="concurrent")
-            learner_busy = result["steps_s"] - result["sums_s"]["timing_s/wait_gen"]
-            generator_busy = result["sums_s"]["timing_s/gen"] + result["sums_s"]["timing_s/reward"]
-            result |= {"speedup_over_sync": best["wall_s"] / result["wall_s"], "bound_by": "generator" if generator_busy > learner_busy else "learner",
-                       "learner_busy_s": learner_busy, "generator_busy_s": generator_busy}  # fmt: skip
-            arms.append(result)
-    return {"steps": steps, "sync": {str(t): r for t, r in sync.items()}, "best_sync_threads": best["settings"]["threads"], "arms": arms}
+    for result in results[len(sync):]:
+        learner_busy = result["steps_s"] - result["sums_s"]["timing_s/wait_gen"]
+        generator_busy = result["sums_s"]["timing_s/gen"] + result["sums_s"]["timing_s/reward"]
+        per_round = [sync_wall / wall for sync_wall, wall in zip(best["wall_s_rounds"], result["wall_s_rounds"], strict=True)]
+        result |= {"speedup_over_sync": best["wall_s"] / result["wall_s"], "speedup_rounds": per_round,
+                   "bound_by": "generator" if generator_busy > learner_busy else "learner",
+                   "learner_busy_s": learner_busy, "generator_busy_s": generator_busy}  # fmt: skip
+        arms.append(result)
+    return {"steps": steps, "repeats": repeats, "sync": {str(t): r for t, r in sync.items()}, "best_sync_threads": best["settings"]["threads"],
+            "arms": arms}  # fmt: skip
+
+
+def spread(values: list[float]) -> str:
+    return f" ({min(values):.2f}-{max(values):.2f})"
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Asynchrony on two cores: measured by `python benchmarks/async_speed.py`", "",
              f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; torch {report['machine']['torch']}; "
-             f"{report['date']}. One process per run, from the task's seed-0 SFT base, `eval_every=0`.", ""]  # fmt: skip
+             f"{report['date']}. One process per run, from the task's seed-0 SFT base, `eval_every=0`; OPOB combines "
+             f"`{report['opob_combination']}` (the simulator's default).", ""]  # fmt: skip
     if "overlap" in report:
         o = report["overlap"]
         lines += ["## Serial against concurrent execution of one run", "",
@@ -100,7 +120,9 @@ def markdown(report: dict) -> str:
                   f"| {o['serial']['wall_s']:.1f} | {o['concurrent']['wall_s']:.1f} | {o['serial']['overlap_bound_s']:.1f} | "
                   f"{o['concurrent_over_bound']:.2f} | {o['serial_over_concurrent']:.2f} |", ""]  # fmt: skip
     for task, part in report["tasks"].items():
-        lines += [f"## {task}: sync against async, {part['steps']} steps", "",
+        repeated = part.get("repeats", 1) > 1
+        rounds = f" (median of {part['repeats']} rounds)" if repeated else ""
+        lines += [f"## {task}: sync against async, {part['steps']} steps{rounds}", "",
                   "| arm | execution | threads | s / step | wall s | generation share | bound by | speed-up over best sync |",
                   "|---|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
         best_wall = part["sync"][str(part["best_sync_threads"])]["wall_s"]
@@ -110,10 +132,13 @@ def markdown(report: dict) -> str:
                          f"{result['generation_share']:.0%} | | {best_wall / result['wall_s']:.2f} |")  # fmt: skip
         for result in part["arms"]:
             lines.append(f"| {result['method']} k = {result['lag']} | concurrent | 1 + 1 | {result['steps_s'] / result['steps']:.3f} | "
-                         f"{result['wall_s']:.1f} | {result['generation_share']:.0%} | {result['bound_by']} | {result['speedup_over_sync']:.2f} |")  # fmt: skip
+                         f"{result['wall_s']:.1f} | {result['generation_share']:.0%} | {result['bound_by']} | {result['speedup_over_sync']:.2f}"
+                         f"{spread(result['speedup_rounds']) if repeated else ''} |")  # fmt: skip
         lines.append("")
     lines += ["Generation share: generation + rewards over the step time (for a concurrent run, of its generator's work against "
-              "its learner's steps). Bound by: the side that was busy longer.", ""]
+              "its learner's steps). Bound by: the side that was busy longer. Over several rounds, each configuration's run of "
+              "median wall time is shown, and beside its speed-up the range of the speed-ups per round (each against that "
+              "round's best sync).", ""]
     return "\n".join(lines)
 
 
@@ -125,6 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lags", default="1,2,4,12,48")
     parser.add_argument("--steps", type=int, default=None, help=f"steps of every run (default per task: {STEPS})")
     parser.add_argument("--skip-overlap", action="store_true", help="leave out the serial-against-concurrent pair")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every sync and async run, in turn (median shown)")
     args = parser.parse_args(argv)
     args.tasks, args.methods = args.tasks.split(","), args.methods.split(",")
     args.lags = [int(lag) for lag in args.lags.split(",")]
@@ -135,14 +161,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     report = {"machine": {"cpu": cpu_name(), "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
                           "python": platform.python_version()},
-              "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": sys.argv, "tasks": {}}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": sys.argv,
+              "opob_combination": SimConfig().opob_combination, "tasks": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-speed-") as scratch:
         root = Path(scratch)
         if not args.skip_overlap:
             report["overlap"] = overlap_part(root)
         for task in args.tasks:
             steps = args.steps or STEPS[task]
-            report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps])
+            report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps], args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "async_speed.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "async_speed.md").write_text(markdown(report))

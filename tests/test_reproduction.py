@@ -180,6 +180,23 @@ def test_sync_and_async_settings_apply_by_lag_and_the_workflow_reserves_each_run
         plan(smoke | {"sim_async": {"execution": "parallel"}})
 
 
+def test_the_smoke_runs_combine_opob_deferred_over_the_regime_files_buffers():
+    """The regime file keeps the studies' two-buffer arithmetic; the workflow's runs, which start from it, combine
+    with the simulator's faster default."""
+    from vcpo.sim.config import SimConfig, apply_overrides
+    from vcpo.workflow_plan import sim_start
+
+    def effective(name: str, method: str, lag: int) -> SimConfig:
+        workflow = config(name)
+        settings = {key: str(value) for key, value in sim_settings(workflow, "countdown", method, lag).items()}
+        return apply_overrides(sim_start(workflow), settings)
+
+    assert sim_start(config("smoke")).opob_combination == "buffers"
+    assert effective("smoke", "vcpo", 48).opob_combination == effective("smoke", "sync", 0).opob_combination == "deferred"
+    assert effective("smoke", "vcpo", 48).opob_combination == SimConfig().opob_combination
+    assert effective("ci", "vcpo", 4).opob_combination == "deferred"
+
+
 def test_a_run_the_workflow_plans_is_where_the_sweep_writes_and_the_reports_read(tmp_path):
     """One layout for the workflow's plan, the simulator's sweep and the readers: a folder the sweep would
     write for (task, method, lag, seed) is the planned run's, and the reports find it there (a sync run at

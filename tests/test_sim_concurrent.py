@@ -199,7 +199,44 @@ def test_the_documented_speed_ups_are_the_committed_benchmarks():
                for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
     quoted.append(f"the learner's side {min(learner['vcpo']):.0f}-{max(learner['vcpo']):.0f} s against seq-TIS's "
                   f"{min(learner['seq_tis_c8']):.0f}-{max(learner['seq_tis_c8']):.0f} s")
+    generator = {method: [arm["generator_busy_s"] for arm in report["tasks"]["tir"]["arms"] if arm["method"] == method]
+                 for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
+    quoted.append(f"VCPO's generator side is the longer ({min(generator['vcpo']):.0f}-{max(generator['vcpo']):.0f} s against "
+                  f"seq-TIS's {min(generator['seq_tis_c8']):.0f}-{max(generator['seq_tis_c8']):.0f} s)")
     tir_sync = report["tasks"]["tir"]["sync"]
-    quoted.append(f"from a second thread here ({tir_sync['1']['wall_s'] / tir_sync['2']['wall_s']:.2f}×)")
-    missing = [text for text in quoted if text not in doc]
+    quoted.append(f"Sync gains {tir_sync['1']['wall_s'] / tir_sync['2']['wall_s']:.2f}× from a second thread")
+    assert report["opob_combination"] == "deferred" and "OPOB combines deferred, the simulator's default" in doc
+    missing = [text for text in quoted if " ".join(text.split()) not in " ".join(doc.split())]
     assert missing == []
+    readme = " ".join((root / "README.md").read_text().split())
+    countdown = {method: [arm["speedup_over_sync"] for arm in report["tasks"]["countdown"]["arms"] if arm["method"] == method]
+                 for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
+    assert (f"One run per lag (k = 1-48) put them at {min(countdown['seq_tis_c8']):.2f}-{max(countdown['seq_tis_c8']):.2f}× "
+            f"and {min(countdown['vcpo']):.2f}-{max(countdown['vcpo']):.2f}×") in readme
+
+
+def test_the_documented_rounds_are_the_committed_benchmarks():
+    """docs/simulator.md's five-round table and its counts of rounds come from tables/async_speed/rounds_*."""
+    root = Path(__file__).resolve().parents[1]
+    doc = " ".join((root / "docs/simulator.md").read_text().split())
+    gains = {}
+    for task, label in (("countdown", "Countdown, k = 48"), ("tir", "`tir`, k = 2")):
+        part = json.loads((root / f"tables/async_speed/rounds_{task}/async_speed.json").read_text())["tasks"][task]
+        assert part["repeats"] == 5 and part["best_sync_threads"] == 2
+        cells = {arm["method"]: f"{arm['speedup_over_sync']:.2f} ({min(arm['speedup_rounds']):.2f}-{max(arm['speedup_rounds']):.2f})"
+                 for arm in part["arms"]}  # fmt: skip
+        walls = part["sync"]["2"]["wall_s_rounds"]
+        assert f"| {label} | {cells['seq_tis_c8']} | {cells['vcpo']} | {min(walls):.1f}-{max(walls):.1f} |" in doc
+        gains[task] = {arm["method"]: sum(ratio > 1 for ratio in arm["speedup_rounds"]) for arm in part["arms"]}
+    assert gains["countdown"]["vcpo"] == 0 and "makes VCPO slower in every round" in doc
+    readme = " ".join((root / "README.md").read_text().split())
+    for task, quoted in (("countdown", "async seq-TIS is level with sync on Countdown ({seq_tis_c8}× sync's speed, per round {seq_tis_c8_range}) "
+                                       "and async VCPO is slower ({vcpo}×, {vcpo_range})"),
+                         ("tir", "async VCPO is {vcpo}× sync's speed ({vcpo_range})")):
+        arms = json.loads((root / f"tables/async_speed/rounds_{task}/async_speed.json").read_text())["tasks"][task]["arms"]
+        values = {}
+        for arm in arms:
+            values[arm["method"]] = f"{arm['speedup_over_sync']:.2f}"
+            values[arm["method"] + "_range"] = f"{min(arm['speedup_rounds']):.2f}-{max(arm['speedup_rounds']):.2f}"
+        assert quoted.format(**values) in readme
+    assert f"seq-TIS in {gains['tir']['seq_tis_c8']} rounds of 5, VCPO in {gains['tir']['vcpo']})" in doc
