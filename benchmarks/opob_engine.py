@@ -171,7 +171,7 @@ def main(argv=None) -> dict[str, float]:
             f"   process CPU {cpu_medians[name] * 1e3:8.1f} ms  x{cpu_medians[name] / cpu_medians['plain']:.3f}"
             f"   paired x{paired[name]:.3f}"
         )
-    packed = metrics["vcpo"].get("actor/opob_packed", [0.0])[0]
+    packed = first(metrics["vcpo"].get("actor/opob_packed", 0.0))
     print(
         f"  vcpo/plain = {medians['vcpo'] / medians['plain']:.3f} (median), {minima['vcpo'] / minima['plain']:.3f} (min), "
         f"{cpu_medians['vcpo'] / cpu_medians['plain']:.3f} (process CPU time), {paired['vcpo']:.3f} (paired by round); "

@@ -183,13 +183,11 @@ def test_sync_and_async_settings_apply_by_lag_and_the_workflow_reserves_each_run
 def test_the_smoke_runs_combine_opob_deferred_over_the_regime_files_buffers():
     """The regime file keeps the studies' two-buffer arithmetic; the workflow's runs, which start from it, combine
     with the simulator's faster default."""
-    from vcpo.sim.config import SimConfig, apply_overrides
-    from vcpo.workflow_plan import sim_start
+    from vcpo.sim.config import SimConfig
+    from vcpo.workflow_plan import sim_run_config, sim_start
 
     def effective(name: str, method: str, lag: int) -> SimConfig:
-        workflow = config(name)
-        settings = {key: str(value) for key, value in sim_settings(workflow, "countdown", method, lag).items()}
-        return apply_overrides(sim_start(workflow), settings)
+        return sim_run_config(config(name), "countdown", method, lag)
 
     assert sim_start(config("smoke")).opob_combination == "buffers"
     assert effective("smoke", "vcpo", 48).opob_combination == effective("smoke", "sync", 0).opob_combination == "deferred"

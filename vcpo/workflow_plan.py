@@ -160,12 +160,10 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
         where = f"run {run.path}"
         try:
             if config["backend"] == "sim":
-                from vcpo.sim.config import apply_overrides, validate
+                from vcpo.sim.config import validate
 
-                settings = {key: str(value) for key, value in sim_settings(config, run.task, run.method, run.lag).items()}
-                given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed}
-                given["steps"] = steps_of(config, run)
-                validate(apply_overrides(apply_overrides(sim_start(config), given), settings))
+                given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed, "steps": steps_of(config, run)}
+                validate(sim_run_config(config, run.task, run.method, run.lag, given))
             else:
                 from vcpo.launch import make_run, strategy_of
 
@@ -206,14 +204,21 @@ def sim_settings(config: dict[str, Any], task: str, method: str, lag: int) -> di
     }
 
 
+def sim_run_config(config: dict[str, Any], task: str, method: str, lag: int, given: dict[str, Any] | None = None):
+    """The ``vcpo.sim`` configuration a run trains with: the one every run starts from, then ``given`` (the run's
+    own task, method, ... as its command line passes them), then its settings."""
+    from vcpo.sim.config import apply_overrides
+
+    settings = {key: str(value) for key, value in sim_settings(config, task, method, lag).items()}
+    return apply_overrides(apply_overrides(sim_start(config), given or {}), settings)
+
+
 def sim_cores(config: dict[str, Any], task: str, method: str, lag: int) -> int:
     """The CPU cores a simulator run holds, which the workflow reserves for it: its torch threads per process
     (0: torch's default, all cores) x its processes (2 with ``execution=concurrent``)."""
     import os
 
-    from vcpo.sim.config import apply_overrides
-
-    settings = apply_overrides(sim_start(config), {key: str(value) for key, value in sim_settings(config, task, method, lag).items()})
+    settings = sim_run_config(config, task, method, lag)
     threads = settings.threads or len(os.sched_getaffinity(0))
     return threads * (2 if settings.execution == "concurrent" else 1)
 

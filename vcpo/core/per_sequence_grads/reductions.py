@@ -153,11 +153,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
     return offsets
 
 
-def segment_sums(packed: torch.Tensor, offsets: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Σ over tokens [offsets[i], offsets[i + 1]) of packed (tokens, ...) for every i, shape (B, ...), in ``dtype``
-    (default packed's): one product with the (B, tokens) indicator of the segments (B Python-level sums, or a
+def segment_sums(packed: torch.Tensor, offsets: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Σ over tokens [offsets[i], offsets[i + 1]) of packed (tokens, ...) for every i, shape (B, ...), in ``dtype``:
+    one product with the (B, tokens) indicator of the segments (B Python-level sums, or a
     zero-padded (B, max_len, ...) copy summed, cost more than the product of this width)."""
-    dtype = dtype or packed.dtype
     total, batch = offsets[-1], len(offsets) - 1
     token = torch.arange(total, device=packed.device)
     starts, ends = (torch.tensor(bound, device=packed.device) for bound in (offsets[:-1], offsets[1:]))
@@ -204,10 +203,6 @@ class PackedSegments:
     @property
     def total_tokens(self) -> int:
         return self.flat_index.shape[0]
-
-    def sums(self, packed: torch.Tensor) -> torch.Tensor:
-        """(tokens, ...) with tokens >= total_tokens  ->  (B, ...): each sequence's sum over its tokens."""
-        return segment_sums(packed, self.offsets)
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         """(tokens, ...) with tokens >= total_tokens  ->  (B, max_len, ...), zero-filled; trailing tokens dropped."""

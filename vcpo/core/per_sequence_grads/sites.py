@@ -141,9 +141,10 @@ class _Site:
         micro_batch = self.engine.active_micro_batch(self.name)
         weight, bias = self.module.weight, getattr(self.module, "bias", None)
         if weight.requires_grad:
-            micro_batch.add_dense(self.name, weight, micro_batch.sequence_sums(grad_out * x_hat))
+            weighted = grad_out * x_hat
+            micro_batch.add_dense(self.name, weight, micro_batch.rows(weighted).sums(weighted.dtype))
         if bias is not None and bias.requires_grad:
-            micro_batch.add_dense(self.name, bias, micro_batch.sequence_sums(grad_out))
+            micro_batch.add_dense(self.name, bias, micro_batch.rows(grad_out).sums(grad_out.dtype))
 
 
 @dataclass(frozen=True)
@@ -231,9 +232,9 @@ class _Rows:
         lengths = torch.tensor(self.lengths, device=per_sequence.device)
         return (per_sequence.repeat_interleave(lengths).view(-1, 1) * self.tokens()).to(self.dtype)
 
-    def sums(self) -> torch.Tensor:
-        """Σ_t of every sequence, (B, w), in the widened dtype."""
-        dtype = wide_dtype(self.dtype)
+    def sums(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Σ_t of every sequence, (B, w), in ``dtype`` (default: the widened dtype)."""
+        dtype = dtype or wide_dtype(self.dtype)
         if self.offsets is None:
             return self.values.sum(1, dtype=dtype)
         return segment_sums(self.values, self.offsets, dtype)
@@ -299,7 +300,8 @@ class _MicroBatch:
             self.members = [row.nonzero().flatten().tolist() for row in coefficients.cpu()]
             order = _consecutive_order(self.members, [label for label, _ in keys], self.batch_size)
             position = {sequence: j for j, sequence in enumerate(order)}
-            self.spans = [(min(position[i] for i in m), min(position[i] for i in m) + len(m)) for m in self.members]
+            starts = [min(position[i] for i in m) for m in self.members]
+            self.spans = [(start, start + len(m)) for start, m in zip(starts, self.members, strict=True)]
             self.order = torch.tensor(order, device=coefficients.device)
             self.combinations_per_sequence = max(1, *(sum(i in m for m in self.members) for i in range(self.batch_size)))
 
@@ -355,12 +357,6 @@ class _MicroBatch:
         if self.segments is None:
             return _Rows(values.reshape(self.batch_size, -1, values.shape[-1]))
         return _Rows(values[0], self.segments.offsets)
-
-    def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Σ_t of a module input or output gradient per sequence, (B, width)."""
-        if self.segments is not None:
-            return self.segments.sums(values[0])
-        return values.reshape(self.batch_size, -1, values.shape[-1]).sum(1)
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """A module input or output gradient as (B, T, ...), row i = sequence i.
