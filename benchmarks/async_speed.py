@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from vcpo.provenance import cpu_name
+from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.reporting.runs import read_metrics
 from vcpo.sim.config import SimConfig
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     report = {"machine": {"cpu": cpu_name(), "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
                           "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": sys.argv,
-              "opob_combination": SimConfig().opob_combination, "tasks": {}}  # fmt: skip
+              "opob_combination": SimConfig().opob_combination, **code_state(), "started": utc_now(), "tasks": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-speed-") as scratch:
         root = Path(scratch)
         if not args.skip_overlap:
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
         for task in args.tasks:
             steps = args.steps or STEPS[task]
             report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps], args.repeats)
+    report["finished"] = utc_now()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "async_speed.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "async_speed.md").write_text(markdown(report))
