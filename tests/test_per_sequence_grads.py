@@ -15,7 +15,7 @@ from devices import DEVICE, on_device
 from torch import nn
 
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import COMBINATIONS, PerSequenceGradients
+from vcpo.core.per_sequence_grads import COMBINATIONS, NORMS_ONLY, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import (
     ghost_sq_norms,
     gram,
@@ -688,3 +688,54 @@ def test_modules_wrapped_by_fsdp2_keep_their_handler():
             return 2 * super().forward(x)
 
     assert module_kind(ScaledLinear(3, 2)) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms only: the first pass of a two-pass OPOB step.
+# ----------------------------------------------------------------------------------------------
+
+
+def run_two_pass(model, batch, micro_batches=(slice(None),), groups=None, **engine_kwargs):
+    """Pass 1: the norms alone, micro-batch by micro-batch; pass 2: a plain backward of Σ_i (c^R_i − b_γ(i) c^S_i) l_i.
+    Returns the norms, every p.grad after pass 1 (None expected) and the final p.grad."""
+    engine = PerSequenceGradients(model, combination=NORMS_ONLY, **engine_kwargs)
+    model.zero_grad(set_to_none=True)
+    for rows in micro_batches:
+        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=None if groups is None else groups[rows]):
+            batched_scores(model, batch, rows).sum().backward()
+    norms, labels = engine.sq_norms, engine.groups
+    engine.discard()
+    after_norms = [p.grad for p in model.parameters()]
+    weights = batch["coef_r"] - opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], labels) * batch["coef_s"]
+    for rows in micro_batches:
+        (weights[rows] * batched_scores(model, batch, rows)).sum().backward()
+    return norms, after_norms, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_two_pass_matches_per_sequence_loop_float64(kind, padding, mode):
+    """Groups spread over micro-batches: the norms pass leaves no gradient, and the second pass is the update (to
+    1e-12 where the float64 forward stays float64; HF's RMSNorm normalises in float32, so a plain backward of
+    Σ w_i l_i with cancelling w rounds at float32 precision there)."""
+    model = tiny_model(kind)
+    batch = make_batch(seed=1, lengths=[9, 4, 1, 7, 6, 8], padding=padding)
+    groups = torch.tensor([5, 7, 5, 7, 7, 5])
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, after_norms, grads = run_two_pass(model, batch, (slice(0, 2), slice(2, 6)), groups=groups, mode=mode)
+    assert all(grad is None for grad in after_norms)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < (1e-12 if kind == "gpt2" else TOLERANCE)
+
+
+def test_norms_only_refuses_combine_and_keeps_nothing():
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=3)
+    engine = PerSequenceGradients(model, combination=NORMS_ONLY)
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        assert engine._active.coefficients.shape == (0, len(LENGTHS))
+        batched_scores(model, batch).sum().backward()
+    assert engine._score_buffers == {} and engine._reward_buffers == {} and engine._open_micro_batches == []
+    with pytest.raises(ValueError, match="forms no gradient"):
+        engine.combine(0.0)

@@ -20,7 +20,7 @@ from torch import nn
 
 import vcpo.core.per_sequence_grads.sites as per_sequence_sites
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import PackedSegments, PerSequenceGradients
+from vcpo.core.per_sequence_grads import NORMS_ONLY, PackedSegments, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import check_cu_seqlens
 
 from test_per_sequence_grads import VOCAB
@@ -336,3 +336,34 @@ def test_packed_input_with_several_rows_raises():
     with pytest.raises(ValueError, match=r"needs ids of shape \(1, tokens\), got \(2, 5\)"):
         with engine.micro_batch(torch.ones(2), torch.ones(2), cu_seqlens=torch.tensor([0, 3, 5])):
             model(torch.randint(0, VOCAB, (2, 5)), use_cache=False)
+
+
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_packed_two_pass_equals_the_single_backward_update(kind, mode):
+    """Norms alone from the packed row (groups, trailing padding), then a plain backward of Σ_i (c^R_i − b_i c^S_i) l_i:
+    the same norms and update as the per-sequence loop, and as the engine's single backward ("split"), to 1e-9
+    where the float64 forward stays float64 (HF's RMSNorm normalises in float32: a plain backward of Σ w_i l_i with
+    cancelling w rounds at float32 precision there)."""
+    model = tiny_model(kind)
+    batch = make_batch(seed=4, trailing=3)
+    groups = torch.tensor([4, 9, 4, 9, 9])
+    gradients = reference_gradients(model, batch)
+    expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
+
+    engine = PerSequenceGradients(model, mode=mode, combination=NORMS_ONLY)
+    model.zero_grad(set_to_none=True)
+    with engine.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=batch["cu_seqlens"]):
+        packed_scores(model, batch).sum().backward()
+    norms = engine.sq_norms
+    engine.discard()
+    assert all(p.grad is None for p in model.parameters())
+    baseline = opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], groups)
+    ((batch["coef_r"] - baseline * batch["coef_s"]) * packed_scores(model, batch)).sum().backward()
+    two_pass = [p.grad.clone() for p in model.parameters()]
+
+    assert_norms_close(norms, expected_norms, TOLERANCE)
+    tolerance = TOLERANCE if kind == "gpt2" else 1e-5
+    assert relative_error(two_pass, weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)) < tolerance
+    _, _, _, single = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination="split")
+    assert relative_error(two_pass, single) < tolerance

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 
 import pytest
@@ -44,9 +45,12 @@ def make_batch(remove_padding: bool, rows: slice | None = None):
     return cpu.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding, MICRO, rows=rows)
 
 
-def ppo_loss_for(method: str):
+OPOB_MODES = ("single", "two_pass")
+
+
+def ppo_loss_for(method: str, opob_mode: str = "auto"):
     """What verl's ActorRolloutRefWorker hands the engine: ppo_loss bound to the actor config."""
-    return functools.partial(ppo_loss, config=cpu.actor_config(method, B, GROUP, MICRO))
+    return functools.partial(ppo_loss, config=cpu.actor_config(method, B, GROUP, MICRO, opob_mode=opob_mode))
 
 
 def reference_log_probs(model, raw: cpu.RawBatch) -> torch.Tensor:
@@ -166,7 +170,7 @@ def assert_gradients_close(got, expected, names=None):
         assert torch.allclose(a, b, atol=1e-6 * scale, rtol=1e-6), names[k] if names else k
 
 
-def check_opob_step(engine, remove_padding: bool, packed: bool, max_tokens: int | None = None):
+def check_opob_step(engine, remove_padding: bool, packed: bool, max_tokens: int | None = None, mode: str = "single"):
     td, raw = make_batch(remove_padding)
     if max_tokens is not None:  # verl's dynamic batch size: token-budget micro-batches, reordered
         tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)
@@ -174,8 +178,9 @@ def check_opob_step(engine, remove_padding: bool, packed: bool, max_tokens: int 
     loop, baseline, sq_norms, pg_loss = per_sequence_loop_gradient(engine.module, raw)
     core = core_gradient(engine.module, raw)
     s = seq_log_weights(engine.module, raw)
-    out = engine.train_batch(td, ppo_loss_for("vcpo"))
+    out = engine.train_batch(td, ppo_loss_for("vcpo", mode))
     metrics = out["metrics"]
+    assert scalar(metrics, "actor/opob_two_pass") == float(mode == "two_pass")
     # p.grad after the step is the assembled gradient (clip_grad 1e9 never clips; zeroed at the next step)
     got = [p.grad for p in engine.module.parameters() if p.requires_grad]
     assert_gradients_close(core, loop, names)
@@ -204,22 +209,43 @@ def flat(values) -> list[float]:
     return [float(values)]
 
 
+@pytest.mark.parametrize("mode", OPOB_MODES)
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_gradient_matches_core_and_loop(process_group, model_dir, remove_padding):
-    check_opob_step(cpu.build_engine(model_dir, remove_padding), remove_padding, packed=remove_padding)
+def test_opob_gradient_matches_core_and_loop(process_group, model_dir, remove_padding, mode):
+    check_opob_step(cpu.build_engine(model_dir, remove_padding), remove_padding, packed=remove_padding, mode=mode)
 
 
-def test_opob_dynamic_batch_size(process_group, model_dir):
-    """use_dynamic_bsz: verl re-sorts the sequences into token-budget micro-batches of varying size."""
+@pytest.mark.parametrize("mode", OPOB_MODES)
+def test_opob_dynamic_batch_size(process_group, model_dir, mode):
+    """use_dynamic_bsz: verl re-sorts the sequences into token-budget micro-batches of varying size (two_pass: each
+    sequence's weight follows it into pass 2's micro-batches)."""
     engine = cpu.build_engine(model_dir, remove_padding=True)
-    check_opob_step(engine, remove_padding=True, packed=True, max_tokens=30)
+    check_opob_step(engine, remove_padding=True, packed=True, max_tokens=30, mode=mode)
 
 
-def test_opob_packed_with_static_pad(process_group, model_dir):
+@pytest.mark.parametrize("mode", OPOB_MODES)
+def test_opob_packed_with_static_pad(process_group, model_dir, mode):
     """pad_to_length: verl pads the packed row to a bucket; the tail belongs to no sequence."""
     engine = cpu.build_engine(model_dir, remove_padding=True)
     engine.pad_to_length, engine.pad_to_length_bucket = True, 64
-    check_opob_step(engine, remove_padding=True, packed=True)
+    check_opob_step(engine, remove_padding=True, packed=True, mode=mode)
+
+
+def test_the_two_modes_take_the_same_step(process_group, model_dir):
+    """One step of two_pass equals one step of the single backward: the same gradient and the same parameters after
+    AdamW (float64; the floating-point order differs, and HF's Qwen2 RMSNorm normalises in float32, so a plain
+    backward of Σ_i a_i l_i with cancelling a_i rounds at float32 precision: measured 5.6e-8)."""
+    steps = {}
+    for mode in OPOB_MODES:
+        engine = cpu.build_engine(model_dir, remove_padding=True)
+        td, _ = make_batch(True)
+        metrics = engine.train_batch(td, ppo_loss_for("vcpo", mode))["metrics"]
+        steps[mode] = ([p.grad.clone() for p in engine.module.parameters()], [p.detach().clone() for p in engine.module.parameters()],
+                       {k: scalar(metrics, k) for k in ("actor/opob_baseline", "actor/seq_grad_norm_mean", "actor/lr_scale")})
+    (grads, params, metrics), (grads_2, params_2, metrics_2) = steps["single"], steps["two_pass"]
+    assert relative_error(grads_2, grads) < 1e-6
+    assert relative_error(params_2, params) < 1e-9
+    assert metrics_2 == pytest.approx(metrics, rel=1e-9)
 
 
 def test_metrics_pass_through_the_training_worker(process_group, model_dir):
@@ -270,9 +296,11 @@ def full_gradients(module) -> list[torch.Tensor]:
     return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
 
 
+@pytest.mark.parametrize("mode", OPOB_MODES)
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_under_fsdp2(process_group, model_dir, remove_padding):
-    """fully_shard (FSDP2, world size 1 on gloo): the sharded DTensor gradients are the OPOB gradient."""
+def test_opob_under_fsdp2(process_group, model_dir, remove_padding, mode):
+    """fully_shard (FSDP2, world size 1 on gloo): the sharded DTensor gradients are the OPOB gradient (single: the
+    model unsharded for the step; two_pass: FSDP2's own sharded step, twice)."""
     from torch.distributed.tensor import DTensor
     from transformers import Qwen2ForCausalLM
 
@@ -281,14 +309,15 @@ def test_opob_under_fsdp2(process_group, model_dir, remove_padding):
     td, raw = make_batch(remove_padding)
     loop, baseline, _, _ = per_sequence_loop_gradient(reference, raw)
     before = [p.full_tensor().clone() for p in engine.module.parameters()]
-    metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
+    metrics = engine.train_batch(td, ppo_loss_for("vcpo", mode))["metrics"]
+    assert scalar(metrics, "actor/opob_two_pass") == float(mode == "two_pass")
     assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in engine.module.parameters())
     assert_gradients_close(full_gradients(engine.module), loop)
     assert scalar(metrics, "actor/opob_baseline") == pytest.approx(float(baseline.mean()), rel=1e-6)
     assert any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, engine.module.parameters(), strict=True))
     # the next step runs again (FSDP2 state restored: resharded, gradient sync back on)
     td, _ = make_batch(remove_padding)
-    engine.train_batch(td, ppo_loss_for("vcpo"))
+    engine.train_batch(td, ppo_loss_for("vcpo", mode))
     td, _ = make_batch(remove_padding)
     engine.train_batch(td, ppo_loss_for("tis_ess"))  # and verl's own FSDP2 path after it
 
@@ -298,14 +327,17 @@ def test_opob_under_fsdp2(process_group, model_dir, remove_padding):
     [({"param_dtype": "32", "reduce_dtype": "bf16"}, True), ({"param_dtype": "fp32", "reduce_dtype": "32"}, False)],
 )
 def test_opob_under_fsdp2_reads_precisions_by_verls_names(process_group, model_dir, precision, refused):
-    """fp32 parameters need an fp32 reduction under OPOB, whichever of verl's names spell them ("32" too)."""
+    """fp32 parameters need an fp32 reduction under OPOB's single backward, whichever of verl's names spell them
+    ("32" too); two_pass reduces as verl's own step does, and runs."""
     engine = fsdp2_engine(model_dir, remove_padding=True, config_precision=precision)
     td, _ = make_batch(True)
     if refused:
         with pytest.raises(NotImplementedError, match="needs mixed_precision.reduce_dtype fp32"):
-            engine.train_batch(td, ppo_loss_for("vcpo"))
+            engine.train_batch(td, ppo_loss_for("vcpo", "single"))
+        td, _ = make_batch(True)
+        engine.train_batch(td, ppo_loss_for("vcpo", "two_pass"))
     else:
-        engine.train_batch(td, ppo_loss_for("vcpo"))
+        engine.train_batch(td, ppo_loss_for("vcpo", "single"))
 
 
 def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
@@ -313,8 +345,9 @@ def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
     return (difference / sum(float(b.double().pow(2).sum()) for b in expected)) ** 0.5
 
 
+@pytest.mark.parametrize("mode", OPOB_MODES)
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_opob_under_fsdp2_in_verls_default_mixed_precision(process_group, model_dir, remove_padding):
+def test_opob_under_fsdp2_in_verls_default_mixed_precision(process_group, model_dir, remove_padding, mode):
     """verl's default precision: the OPOB gradient of the bf16 compute path against the float64 loop on
     the fp32 weights, within 4x the error plain autograd makes in the same precision (the same loop on
     the weights in bf16 under autocast(bf16)); the sharded fp32 gradients are what the optimizer steps on.
@@ -331,11 +364,11 @@ def test_opob_under_fsdp2_in_verls_default_mixed_precision(process_group, model_
     autograd_error = relative_error(autograd, truth)
     assert autograd_error > 1e-4  # bf16 really ran
 
-    engine.train_batch(td, ppo_loss_for("vcpo"))
+    engine.train_batch(td, ppo_loss_for("vcpo", mode))
     assert all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32 for p in engine.module.parameters())
     assert relative_error(full_gradients(engine.module), truth) <= 4 * autograd_error
     td, _ = make_batch(remove_padding)
-    engine.train_batch(td, ppo_loss_for("vcpo"))  # the next step runs too (FSDP2 state restored)
+    engine.train_batch(td, ppo_loss_for("vcpo", mode))  # the next step runs too (FSDP2 state restored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,20 +442,19 @@ def _dp_worker(rank: int, world: int, store_path: str, model_dir: str, out_dir: 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         results = {}
-        for sharded in (False, True):
-            for remove_padding in (False, True):
-                if sharded:  # FSDP2 over the two ranks: every parameter really sharded
-                    engine = fsdp2_engine(model_dir, remove_padding, world=world)
-                else:  # unwrapped module: the engine's own all-reduce is the only gradient sync
-                    engine = cpu.build_engine(model_dir, remove_padding)
-                # rank r holds rows r, r + world, ...: every prompt group is split across the ranks
-                td, _ = make_batch(remove_padding, rows=slice(rank, None, world))
-                metrics = engine.train_batch(td, ppo_loss_for("vcpo"))["metrics"]
-                results[sharded, remove_padding] = {
-                    "grads": full_gradients(engine.module),
-                    # the engine's per-step values (the loss's per-micro-batch diagnostics are not compared)
-                    "metrics": {k: flat(v)[0] for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))},
-                }
+        for sharded, remove_padding, mode in itertools.product((False, True), (False, True), OPOB_MODES):
+            if sharded:  # FSDP2 over the two ranks: every parameter really sharded
+                engine = fsdp2_engine(model_dir, remove_padding, world=world)
+            else:  # unwrapped module: the engine's own all-reduce is the only gradient sync
+                engine = cpu.build_engine(model_dir, remove_padding)
+            # rank r holds rows r, r + world, ...: every prompt group is split across the ranks
+            td, _ = make_batch(remove_padding, rows=slice(rank, None, world))
+            metrics = engine.train_batch(td, ppo_loss_for("vcpo", mode))["metrics"]
+            results[sharded, remove_padding, mode] = {
+                "grads": full_gradients(engine.module),
+                # the engine's per-step values (the loss's per-micro-batch diagnostics are not compared)
+                "metrics": {k: flat(v)[0] for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))},
+            }
         torch.save(results, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -445,7 +477,7 @@ def test_opob_two_data_parallel_ranks(model_dir, tmp_path):
     loop, baseline, _, _ = per_sequence_loop_gradient(model, raw)
     expected_scale = ess_step_scale(ess_ratio(seq_log_weights(model, raw)))
     for rank in range(2):
-        for (_, remove_padding), result in torch.load(tmp_path / f"{rank}.pt").items():
+        for (_, remove_padding, _), result in torch.load(tmp_path / f"{rank}.pt").items():
             assert_gradients_close(result["grads"], loop)
             assert result["metrics"]["actor/opob_baseline"] == pytest.approx(float(baseline.mean()), rel=1e-6)
             assert result["metrics"]["actor/lr_scale"] == pytest.approx(expected_scale, rel=1e-9)

@@ -52,6 +52,9 @@ class VcpoPolicyLossConfig(PolicyLossConfig):
     params: dict[str, Any] = field(default_factory=dict)
     # the ESS step size's on-policy ratio when the experiment sets its own (0.55 multi-turn, VCPO Table 5)
     rho_on: float | None = None
+    # OPOB's mode in the vcpo engine: auto (by the memory model), single or two_pass
+    # (vcpo.core.per_sequence_grads.memory)
+    opob_mode: str = "auto"
 
 
 def resolve_params(loss_name: str, policy_loss_config: Any) -> dict[str, Any]:

@@ -110,6 +110,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     DEFAULT_PASS_COST,
     LOW_PRECISION,
     MODES,
+    NORMS_ONLY,
     PackedSegments,
     check_cu_seqlens,
     wide_dtype,
@@ -141,6 +142,10 @@ class PerSequenceGradients:
             c^R_i = R_i c^S_i) is combined into one buffer only, once, and only the sequences a buffer
             holds are read for it (memory: two float32 buffers per open group). The three differ in
             floating-point order only; "buffers" keeps the arithmetic of the archived simulator runs.
+            "norms" (``NORMS_ONLY``) forms the squared norms and nothing else: no p.grad, no buffer, nothing kept
+            after each micro-batch (memory: one block of per-sequence gradients or one input's Gram matrices);
+            read `sq_norms`, then `discard`. The first pass of a two-pass OPOB step, whose second pass is a plain
+            backward of Σ_i (c^R_i − b_γ(i) c^S_i) l_i (exact: the coefficients do not change within the step).
 
     Raises ValueError naming the module and parameter if a trainable parameter is not handled.
     """
@@ -151,8 +156,8 @@ class PerSequenceGradients:
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if combination not in COMBINATIONS:
-            raise ValueError(f"combination must be one of {COMBINATIONS}, got {combination!r}")
+        if combination not in (*COMBINATIONS, NORMS_ONLY):
+            raise ValueError(f"combination must be one of {(*COMBINATIONS, NORMS_ONLY)}, got {combination!r}")
         if block_bytes is not None and not block_bytes > 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if pass_cost is not None and not (math.isfinite(pass_cost) and pass_cost > 0):
@@ -281,7 +286,7 @@ class PerSequenceGradients:
             yield
             micro_batch.check_complete()
         except BaseException:
-            self._discard()
+            self.discard()
             raise
         finally:
             self._active = None
@@ -336,6 +341,8 @@ class PerSequenceGradients:
         def of_label(values: torch.Tensor) -> torch.Tensor:  # (labels, B): each label's sequences' values, +0 elsewhere
             return torch.where(in_label, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
+        if self.combination == NORMS_ONLY:
+            return coef_r.new_zeros((0, batch)), [], label_of_sequence
         if self.combination == "split":
             rows = torch.stack([of_label(coef_r), of_label(coef_s - coef_r)], 1).flatten(0, 1)
             keys = [(label, v) for label in labels for v in (1, 0)]
@@ -354,6 +361,8 @@ class PerSequenceGradients:
         """
         if not self._open_norms:
             raise ValueError("combine() needs at least one micro_batch since the last combine()")
+        if self.combination == NORMS_ONLY:
+            raise ValueError("combination 'norms' forms no gradient to combine: read sq_norms, then discard()")
         per_label = self._baseline_per_label(baseline)
         with torch.no_grad():  # the kept layer inputs are activations of the graph
             for micro_batch in self._open_micro_batches:
@@ -365,7 +374,7 @@ class PerSequenceGradients:
                 self._add_to_reward_buffer(param, buffer, v - per_label[label])
         for param, combined in self._reward_buffers.values():
             param.grad = combined.to(param.dtype) if param.grad is None else param.grad.add_(combined)
-        self._discard()
+        self.discard()
 
     def _baseline_per_label(self, baseline) -> dict:
         count = len(self._open_labels)
@@ -386,7 +395,8 @@ class PerSequenceGradients:
                 )
         return per_label
 
-    def _discard(self) -> None:
+    def discard(self) -> None:
+        """Drop every open sequence, buffer and kept part (after a failed step, or after a norms-only pass)."""
         self._score_buffers = {}
         self._reward_buffers = {}
         self._open_norms = []
@@ -445,4 +455,4 @@ def _collect_sites(engine: PerSequenceGradients, model: nn.Module) -> tuple[list
     return sites, tied
 
 
-__all__ = ["COMBINATIONS", "MODES", "PackedSegments", "PerSequenceGradients"]
+__all__ = ["COMBINATIONS", "MODES", "NORMS_ONLY", "PackedSegments", "PerSequenceGradients"]

@@ -12,6 +12,12 @@ MODES = ("auto", "materialize", "ghost")
 # the baseline is known into Ĝ, or during the backward into each group's success and failure buffers
 # (PerSequenceGradients).
 COMBINATIONS = ("buffers", "deferred", "split")
+# The norms alone: a backward that forms ||g_i||² and no gradient (the first pass of a two-pass OPOB step,
+# whose second pass is a plain backward of Σ_i (c^R_i − b_γ(i) c^S_i) l_i once b is known).
+NORMS_ONLY = "norms"
+# Combinations whose gradient is formed after the backward (at `combine`, or by a second pass): the backward
+# forms the norms alone, and costs them as such.
+NORMS_IN_BACKWARD = ("deferred", NORMS_ONLY)
 # Per-sequence gradients of these dtypes (autocast's matmul outputs, bf16 parameters) are widened to
 # float32 before they are squared, summed over sequences or scaled by coefficients.
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -14,6 +14,8 @@ from torch import nn
 from vcpo.core.per_sequence_grads.functions import _AffineFunction, _EmbeddingFunction, _OuterProductFunction
 from vcpo.core.per_sequence_grads.reductions import (
     MIN_BLOCK_ROWS,
+    NORMS_IN_BACKWARD,
+    NORMS_ONLY,
     PackedSegments,
     add_product,
     ghost_sq_norms,
@@ -325,7 +327,7 @@ class _MicroBatch:
         (q, k and v; gate and up) run their backward one after another, so the last input's Grams are kept for
         the next: formed once, and one input's at a time held (its values are kept for `combine` anyway; the
         reference kept here also stops its storage being reused while the Grams are)."""
-        if self.engine.combination != "deferred":
+        if self.engine.combination not in NORMS_IN_BACKWARD:
             return gram(values[start:stop])
         identity = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(),
                     values.dtype)
@@ -346,7 +348,9 @@ class _MicroBatch:
         """A gradient part's combination ``combine_into(coefficients_as, targets)``, which adds
         Σ_i coefficients[j, i] P_i to targets[j]: now into the buffers of the rows (combinations "buffers",
         "split"; ``ordered``: P in `order`), or kept for `combine`, which applies it once with c^R − b c^S into
-        G_R ("deferred")."""
+        G_R ("deferred"), or dropped (norms only)."""
+        if self.engine.combination == NORMS_ONLY:
+            return
         if self.engine.combination == "deferred":
             self.pending.append((param, combine_into))
         else:
@@ -439,7 +443,7 @@ class _MicroBatch:
         Deferred, the combination is one weight-gradient product by either route (`combine` knows the
         single coefficient row), so a materialised block only gives its norms."""
         self._receive(name, param)
-        mode, deferred = self.engine.mode, self.engine.combination == "deferred"
+        mode, deferred = self.engine.mode, self.engine.combination in NORMS_IN_BACKWARD
         weighted_products = functools.partial(_add_weighted_products, rows=rows, cols=cols, members=self.members)
         if mode == "ghost" or (
             mode == "auto"

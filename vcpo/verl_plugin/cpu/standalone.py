@@ -74,9 +74,11 @@ def build_engine(
     return engine
 
 
-def actor_config(method: str, batch: int, group: int, micro: int, megatron_engine=None) -> FSDPActorConfig | McoreActorConfig:
-    """The actor config verl binds to ``ppo_loss`` (``policy_loss.method`` selects the engine's rule): FSDP2's,
-    or for a ``megatron_engine`` (`build_megatron_engine`) verl's ``McoreActorConfig`` carrying its engine config."""
+def actor_config(method: str, batch: int, group: int, micro: int, megatron_engine=None,
+                 opob_mode: str = "auto") -> FSDPActorConfig | McoreActorConfig:
+    """The actor config verl binds to ``ppo_loss`` (``policy_loss.method`` selects the engine's rule, and
+    ``policy_loss.opob_mode`` OPOB's mode): FSDP2's, or for a ``megatron_engine`` (`build_megatron_engine`) verl's
+    ``McoreActorConfig`` carrying its engine config."""
     cls, strategy, extra = FSDPActorConfig, "fsdp2", {}
     if megatron_engine is not None:
         cls, strategy, extra = McoreActorConfig, "megatron", {"megatron": megatron_engine.engine_config}
@@ -87,7 +89,7 @@ def actor_config(method: str, batch: int, group: int, micro: int, megatron_engin
         ppo_micro_batch_size_per_gpu=micro,
         use_dynamic_bsz=False,
         loss_agg_mode="seq-mean-token-mean",
-        policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method),
+        policy_loss=VcpoPolicyLossConfig(loss_mode="seq_tis", method=method, opob_mode=opob_mode),
         **extra,
     )
 

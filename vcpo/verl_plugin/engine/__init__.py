@@ -81,6 +81,9 @@ Megatron (``strategy=megatron``): the same rule in ``vcpo.verl_plugin.engine.meg
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -89,12 +92,17 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+from verl.utils import tensordict_utils as tu
+
 from vcpo.core import PerSequenceGradients
+from vcpo.core.per_sequence_grads import NORMS_ONLY
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, choose_mode, split_buffers, step_memory
 from vcpo.methods import StepRule
-from vcpo.verl_plugin.engine.batch import all_reduce_gradients
-from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
+from vcpo.verl_plugin.engine.batch import all_reduce_gradients, padded
+from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function, rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    weighted_scores,
     active_rule,
     opob_baseline_over_ranks,
     opob_micro_batch,
@@ -104,6 +112,7 @@ from vcpo.verl_plugin.engine.step import (
 )
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
+logger = logging.getLogger(__name__)
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
 
@@ -120,6 +129,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # Each sequence's gradient added to one buffer (binary rewards) during the backward: the micro-batches
         # are many and long, so nothing waits for the baseline (benchmarks/opob_engine.py times the others)
         self.opob_combination = "split"
+        self._opob_mode_logged: tuple[str, str] | None = None
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:
@@ -130,40 +140,113 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         state = StepState(rule=rule, opob=rule.opob)
         if rule.opob:
             check_opob_loss(loss_function)
+            self._check_opob_setting(rule)
+            prepare_opob(data, state, group)
+            state.opob_mode, why = self._opob_mode(data, loss_function)
+            state.metrics["actor/opob_two_pass"] = float(state.opob_mode == "two_pass")
+            if self._opob_mode_logged != (state.opob_mode, why):  # once, and again when the choice changes
+                self._opob_mode_logged = (state.opob_mode, why)
+                logger.warning("vcpo engine: OPOB runs %s (%s)", state.opob_mode, why)
         self.optimizer_zero_grad()
         self._step = state
         try:
-            with self._fsdp2_unsharded(state):
-                if rule.opob:
-                    self._prepare_opob(data, state, group)
-                loss = recording_loss(loss_function, state, self._opob_loss)
-                with step_rule_applied():
-                    outputs = self.forward_backward_batch(data, loss, forward_only=False)
-                state.close_micro_batch()
-                ratio = state.ess_ratio(group)
-                if rule.opob:
-                    state.metrics.update(self._opob_combine(state, group))
+            if state.opob_mode == "two_pass" and rule.opob:
+                outputs, ratio = self._two_pass_step(data, loss_function, state, group)
+            else:
+                with self._fsdp2_unsharded(state):
+                    if rule.opob:
+                        self._per_sequence_gradients(fsdp2=bool(state.fsdp2))
+                    loss = recording_loss(loss_function, state, self._opob_loss)
+                    with step_rule_applied():
+                        outputs = self.forward_backward_batch(data, loss, forward_only=False)
+                    state.close_micro_batch()
+                    ratio = state.ess_ratio(group)
+                    if rule.opob:
+                        state.metrics.update(self._opob_combine(state, group))
         except BaseException:
             state.abort()
             if self._per_sequence is not None:
-                self._per_sequence._discard()
+                self._per_sequence.discard()
+            self._per_sequence = None
             self.optimizer_zero_grad()
             raise
         finally:
             self._step = None
         return scaled_optimizer_step(self, state, ratio, outputs)
 
-    # -- OPOB --------------------------------------------------------------------------------------
-    def _per_sequence_gradients(self, fsdp2: bool, rule: StepRule) -> PerSequenceGradients:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    def _two_pass_step(self, data: TensorDict, loss_function, state: StepState, group) -> tuple[Any, float]:
+        """Pass 1: every micro-batch's forward and a norms-only backward (no gradient, nothing kept), as verl's
+        plain step runs them (FSDP2 sharded); the baseline from every rank's norms. Pass 2: verl's plain step of
+        Σ_i c^S_i (R_i − b_i) l_i, its gradient reduced by FSDP2 as any other (times the data-parallel size, which
+        FSDP2's reduction averages over, as verl's own losses do). The coefficients come from pass 1's forward
+        (the parameters have not moved); pass 1's outputs (the loss's diagnostics) are the step's."""
+        data["vcpo_position"] = torch.arange(len(data), device=data["vcpo_reward"].device)
+        self._per_sequence = self._norms_only_gradients()
+        loss = recording_loss(loss_function, state, self._opob_loss)
+        with step_rule_applied():
+            outputs = self.forward_backward_batch(data, loss, forward_only=False)
+        state.close_micro_batch()
+        ratio = state.ess_ratio(group)
+        baseline, metrics = opob_baseline_over_ranks(state, self._per_sequence.sq_norms, group)
+        state.metrics.update(metrics)
+        self._per_sequence.discard()
+        self._per_sequence = None
+        weights = torch.zeros(len(data), dtype=torch.float64)
+        weights[torch.cat(state.positions)] = torch.cat(state.coef_s) * (torch.cat(state.rewards) - baseline)
+        fsdp = bool(self._fsdp2_modules())
+        data["vcpo_weight"] = (weights * (self.get_data_parallel_size() if fsdp else 1)).to(data["vcpo_reward"].device)
+        state.opob = False  # pass 2 is verl's plain step of the weighted scores
+        try:
+            self.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
+        finally:
+            state.opob = True
+        if not fsdp:  # an unwrapped module (the tests' float64 engine): nothing else sums over ranks
+            all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
+        return outputs, ratio
 
-        strategy = "fsdp" if isinstance(self.module, FullyShardedDataParallel) else "fsdp2"
-        if strategy not in rule.strategies:
-            raise NotImplementedError(
-                f"method {rule.method!r} runs on actor_rollout_ref.actor.strategy={'|'.join(rule.strategies)} only, got "
-                f"{strategy}: OPOB's per-sequence gradients cannot be written into FSDP1 flat-parameter gradients "
-                "(or use a method without OPOB, e.g. tis_ess)"
-            )
+    def _norms_only_gradients(self) -> PerSequenceGradients:
+        """The norms-only engine over the Parameters FSDP2's forward will use: its unsharded ones (the same objects
+        in every unshard of the step), so the module is unsharded while the handlers are built, then resharded."""
+        modules = self._fsdp2_modules()
+        for module in modules:
+            module.unshard()
+        try:
+            return PerSequenceGradients(self.module, combination=NORMS_ONLY)
+        finally:
+            for module in modules:
+                module.reshard()
+
+    def _opob_mode(self, data: TensorDict, loss_function) -> tuple[str, str]:
+        """The OPOB mode of this step (``policy_loss.opob_mode``, auto by default) by the memory model."""
+        requested = opob_mode_from_loss_function(loss_function)
+        memory = step_memory(*self._memory_inputs(data))
+        capacity = None
+        if torch.cuda.is_available() and next(self.module.parameters()).is_cuda:
+            capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return choose_mode(memory, requested, capacity)
+
+    def _memory_inputs(self, data: TensorDict) -> tuple[ModelShape, Layout, StepShape]:
+        """The model's shape (its real parameter count), this rank's layout and the step's buffers and tokens."""
+        parameters = self.module.parameters()
+        count = sum(p.numel() for p in parameters if p.requires_grad)  # DTensors: the full shape's count
+        shape = dataclasses.replace(ModelShape.from_config(self.model_config.hf_config), parameter_count=count)
+        precision = dict(getattr(self.engine_config, "mixed_precision", None) or {})
+        first = next(self.module.parameters())
+        compute = PrecisionType.to_dtype(precision.get("param_dtype", "bf16")) if self._fsdp2_modules() else first.dtype
+        layout = Layout(strategy="fsdp2", data_parallel=self.get_data_parallel_size(), param_bytes=first.element_size(),
+                        compute_bytes=torch.empty(0, dtype=compute).element_size(),
+                        gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False)))
+        lengths = padded(data["attention_mask"]).sum(-1) if "attention_mask" in data.keys() else padded(data["input_ids"]).ne(0).sum(-1)
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
+            tokens = min(int(lengths.sum()), int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=lengths.sum())))
+        else:
+            micro = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=len(data)))
+            tokens = int(lengths.sort(descending=True).values[:micro].sum())
+        buffers = split_buffers(data["vcpo_reward"].cpu(), data["vcpo_group"].cpu())
+        return shape, layout, StepShape(tokens_per_micro_batch=tokens, buffers=buffers)
+
+    # -- OPOB --------------------------------------------------------------------------------------
+    def _per_sequence_gradients(self, fsdp2: bool) -> PerSequenceGradients:
         # FSDP2: the unsharded Parameters of this step (FSDP2 may re-create them between steps)
         if fsdp2 or self._per_sequence is None:
             self._per_sequence = PerSequenceGradients(self.module, combination=self.opob_combination)
@@ -187,7 +270,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         gradients are dropped and the modules resharded. Memory: the whole model and its gradient
         unsharded for the step (no ZeRO-3 saving during an OPOB step), plus the score buffers.
         """
-        modules = self._fsdp2_modules() if state.opob else []
+        modules = self._fsdp2_modules() if state.opob and state.opob_mode == "single" else []
         if not modules:
             yield
             return
@@ -232,19 +315,26 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 grad = distribute_tensor(grad.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.grad = grad
 
-    def _prepare_opob(self, data: TensorDict, state: StepState, group) -> None:
+    def _check_opob_setting(self, rule: StepRule) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        strategy = "fsdp" if isinstance(self.module, FullyShardedDataParallel) else "fsdp2"
+        if strategy not in rule.strategies:
+            raise NotImplementedError(
+                f"method {rule.method!r} runs on actor_rollout_ref.actor.strategy={'|'.join(rule.strategies)} only, got "
+                f"{strategy}: OPOB's per-sequence gradients cannot be written into FSDP1 flat-parameter gradients "
+                "(or use a method without OPOB, e.g. tis_ess)"
+            )
         if self.use_ulysses_sp:
             # each SP rank holds a slice of the packed row: per-sequence norms would need a cross-rank sum
             raise NotImplementedError("OPOB in the vcpo engine does not support Ulysses sequence parallelism")
         if getattr(self, "scaler", None) is not None:
             # fp16's loss scaling would scale every per-sequence norm (and its logged statistics) by the scale
             raise NotImplementedError("OPOB in the vcpo engine does not support fp16 loss scaling; train in bf16 or fp32")
-        self._per_sequence_gradients(fsdp2=bool(state.fsdp2), rule=state.rule)
-        prepare_opob(data, state, group)
 
     @contextlib.contextmanager
     def _gradient_sync_context(self, *, is_last_micro_batch: bool):
-        if self._step is not None and self._step.fsdp2:
+        if self._step is not None and self._step.fsdp2 and self._step.opob:
             yield  # FSDP2 gradient sync stays off for the whole OPOB step (see _fsdp2_unsharded)
             return
         with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):

@@ -28,6 +28,14 @@ def rule_from_loss_function(loss_function) -> StepRule | None:
     return rule
 
 
+def opob_mode_from_loss_function(loss_function) -> str:
+    """``policy_loss.opob_mode`` of the actor config bound to verl's ``ppo_loss`` (auto when unset)."""
+    config = (getattr(loss_function, "keywords", None) or {}).get("config")
+    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
+    getter = getattr(policy_loss, "get", None)
+    return (getter("opob_mode", None) if getter else None) or "auto"
+
+
 def check_opob_loss(loss_function) -> None:
     """OPOB replaces verl's ppo_loss by its own per-sequence update: refuse what that would drop."""
     from verl.workers.utils.losses import ppo_loss

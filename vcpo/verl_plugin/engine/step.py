@@ -34,6 +34,7 @@ class StepState:
 
     rule: StepRule
     opob: bool
+    opob_mode: str = "single"  # OPOB's mode for this step (vcpo.core.per_sequence_grads.memory.OPOB_MODES)
     packed: bool = False
     fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
     normaliser: float = 1.0
@@ -45,6 +46,7 @@ class StepState:
     lengths: list[torch.Tensor] = field(default_factory=list)  # response tokens per sequence
     coef_s: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)  # two_pass: each sequence's row in the mini-batch
     metrics: dict[str, float] = field(default_factory=dict)  # the step's own metrics (OPOB's), beside verl's
 
     def close_micro_batch(self) -> None:
@@ -109,6 +111,8 @@ def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
     scores = opob_sequence_scores(log_prob, mask, rule.agg)
     r, weights = coefficients.log_ratio, coefficients.weights
     state.rewards.append(rewards.detach().cpu())
+    if "vcpo_position" in data.keys():
+        state.positions.append(data["vcpo_position"].detach().cpu())
     state.groups.append(data["vcpo_group"].detach().cpu())
     state.lengths.append(mask.sum(-1).detach().cpu())
     state.coef_s.append(coefficients.score.detach().cpu())
@@ -119,6 +123,14 @@ def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
     diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
     diagnostics.pop(SEQ_ESS_RATIO)
     return coefficients, scores, Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
+
+
+def weighted_scores(model_output, data: TensorDict, dp_group=None, *, agg: str):
+    """The second pass of a two-pass OPOB step: Σ_i a_i l_i with a_i = c^S_i (R_i − b_i) (``vcpo_weight``, set after
+    the first pass) and l_i the loss aggregation's per-sequence score, for verl's plain backward."""
+    log_prob, _, mask = response_log_probs(model_output, data)
+    scores = opob_sequence_scores(log_prob, mask, agg)
+    return (data["vcpo_weight"].to(scores.dtype) * scores).sum(), {}
 
 
 def opob_baseline_over_ranks(state: StepState, sq_norms: torch.Tensor, group) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,0 +1,222 @@
+"""Memory of one actor update per GPU: a plain step, and OPOB's two modes, from the model's shape and the layout.
+
+OPOB's modes (docs/per_sequence_gradients.md, "Memory"):
+
+  single     one backward forms the norms and, in float32 buffers, every open group's combinations (split: a
+             success and a failure buffer per group; FSDP2: the whole model and its gradient unsharded for the
+             step, then one all-reduce of a flat float32 copy). Fastest; its memory grows with the groups.
+  two_pass   a norms-only backward (``combination="norms"``: nothing kept), then the plain step of
+             Σ_i (c^R_i − b_γ(i) c^S_i) l_i (exact: the coefficients do not change within the step). Its extra memory
+             is the per-sequence scratch of one layer of one micro-batch: it neither grows with the groups nor
+             unshards the model; it costs a second forward and the norms' input-gradient backward.
+
+Every quantity is in bytes per GPU and named, so that a reader (and the launcher's dry run) sees where the
+memory goes. The activation terms count the tensors a Qwen2/Llama decoder layer keeps for its backward per
+token (``ACTIVATION_WIDTHS``), the logits' three (tokens, vocabulary) float32 tensors around the log-softmax, and
+allocator slack on nothing: `benchmarks/opob_memory.py` measures the step's peak on CPU and prints it beside
+these terms (tables/opob_memory/).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+OPOB_MODES = ("single", "two_pass")
+# auto picks single only when its peak is at most this times the plain step's (and fits the GPU)
+SINGLE_MODE_ALLOWANCE = 1.25
+# values kept per token per decoder layer for its backward, in units of the hidden width h, the MLP width I and
+# the key/value width kv: the two RMSNorms (input, normalised input, output: 3h each), q/k/v and the rotary
+# embedding (q, k, v, rotated q and k: 2h + 3kv), the attention output and o_proj's input and output (3h), the
+# MLP's gate, up, activation and product (4I) and down's output (h)
+ACTIVATION_WIDTHS = {"hidden": 13, "intermediate": 4, "kv": 3}
+# (tokens, vocabulary) float32 tensors alive at once around the log-softmax: logits, log-probs, their gradient
+LOGIT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen2 / Llama-style decoder: what its memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    tied: bool
+    parameter_count: int | None = None  # the real count, where known; else from the shape
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers config (object or dict)."""
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        heads = get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
+                   vocab=get("vocab_size"), heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                   tied=bool(get("tie_word_embeddings", False)))
+
+    @property
+    def kv_width(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def layer_parameters(self) -> int:
+        h, kv = self.hidden, self.kv_width
+        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (with bias), k, v (with biases), o
+        return attention + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def parameters(self) -> int:
+        if self.parameter_count is not None:
+            return self.parameter_count
+        return self.embedding_parameters + self.layers * self.layer_parameters + self.hidden
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the actor is laid out on its trainer GPUs, and its precision.
+
+    FSDP2 (verl's default): parameters, gradients and Adam's two moments in ``param_bytes`` (fp32), sharded over
+    ``data_parallel`` ranks; compute copies in ``compute_bytes`` (bf16) unsharded one FSDP unit at a time.
+    Megatron: ``compute_bytes`` parameters, fp32 main gradients and (distributed optimizer: sharded over data
+    parallel) fp32 main parameters and moments, each split over tensor x pipeline parallel ranks.
+    """
+
+    strategy: str = "fsdp2"
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    param_bytes: int = 4
+    compute_bytes: int = 2
+    gradient_checkpointing: bool = True
+    distributed_optimizer: bool = True
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step on one rank: its tokens per micro-batch and its OPOB buffers.
+
+    ``buffers``: float32 full-model buffers the single mode keeps until `combine` (split: a success and a
+    failure buffer per group present on the rank: at most 2 x groups per rank; the `buffers` combination: one
+    per group); ``block_bytes``: one block of per-sequence gradients (the norms' scratch)."""
+
+    tokens_per_micro_batch: int
+    buffers: int
+    block_bytes: int = 16 << 20
+
+
+@dataclass
+class StepMemory:
+    """Named bytes per GPU: what stays between steps, and what each kind of step adds at its peak."""
+
+    persistent: dict[str, float]
+    plain: dict[str, float]
+    single: dict[str, float] = field(default_factory=dict)
+    two_pass: dict[str, float] = field(default_factory=dict)
+
+    def peak(self, kind: str) -> float:
+        """Bytes per GPU at the peak of a ``kind`` step ("plain" or an OPOB mode)."""
+        return sum(self.persistent.values()) + sum(getattr(self, kind).values())
+
+    def step(self, kind: str) -> float:
+        """What a ``kind`` step adds to the persistent state at its peak."""
+        return sum(getattr(self, kind).values())
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> dict[str, float]:
+    """What one micro-batch of ``tokens`` keeps for its backward (per rank: tensor parallelism splits the
+    layers' widths, pipeline parallelism the layers), and the logits around its log-softmax."""
+    per_token_layer = (ACTIVATION_WIDTHS["hidden"] * shape.hidden + ACTIVATION_WIDTHS["intermediate"] * shape.intermediate
+                       + ACTIVATION_WIDTHS["kv"] * shape.kv_width) * layout.compute_bytes / layout.tensor_parallel
+    layers = math.ceil(shape.layers / layout.pipeline_parallel)
+    if layout.gradient_checkpointing:  # each layer's input, and one layer recomputed in full
+        kept = {"activations: layer inputs": tokens * shape.hidden * layout.compute_bytes * layers,
+                "activations: one recomputed layer": tokens * per_token_layer}
+    else:
+        kept = {"activations": tokens * per_token_layer * layers}
+    return {**kept, "logits": LOGIT_COPIES * tokens * shape.vocab * 4 / layout.tensor_parallel}
+
+
+def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemory:
+    """The plain step and both OPOB modes on ``layout`` (module doc). Megatron's OPOB runs in one mode,
+    its single backward: its two_pass entry stays empty."""
+    if layout.strategy == "megatron":
+        return _megatron_memory(shape, layout, step)
+    P, N = shape.parameters, layout.data_parallel
+    full, compute = P * layout.param_bytes, P * layout.compute_bytes
+    unit = max(shape.layer_parameters, shape.embedding_parameters) * layout.compute_bytes  # largest FSDP unit
+    persistent = {"parameters (sharded)": full / N, "Adam moments (sharded)": 2 * full / N}
+    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
+    plain = {"gradients (sharded)": full / N,
+             "unsharded units (two at a time)": 2 * unit if N > 1 or layout.compute_bytes != layout.param_bytes else 0,
+             **activations}
+    single = {"gradients (sharded)": full / N, **activations,
+              "whole model unsharded": compute if N > 1 or layout.compute_bytes != layout.param_bytes else 0,
+              "its gradient unsharded": compute,
+              "float32 G_R": P * 4 if layout.compute_bytes < 4 else 0,
+              "group buffers (float32)": step.buffers * P * 4,
+              "all-reduce copy (float32)": P * 4 if N > 1 else 0}
+    two_pass = {**plain, "per-sequence scratch": norms_scratch(shape, layout, step)}
+    return StepMemory(persistent, plain, single, two_pass)
+
+
+def norms_scratch(shape: ModelShape, layout: Layout, step: StepShape) -> float:
+    """The norms-only backward's working set beyond a plain backward: one block of per-sequence gradients, and
+    the float32 (sequences, length, hidden) copies the embedding and norm handlers lay a micro-batch out in."""
+    return 2 * step.block_bytes + 3 * step.tokens_per_micro_batch * shape.hidden * 4 / layout.tensor_parallel
+
+
+def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemory:
+    local = shape.parameters / layout.model_parallel
+    optimizer_shards = layout.data_parallel if layout.distributed_optimizer else 1
+    persistent = {"parameters (bf16)": local * layout.compute_bytes,
+                  "main gradients (float32)": local * 4,
+                  "main parameters and Adam moments (float32)": 3 * local * 4 / optimizer_shards}
+    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
+    largest_linear = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) / layout.tensor_parallel
+    single = {**activations,
+              "G_R and group buffers (float32)": (1 + step.buffers) * local * 4,
+              "per-linear (1 + g, out, in) float64 stack": (1 + step.buffers) * largest_linear * 8}
+    return StepMemory(persistent, dict(activations), single, {})
+
+
+def split_buffers(rewards, groups) -> int:
+    """Float32 buffers the split combination opens for these sequences: per group, a success buffer when one of
+    its rewards is not 0 and a failure buffer when one is not 1 (c^S − c^R = c^S (1 − R))."""
+    successes = {int(g) for g, r in zip(groups.tolist(), rewards.tolist(), strict=True) if r != 0}
+    failures = {int(g) for g, r in zip(groups.tolist(), rewards.tolist(), strict=True) if r != 1}
+    return len(successes) + len(failures)
+
+
+def choose_mode(memory: StepMemory, requested: str = "auto", capacity: float | None = None,
+                allowance: float = SINGLE_MODE_ALLOWANCE) -> tuple[str, str]:
+    """The OPOB mode a step runs in, and why: ``requested`` unless "auto", which takes single when its peak is at
+    most ``allowance`` x the plain step's and within ``capacity`` bytes (when known), else two_pass."""
+    if requested not in ("auto", *OPOB_MODES):
+        raise ValueError(f"opob_mode must be auto or one of {OPOB_MODES}, got {requested!r}")
+    if requested != "auto":
+        if not getattr(memory, requested):
+            raise ValueError(f"opob_mode={requested} is not available on this strategy (it runs {available_modes(memory)})")
+        return requested, "requested"
+    if not memory.two_pass:
+        return "single", "the only mode of this strategy"
+    single, plain = memory.peak("single"), memory.peak("plain")
+    if single > allowance * plain:
+        return "two_pass", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (> {allowance})"
+    if capacity is not None and single > capacity:
+        return "two_pass", f"single's projected peak {single / GIB:.1f} GiB exceeds the {capacity / GIB:.1f} GiB of the GPU"
+    return "single", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (<= {allowance})"
+
+
+def available_modes(memory: StepMemory) -> tuple[str, ...]:
+    return tuple(mode for mode in OPOB_MODES if getattr(memory, mode))
