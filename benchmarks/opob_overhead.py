@@ -3,13 +3,19 @@
 On one random-init Qwen2 model and one batch, in one process, it times one optimizer step of
   plain           one backward of the TIS loss with a fixed (group-mean) baseline: the reference,
   opob            `PerSequenceGradients`: exact ||g_i||² and G_R, G_S in the same single backward,
-  naive           two passes: one to get the norms, a second backward with the OPOB coefficients,
+  naive           two passes: the single backward for the norms (its gradients discarded), a second backward
+                  with the OPOB coefficients,
+  two_pass        the engines' memory-safe mode: a norms-only backward (``combination="norms"``), then a plain
+                  backward of Σ_i (c^R_i − b c^S_i) l_i,
   per_sequence    one trajectory per micro-batch (the authors' release): ||g_i||² read off p.grad,
 and prints each variant's median time and peak memory as a ratio to plain. Every step ends with the
 ESS-scaled AdamW step (`scaled_learning_rate` + `ess_step_scale`), identical in all variants.
 
 Timing: the variants run round-robin (each repeat runs all of them), so background load slows them
 alike; the median over repeats is reported, for the whole step and for forward + backward alone.
+``--count-ops`` also counts the ATen operators one step of each variant dispatches (a GPU launches about one
+kernel per operator, so where a step is launch-bound this is its cost); ``--cuda-blocks`` gives the engine CUDA's
+block size and cost model on any device, so that a CPU counts what a GPU would launch.
 Peak memory beyond the model and its optimizer state: on CUDA torch.cuda.max_memory_allocated; on CPU
 the resident-set high-water mark (VmHWM) of a fresh subprocess per variant, reset after a warm-up
 step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live tensors).
@@ -31,14 +37,16 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
-from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
+from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
 
-VARIANTS = ("plain", "opob", "naive", "per_sequence")
+VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence")
 
 # Qwen2 shapes; "0.5b" is the Qwen2-0.5B architecture (tied embeddings), with random weights.
 MODEL_SHAPES = {
@@ -123,6 +131,14 @@ def weighted_backward(model, batch: dict, args: argparse.Namespace, weights: tor
         (weights[rows].to(scores.dtype) * scores).sum().backward()
 
 
+@dataclass
+class Engines:
+    """The single backward's engine (norms and buffers) and the two-pass mode's norms-only one, on one model."""
+
+    opob: PerSequenceGradients
+    norms: PerSequenceGradients
+
+
 def opob_norms_and_buffers(engine, model, batch: dict, args: argparse.Namespace) -> None:
     for rows in micro_batches(args, batch):
         with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows]):
@@ -133,24 +149,31 @@ def baseline_from(norms: torch.Tensor, batch: dict) -> torch.Tensor:
     return opob_baseline(batch["rewards"], norms, batch["seq_log_weights"])
 
 
-def step_plain(model, engine, batch, args):
+def step_plain(model, engines, batch, args):
     weighted_backward(model, batch, args, batch["coef_r"] - batch["group_mean"] * batch["coef_s"])
 
 
-def step_opob(model, engine, batch, args):
-    opob_norms_and_buffers(engine, model, batch, args)
-    engine.combine(baseline_from(engine.sq_norms, batch))
+def step_opob(model, engines, batch, args):
+    opob_norms_and_buffers(engines.opob, model, batch, args)
+    engines.opob.combine(baseline_from(engines.opob.sq_norms, batch))
 
 
-def step_naive(model, engine, batch, args):
-    opob_norms_and_buffers(engine, model, batch, args)  # pass 1: the norms (its gradients are discarded)
-    norms = engine.sq_norms
-    engine.combine(0.0)
+def step_naive(model, engines, batch, args):
+    opob_norms_and_buffers(engines.opob, model, batch, args)  # pass 1: the norms (its gradients are discarded)
+    norms = engines.opob.sq_norms
+    engines.opob.combine(0.0)
     model.zero_grad(set_to_none=True)
     weighted_backward(model, batch, args, batch["coef_r"] - baseline_from(norms, batch) * batch["coef_s"])
 
 
-def step_per_sequence(model, engine, batch, args):
+def step_two_pass(model, engines, batch, args):
+    opob_norms_and_buffers(engines.norms, model, batch, args)  # pass 1: the norms alone, no gradient
+    norms = engines.norms.sq_norms
+    engines.norms.discard()
+    weighted_backward(model, batch, args, batch["coef_r"] - baseline_from(norms, batch) * batch["coef_s"])
+
+
+def step_per_sequence(model, engines, batch, args):
     """One unpadded trajectory per micro-batch: g_i = p.grad, folded into G_R and G_S one at a time."""
     params = [p for p in model.parameters() if p.requires_grad]
     reward_sum = [torch.zeros_like(p) for p in params]
@@ -170,7 +193,8 @@ def step_per_sequence(model, engine, batch, args):
         p.grad = g
 
 
-STEPS = {"plain": step_plain, "opob": step_opob, "naive": step_naive, "per_sequence": step_per_sequence}
+STEPS = {"plain": step_plain, "opob": step_opob, "naive": step_naive, "two_pass": step_two_pass,
+         "per_sequence": step_per_sequence}
 
 
 def optimizer_step(optimizer, batch: dict) -> None:
@@ -208,7 +232,10 @@ def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, f
 
 def setup(args: argparse.Namespace):
     model = build_model(args)
-    engine = PerSequenceGradients(model, mode=args.mode)
+    settings = dict(mode=args.mode)
+    if args.cuda_blocks:
+        settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"])
+    engine = Engines(PerSequenceGradients(model, **settings), PerSequenceGradients(model, combination=NORMS_ONLY, **settings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     batch = build_batch(args, model.config.vocab_size)
     return model, engine, optimizer, batch
@@ -226,7 +253,7 @@ def check_agreement(model, engine, batch, args) -> dict:
     reference = final_gradients("opob", model, engine, batch, args)
     reference_norm = torch.stack([g.norm() for g in reference]).norm()
     result = {}
-    for variant in ("naive", "per_sequence"):
+    for variant in ("naive", "two_pass", "per_sequence"):
         grads = final_gradients(variant, model, engine, batch, args)
         result[variant] = float(
             torch.stack([(g - r).norm() for g, r in zip(grads, reference, strict=True)]).norm() / reference_norm
@@ -321,6 +348,30 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     return (per_sequence_s - plain_s) / plain_s * 2 * tokens
 
 
+def count_ops(args: argparse.Namespace) -> dict[str, int]:
+    """ATen operators dispatched by one step (forward, backward, combination; not the optimizer) of each variant,
+    after a warm-up step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model, engine, optimizer, batch = setup(args)
+    counts = {}
+    for variant in args.variants:
+        timed_step(variant, model, engine, optimizer, batch, args)
+        Counter.count = 0
+        with Counter():
+            run_step(variant, model, engine, batch, args)
+        counts[variant] = Counter.count
+        model.zero_grad(set_to_none=True)
+    return counts
+
+
 def profile_step(args: argparse.Namespace, variant: str, rows: int = 25) -> None:
     """Where one step of ``variant`` spends its time: operators by self time (device time on CUDA), after
     two warm-up steps, so that a speed-up starts from a measured breakdown."""
@@ -399,6 +450,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="only measure the cost-model constant pass_cost on this machine and exit",
     )
+    parser.add_argument("--count-ops", action="store_true", help="also count each variant's dispatched ATen ops per step")
+    parser.add_argument("--cuda-blocks", action="store_true",
+                        help="the engine's CUDA block size and cost model on any device (what a GPU would run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results and ratios to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
@@ -440,6 +494,11 @@ def main(argv=None) -> None:
             else:
                 memory[variant] = memory_in_subprocess(args, variant)
     print_table(args, timing, memory)
+    if args.count_ops:
+        timing["aten_ops"] = count_ops(args)
+        ops = timing["aten_ops"]
+        print("ATen ops per step" + (" (CUDA's blocks and cost model)" if args.cuda_blocks else "") + ": "
+              + ", ".join(f"{v} {n} ({n / ops['plain']:.2f}x plain)" for v, n in ops.items()))
     if args.json:
         write_json(args.json, args, timing, memory)
 

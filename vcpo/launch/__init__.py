@@ -33,6 +33,7 @@ from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.data.countdown import cache_dir
+from vcpo.launch.memory import check_memory, gpu_memory_gb, projection
 from vcpo.locks import write_atomic
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
@@ -522,12 +523,14 @@ def check_lag(config) -> None:
         )
 
 
-def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True) -> None:
+def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True,
+          gpu_memory: float | None = None) -> None:
     """Validate a composed config before launch; raise `LaunchError` naming the key at fault.
 
     Checks: the vcpo engine for a method that needs it (``check_engine``), the GPU layout against ``available_gpus`` (when given), rollout tensor parallelism against
     the rollout GPUs, batch divisibility (verl's own ``validate_config``), every config dataclass
-    instantiates, and (``check_paths``) that data files and a local model folder exist.
+    instantiates, the actor's projected step memory against ``gpu_memory`` GB per trainer GPU (default: the task's
+    GPU, `vcpo.launch.memory`), and (``check_paths``) that data files and a local model folder exist.
     """
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -581,6 +584,13 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
     except Exception as error:  # hydra's InstantiationException wraps the dataclass's own check
         cause = error.__cause__ or error
         raise LaunchError(f"verl rejects the config: {cause}") from None
+    capacity = gpu_memory_gb(run.task.paper) if gpu_memory is None else gpu_memory
+    try:
+        check_memory(projection(config, capacity), capacity)
+    except KeyError as error:  # no architecture for the model: the projection cannot be made, nothing to refuse
+        warnings.warn(f"no memory projection: {error.args[0]}", stacklevel=2)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
     if check_paths:
         missing = [
             f"{key}: {path}"

@@ -10,6 +10,7 @@ the recipes (e.g. ``trainer.total_training_steps=10``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
+from vcpo.launch.memory import DEFAULT_GPU_MEMORY_GB, gpu_memory_gb, projection
 
 
 def visible_gpus() -> int:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         run, config = _composed(args)
         launching = not (args.dry_run or args.show_config)
         gpus = args.gpus if args.gpus is not None else (visible_gpus() if launching else None)
-        check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths)
+        check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths, gpu_memory=args.gpu_memory_gb)
     except LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         print(shell_command(run, args.overrides))
+        capacity = gpu_memory_gb(run.task.paper) if args.gpu_memory_gb is None else args.gpu_memory_gb
+        with contextlib.suppress(KeyError):  # no architecture known for the model: check() warned
+            print("\n".join(projection(config, capacity).report(capacity)))
         return 0
     verl_command, environment = command(run, args.overrides), run_environment(run)
     write_launch_record(run, run.run_dir, config, verl_command, environment)
@@ -94,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default="data", help="folder of vcpo.data parquet files (<task>/<split>.parquet)")
     parser.add_argument("--output-dir", default="results/verl", help="runs go to OUT/<task>/<method>/lag<k>/seed<s>")
     parser.add_argument("--gpus", type=int, help="GPUs available (default: those torch sees)")
+    parser.add_argument("--gpu-memory-gb", type=float,
+                        help="memory of one trainer GPU: a run whose projected actor step exceeds it is refused "
+                             f"(default: the task's paper GPU, else {DEFAULT_GPU_MEMORY_GB:g})")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the exact command, do not start verl")
     mode.add_argument("--show-config", action="store_true", help="print the resolved verl config as YAML")

@@ -27,12 +27,15 @@ OPOB_MODES = ("single", "two_pass")
 # auto picks single only when its peak is at most this times the plain step's (and fits the GPU)
 SINGLE_MODE_ALLOWANCE = 1.25
 # values kept per token per decoder layer for its backward, in units of the hidden width h, the MLP width I and
-# the key/value width kv: the two RMSNorms (input, normalised input, output: 3h each), q/k/v and the rotary
-# embedding (q, k, v, rotated q and k: 2h + 3kv), the attention output and o_proj's input and output (3h), the
-# MLP's gate, up, activation and product (4I) and down's output (h)
-ACTIVATION_WIDTHS = {"hidden": 13, "intermediate": 4, "kv": 3}
-# (tokens, vocabulary) float32 tensors alive at once around the log-softmax: logits, log-probs, their gradient
-LOGIT_COPIES = 3
+# the key/value width kv: the two RMSNorms (input, float32 copy, normalised input: 3h each, less what autograd
+# shares), q/k/v and the rotary embedding (q, rotated q and k, v: 2h + 3kv), the attention output and o_proj's
+# input and output (3h), the MLP's gate, up, activation and product (4I) and down's output (h). Counted against the
+# tensors autograd saves for HF's Qwen2 (saved_tensors_hooks, 896 tokens): 6,457 and 12,047 values per token and
+# layer for the benchmark's two models, which this gives as 6,528 and 12,672.
+ACTIVATION_WIDTHS = {"hidden": 12, "intermediate": 4, "kv": 3}
+# (tokens, vocabulary) float32 tensors alive at once when the backward starts: the log-softmax's saved output and
+# the gradient that reaches the logits
+LOGIT_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,13 @@ class StepShape:
     tokens_per_micro_batch: int
     buffers: int
     block_bytes: int = 16 << 20
+    # buffers already open when the last micro-batch's backward starts (its activations at their largest); at most
+    # ``buffers``, which is what a step whose first micro-batches touch every group has
+    buffers_before_last: int | None = None
+
+    @property
+    def buffers_with_activations(self) -> int:
+        return self.buffers if self.buffers_before_last is None else self.buffers_before_last
 
 
 @dataclass
@@ -157,16 +167,20 @@ def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemor
     unit = max(shape.layer_parameters, shape.embedding_parameters) * layout.compute_bytes  # largest FSDP unit
     persistent = {"parameters (sharded)": full / N, "Adam moments (sharded)": 2 * full / N}
     activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
-    plain = {"gradients (sharded)": full / N,
-             "unsharded units (two at a time)": 2 * unit if N > 1 or layout.compute_bytes != layout.param_bytes else 0,
-             **activations}
-    single = {"gradients (sharded)": full / N, **activations,
-              "whole model unsharded": compute if N > 1 or layout.compute_bytes != layout.param_bytes else 0,
-              "its gradient unsharded": compute,
-              "float32 G_R": P * 4 if layout.compute_bytes < 4 else 0,
-              "group buffers (float32)": step.buffers * P * 4,
-              "all-reduce copy (float32)": P * 4 if N > 1 else 0}
-    two_pass = {**plain, "per-sequence scratch": norms_scratch(shape, layout, step)}
+    # FSDP2 all-gathers into storage of its own (one rank too): two units unsharded at a time in a plain step
+    plain = {"gradients (sharded)": full / N, "unsharded units (two at a time)": 2 * unit, **activations}
+    # single: the model is held unsharded from the first forward to `combine`; the buffers open as the backward
+    # reaches their groups, so the last micro-batch's activations meet the buffers opened before it, and `combine`
+    # all of them (the first becomes p.grad in place), then (more than one rank) the flat float32 all-reduce copy
+    # and each rank's shard of the result
+    held = {"whole model unsharded": compute, "float32 G_R": P * 4 if layout.compute_bytes < 4 else 0}
+    backward = sum(activations.values())
+    during_backward = step.buffers_with_activations * P * 4 + backward
+    at_combine = step.buffers * P * 4 + ((P * 4 + full / N) if N > 1 else 0)
+    single = {**held, "group buffers (float32) with the activations, or at combine": max(during_backward, at_combine)}
+    two_pass = dict(plain)
+    norms_pass = backward + norms_scratch(shape, layout, step)  # no gradient exists yet in pass 1
+    two_pass["pass 1 beyond pass 2 (norms scratch)"] = max(0.0, norms_pass - sum(plain.values()))
     return StepMemory(persistent, plain, single, two_pass)
 
 

@@ -181,17 +181,18 @@ def actor_batch(
     dtype: torch.dtype = torch.float64,
     min_response: int = 2,
     behaviour_log_probs: torch.Tensor | None = None,
+    min_prompt: int = 2,
 ):
     """A verl actor mini-batch (as ``RayPPOTrainer._update_actor`` hands it over) and the `RawBatch`.
 
-    Random lengths (prompts in [2, prompt], responses in [min_response, response]), behaviour log-probs in [-4, -0.1]
+    Random lengths (prompts in [min_prompt, prompt], responses in [min_response, response]), behaviour log-probs in [-4, -0.1]
     (far off-policy: long responses' sequence weights underflow to 0) unless ``behaviour_log_probs`` (batch,
     response) are given (read at the response tokens), 0/1 rewards at the last response
     token, ``uid`` per prompt group, GRPO-style zero advantages (unused by OPOB). ``rows`` keeps one
     data-parallel rank's share of the TensorDict; the `RawBatch` is always the whole batch.
     """
     g = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(2, prompt + 1, (batch,), generator=g)
+    prompt_lens = torch.randint(min_prompt, prompt + 1, (batch,), generator=g)
     response_lens = torch.randint(min_response, response + 1, (batch,), generator=g)
     prompts = torch.zeros(batch, prompt, dtype=torch.long)
     responses = torch.zeros(batch, response, dtype=torch.long)
