@@ -7,9 +7,11 @@ the trainer hands it over (``vcpo.verl_plugin.cpu.standalone``), and three optim
 
   plain    method seq_tis_c8: verl's own train_batch (forward, seq-TIS ppo_loss backward, AdamW step),
   ess      method tis_ess:    the same plus the gathered ESS ratio and the scaled learning rate,
-  vcpo     method vcpo:       OPOB in one backward (PerSequenceGradients per micro-batch, baseline
-                              from the gathered norms, combine) plus the ESS step size, with the engine's
-                              combination ("split"), and with each other one of ``--combinations``.
+  vcpo     method vcpo:       OPOB in one backward (opob_mode=single: PerSequenceGradients per micro-batch,
+                              baseline from the gathered norms, combine) plus the ESS step size, with the
+                              engine's combination ("split"), and with each other one of ``--combinations``;
+  vcpo[two_pass]              OPOB in its memory-safe mode (``--modes``): a norms-only pass, then verl's plain
+                              step of the weighted scores.
 
 The behaviour log-probs are the model's own on the batch plus Gaussian noise (``--spread`` per token), so
 the sequences' importance weights are spread around 1 as in asynchronous training; with unrelated log-probs
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from vcpo.core.per_sequence_grads import COMBINATIONS
+from vcpo.core.per_sequence_grads.memory import OPOB_MODES
 from vcpo.verl_shared import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
@@ -66,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="SD of the per-token noise between the behaviour's and the model's log-probs")
     parser.add_argument("--combinations", default="buffers",
                         help="other OPOB combinations to time beside the engine's, comma-separated ('' for none)")
+    parser.add_argument("--modes", default="two_pass", help="OPOB modes to time beside single, comma-separated ('' for none)")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
         setattr(args, name, value)
@@ -112,10 +116,10 @@ def main(argv=None) -> dict[str, float]:
         num_kv_heads=args.kv_heads,
     )
     remove_padding = not args.padded
-    losses = {
-        name: functools.partial(ppo_loss, config=cpu.actor_config(method, args.batch, args.group, args.micro))
-        for name, method in VARIANTS.items()
-    }
+    def loss(method: str, opob_mode: str = "single"):
+        return functools.partial(ppo_loss, config=cpu.actor_config(method, args.batch, args.group, args.micro, opob_mode=opob_mode))
+
+    losses = {name: loss(method) for name, method in VARIANTS.items()}
     engine = cpu.build_engine(model_dir, remove_padding, lr=1e-6)
     if args.autocast:  # verl's forward_step then runs the model under torch.autocast, as on GPUs
         engine._autocast_dtype = getattr(torch, args.autocast)
@@ -126,6 +130,11 @@ def main(argv=None) -> dict[str, float]:
         if combination != engine.opob_combination:
             losses[f"vcpo[{combination}]"] = losses["vcpo"]
             combination_of[f"vcpo[{combination}]"] = combination
+    for mode in filter(None, args.modes.split(",")):
+        if mode not in OPOB_MODES or mode == "single":
+            raise SystemExit(f"--modes: {mode!r} is not one of {OPOB_MODES[1:]}")
+        losses[f"vcpo[{mode}]"] = loss("vcpo", mode)
+        combination_of[f"vcpo[{mode}]"] = engine.opob_combination
     names = list(losses)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
@@ -156,7 +165,8 @@ def main(argv=None) -> dict[str, float]:
     minima = {name: min(values) for name, values in times.items()}
     cpu_medians = {name: statistics.median(values) for name, values in cpu_times.items()}
     print(
-        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} micro={args.micro}, "
+        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} in {args.batch // args.group} "
+        f"groups, micro={args.micro}, "
         f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, float32{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
         f"median of {args.repeats}"
     )

@@ -6,7 +6,9 @@ parameters as the engine requires, the padded path, megatron's own pipeline sche
 tied embeddings and at PP 2 on an untied one; the FSDP step runs here, in float32 on one rank. The engines share
 the step rule (vcpo.verl_plugin.engine.step) and differ in where the per-sequence gradients come from (hooks on
 megatron's parallel layers, combined from the backward of Σ_i c^S_i l_i; the FSDP engine's own forward
-replacement, from Σ_i l_i), so their norms, baseline and ESS ratio agree to bf16's precision.
+replacement, from Σ_i l_i), so their norms, baseline and ESS ratio agree to bf16's precision. The Megatron
+worker also takes the vcpo step again from the same weights in OPOB's two-pass mode (norms, then megatron's
+plain step of the weighted scores), which must match its single-backward step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.verl_plugin.cpu import standalone  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_megatron_vcpo_worker import GROUP, METHODS, MICRO, PROMPT, RESPONSE, VOCAB, B, scalars  # noqa: E402
+from verl_megatron_vcpo_worker import GROUP, METHODS, MICRO, PROMPT, RESPONSE, TWO_PASS, VOCAB, B, scalars  # noqa: E402
 
 WORKER = Path(__file__).with_name("verl_megatron_vcpo_worker.py")
 PLAIN_WORKER = Path(__file__).with_name("verl_megatron_worker.py")  # verl's Megatron engine alone, against the HF model
@@ -63,7 +65,7 @@ def fsdp_steps(model: Path) -> dict[str, dict[str, float]]:
     steps = {}
     for method in METHODS:
         td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
-        config = standalone.actor_config(method, B, GROUP, MICRO)
+        config = standalone.actor_config(method, B, GROUP, MICRO, opob_mode="single")
         with engine.train_mode():
             steps[method] = scalars(engine.train_batch(td, functools.partial(ppo_loss, config=config))["metrics"])
     return steps
@@ -86,6 +88,12 @@ def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, mo
                  "actor/pg_loss"):
         assert abs(ours[name] - theirs[name]) < BF16 * abs(theirs[name]), (name, ours[name], theirs[name])
     assert "actor/opob_baseline" not in megatron["steps"]["tis_ess"]
+    # the two-pass mode's step from the same weights: the same norms, baseline and gradient (its norm before
+    # clipping), within bf16's precision
+    single, two_pass = megatron["steps"]["vcpo"], megatron["steps"][TWO_PASS]
+    assert (single["actor/opob_two_pass"], two_pass["actor/opob_two_pass"]) == (0.0, 1.0)
+    for name in ("actor/seq_grad_norm_mean", "actor/opob_baseline", "actor/lr_scale", "grad_norm"):
+        assert abs(two_pass[name] - single[name]) < BF16 * abs(single[name]), (name, two_pass[name], single[name])
 
 
 @pytest.mark.parametrize("tensor, pipeline", [(2, 1)], ids=["tp2"])  # PP 2 runs verl's engine in the tests above

@@ -18,12 +18,13 @@ from vcpo.verl_shared import select_cpu_platform
 # the test's batch: 8 sequences in prompt groups of 4, micro-batches of 2
 B, GROUP, PROMPT, RESPONSE, VOCAB, MICRO = 8, 4, 6, 6, 96, 2
 METHODS = ("vcpo", "tis_ess")  # ESS step size and OPOB; then the ESS step size alone
+TWO_PASS = "vcpo[two_pass]"  # the vcpo step again, from the same initial weights, in OPOB's two-pass mode
 
 
 def scalars(metrics: dict) -> dict[str, float]:
-    """The step's one-value metrics (the engine logs them as one-element lists)."""
-    return {name: float(value[0]) for name, value in metrics.items() if isinstance(value, list) and len(value) == 1
-            and isinstance(value[0], (int, float))}
+    """The step's one-value metrics (the engine logs them as one-element lists; the optimizer's grad_norm as a number)."""
+    values = {name: value[0] if isinstance(value, list) and len(value) == 1 else value for name, value in metrics.items()}
+    return {name: float(value) for name, value in values.items() if isinstance(value, (int, float))}
 
 
 def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
@@ -35,16 +36,21 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
     from vcpo.verl_plugin.cpu import standalone
     from vcpo.verl_plugin.engine import MODEL_TYPE
 
-    engine = standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
-                                              model_type=MODEL_TYPE)
-    steps = {}
-    for method in METHODS:  # one step each, in turn, on the same batch
+    def build():
+        return standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
+                                                model_type=MODEL_TYPE)
+
+    engine, steps = build(), {}
+    # one step each, in turn, on the same batch; then the first again on a new engine in two_pass mode
+    for name, method, mode in (*((method, method, "single") for method in METHODS), (TWO_PASS, "vcpo", "two_pass")):
+        if name == TWO_PASS:
+            engine = build()
         td, _ = standalone.actor_batch(B, GROUP, PROMPT, RESPONSE, VOCAB, remove_padding=False, micro=MICRO)
-        config = standalone.actor_config(method, B, GROUP, MICRO, megatron_engine=engine)
+        config = standalone.actor_config(method, B, GROUP, MICRO, megatron_engine=engine, opob_mode=mode)
         with engine.train_mode():
             outputs = engine.train_batch(td, functools.partial(ppo_loss, config=config))
         if engine.is_mp_src_rank_with_outputs():  # the other ranks get no outputs
-            steps[method] = scalars(outputs["metrics"])
+            steps[name] = scalars(outputs["metrics"])
     if engine.is_mp_src_rank_with_outputs():
         with open(out, "w") as handle:
             json.dump({"engine": type(engine).__name__, "steps": steps}, handle)

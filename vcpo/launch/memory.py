@@ -20,8 +20,8 @@ from vcpo.core.per_sequence_grads.memory import (
     Layout,
     ModelShape,
     StepMemory,
+    OPOB_MODES,
     StepShape,
-    available_modes,
     choose_mode,
     step_memory,
 )
@@ -66,7 +66,7 @@ class Projection:
                  f"#   plain step   {memory.peak('plain') / GB:7.1f} GB"]
         if self.opob:
             plain = memory.peak("plain")
-            for mode in available_modes(memory):
+            for mode in OPOB_MODES:
                 lines.append(f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain; "
                              f"{self.step.buffers} float32 group buffers)" if mode == "single" else
                              f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain)")
@@ -118,7 +118,8 @@ def projection(config, capacity_gb: float = DEFAULT_GPU_MEMORY_GB) -> Projection
     rule = step_rule(method) if method else None
     groups = min(prompts, per_rank) if rule is not None and rule.scope == "group" else 1
     # FSDP2 combines "split" (a success and a failure buffer per group); Megatron keeps G_R and one buffer per group
-    step = StepShape(tokens_per_micro_batch=tokens, buffers=groups if layout.strategy == "megatron" else 2 * groups)
+    step = StepShape(tokens_per_micro_batch=tokens, buffers=groups if layout.strategy == "megatron" else 2 * groups,
+                     sequence_length=prompt_tokens)
     memory = step_memory(shape, layout, step)
     if rule is None or not rule.opob:
         return Projection(memory, layout, step, opob=False, mode=None, why="no OPOB")
@@ -135,7 +136,7 @@ def check_memory(projected: Projection, capacity_gb: float) -> None:
     step = f"OPOB {projected.mode} step" if projected.opob else "plain step"
     hints = ["more trainer GPUs", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu lower",
              "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
-    if projected.opob and projected.mode == "single" and projected.memory.two_pass:
+    if projected.opob and projected.mode == "single":
         hints.insert(0, "+actor_rollout_ref.actor.policy_loss.opob_mode=two_pass")
     raise ValueError(f"the actor's {step} is projected at {peak / GB:.1f} GB per trainer GPU, more than the "
                      f"{capacity_gb:g} GB of --gpu-memory-gb; try {', or '.join(hints)}")

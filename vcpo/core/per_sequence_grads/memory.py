@@ -119,6 +119,7 @@ class StepShape:
     # buffers already open when the last micro-batch's backward starts (its activations at their largest); at most
     # ``buffers``, which is what a step whose first micro-batches touch every group has
     buffers_before_last: int | None = None
+    sequence_length: int | None = None  # the longest sequence (Megatron's ghost norms: a T x T Gram matrix per sequence)
 
     @property
     def buffers_with_activations(self) -> int:
@@ -158,8 +159,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> dict[str
 
 
 def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemory:
-    """The plain step and both OPOB modes on ``layout`` (module doc). Megatron's OPOB runs in one mode,
-    its single backward: its two_pass entry stays empty."""
+    """The plain step and both OPOB modes on ``layout`` (module doc)."""
     if layout.strategy == "megatron":
         return _megatron_memory(shape, layout, step)
     P, N = shape.parameters, layout.data_parallel
@@ -191,17 +191,25 @@ def norms_scratch(shape: ModelShape, layout: Layout, step: StepShape) -> float:
 
 
 def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemory:
+    """Megatron: each rank holds its TP x PP slice; `MegatronSequenceNorms` forms ghost norms in float64 (the
+    layer's input and output gradient widened, and two Gram matrices per sequence), and the single mode's (1 + g)
+    combinations of every local parameter (G_R and one buffer per local group) plus, per linear, a float64
+    (1 + g, out, in) stack of the micro-batch's combinations."""
     local = shape.parameters / layout.model_parallel
     optimizer_shards = layout.data_parallel if layout.distributed_optimizer else 1
     persistent = {"parameters (bf16)": local * layout.compute_bytes,
                   "main gradients (float32)": local * 4,
                   "main parameters and Adam moments (float32)": 3 * local * 4 / optimizer_shards}
     activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
+    tokens, length = step.tokens_per_micro_batch, step.sequence_length or step.tokens_per_micro_batch
+    widest = max(shape.vocab, shape.intermediate) / layout.tensor_parallel
+    norms = {"float64 ghost-norm inputs (widest layer) and Gram matrices": tokens * (widest + shape.hidden) * 8
+             + 2 * tokens * length * 8}
     largest_linear = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) / layout.tensor_parallel
-    single = {**activations,
+    single = {**activations, **norms,
               "G_R and group buffers (float32)": (1 + step.buffers) * local * 4,
               "per-linear (1 + g, out, in) float64 stack": (1 + step.buffers) * largest_linear * 8}
-    return StepMemory(persistent, dict(activations), single, {})
+    return StepMemory(persistent, dict(activations), single, {**activations, **norms})
 
 
 def split_buffers(rewards, groups) -> int:
@@ -219,11 +227,7 @@ def choose_mode(memory: StepMemory, requested: str = "auto", capacity: float | N
     if requested not in ("auto", *OPOB_MODES):
         raise ValueError(f"opob_mode must be auto or one of {OPOB_MODES}, got {requested!r}")
     if requested != "auto":
-        if not getattr(memory, requested):
-            raise ValueError(f"opob_mode={requested} is not available on this strategy (it runs {available_modes(memory)})")
         return requested, "requested"
-    if not memory.two_pass:
-        return "single", "the only mode of this strategy"
     single, plain = memory.peak("single"), memory.peak("plain")
     if single > allowance * plain:
         return "two_pass", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (> {allowance})"
@@ -231,6 +235,3 @@ def choose_mode(memory: StepMemory, requested: str = "auto", capacity: float | N
         return "two_pass", f"single's projected peak {single / GIB:.1f} GiB exceeds the {capacity / GIB:.1f} GiB of the GPU"
     return "single", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (<= {allowance})"
 
-
-def available_modes(memory: StepMemory) -> tuple[str, ...]:
-    return tuple(mode for mode in OPOB_MODES if getattr(memory, mode))

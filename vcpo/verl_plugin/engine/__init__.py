@@ -83,7 +83,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -92,16 +91,17 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from verl.utils import tensordict_utils as tu
-
 from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads import NORMS_ONLY
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, choose_mode, split_buffers, step_memory
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers, step_memory
 from vcpo.methods import StepRule
-from vcpo.verl_plugin.engine.batch import all_reduce_gradients, padded
-from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function, rule_from_loss_function
+from vcpo.verl_plugin.engine.batch import all_reduce_gradients
+from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    choose_opob_mode,
+    micro_batch_tokens,
+    two_pass_weights,
     weighted_scores,
     active_rule,
     opob_baseline_over_ranks,
@@ -112,7 +112,6 @@ from vcpo.verl_plugin.engine.step import (
 )
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
-logger = logging.getLogger(__name__)
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
 
@@ -129,7 +128,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # Each sequence's gradient added to one buffer (binary rewards) during the backward: the micro-batches
         # are many and long, so nothing waits for the baseline (benchmarks/opob_engine.py times the others)
         self.opob_combination = "split"
-        self._opob_mode_logged: tuple[str, str] | None = None
+        self._opob_mode_logged: list = [None]  # the last (mode, reason) logged
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:
@@ -142,11 +141,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             check_opob_loss(loss_function)
             self._check_opob_setting(rule)
             prepare_opob(data, state, group)
-            state.opob_mode, why = self._opob_mode(data, loss_function)
-            state.metrics["actor/opob_two_pass"] = float(state.opob_mode == "two_pass")
-            if self._opob_mode_logged != (state.opob_mode, why):  # once, and again when the choice changes
-                self._opob_mode_logged = (state.opob_mode, why)
-                logger.warning("vcpo engine: OPOB runs %s (%s)", state.opob_mode, why)
+            choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
         self.optimizer_zero_grad()
         self._step = state
         try:
@@ -191,10 +186,9 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         state.metrics.update(metrics)
         self._per_sequence.discard()
         self._per_sequence = None
-        weights = torch.zeros(len(data), dtype=torch.float64)
-        weights[torch.cat(state.positions)] = torch.cat(state.coef_s) * (torch.cat(state.rewards) - baseline)
         fsdp = bool(self._fsdp2_modules())
-        data["vcpo_weight"] = (weights * (self.get_data_parallel_size() if fsdp else 1)).to(data["vcpo_reward"].device)
+        weights = two_pass_weights(state, baseline, len(data), self.get_data_parallel_size() if fsdp else 1)
+        data["vcpo_weight"] = weights.to(data["vcpo_reward"].device)
         state.opob = False  # pass 2 is verl's plain step of the weighted scores
         try:
             self.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
@@ -216,15 +210,6 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             for module in modules:
                 module.reshard()
 
-    def _opob_mode(self, data: TensorDict, loss_function) -> tuple[str, str]:
-        """The OPOB mode of this step (``policy_loss.opob_mode``, auto by default) by the memory model."""
-        requested = opob_mode_from_loss_function(loss_function)
-        memory = step_memory(*self._memory_inputs(data))
-        capacity = None
-        if torch.cuda.is_available() and next(self.module.parameters()).is_cuda:
-            capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return choose_mode(memory, requested, capacity)
-
     def _memory_inputs(self, data: TensorDict) -> tuple[ModelShape, Layout, StepShape]:
         """The model's shape (its real parameter count), this rank's layout and the step's buffers and tokens."""
         parameters = self.module.parameters()
@@ -236,14 +221,8 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         layout = Layout(strategy="fsdp2", data_parallel=self.get_data_parallel_size(), param_bytes=first.element_size(),
                         compute_bytes=torch.empty(0, dtype=compute).element_size(),
                         gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False)))
-        lengths = padded(data["attention_mask"]).sum(-1) if "attention_mask" in data.keys() else padded(data["input_ids"]).ne(0).sum(-1)
-        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
-            tokens = min(int(lengths.sum()), int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=lengths.sum())))
-        else:
-            micro = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=len(data)))
-            tokens = int(lengths.sort(descending=True).values[:micro].sum())
         buffers = split_buffers(data["vcpo_reward"].cpu(), data["vcpo_group"].cpu())
-        return shape, layout, StepShape(tokens_per_micro_batch=tokens, buffers=buffers)
+        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=buffers)
 
     # -- OPOB --------------------------------------------------------------------------------------
     def _per_sequence_gradients(self, fsdp2: bool) -> PerSequenceGradients:

@@ -35,6 +35,7 @@ the FSDP engine logs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -49,15 +50,21 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, step_memory
+from vcpo.verl_plugin.engine.batch import padded
 from vcpo.verl_plugin.engine.rule import check_opob_loss
 from vcpo.verl_plugin.engine.step import (
     StepState,
     active_rule,
+    choose_opob_mode,
+    micro_batch_tokens,
     opob_baseline_over_ranks,
     opob_micro_batch,
     prepare_opob,
     recording_loss,
     scaled_optimizer_step,
+    two_pass_weights,
+    weighted_scores,
 )
 from vcpo.verl_shared import step_rule_applied
 
@@ -72,6 +79,8 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         self._step: StepState | None = None
         self._norms: MegatronSequenceNorms | None = None
         self._ids_for_tied_head = False  # the last stage of embeddings tied across stages needs the input ids
+        self._opob_mode_logged: list = [None]  # the last (mode, reason) logged
+        self._two_pass_baseline: torch.Tensor | None = None
 
     def train_batch(self, data: TensorDict, loss_function) -> Any:
         rule = active_rule(data, loss_function)
@@ -82,6 +91,9 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         if rule.opob:
             check_opob_loss(loss_function)
             prepare_opob(data, state, group)
+            choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
+            if state.opob_mode == "two_pass":
+                data["vcpo_position"] = torch.arange(len(data), device=data["vcpo_reward"].device)
         self.optimizer_zero_grad()
         self._step = state
         try:
@@ -90,12 +102,42 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
                 with step_rule_applied():
                     outputs = self.forward_backward_batch(data, loss, forward_only=False)
             ratio = state.ess_ratio(group, self._pipeline_group())
+            if rule.opob and state.opob_mode == "two_pass":
+                self._second_pass(data, state)
         except BaseException:
             self.optimizer_zero_grad()
             raise
         finally:
             self._step = None
         return scaled_optimizer_step(self, state, ratio, outputs)
+
+    def _memory_inputs(self, data: TensorDict) -> tuple[ModelShape, Layout, StepShape]:
+        """The model's shape, this rank's Megatron layout and the step's buffers (G_R and one per local group)."""
+        count = sum(p.numel() for chunk in self.module for p in chunk.parameters() if p.requires_grad)
+        tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
+        shape = dataclasses.replace(ModelShape.from_config(self.model_config.hf_config), parameter_count=count * tp * pp)
+        config = get_model_config(self.module[0])
+        layout = Layout(strategy="megatron", data_parallel=mpu.get_data_parallel_world_size(), tensor_parallel=tp,
+                        pipeline_parallel=pp, compute_bytes=2,
+                        gradient_checkpointing=getattr(config, "recompute_granularity", None) is not None,
+                        distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)))
+        groups = int(torch.unique(data["vcpo_group"].cpu()).numel())
+        longest = int(padded(data["attention_mask"]).sum(-1).max())
+        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest)
+
+    def _second_pass(self, data: TensorDict, state: StepState) -> None:
+        """two_pass: megatron's plain step of Σ_i c^S_i (R_i − b_i) l_i (the last stage's loss; times the data-parallel
+        size, which megatron's gradient reduction averages over), after pass 1's gradients are dropped."""
+        self.optimizer_zero_grad()
+        ranks = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        weights = two_pass_weights(state, self._two_pass_baseline, len(data), ranks)
+        data["vcpo_weight"] = weights.to(data["vcpo_reward"].device)
+        state.opob = False
+        try:
+            with step_rule_applied():
+                self.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
+        finally:
+            state.opob = True
 
     @staticmethod
     def _pipeline_group():
@@ -124,10 +166,13 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         data["vcpo_local_group"] = local_groups.to(data["vcpo_group"].device)
         config = get_model_config(self.module[0])
         finalize = config.finalize_model_grads_func
-        config.finalize_model_grads_func = functools.partial(self._finalize_opob, state, norms, finalize)
+        if state.opob_mode == "two_pass":  # pass 1: the norms alone; its gradients are dropped, never reduced
+            config.finalize_model_grads_func = functools.partial(self._finalize_norms, state, norms)
+        else:
+            config.finalize_model_grads_func = functools.partial(self._finalize_opob, state, norms, finalize)
         self._norms = norms
         try:
-            with norms.step(num_groups):
+            with norms.step(None if state.opob_mode == "two_pass" else num_groups):
                 yield
         finally:
             config.finalize_model_grads_func = finalize
@@ -169,8 +214,9 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         coefficients, scores, metric = opob_micro_batch(self._step, data, log_prob, behav, mask)
         return (coefficients.score.to(device=scores.device, dtype=scores.dtype) * scores).sum(), metric
 
-    def _finalize_opob(self, state: StepState, norms: MegatronSequenceNorms, finalize, *args, **kwargs) -> None:
-        """The combined OPOB gradient over each parameter's main_grad, then megatron's own finalize."""
+    def _baseline(self, state: StepState, norms: MegatronSequenceNorms) -> torch.Tensor:
+        """b* of this rank's sequences from every rank's ||g_i||² = ||c^S_i g_i||² / (c^S_i)² (the last stage's, broadcast
+        over the stages); the step's OPOB metrics into ``state`` on the last stage."""
         pp_group = self._pipeline_group()
         last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
         last_rank = dist.get_process_group_ranks(pp_group)[-1] if pp_group is not None else None
@@ -183,9 +229,19 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         sq_norms = torch.where(nonzero, sq_scaled / torch.where(nonzero, coef_s, 1.0) ** 2, 0.0)
         baseline = torch.zeros(count, dtype=torch.float64)
         if last_stage:
-            baseline, state.metrics = opob_baseline_over_ranks(state, sq_norms, self.get_data_parallel_group())
+            baseline, metrics = opob_baseline_over_ranks(state, sq_norms, self.get_data_parallel_group())
+            state.metrics.update(metrics)
         if pp_group is not None:
             baseline = broadcast_here(baseline, src=last_rank, group=pp_group)
+        return baseline
+
+    def _finalize_norms(self, state: StepState, norms: MegatronSequenceNorms, *args, **kwargs) -> None:
+        """two_pass, pass 1: the baseline for pass 2, and no reduction of pass 1's gradients."""
+        self._two_pass_baseline = self._baseline(state, norms)
+
+    def _finalize_opob(self, state: StepState, norms: MegatronSequenceNorms, finalize, *args, **kwargs) -> None:
+        """The combined OPOB gradient over each parameter's main_grad, then megatron's own finalize."""
+        baseline = self._baseline(state, norms)
         # megatron averages the gradient over the data-parallel ranks; the update is their sum
         ranks = mpu.get_data_parallel_world_size(with_context_parallel=True)
         for param, gradient in norms.combined(baseline):

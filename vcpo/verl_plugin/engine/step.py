@@ -5,6 +5,7 @@ The backends keep only where gradients live and how they are reduced."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,10 +23,14 @@ from vcpo.core import (
     scaled_learning_rate,
 )
 from vcpo.core.collectives import gather_objects
+from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode
 from vcpo.methods import StepRule
 from vcpo.runs import SEQ_ESS_RATIO
 from vcpo.verl_plugin.engine.batch import padded, response_log_probs, reward_key, sequence_labels, sequence_log_weights
+from vcpo.verl_plugin.engine.rule import opob_mode_from_loss_function
 from vcpo.verl_shared import metrics_to_floats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,6 +128,39 @@ def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
     diagnostics["actor/kept_token_frac"] = weights.keep.sum() / mask.sum().clamp_min(1)
     diagnostics.pop(SEQ_ESS_RATIO)
     return coefficients, scores, Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
+
+
+def micro_batch_tokens(data: TensorDict) -> int:
+    """Tokens of the largest micro-batch verl will form of ``data``: its token budget under dynamic batch sizes,
+    else the largest run of ``micro_batch_size_per_gpu`` consecutive sequences."""
+    lengths = padded(data["attention_mask"]).sum(-1)
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
+        budget = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
+        return int(lengths.sum()) if budget is None else min(int(lengths.sum()), max(int(budget), int(lengths.max())))
+    micro = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=len(data)))
+    return max(int(lengths[start : start + micro].sum()) for start in range(0, len(data), micro))
+
+
+def choose_opob_mode(state: StepState, loss_function, memory: StepMemory, logged: list) -> None:
+    """OPOB's mode for this step into ``state`` (``policy_loss.opob_mode``, auto: by the memory model, with this
+    GPU's memory when there is one), its metric ``actor/opob_two_pass``, and a log line whenever the choice or its
+    reason changes (``logged``: the engine's last one, a one-element list)."""
+    capacity = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    state.opob_mode, why = choose_mode(memory, opob_mode_from_loss_function(loss_function), capacity)
+    state.metrics["actor/opob_two_pass"] = float(state.opob_mode == "two_pass")
+    if logged[0] != (state.opob_mode, why):
+        logged[0] = (state.opob_mode, why)
+        logger.warning("vcpo engine: OPOB runs %s (%s)", state.opob_mode, why)
+
+
+def two_pass_weights(state: StepState, baseline: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+    """``scale`` · c^S_i (R_i − b_i) of every sequence the forwards saw, at its row of the mini-batch (0 elsewhere)."""
+    weights = torch.zeros(rows, dtype=torch.float64)
+    if state.positions:
+        weights[torch.cat(state.positions)] = scale * torch.cat(state.coef_s) * (torch.cat(state.rewards) - baseline)
+    return weights
 
 
 def weighted_scores(model_output, data: TensorDict, dp_group=None, *, agg: str):
