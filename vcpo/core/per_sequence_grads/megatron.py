@@ -345,17 +345,22 @@ class MegatronSequenceNorms:
         local_delta = delta  # under sequence parallelism a row-parallel output holds this rank's tokens
         if getattr(module, "sequence_parallel", False) and type(module).__name__ == "RowParallelLinear":
             delta = self._gather_tokens(delta)
-        rows, cols = delta.transpose(0, 1).to(torch.float64), x.transpose(0, 1).to(torch.float64)  # (sequences, tokens, width)
+        # (sequences, tokens, width), widened as the transformers handlers widen them (bf16 to float32; float64 stays):
+        # the output layer's gradient is (tokens, vocabulary / TP), and a float64 copy of it was the largest tensor of
+        # the step (docs/per_sequence_gradients.md, "Memory")
+        wide = wide_dtype(delta.dtype)
+        rows, cols = delta.transpose(0, 1).to(wide), x.transpose(0, 1).to(wide)
         weight = module.weight if module.weight is not None else self.tied
         if weight.requires_grad:
             self._add(record, weight, ghost_sq_norms(rows, cols))
             if record.coefficients is not None:  # Σ_i c_i δ_iᵀ x_i: one matmul per combination
                 flat_cols = cols.reshape(-1, cols.shape[-1])
                 self._combine(record, weight, torch.stack([
-                    (coefficients.view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]).t() @ flat_cols for coefficients in record.coefficients
+                    (coefficients.to(rows.dtype).view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1]).t() @ flat_cols
+                    for coefficients in record.coefficients
                 ]))
             if weight is self.tied and record.tied_ids is not None:
-                record.head_rows = rows_at_ids(rows, cols, record.tied_ids)
+                record.head_rows = rows_at_ids(rows, cols, record.tied_ids).to(torch.float64)
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
             self._add_dense(record, bias, local_delta.to(torch.float64).sum(0))  # megatron marks it sequence_parallel when the tokens are split

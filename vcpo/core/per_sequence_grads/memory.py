@@ -191,8 +191,8 @@ def norms_scratch(shape: ModelShape, layout: Layout, step: StepShape) -> float:
 
 
 def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemory:
-    """Megatron: each rank holds its TP x PP slice; `MegatronSequenceNorms` forms ghost norms in float64 (the
-    layer's input and output gradient widened, and two Gram matrices per sequence), and the single mode's (1 + g)
+    """Megatron: each rank holds its TP x PP slice; `MegatronSequenceNorms` forms ghost norms in float32 (the
+    layer's input and output gradient widened from bf16, and two Gram matrices per sequence), and the single mode's (1 + g)
     combinations of every local parameter (G_R and one buffer per local group) plus, per linear, a float64
     (1 + g, out, in) stack of the micro-batch's combinations."""
     local = shape.parameters / layout.model_parallel
@@ -203,8 +203,8 @@ def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> Step
     activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
     tokens, length = step.tokens_per_micro_batch, step.sequence_length or step.tokens_per_micro_batch
     widest = max(shape.vocab, shape.intermediate) / layout.tensor_parallel
-    norms = {"float64 ghost-norm inputs (widest layer) and Gram matrices": tokens * (widest + shape.hidden) * 8
-             + 2 * tokens * length * 8}
+    norms = {"float32 ghost-norm inputs (widest layer) and Gram matrices": tokens * (widest + shape.hidden) * 4
+             + 2 * tokens * length * 4}
     largest_linear = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) / layout.tensor_parallel
     single = {**activations, **norms,
               "G_R and group buffers (float32)": (1 + step.buffers) * local * 4,
