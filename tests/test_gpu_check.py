@@ -29,7 +29,8 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     overhead, exactness = report["overhead"], report["exactness"]
-    assert set(overhead["ratios"]["step_time_ratio"]) == {"plain", "opob", "naive", "per_sequence"}
+    assert set(overhead["ratios"]["step_time_ratio"]) == {"plain", "opob", "naive", "two_pass", "per_sequence"}
+    assert set(overhead["aten_ops"]) == set(overhead["ratios"]["step_time_ratio"]) and overhead["aten_ops"]["plain"] > 0
     assert overhead["ratios"]["step_time_ratio"]["plain"] == 1.0 and overhead["step_s"]["opob"] > 0
     assert overhead["opob_within_target"] == (overhead["ratios"]["step_time_ratio"]["opob"] <= 1.10)
     assert report["calibrate"]["pass_cost"] > 0

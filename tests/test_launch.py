@@ -204,7 +204,9 @@ def test_a_launch_records_the_gpus_of_the_config_it_started(tmp_path, monkeypatc
         (tmp_path / f"{split}.parquet").write_bytes(b"")
     started = []
     monkeypatch.setattr(launcher.subprocess, "call", lambda command, env: started.append(command) or 0)
-    argv = ["--task", "math", "--method", method, "--gpus", "8", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path)]
+    # a 7B actor on 2 trainer GPUs needs more than an H100's memory (vcpo.launch.memory): an H200's
+    argv = ["--task", "math", "--method", method, "--gpus", "8", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path),
+            "--gpu-memory-gb", "141"]
     assert main([*argv, "--", *overrides] if overrides else argv) == 0 and len(started) == 1
     lag = 0 if method == "sync" else 10
     launch = json.loads((tmp_path / "math" / method / f"lag{lag}" / "seed0" / "launch.json").read_text())

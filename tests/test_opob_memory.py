@@ -155,3 +155,65 @@ def test_simpletir_is_checked_against_its_b200():
 
     assert gpu_memory_gb(make_run("simpletir", "vcpo").task.paper) == 180.0
     assert gpu_memory_gb(make_run("gsm8k", "vcpo").task.paper) == 80.0  # no GPU named: the default
+
+
+def block(path: str, name: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    return text.split(f"<!-- {name} -->\n", 1)[1].split(f"<!-- /{name} -->", 1)[0].strip()
+
+
+def test_the_docs_projection_table_is_the_launchers():
+    """docs/per_sequence_gradients.md shows what `python -m vcpo.launch.memory` computes now, not an older model."""
+    from vcpo.launch.memory import recipe_table
+
+    assert block("docs/per_sequence_gradients.md", "projections") == recipe_table()
+
+
+def test_the_docs_measurement_table_is_the_benchmarks():
+    """The CPU table in the docs is the committed benchmark's, re-rendered from its rows, at every G for both models."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("opob_memory", repo / "benchmarks/opob_memory.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    rows = json.loads((repo / "tables/opob_memory/results.json").read_text())["rows"]
+    assert block("docs/per_sequence_gradients.md", "opob_memory") == benchmark.table(benchmark.with_extras(rows))
+    assert {(row["model"], row["groups"]) for row in rows if row["kind"] == "single"} == {
+        (model, g) for model in ("small", "50m") for g in (1, 2, 4, 8, 16, 32)}
+
+
+def test_the_docs_sentences_on_the_measurement_are_its_numbers():
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    rows = json.loads((repo / "tables/opob_memory/results.json").read_text())["rows"]
+    doc = (repo / "docs/per_sequence_gradients.md").read_text()
+
+    def deviation(kind, model=None):
+        return max(abs(r["projected_bytes"] / r["measured_bytes"] - 1) for r in rows
+                   if r["kind"] == kind and model in (None, r["model"]))
+
+    def spread(model):
+        values = [r["measured_bytes"] / r["copy_bytes"] for r in rows if r["model"] == model and r["kind"] == "two_pass"]
+        return max(values) - min(values)
+
+    single_32 = next(r for r in rows if r["model"] == "50m" and r["kind"] == "single" and r["groups"] == 32)
+    plain_50m = next(r for r in rows if r["model"] == "50m" and r["kind"] == "plain")
+    assert f"within {deviation('single'):.1%} of the measured peak" in doc
+    assert sum(deviation("single", m) > 0.15 for m in ("small", "50m")) == 1  # "at every point but one"
+    assert sum(abs(r["projected_bytes"] / r["measured_bytes"] - 1) > 0.15 for r in rows if r["kind"] == "single") == 1
+    extra = (single_32["measured_bytes"] - plain_50m["measured_bytes"]) / single_32["copy_bytes"]
+    projected_extra = (single_32["projected_bytes"] - plain_50m["projected_bytes"]) / single_32["copy_bytes"]
+    assert f"({extra:.2f} C measured at 32 buffers on 50M, {projected_extra:.2f} C projected)" in doc
+    assert f"at most {spread('small'):.2f} C between G = 1 and G = 32 (small; {spread('50m'):.3f} C on 50M)" in doc
+    assert spread("small") <= 0.1 and spread("50m") <= 0.1
+    small = max(deviation("plain", "small"), deviation("two_pass", "small"))
+    large = max(deviation("plain", "50m"), deviation("two_pass", "50m"))
+    assert f"within {small:.1%} on the small model but {large:.1%} too" in doc
+    assert all(r["projected_bytes"] > r["measured_bytes"] for r in rows if r["model"] == "50m" and r["kind"] != "single")

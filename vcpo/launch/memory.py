@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vcpo.core.per_sequence_grads.memory import (
-    GIB,
+    GB,
     Layout,
     ModelShape,
     StepMemory,
@@ -31,7 +31,6 @@ from vcpo.recipes import read_yaml, recipes_dir
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 / A100 80GB, where the task's recipe names no GPU
 # memory of the GPUs the task recipes name (paper.gpu), in GB as their makers state it
 GPU_MEMORY_GB = {"A100": 80.0, "H100": 80.0, "H200": 141.0, "B200": 180.0}
-GB = 1e9
 
 
 def gpu_memory_gb(paper: dict) -> float:
@@ -142,7 +141,7 @@ def check_memory(projected: Projection, capacity_gb: float) -> None:
                      f"{capacity_gb:g} GB of --gpu-memory-gb; try {', or '.join(hints)}")
 
 
-__all__ = ["DEFAULT_GPU_MEMORY_GB", "GIB", "GPU_MEMORY_GB", "gpu_memory_gb", "Projection", "check_memory", "model_shape", "projection"]
+__all__ = ["DEFAULT_GPU_MEMORY_GB", "GB", "GPU_MEMORY_GB", "gpu_memory_gb", "Projection", "check_memory", "model_shape", "projection"]
 
 
 def recipe_table(method: str = "vcpo") -> str:

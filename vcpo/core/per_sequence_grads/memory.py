@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-GIB = 1 << 30
+GB = 1e9
 OPOB_MODES = ("single", "two_pass")
 # auto picks single only when its peak is at most this times the plain step's (and fits the GPU)
 SINGLE_MODE_ALLOWANCE = 1.25
@@ -230,8 +230,8 @@ def choose_mode(memory: StepMemory, requested: str = "auto", capacity: float | N
         return requested, "requested"
     single, plain = memory.peak("single"), memory.peak("plain")
     if single > allowance * plain:
-        return "two_pass", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (> {allowance})"
+        return "two_pass", f"single's projected peak {single / GB:.1f} GB is {single / plain:.2f}x the plain step's (> {allowance})"
     if capacity is not None and single > capacity:
-        return "two_pass", f"single's projected peak {single / GIB:.1f} GiB exceeds the {capacity / GIB:.1f} GiB of the GPU"
-    return "single", f"single's projected peak {single / GIB:.1f} GiB is {single / plain:.2f}x the plain step's (<= {allowance})"
+        return "two_pass", f"single's projected peak {single / GB:.1f} GB exceeds the {capacity / GB:.1f} GB of the GPU"
+    return "single", f"single's projected peak {single / GB:.1f} GB is {single / plain:.2f}x the plain step's (<= {allowance})"
 
