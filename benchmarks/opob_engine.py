@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import tempfile
 import time
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from vcpo.core.per_sequence_grads import COMBINATIONS
+from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.core.per_sequence_grads.memory import OPOB_MODES
 from vcpo.verl_shared import select_cpu_platform
 
@@ -164,6 +166,8 @@ def main(argv=None) -> dict[str, float]:
     medians = {name: statistics.median(values) for name, values in times.items()}
     minima = {name: min(values) for name, values in times.items()}
     cpu_medians = {name: statistics.median(values) for name, values in cpu_times.items()}
+    state = code_state()
+    print(f"commit {state['commit']} (dirty: {state['dirty']}), {cpu_name()}, {os.cpu_count()} cores, finished {utc_now()}")
     print(
         f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} in {args.batch // args.group} "
         f"groups, micro={args.micro}, "
