@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -131,8 +131,7 @@ def weighted_backward(model, batch: dict, args: argparse.Namespace, weights: tor
         (weights[rows].to(scores.dtype) * scores).sum().backward()
 
 
-@dataclass
-class Engines:
+class Engines(NamedTuple):
     """The single backward's engine (norms and buffers) and the two-pass mode's norms-only one, on one model."""
 
     opob: PerSequenceGradients

@@ -165,8 +165,8 @@ def block(path: str, name: str) -> str:
 
 
 def test_the_docs_projection_table_is_the_launchers():
-    """docs/per_sequence_gradients.md shows what `python -m vcpo.launch.memory` computes now, not an older model."""
-    from vcpo.launch.memory import recipe_table
+    """docs/per_sequence_gradients.md shows what `python -m vcpo.launch --memory-table` computes now, not an older model."""
+    from vcpo.launch.__main__ import recipe_table
 
     assert block("docs/per_sequence_gradients.md", "projections") == recipe_table()
 

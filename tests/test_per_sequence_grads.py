@@ -643,8 +643,9 @@ def test_benchmark_runs_and_variants_agree(capsys):
         "cpu",
     ]
     timing = benchmark["time_variants"](benchmark["parse_args"](args))
-    assert set(timing["step_s"]) == {"plain", "opob", "naive", "per_sequence"}
+    assert set(timing["step_s"]) == {"plain", "opob", "naive", "two_pass", "per_sequence"}
     assert timing["agreement"]["naive"] < 1e-5 and timing["agreement"]["per_sequence"] < 1e-4
+    assert timing["agreement"]["two_pass"] < 1e-5
     peak = benchmark["measure_peak_memory"](benchmark["parse_args"](args), "opob")
     assert peak > 0
 

@@ -27,6 +27,7 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
+from vcpo.core.per_sequence_grads.memory import GB, OPOB_MODES
 from vcpo.launch.memory import DEFAULT_GPU_MEMORY_GB, gpu_memory_gb, projection
 
 
@@ -58,6 +59,9 @@ def _composed(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.memory_table:
+        print(recipe_table())
+        return 0
     if args.list:
         for task in load_tasks().values():
             print(f"{task.name:<10} {task.spec['table']:<14} k={task.paper['max_lag']:<3} {task.spec['title']}")
@@ -90,6 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     return subprocess.call(verl_command, env={**os.environ, **environment})
 
 
+def recipe_table(method: str = "vcpo") -> str:
+    """Markdown: the projection of every task recipe × actor strategy for ``method``, on the task's GPU."""
+    lines = ["| task | strategy | trainer GPUs (layout) | GPU | plain step | OPOB single | OPOB two_pass | auto runs | fits |",
+             "|---|---|---|---|---:|---:|---:|---|---|"]
+    for task in load_tasks():
+        for strategy in ("fsdp2", "megatron"):
+            run = make_run(task, method, strategy=strategy)
+            capacity = gpu_memory_gb(run.task.paper)
+            projected = projection(compose(run), capacity)
+            layout, memory, plain = projected.layout, projected.memory, projected.memory.peak("plain")
+            shape = f"TP {layout.tensor_parallel} x PP {layout.pipeline_parallel} x DP {layout.data_parallel}" \
+                if strategy == "megatron" else f"FSDP2 over {layout.data_parallel}"
+            cells = [f"{memory.peak(mode) / GB:.1f} GB ({memory.peak(mode) / plain:.2f}x)" for mode in OPOB_MODES]
+            fits = "yes" if projected.peak() <= capacity * GB else "**no**"
+            lines.append(f"| {task} | {strategy} | {shape} | {run.task.paper.get('gpu', '-')} ({capacity:g} GB) | "
+                         f"{plain / GB:.1f} GB | {' | '.join(cells)} | {projected.mode} | {fits} |")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vcpo.launch", description=__doc__.split("\n\n")[1])
     parser.add_argument("--task", help="a recipes/tasks name (--list shows them)")
@@ -106,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--dry-run", action="store_true", help="print the exact command, do not start verl")
     mode.add_argument("--show-config", action="store_true", help="print the resolved verl config as YAML")
     mode.add_argument("--list", action="store_true", help="list the tasks")
+    mode.add_argument("--memory-table", action="store_true",
+                      help="the projected actor memory per trainer GPU of every task recipe x strategy for vcpo, as markdown")
     parser.add_argument(
         "--check-paths", action="store_true", help="with --dry-run/--show-config: also require data and model files"
     )

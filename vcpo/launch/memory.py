@@ -143,27 +143,3 @@ def check_memory(projected: Projection, capacity_gb: float) -> None:
 
 __all__ = ["DEFAULT_GPU_MEMORY_GB", "GB", "GPU_MEMORY_GB", "gpu_memory_gb", "Projection", "check_memory", "model_shape", "projection"]
 
-
-def recipe_table(method: str = "vcpo") -> str:
-    """Markdown: the projection of every task recipe × actor strategy for ``method``, on the task's GPU."""
-    from vcpo.launch import compose, load_tasks, make_run
-
-    lines = ["| task | strategy | trainer GPUs (layout) | GPU | plain step | OPOB single | OPOB two_pass | auto runs | fits |",
-             "|---|---|---|---|---:|---:|---:|---|---|"]
-    for task in load_tasks():
-        for strategy in ("fsdp2", "megatron"):
-            run = make_run(task, method, strategy=strategy)
-            capacity = gpu_memory_gb(run.task.paper)
-            projected = projection(compose(run), capacity)
-            layout, memory, plain = projected.layout, projected.memory, projected.memory.peak("plain")
-            shape = f"TP {layout.tensor_parallel} x PP {layout.pipeline_parallel} x DP {layout.data_parallel}" \
-                if strategy == "megatron" else f"FSDP2 over {layout.data_parallel}"
-            cells = [f"{memory.peak(mode) / GB:.1f} GB ({memory.peak(mode) / plain:.2f}x)" for mode in OPOB_MODES]
-            fits = "yes" if projected.peak() <= capacity * GB else "**no**"
-            lines.append(f"| {task} | {strategy} | {shape} | {run.task.paper.get('gpu', '-')} ({capacity:g} GB) | "
-                         f"{plain / GB:.1f} GB | {' | '.join(cells)} | {projected.mode} | {fits} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(recipe_table())

@@ -51,7 +51,6 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, step_memory
-from vcpo.verl_plugin.engine.batch import padded
 from vcpo.verl_plugin.engine.rule import check_opob_loss
 from vcpo.verl_plugin.engine.step import (
     StepState,
@@ -63,6 +62,7 @@ from vcpo.verl_plugin.engine.step import (
     prepare_opob,
     recording_loss,
     scaled_optimizer_step,
+    sequence_lengths,
     two_pass_weights,
     weighted_scores,
 )
@@ -122,7 +122,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
                         gradient_checkpointing=getattr(config, "recompute_granularity", None) is not None,
                         distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)))
         groups = int(torch.unique(data["vcpo_group"].cpu()).numel())
-        longest = int(padded(data["attention_mask"]).sum(-1).max())
+        longest = int(sequence_lengths(data).max())
         return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest)
 
     def _second_pass(self, data: TensorDict, state: StepState) -> None:

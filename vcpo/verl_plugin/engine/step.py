@@ -130,10 +130,21 @@ def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
     return coefficients, scores, Metric.from_dict(metrics_to_floats(diagnostics), aggregation=AggregationType.MEAN)
 
 
+def sequence_lengths(data: TensorDict) -> torch.Tensor:
+    """Tokens of every sequence of ``data``: the nested (no-padding) ``input_ids``' segments, as verl's trainer hands
+    them over, else the attention mask's."""
+    ids = data["input_ids"]
+    if getattr(ids, "is_nested", False):
+        return ids.offsets().diff().cpu()
+    if "attention_mask" in data.keys():
+        return padded(data["attention_mask"]).sum(-1).cpu()
+    return torch.full((len(data),), ids.shape[-1])
+
+
 def micro_batch_tokens(data: TensorDict) -> int:
     """Tokens of the largest micro-batch verl will form of ``data``: its token budget under dynamic batch sizes,
     else the largest run of ``micro_batch_size_per_gpu`` consecutive sequences."""
-    lengths = padded(data["attention_mask"]).sum(-1)
+    lengths = sequence_lengths(data)
     if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
         budget = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
         return int(lengths.sum()) if budget is None else min(int(lengths.sum()), max(int(budget), int(lengths.max())))
