@@ -41,6 +41,11 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     computed (per prompt group for scope "group", labels from ``uid``; groups may span micro-batches
     and ranks), ``combine`` forms Σ_γ (1 − b_γ) G_1^γ − b_γ G_0^γ locally, and the combined gradient is summed over
     data-parallel ranks with ONE all-reduce (one flat buffer). Then the ESS-scaled optimizer step.
+    That is OPOB's "single" mode. Its "two_pass" mode (what ``policy_loss.opob_mode=auto`` runs wherever single's
+    projected peak exceeds 1.25x the plain step's or the GPU: `vcpo.core.per_sequence_grads.memory`) runs the same
+    forwards with a norms-only backward (``combination="norms"``, FSDP2 sharded as in a plain step), the same
+    baseline, then verl's own plain step of Σ_i c^S_i (R_i − b_i) l_i: no buffers, nothing unsharded, about twice
+    the time. The step logs ``actor/opob_two_pass``.
     R_i = Σ_t token_level_rewards (after the KL-in-reward penalty; verl's V1 trainer sends them to the actor
     only when it applies one) or else Σ_t rm_scores (the verifiable reward). The advantages in the batch are not
     used. Packed micro-batches (remove-padding, also with ``pad_to_length``) go to ``micro_batch`` with
