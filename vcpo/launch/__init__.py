@@ -584,7 +584,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
     except Exception as error:  # hydra's InstantiationException wraps the dataclass's own check
         cause = error.__cause__ or error
         raise LaunchError(f"verl rejects the config: {cause}") from None
-    capacity = gpu_memory_gb(run.task.paper) if gpu_memory is None else gpu_memory
+    capacity = gpu_memory_gb(run.task.paper, gpu_memory)
     try:
         check_memory(projection(config, capacity), capacity)
     except KeyError as error:  # no architecture for the model: the projection cannot be made, nothing to refuse

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         print(shell_command(run, args.overrides))
-        capacity = gpu_memory_gb(run.task.paper) if args.gpu_memory_gb is None else args.gpu_memory_gb
+        capacity = gpu_memory_gb(run.task.paper, args.gpu_memory_gb)
         with contextlib.suppress(KeyError):  # no architecture known for the model: check() warned
             print("\n".join(projection(config, capacity).report(capacity)))
         return 0

@@ -33,8 +33,11 @@ DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 / A100 80GB, where the task's recipe nam
 GPU_MEMORY_GB = {"A100": 80.0, "H100": 80.0, "H200": 141.0, "B200": 180.0}
 
 
-def gpu_memory_gb(paper: dict) -> float:
-    """The memory of one GPU of the task's paper layout (``paper.gpu``), else ``DEFAULT_GPU_MEMORY_GB``."""
+def gpu_memory_gb(paper: dict, given: float | None = None) -> float:
+    """The memory of one trainer GPU: ``given`` (``--gpu-memory-gb``) when set, else the GPU of the task's paper
+    layout (``paper.gpu``), else ``DEFAULT_GPU_MEMORY_GB``."""
+    if given is not None:
+        return given
     gpu = paper.get("gpu")
     if gpu is not None and gpu not in GPU_MEMORY_GB:
         raise ValueError(f"paper.gpu={gpu!r}: its memory is not known (vcpo.launch.memory.GPU_MEMORY_GB); pass --gpu-memory-gb")
@@ -65,10 +68,10 @@ class Projection:
                  f"#   plain step   {memory.peak('plain') / GB:7.1f} GB"]
         if self.opob:
             plain = memory.peak("plain")
+            buffers = {"single": f"; {self.step.buffers} float32 group buffers", "two_pass": ""}
             for mode in OPOB_MODES:
-                lines.append(f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain; "
-                             f"{self.step.buffers} float32 group buffers)" if mode == "single" else
-                             f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain)")
+                lines.append(f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain"
+                             f"{buffers[mode]})")
             lines.append(f"#   the engine runs OPOB {self.mode}: {self.why}")
         return lines
 

@@ -12,9 +12,9 @@ OPOB's modes (docs/per_sequence_gradients.md, "Memory"):
 
 Every quantity is in bytes per GPU and named, so that a reader (and the launcher's dry run) sees where the
 memory goes. The activation terms count the tensors a Qwen2/Llama decoder layer keeps for its backward per
-token (``ACTIVATION_WIDTHS``), the logits' three (tokens, vocabulary) float32 tensors around the log-softmax, and
-allocator slack on nothing: `benchmarks/opob_memory.py` measures the step's peak on CPU and prints it beside
-these terms (tables/opob_memory/).
+token (``ACTIVATION_WIDTHS``) and the (tokens, vocabulary) float32 tensors around the log-softmax
+(``LOGIT_COPIES``); no allocator slack is added. `benchmarks/opob_memory.py` measures the step's peak on CPU and
+prints it beside these terms (tables/opob_memory/).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class StepMemory:
 
     def peak(self, kind: str) -> float:
         """Bytes per GPU at the peak of a ``kind`` step ("plain" or an OPOB mode)."""
-        return sum(self.persistent.values()) + sum(getattr(self, kind).values())
+        return sum(self.persistent.values()) + self.step(kind)
 
     def step(self, kind: str) -> float:
         """What a ``kind`` step adds to the persistent state at its peak."""

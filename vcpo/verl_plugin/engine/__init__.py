@@ -106,8 +106,7 @@ from vcpo.verl_plugin.engine.step import (
     StepState,
     choose_opob_mode,
     micro_batch_tokens,
-    two_pass_weights,
-    weighted_scores,
+    second_pass,
     active_rule,
     opob_baseline_over_ranks,
     opob_micro_batch,
@@ -180,7 +179,6 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         Σ_i c^S_i (R_i − b_i) l_i, its gradient reduced by FSDP2 as any other (times the data-parallel size, which
         FSDP2's reduction averages over, as verl's own losses do). The coefficients come from pass 1's forward
         (the parameters have not moved); pass 1's outputs (the loss's diagnostics) are the step's."""
-        data["vcpo_position"] = torch.arange(len(data), device=data["vcpo_reward"].device)
         self._per_sequence = self._norms_only_gradients()
         loss = recording_loss(loss_function, state, self._opob_loss)
         with step_rule_applied():
@@ -192,13 +190,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._per_sequence.discard()
         self._per_sequence = None
         fsdp = bool(self._fsdp2_modules())
-        weights = two_pass_weights(state, baseline, len(data), self.get_data_parallel_size() if fsdp else 1)
-        data["vcpo_weight"] = weights.to(data["vcpo_reward"].device)
-        state.opob = False  # pass 2 is verl's plain step of the weighted scores
-        try:
-            self.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
-        finally:
-            state.opob = True
+        second_pass(self, data, state, baseline, self.get_data_parallel_size() if fsdp else 1)
         if not fsdp:  # an unwrapped module (the tests' float64 engine): nothing else sums over ranks
             all_reduce_gradients([p for p in self.module.parameters() if p.requires_grad], group)
         return outputs, ratio
@@ -217,8 +209,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _memory_inputs(self, data: TensorDict) -> tuple[ModelShape, Layout, StepShape]:
         """The model's shape (its real parameter count), this rank's layout and the step's buffers and tokens."""
-        parameters = self.module.parameters()
-        count = sum(p.numel() for p in parameters if p.requires_grad)  # DTensors: the full shape's count
+        count = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # DTensors: the full shape's count
         shape = dataclasses.replace(ModelShape.from_config(self.model_config.hf_config), parameter_count=count)
         precision = dict(getattr(self.engine_config, "mixed_precision", None) or {})
         first = next(self.module.parameters())

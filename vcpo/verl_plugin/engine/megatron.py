@@ -62,9 +62,8 @@ from vcpo.verl_plugin.engine.step import (
     prepare_opob,
     recording_loss,
     scaled_optimizer_step,
+    second_pass,
     sequence_lengths,
-    two_pass_weights,
-    weighted_scores,
 )
 from vcpo.verl_shared import step_rule_applied
 
@@ -92,8 +91,6 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             check_opob_loss(loss_function)
             prepare_opob(data, state, group)
             choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
-            if state.opob_mode == "two_pass":
-                data["vcpo_position"] = torch.arange(len(data), device=data["vcpo_reward"].device)
         self.optimizer_zero_grad()
         self._step = state
         try:
@@ -129,15 +126,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         """two_pass: megatron's plain step of Σ_i c^S_i (R_i − b_i) l_i (the last stage's loss; times the data-parallel
         size, which megatron's gradient reduction averages over), after pass 1's gradients are dropped."""
         self.optimizer_zero_grad()
-        ranks = mpu.get_data_parallel_world_size(with_context_parallel=True)
-        weights = two_pass_weights(state, self._two_pass_baseline, len(data), ranks)
-        data["vcpo_weight"] = weights.to(data["vcpo_reward"].device)
-        state.opob = False
-        try:
-            with step_rule_applied():
-                self.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
-        finally:
-            state.opob = True
+        second_pass(self, data, state, self._two_pass_baseline, mpu.get_data_parallel_world_size(with_context_parallel=True))
 
     @staticmethod
     def _pipeline_group():

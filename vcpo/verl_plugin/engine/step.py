@@ -5,6 +5,7 @@ The backends keep only where gradients live and how they are reduced."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class StepState:
     lengths: list[torch.Tensor] = field(default_factory=list)  # response tokens per sequence
     coef_s: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)  # two_pass: each sequence's row in the mini-batch
+    positions: list[torch.Tensor] = field(default_factory=list)  # each sequence's row in the mini-batch
     metrics: dict[str, float] = field(default_factory=dict)  # the step's own metrics (OPOB's), beside verl's
 
     def close_micro_batch(self) -> None:
@@ -104,6 +105,7 @@ def prepare_opob(data: TensorDict, state: StepState, group) -> None:
     data["vcpo_reward"] = rewards.to(device)
     data["vcpo_group"] = global_groups[start : start + len(data)].to(device)
     data["vcpo_std"] = std[start : start + len(data)].to(device)
+    data["vcpo_position"] = torch.arange(len(data), device=device)  # follows each sequence into any micro-batch
     state.normaliser = opob_normaliser(rule.agg, tokens, int(all_valid.sum()))
 
 
@@ -116,8 +118,7 @@ def opob_micro_batch(state: StepState, data: TensorDict, log_prob, behav, mask):
     scores = opob_sequence_scores(log_prob, mask, rule.agg)
     r, weights = coefficients.log_ratio, coefficients.weights
     state.rewards.append(rewards.detach().cpu())
-    if "vcpo_position" in data.keys():
-        state.positions.append(data["vcpo_position"].detach().cpu())
+    state.positions.append(data["vcpo_position"].detach().cpu())
     state.groups.append(data["vcpo_group"].detach().cpu())
     state.lengths.append(mask.sum(-1).detach().cpu())
     state.coef_s.append(coefficients.score.detach().cpu())
@@ -166,17 +167,25 @@ def choose_opob_mode(state: StepState, loss_function, memory: StepMemory, logged
         logger.warning("vcpo engine: OPOB runs %s (%s)", state.opob_mode, why)
 
 
-def two_pass_weights(state: StepState, baseline: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
-    """``scale`` · c^S_i (R_i − b_i) of every sequence the forwards saw, at its row of the mini-batch (0 elsewhere)."""
-    weights = torch.zeros(rows, dtype=torch.float64)
+def second_pass(engine, data: TensorDict, state: StepState, baseline: torch.Tensor, scale: float) -> None:
+    """two_pass's second pass: the engine's plain step of Σ_i a_i l_i, a_i = ``scale`` · c^S_i (R_i − b_i) of every
+    sequence the first pass's forwards saw (0 for the others: a pipeline stage without the loss), each at its row of
+    the mini-batch (``vcpo_weight``), whatever micro-batches the engine forms. ``scale``: the data-parallel size where
+    the engine's gradient reduction averages over the ranks, as verl's own losses do."""
+    weights = torch.zeros(len(data), dtype=torch.float64)
     if state.positions:
         weights[torch.cat(state.positions)] = scale * torch.cat(state.coef_s) * (torch.cat(state.rewards) - baseline)
-    return weights
+    data["vcpo_weight"] = weights.to(data["vcpo_reward"].device)
+    state.opob = False  # the engine's forward_step runs as verl's, without the per-sequence handlers
+    try:
+        engine.forward_backward_batch(data, functools.partial(weighted_scores, agg=state.rule.agg), forward_only=False)
+    finally:
+        state.opob = True
 
 
 def weighted_scores(model_output, data: TensorDict, dp_group=None, *, agg: str):
-    """The second pass of a two-pass OPOB step: Σ_i a_i l_i with a_i = c^S_i (R_i − b_i) (``vcpo_weight``, set after
-    the first pass) and l_i the loss aggregation's per-sequence score, for verl's plain backward."""
+    """The second pass's loss: Σ_i a_i l_i, a_i the ``vcpo_weight`` `second_pass` set and l_i the loss aggregation's
+    per-sequence score, for verl's plain backward."""
     log_prob, _, mask = response_log_probs(model_output, data)
     scores = opob_sequence_scores(log_prob, mask, agg)
     return (data["vcpo_weight"].to(scores.dtype) * scores).sum(), {}
