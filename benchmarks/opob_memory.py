@@ -30,7 +30,7 @@ MODELS = {  # Qwen2 shapes (random init, tied embeddings), as benchmarks/opob_en
     "50m": dict(hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=2, vocab_size=32000),
 }
 KINDS = {"plain": ("seq_tis_c8", "auto"), "single": ("vcpo", "single"), "two_pass": ("vcpo", "two_pass")}
-TOLERANCE = 0.15  # the criterion: the projection within 15% of the measured step
+TOLERANCE = 0.15  # the criterion: the projection within 15% of the measured step
 
 
 def parse_args(argv=None) -> argparse.Namespace:

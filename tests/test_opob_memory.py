@@ -1,7 +1,7 @@
 """The memory model of an actor step (vcpo.core.per_sequence_grads.memory) and the launcher's projection of it.
 
 The model's numbers against hand counts and against the real modules' parameter counts; its decisions against
-the rule it states; the launcher's projection of every paper recipe against the issue's goal (OPOB's peak per GPU
+the rule it states; the launcher's projection of every paper recipe against its goal (OPOB's peak per GPU
 at most 1.25x the plain step's and within the task's GPU); the measured agreement is benchmarks/opob_memory.py's.
 """
 
@@ -108,7 +108,7 @@ pytest.importorskip("verl")
 
 @pytest.mark.parametrize("task", ["gsm8k", "math", "countdown", "simpletir"])
 def test_every_paper_recipe_fits_on_fsdp2(task):
-    """The issue's goal: on every paper recipe as composed (FSDP2), the OPOB step the engine runs peaks at most
+    """The goal: on every paper recipe as composed (FSDP2), the OPOB step the engine runs peaks at most
     1.25x the plain step and within the task's GPU."""
     from vcpo.launch import compose, make_run
     from vcpo.launch.memory import gpu_memory_gb, projection
