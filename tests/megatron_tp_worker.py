@@ -52,6 +52,15 @@ ARCHITECTURES = {
     # bf16 parameters (verl's Megatron engine trains in bf16): the float64 model's weights rounded
     "rmsnorm_swiglu_rope_bf16": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                      position_embedding_type="rope", tied=True, dtype=torch.bfloat16),
+    # the layer sets of the model families the launcher's recipes train, as mbridge configures them (grouped queries):
+    # Qwen2 / Qwen2.5 (biases on q, k, v only), Llama 3 (no biases), Qwen3 (no biases, a layer norm on each query
+    # and key head, whose weight every head of every TP rank shares)
+    "qwen2": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  position_embedding_type="rope", num_query_groups=2, add_bias_linear=False, add_qkv_bias=True),
+    "llama3": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                   position_embedding_type="rope", num_query_groups=2, add_bias_linear=False),
+    "qwen3": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  position_embedding_type="rope", num_query_groups=2, add_bias_linear=False, qk_layernorm=True),
     # two pipeline stages (one layer each; the ranks beyond the first two add tensor parallelism)
     "rmsnorm_swiglu_rope_pp": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                    position_embedding_type="rope", pipeline=2),
@@ -84,10 +93,10 @@ def build(architecture: str, tensor: int, pipeline: int) -> GPTModel:
         pipeline_model_parallel_size=pipeline, pipeline_dtype=torch.float64,
         use_cpu_initialization=True, params_dtype=torch.float64, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, add_bias_linear=True, **settings,
+        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, **{"add_bias_linear": True, **settings},
     )
     torch.manual_seed(0)
-    spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
+    spec = get_gpt_layer_local_spec(normalization=settings["normalization"], qk_layernorm=settings.get("qk_layernorm", False))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=16,
                      position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=tied,
                      pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
@@ -153,7 +162,11 @@ def check(architecture: str) -> dict:
             if received is not None:
                 dist.send(received.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    # each rank's gradient of these is its part (its tokens under sequence parallelism, its query / key heads for a QK
+    # layer norm): the whole is their sum over the TP group
+    partial = [getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name for name, p in named]
 
     def one_backward_per_sequence() -> tuple[list[float], list[list[torch.Tensor]]]:
         """Each sequence's gradient (float64 copies) and the full gradient's squared norm by the reduction rule."""
@@ -162,8 +175,8 @@ def check(architecture: str) -> dict:
             model.zero_grad(set_to_none=True)
             backward_of_scores([[i]])
             grads = [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double() for p in params]
-            for p, g in zip(params, grads):  # under sequence parallelism a replicated parameter's gradient is a sum over the ranks' tokens
-                if getattr(p, "sequence_parallel", False):
+            for is_partial, g in zip(partial, grads):
+                if is_partial:
                     dist.all_reduce(g, group=group)
             sum_tied_copies(grads)
             per_sequence.append(grads)
@@ -202,12 +215,12 @@ def check(architecture: str) -> dict:
     norms = MegatronSequenceNorms(model, group, pp_group, embedding_group)
 
     def engine_update() -> list[torch.Tensor]:
-        """`combine`'s gradients, completed as megatron's finalize_model_grads would: a sequence-parallel
-        parameter's parts summed over the TP group, the tied copies summed."""
+        """`combine`'s gradients, completed as megatron's finalize_model_grads would: a partial parameter's parts
+        summed over the TP group, the tied copies summed."""
         norms.combine(baseline)
         update = [p.grad.double() for p in params]
-        for p, g in zip(params, update):
-            if getattr(p, "sequence_parallel", False):
+        for is_partial, g in zip(partial, update):
+            if is_partial:
                 dist.all_reduce(g, group=group)
         sum_tied_copies(update)
         return update

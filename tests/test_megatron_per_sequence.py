@@ -1,7 +1,7 @@
 """Per-sequence gradient norms of megatron-core models under model parallelism (vcpo.core.per_sequence_grads.megatron).
 
 Gloo ranks (TP 2, PP 2, TP 2 x PP 2; CPU, float64, and one bf16 case) run tests/megatron_tp_worker.py: a small megatron-core GPT of
-each architecture (two families, tied embeddings, sequence parallelism), its per-sequence squared norms from one
+each architecture (two families, tied embeddings, sequence parallelism, the layer sets of Qwen2, Llama 3 and Qwen3), its per-sequence squared norms from one
 backward against one backward per sequence, and the OPOB update of every local parameter against the same
 per-sequence gradients; the full gradient's norm taken by the reduction rule (sharded
 parameters summed over the TP group, replicated ones once, after summing a sequence-parallel one's partial
@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 # (architecture, ranks): TP 2 for all but the pipeline ones, which run at PP 2 on two ranks and TP 2 x PP 2 on four
 CASES = [("rmsnorm_swiglu_rope", 2), ("layernorm_gelu_learned", 2), ("rmsnorm_swiglu_rope_tied", 2), ("rmsnorm_swiglu_rope_sp", 2),
-         ("layernorm_gelu_learned_sp", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4),
+         ("layernorm_gelu_learned_sp", 2), ("qwen2", 2), ("llama3", 2), ("qwen3", 2), ("rmsnorm_swiglu_rope_pp", 2), ("rmsnorm_swiglu_rope_pp", 4),
          ("rmsnorm_swiglu_rope_pp_tied", 2), ("rmsnorm_swiglu_rope_pp_tied", 4)]
 BF16_CASE = ("rmsnorm_swiglu_rope_bf16", 2)
 ERROR_RATIO = 4.0  # in bf16 the engine's error may be this many times autograd's own (as for the transformers path)
@@ -53,7 +53,8 @@ def results(tmp_path_factory) -> dict:
     return found
 
 
-@pytest.mark.parametrize("case", CASES, ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "pp2", "tp2xpp2",
+@pytest.mark.parametrize("case", CASES, ids=["tp2", "tp2-layernorm", "tp2-tied", "tp2-sp-tied", "tp2-sp-layernorm", "tp2-qwen2", "tp2-llama3",
+                                         "tp2-qwen3-qk-norm", "pp2", "tp2xpp2",
                                          "pp2-tied", "tp2xpp2-tied"])
 def test_parallel_norms_and_update_match_one_backward_per_sequence(results, case):
     architecture, _ = case

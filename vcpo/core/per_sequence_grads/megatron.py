@@ -12,6 +12,10 @@ squared norm per sequence, as the transformers handlers do (``reductions``):
   VocabParallelEmbedding W shard (rows [start, end) of the vocabulary): the δ rows of the ids inside it.
   Embedding              (learned positions) replicated.
   RMSNorm, LayerNorm     Σ_t δ_{i,t} ⊙ x̂_{i,t} (weight), Σ_t δ_{i,t} (bias): replicated.
+  QK layer norm          (``qk_layernorm``, Qwen3) a norm over each head's width, applied to every query (key) head: its
+                         weight's gradient sums over the heads too; each rank holds its own heads (TP splits them), so the
+                         per-sequence vectors are summed over the tensor-parallel group before they are squared, as
+                         megatron's ``finalize_model_grads`` sums their gradient.
   tied embeddings        the output layer uses the embedding's weight (``share_embeddings_and_output_weights``):
                          sequence i's gradient of that shard is E_i + H_i, so its squared norm adds the cross
                          term 2 Σ_t <H_i[id_t], δ^E_{i,t}>, from the rows of H_i at the shard's ids (the output
@@ -26,7 +30,8 @@ Sequence parallelism (``config.sequence_parallel``): activations between the ten
 split along the tokens. A column-parallel linear's input and a row-parallel linear's (and the reduce-scattering
 embedding's) output gradient are gathered along the tokens (one all-gather each, as the layers themselves
 do); a norm sees only its rank's tokens, so its per-sequence gradient vectors are summed over the group before
-they are squared (the layer's own gradient is all-reduced for the same reason).
+they are squared (the layer's own gradient is all-reduced for the same reason). `partial_over_tensor_parallel`
+is megatron's own rule for which parameters these are.
 
 Pipeline parallelism: each stage holds its own layers, so the stages' per-sequence squared norms add up
 (one all-reduce over ``pp_group``); each stage's `combine` writes its own parameters' update. Embeddings tied
@@ -66,6 +71,13 @@ KINDS = (*LINEARS, "VocabParallelEmbedding", "Embedding", *NORMS)
 def is_sharded(param: torch.Tensor) -> bool:
     """megatron-core marks the parameters it splits over the tensor-parallel group."""
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def partial_over_tensor_parallel(config, name: str, param: torch.Tensor) -> bool:
+    """A replicated parameter whose gradient on each rank is only its part (its tokens, or its heads), summed over the
+    tensor-parallel group by megatron's ``finalize_model_grads``: the same test megatron applies there."""
+    return bool((getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False))
+                or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)))
 
 
 def normalized(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -124,7 +136,8 @@ class MegatronSequenceNorms:
     def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                  embedding_group: dist.ProcessGroup | None = None):
         self.model, self.tp_group, self.pp_group, self.embedding_group = model, tp_group, pp_group, embedding_group
-        self.sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
+        config = getattr(model, "config", None)
+        self.partial = {id(p) for name, p in model.named_parameters() if partial_over_tensor_parallel(config, name, p)}
         self.first_stage, self.last_stage = getattr(model, "pre_process", True) is not False, getattr(model, "post_process", True) is not False
         tied = getattr(model, "share_embeddings_and_output_weights", False)
         self.tied_across_stages = tied and not (self.first_stage and self.last_stage)  # its other half on another stage
@@ -298,10 +311,10 @@ class MegatronSequenceNorms:
 
     def _add_dense(self, record: _MicroBatch, param: torch.Tensor, per_sequence: torch.Tensor) -> None:
         """Per-sequence gradients (B, *param.shape) of a whole parameter: squared norms and combinations.
-        A ``sequence_parallel`` parameter's vectors are this rank's tokens' parts: squared after their sum
-        over the TP group, combined as they are (its gradient is summed over the group afterwards)."""
+        A parameter `partial_over_tensor_parallel` has this rank's part of each vector (its tokens, its heads):
+        squared after their sum over the TP group, combined as they are (its gradient is summed over the group afterwards)."""
         flat = per_sequence.reshape(per_sequence.shape[0], -1)
-        if self.sequence_parallel and getattr(param, "sequence_parallel", False):
+        if id(param) in self.partial and dist.is_initialized():
             summed = all_reduce_here(flat, self.tp_group)
             self._add(record, param, (summed * summed).sum(1))
         else:
@@ -382,11 +395,16 @@ class MegatronSequenceNorms:
             self._add(record, module.weight, 2.0 * torch.einsum("btd,btd->b", record.head_rows, rows))
 
     def _norm_gradient(self, record: _MicroBatch, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
+        """(tokens, sequences, [heads,] width): summed over the tokens and, for a QK layer norm, the heads."""
         delta64 = delta.to(torch.float64)
-        self._add_dense(record, module.weight, (delta64 * x_hat.to(torch.float64)).sum(0))  # (sequences, width)
+
+        def per_sequence(values: torch.Tensor) -> torch.Tensor:  # (sequences, width)
+            return values.transpose(0, 1).reshape(values.shape[1], -1, values.shape[-1]).sum(1)
+
+        self._add_dense(record, module.weight, per_sequence(delta64 * x_hat.to(torch.float64)))
         bias = getattr(module, "bias", None)
         if bias is not None and bias.requires_grad:
-            self._add_dense(record, bias, delta64.sum(0))
+            self._add_dense(record, bias, per_sequence(delta64))
 
 
-__all__ = ["KINDS", "MegatronSequenceNorms", "is_sharded"]
+__all__ = ["KINDS", "MegatronSequenceNorms", "is_sharded", "partial_over_tensor_parallel"]
