@@ -14,9 +14,13 @@ Three parts, each in its own process, each logged under OUT and summarised in OU
               float32 against the per-sequence backward loop, packed micro-batches, bf16/fp16 within 4x
               of autograd's own error;
   megatron    benchmarks/megatron_overhead.py: OPOB inside megatron-core's layers (MegatronSequenceNorms) on
-              a 0.5B-like megatron GPT in bf16, its step time against a plain backward (the paper's Megatron
-              implementation: 1.19x) and its norms against one backward per sequence; skipped, and said so,
-              where megatron-core is not installed (``pip install megatron-core==0.16.1``).
+              a 0.5B-like megatron GPT in bf16 with the layers OPOB trains on Megatron (the local spec, core
+              attention recomputed, TP 1, one sequence per micro-batch), both modes' step time against a plain
+              backward (the paper's Megatron implementation: 1.19x) and their norms against one backward per
+              sequence. megatron-core comes from the machine, else from the wheel in ``--wheels`` (default .whl,
+              which git ignores and the device tool carries: ``pip download --no-deps megatron-core==0.16.1
+              --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d .whl``, 2.6 MB);
+              skipped, and said so, where neither has it.
 Needs torch, transformers and pytest (``pip install -e ".[test]"``); not verl, vLLM or Ray.
 ``--device cpu --model 0.1m --seq-len 64`` runs the same parts on a CPU in a minute (the test does).
 """
@@ -99,18 +103,23 @@ def exactness(args: argparse.Namespace, out: Path) -> dict:
 
 
 def megatron(args: argparse.Namespace, out: Path) -> dict:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as error:
-        print(f"megatron: skipped ({error})", flush=True)
-        return {"exit": "skipped", "why": f"megatron-core is not installed: pip install megatron-core==0.16.1 ({error})"}
+    found = subprocess.run([sys.executable, "-c", "import megatron.core"], capture_output=True, text=True)
+    if found.returncode and list(args.wheels.glob("megatron_core-*.whl")):  # the carried wheel, offline
+        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links",
+                                    str(args.wheels), "megatron-core==0.16.1"], capture_output=True, text=True)
+        print(f"megatron: installed megatron-core from {args.wheels} (exit {installed.returncode})", flush=True)
+        found = subprocess.run([sys.executable, "-c", "import megatron.core"], capture_output=True, text=True)
+    if found.returncode:
+        why = found.stderr.strip().splitlines()[-1] if found.stderr.strip() else "no megatron.core"
+        print(f"megatron: skipped ({why})", flush=True)
+        return {"exit": "skipped", "why": f"megatron-core is not installed and {args.wheels} has no wheel of it ({why})"}
     result_file = out / "megatron.json"
     command = [sys.executable, "benchmarks/megatron_overhead.py", "--device", args.device, "--size", "tiny" if args.model == "0.1m" else "0.5b",
                "--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--json", str(result_file)]  # fmt: skip
     part = run_part("megatron", command, out, args.part_timeout)
     if result_file.exists():
         measured = json.loads(result_file.read_text())
-        part |= {key: measured[key] for key in ("step_s", "opob_over_plain", "norm_max_relative_error")}
+        part |= {key: measured[key] for key in ("step_s", "opob_over_plain", "two_pass_over_plain", "norm_max_relative_error")}
     return part
 
 
@@ -135,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--part-timeout", type=int, default=400, help="seconds allowed to each part")
+    parser.add_argument("--wheels", type=Path, default=Path(".whl"), help="a folder with the megatron-core wheel, if the machine lacks it")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu for a dry check)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -354,24 +355,125 @@ def _verl_configs() -> Path:
 def test_the_megatron_strategy_composes_verls_megatron_trainer_with_the_authors_layout(task, capsys):
     """`-- actor_rollout_ref.actor.strategy=megatron`: verl's Megatron trainer config, the task's layout from
     recipes/megatron.yaml (the authors' scripts) for actor and reference, Table 2's Adam constants where
-    verl's Megatron optimizer takes them, bf16 on the Megatron engine."""
+    verl's Megatron optimizer takes them, bf16 on the Megatron engine (tis_ess: the vcpo engine without OPOB)."""
     from vcpo.recipes import read_yaml
 
-    assert main(["--task", task, "--method", "vcpo", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
+    assert main(["--task", task, "--method", "tis_ess", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
     printed = capsys.readouterr().out
     assert "python -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer" in printed
     layout = read_yaml(REPO / "recipes/megatron.yaml")["tasks"][task]["layout"]
-    run = make_run(task, "vcpo", strategy="megatron")
+    run = make_run(task, "tis_ess", strategy="megatron")
     config = compose(run)
     check(run, config, check_paths=False)
     for role in ("actor", "ref"):
         megatron = config.actor_rollout_ref[role].megatron
         assert {key: megatron[key] for key in layout} == layout
     assert config.actor_rollout_ref.actor.strategy == "megatron" and config.actor_rollout_ref.actor.megatron.dtype == "bfloat16"
+    assert "transformer_impl" not in config.actor_rollout_ref.actor.megatron.override_transformer_config  # Transformer Engine's
     adam = config.actor_rollout_ref.actor.optim.override_optimizer_config
     sim = __import__("vcpo.sim.config", fromlist=["SimConfig"]).SimConfig()
     assert (adam.adam_beta1, adam.adam_beta2, adam.adam_eps) == (*sim.betas, sim.eps)
     assert config.actor_rollout_ref.ref.megatron.param_offload is True
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math", "countdown", "simpletir"])
+def test_opob_on_megatron_composes_megatrons_local_layers_over_the_authors_parallel_sizes(task, capsys):
+    """A method with OPOB on Megatron: the task's TP/PP/CP, megatron's local layer spec (mbridge), the padded layout,
+    no sequence parallelism (the torch norms refuse it; mbridge's own default turned off too), attention recomputed in
+    the backward, one sequence per micro-batch; nothing the engine refuses; the dry run says what it costs."""
+    from vcpo.launch import megatron_setup
+    from vcpo.recipes import read_yaml
+    from vcpo.verl_shared import megatron_opob_refusals
+
+    layout = read_yaml(REPO / "recipes/megatron.yaml")["tasks"][task]["layout"]
+    run = make_run(task, "vcpo", strategy="megatron")
+    config = compose(run)
+    check(run, config, check_paths=False)
+    actor, ref = config.actor_rollout_ref.actor, config.actor_rollout_ref.ref
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        assert actor.megatron[key] == ref.megatron[key] == layout[key]
+    transformer = actor.megatron.override_transformer_config
+    assert (transformer.transformer_impl, transformer.sequence_parallel, transformer.recompute_granularity) == ("local", False, "selective")
+    assert (actor.megatron.sequence_parallel, ref.megatron.sequence_parallel, config.actor_rollout_ref.model.use_remove_padding) == (False,) * 3
+    assert (actor.megatron.use_mbridge, actor.megatron.vanilla_mbridge) == (True, True)
+    assert (actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu) == (False, 1)
+    assert megatron_opob_refusals(megatron_setup(config)) == []
+    assert main(["--task", task, "--method", "vcpo", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
+    printed = capsys.readouterr().out
+    assert "no sequence parallelism, local attention, recomputed in the backward" in printed
+    assert re.search(r"# megatron's local layers .* \d\.\d\dx the matmul FLOPs of fused attention", printed)
+
+
+MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        # what megatron itself would refuse, for every method (tis_ess: no OPOB)
+        ([f"{MEGATRON}.tensor_model_parallel_size=8"], f"{MEGATRON}.tensor_model_parallel_size x pipeline_model_parallel_size"),
+        (["trainer.n_gpus_per_node=8", f"{MEGATRON}.tensor_model_parallel_size=8"],
+         f"{MEGATRON}.tensor_model_parallel_size=8 must divide the model's 28 attention heads and 4 key/value heads"),
+        (["trainer.n_gpus_per_node=32", f"{MEGATRON}.tensor_model_parallel_size=1", f"{MEGATRON}.pipeline_model_parallel_size=32"],
+         f"{MEGATRON}.pipeline_model_parallel_size=32 exceeds the model's 28 layers"),
+        ([f"{MEGATRON}.expert_model_parallel_size=2"], f"{MEGATRON}.expert_model_parallel_size=2 on a dense model"),
+    ],
+)
+def test_a_megatron_layout_that_cannot_fit_is_refused_at_dry_run(overrides, named, capsys):
+    for method in ("tis_ess", "vcpo"):
+        assert main(["--task", "math", "--method", method, "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron", *overrides]) == 2
+        assert named in capsys.readouterr().err
+
+
+# every setting OPOB on Megatron cannot run with (vcpo.verl_shared.megatron_opob_refusals), the override that asks for
+# it, and the key the one-line refusal names with what to set instead
+OPOB_MEGATRON_REFUSALS = [
+    (["actor_rollout_ref.model.use_remove_padding=true"], "actor_rollout_ref.model.use_remove_padding=false"),
+    ([f"++{MEGATRON}.override_transformer_config.transformer_impl=transformer_engine"],
+     f"++{MEGATRON}.override_transformer_config.transformer_impl=local"),
+    ([f"{MEGATRON}.vanilla_mbridge=false"], f"{MEGATRON}.vanilla_mbridge=true"),
+    ([f"++{MEGATRON}.override_transformer_config.sequence_parallel=true"], f"++{MEGATRON}.override_transformer_config.sequence_parallel=false"),
+    (["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels=false"),
+    (["trainer.n_gpus_per_node=8", f"{MEGATRON}.pipeline_model_parallel_size=2", f"{MEGATRON}.virtual_pipeline_model_parallel_size=2"],
+     f"{MEGATRON}.virtual_pipeline_model_parallel_size=null"),
+    (["trainer.n_gpus_per_node=8", f"{MEGATRON}.context_parallel_size=2"], f"{MEGATRON}.context_parallel_size=1"),
+    ([f"++{MEGATRON}.override_transformer_config.calculate_per_token_loss=true"],
+     f"++{MEGATRON}.override_transformer_config.calculate_per_token_loss=false"),
+    ([f"++{MEGATRON}.override_ddp_config.overlap_grad_reduce=true"], f"++{MEGATRON}.override_ddp_config.overlap_grad_reduce=false"),
+    ([f"{MEGATRON}.dtype=float16"], f"{MEGATRON}.dtype=bfloat16"),
+    (["trainer.n_gpus_per_node=8", f"{MEGATRON}.pipeline_model_parallel_size=2",
+      f"++{MEGATRON}.override_transformer_config.recompute_granularity=full"],
+     f"++{MEGATRON}.override_transformer_config.recompute_granularity=selective"),
+]
+
+
+@pytest.mark.parametrize("overrides, named", OPOB_MEGATRON_REFUSALS, ids=[named.rpartition(".")[2] for _, named in OPOB_MEGATRON_REFUSALS])
+def test_what_opob_on_megatron_cannot_run_is_refused_at_dry_run_by_its_key(overrides, named, capsys):
+    argv = ["--task", "math", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron", *overrides]
+    assert main(["--method", "vcpo", *argv]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: OPOB ('vcpo') on Megatron cannot run with this config; set ") and named in error
+    assert len(error.strip().splitlines()) == 1
+    main(["--method", "tis_ess", *argv])  # the ESS step size alone is not OPOB's to refuse
+    assert "OPOB" not in capsys.readouterr().err
+
+
+def test_the_refusals_are_the_engines_own():
+    """The launcher's dry run and the engine's first OPOB step judge one MegatronSetup by one function; every rule of
+    it is walked above."""
+    from vcpo.verl_shared import MegatronSetup, megatron_opob_refusals
+
+    runs = MegatronSetup(packed=False, fused_kernels=False, transformer_impl="local", vanilla_mbridge=True, sequence_parallel=False,
+                         virtual_pipeline=None, context_parallel=1, pipeline_parallel=2, per_token_loss=False,
+                         overlap_grad_reduce=False, dtype="bfloat16", recompute_granularity="selective")
+    assert megatron_opob_refusals(runs) == []
+    fields = {"packed": True, "fused_kernels": True, "transformer_impl": "transformer_engine", "vanilla_mbridge": False,
+              "sequence_parallel": True, "virtual_pipeline": 2, "context_parallel": 2, "per_token_loss": True,
+              "overlap_grad_reduce": True, "dtype": "float16", "recompute_granularity": "full"}
+    assert len(fields) == len(OPOB_MEGATRON_REFUSALS)
+    for name, value in fields.items():
+        assert len(megatron_opob_refusals(dataclasses.replace(runs, **{name: value}))) == 1, name
+    assert megatron_opob_refusals(dataclasses.replace(runs, recompute_granularity="full", pipeline_parallel=1)) == []
 
 
 def test_a_strategy_the_launcher_does_not_compose_is_refused():

@@ -99,6 +99,43 @@ def test_auto_mode_follows_its_rule():
     assert choose_mode(megatron)[0] == "two_pass"
 
 
+def test_megatron_without_sequence_parallelism_keeps_the_norm_widths_whole_and_local_attention_its_scores():
+    """Hand counts at TP 2, two sequences of 100 tokens in a micro-batch, bf16: without sequence parallelism 4h of the
+    12h per token and layer stay whole on each rank; megatron's local attention keeps a (heads / TP, s, s) score matrix
+    per sequence: 6 bytes a score in every layer, plus the backward's 4 (recomputed: one layer's 6 + 4)."""
+    from vcpo.core.per_sequence_grads.memory import activation_bytes
+
+    h, i, kv, layers, tokens, length = 64, 128, 32, 2, 200, 100
+    split = Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False)
+    whole = Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False, sequence_parallel=False)
+    assert activation_bytes(SHAPE, split, tokens)["activations"] == tokens * layers * (12 * h + 4 * i + 3 * kv) * 2 / 2
+    assert activation_bytes(SHAPE, whole, tokens)["activations"] == tokens * layers * ((8 * h + 4 * i + 3 * kv) * 2 / 2 + 4 * h * 2)
+    scores = 2 * (4 / 2) * length**2  # per layer
+    kept = activation_bytes(SHAPE, Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False, attention="local"), tokens, length)
+    assert kept["local attention scores"] == scores * (6 * layers + 4)
+    recomputed = activation_bytes(SHAPE, Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False,
+                                                attention="local_recomputed"), tokens, length)
+    assert recomputed["local attention scores (one layer, recomputed)"] == scores * (6 + 4)
+    assert "local attention scores" not in activation_bytes(SHAPE, split, tokens, length)  # fused attention keeps none
+    with pytest.raises(ValueError, match="Layout.attention must be one of"):
+        Layout(attention="flash")
+
+
+@pytest.mark.parametrize("impl, granularity, modules, expected", [
+    ("local", "selective", ["core_attn"], (False, "local_recomputed")),
+    ("local", "selective", None, (False, "local_recomputed")),  # megatron's default module list is core_attn
+    ("local", "selective", ["mlp"], (False, "local")),
+    ("local", None, None, (False, "local")),
+    ("local", "full", None, (True, "local")),
+    ("transformer_engine", None, None, (False, "fused")),
+    (None, "full", None, (True, "fused")),
+])
+def test_megatron_recompute_reads_the_transformer_config_as_megatron_does(impl, granularity, modules, expected):
+    from vcpo.core.per_sequence_grads.memory import megatron_recompute
+
+    assert megatron_recompute(impl, granularity, modules) == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # The launcher's projection
 # ---------------------------------------------------------------------------------------------

@@ -48,12 +48,12 @@ def models(tmp_path_factory) -> dict[bool, Path]:
                                                tie_word_embeddings=tied) for tied in (True, False)}
 
 
-def torchrun(worker: Path, args: list, out: Path) -> dict:
-    """``worker`` on two gloo ranks; the JSON its output rank writes to ``out``."""
+def torchrun(worker: Path, args: list, out: Path, ranks: int = 2) -> dict:
+    """``worker`` on ``ranks`` gloo ranks; the JSON its output rank writes to ``out``."""
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
                "--master_port", str(port), str(worker), *map(str, args), str(out)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -75,6 +75,8 @@ def fsdp_steps(model: Path) -> dict[str, dict[str, float]]:
 def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, models, tmp_path, tensor, pipeline, tied):
     megatron = torchrun(WORKER, [tensor, pipeline, models[tied]], tmp_path / "megatron.json")
     assert megatron["engine"] == "VcpoMegatronEngineWithLMHead"
+    # megatron's local layers, as the launcher composes them for OPOB (recipes/megatron.yaml, local_layers)
+    assert (megatron["transformer_impl"], megatron["recompute_granularity"], megatron["sequence_parallel"]) == ("local", "selective", False)
     fsdp = fsdp_steps(models[tied])
     for method in METHODS:  # vcpo (ESS and OPOB), then tis_ess (ESS only) from the parameters vcpo's step left
         ours, theirs = megatron["steps"][method], fsdp[method]
@@ -96,6 +98,23 @@ def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, mo
         assert abs(two_pass[name] - single[name]) < BF16 * abs(single[name]), (name, two_pass[name], single[name])
 
 
+def test_the_megatron_step_at_data_parallel_2_is_its_step_at_1(models, tmp_path):
+    """Two data-parallel ranks, each with half the batch (a prompt group each), against one rank with all of it: the
+    ESS and OPOB's norms and baseline gathered over the ranks, and the update (its norm before clipping: megatron
+    averages the ranks' gradients, and the engine writes each rank's part times DP)."""
+    one = torchrun(WORKER, [1, 1, models[False]], tmp_path / "dp1.json", ranks=1)
+    two = torchrun(WORKER, [1, 1, models[False]], tmp_path / "dp2.json", ranks=2)
+    assert (one["data_parallel"], two["data_parallel"]) == (1, 2)
+    for step in ("vcpo", TWO_PASS, "tis_ess"):
+        ours, theirs = two["steps"][step], one["steps"][step]
+        names = ["rollout_corr/seq_ess_ratio", "actor/lr_scale"]
+        if step != "tis_ess":  # (tis_ess's gradient is 0: the batch's advantages are zeros, which only OPOB does not read)
+            names += ["grad_norm", "actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min", "actor/opob_baseline"]
+        for name in names:
+            assert abs(ours[name] - theirs[name]) < 1e-3 * abs(theirs[name]), (step, name, ours[name], theirs[name])
+    assert one["steps"]["vcpo"]["rollout_corr/seq_ess_ratio"] < 0.5  # far off-policy: the rule is at work
+
+
 @pytest.mark.parametrize("tensor, pipeline", [(2, 1)], ids=["tp2"])  # PP 2 runs verl's engine in the tests above
 def test_verls_megatron_engine_runs_on_cpu_as_the_hf_model_computes(tmp_path, tensor, pipeline):
     """verl's own Megatron engine (mbridge, megatron's DDP, optimizer and schedule) with the CPU shims of
@@ -111,3 +130,48 @@ def test_verls_megatron_engine_runs_on_cpu_as_the_hf_model_computes(tmp_path, te
         assert abs(result["metrics"]["actor/pg_loss"] - reference["loss"]) <= 1e-2 * abs(reference["loss"]), name
         assert abs(result["grad_norm"] - reference["grad_norm"]) <= 1e-2 * reference["grad_norm"], name
         assert result["after_step_vs_before"]["max_abs"] > 1e-2, name
+
+
+def test_mbridge_builds_megatrons_local_spec_when_the_transformer_config_says_local(process_group):
+    """vcpo.verl_plugin.engine.layer_spec: transformer_impl="local" gets megatron's local layers (what the per-sequence
+    norms watch) and their separate norms' weights under the names mbridge's maps know; any other value mbridge's own
+    Transformer Engine spec, as before."""
+    from types import SimpleNamespace
+
+    from mbridge.core.bridge import Bridge
+    from mbridge.core.llm_bridge import LLMBridge
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl, te_name
+
+    honour_transformer_impl()
+    honour_transformer_impl()  # idempotent
+
+    def bridge(impl: str) -> SimpleNamespace:
+        return SimpleNamespace(config=TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
+                                                        transformer_impl=impl, use_cpu_initialization=True))
+
+    parallel_state.initialize_model_parallel()
+    try:
+        layer = LLMBridge._get_transformer_layer_spec(bridge("local")).layer_specs[0].submodules
+        attention = layer.self_attention.submodules
+        assert (attention.linear_qkv, attention.linear_proj, layer.mlp.submodules.linear_fc1) == (
+            ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear)
+        assert layer.input_layernorm.__name__ == "WrappedTorchNorm"
+        te = bridge("transformer_engine")
+        original = LLMBridge._get_transformer_layer_spec.__wrapped__
+        try:
+            expected = original(te)
+        except Exception as error:  # no Transformer Engine here: mbridge's own spec fails as it would unpatched
+            with pytest.raises(type(error)):
+                LLMBridge._get_transformer_layer_spec(te)
+        else:
+            assert LLMBridge._get_transformer_layer_spec(te) == expected
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert te_name("decoder.layers.3.input_layernorm.weight") == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert te_name("decoder.layers.0.pre_mlp_layernorm.weight") == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert te_name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
+    assert getattr(Bridge._weight_name_mapping_mcore_to_hf, "__wrapped__", None) is not None

@@ -44,6 +44,34 @@ def optimizer_table() -> dict[str, Any]:
     return read_yaml(recipes_dir() / "optimizer.yaml")
 
 
+def hydra_value(value: Any) -> str:
+    """A recipe value as a Hydra override value: lists and dicts in Hydra's grammar, None as null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{hydra_value(item)}" for key, item in value.items()) + "}"
+    return str(value)
+
+
+def megatron_local_layers() -> dict[str, Any]:
+    """What OPOB trains with on Megatron (``recipes/megatron.yaml``, ``local_layers``): megatron keys, transformer-config
+    keys and other verl settings."""
+    return read_yaml(recipes_dir() / "megatron.yaml")["local_layers"]
+
+
+def megatron_local_layer_overrides() -> list[str]:
+    """`megatron_local_layers` as verl Hydra overrides (the transformer-config keys are new to verl's struct: ``++``)."""
+    recipe, megatron = megatron_local_layers(), "actor_rollout_ref.actor.megatron"
+    return [*(f"{megatron}.{key}={hydra_value(value)}" for key, value in recipe["megatron"].items()),
+            *(f"++{megatron}.override_transformer_config.{key}={hydra_value(value)}"
+              for key, value in recipe["override_transformer_config"].items()),
+            *(f"{key}={hydra_value(value)}" for key, value in recipe["settings"].items())]
+
+
 def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     merged = {key: value for key, value in parent.items() if key not in NOT_INHERITED}
     for key, value in child.items():

@@ -12,6 +12,7 @@ import contextvars
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -85,3 +86,54 @@ def select_cpu_platform() -> None:
     if "verl" in sys.modules and os.environ.get("VERL_PLATFORM") != CPU_PLATFORM_NAME:
         raise RuntimeError("select_cpu_platform: verl is already imported on another platform; call it first")
     os.environ.update(CPU_PLATFORM_ENV)
+
+
+@dataclass(frozen=True)
+class MegatronSetup:
+    """What OPOB on verl's Megatron engine depends on, from the composed config (the launcher) or the engine's own
+    configs (at its first OPOB step): `megatron_opob_refusals` judges it in both places alike."""
+
+    packed: bool  # actor_rollout_ref.model.use_remove_padding (what verl's workers hand the engine)
+    fused_kernels: bool  # actor_rollout_ref.model.use_fused_kernels
+    transformer_impl: str | None  # override_transformer_config.transformer_impl
+    vanilla_mbridge: bool  # use_mbridge and vanilla_mbridge
+    sequence_parallel: bool
+    virtual_pipeline: int | None
+    context_parallel: int
+    pipeline_parallel: int
+    per_token_loss: bool  # override_transformer_config.calculate_per_token_loss
+    overlap_grad_reduce: bool  # override_ddp_config.overlap_grad_reduce
+    dtype: str
+    recompute_granularity: str | None
+
+
+_MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+def megatron_opob_refusals(setup: MegatronSetup) -> list[str]:
+    """Each setting OPOB on Megatron cannot run with, in one line naming the key, what to set and why (empty: it runs).
+    ``python -m vcpo.launch`` composes a setup that passes (``recipes/megatron.yaml``, ``local_layers``)."""
+    rules = [
+        (setup.packed, "actor_rollout_ref.model.use_remove_padding=false",
+         "packed (THD) micro-batches need Transformer Engine's attention, and the norms do not split a packed row"),
+        (setup.transformer_impl != "local", f"++{_MEGATRON}.override_transformer_config.transformer_impl=local",
+         "Transformer Engine's fused norm + linear hides the norm's output gradient the per-sequence norms need"),
+        (not setup.vanilla_mbridge, f"{_MEGATRON}.use_mbridge=true {_MEGATRON}.vanilla_mbridge=true",
+         "mbridge builds the local layer spec transformer_impl=local asks for; Megatron-Bridge builds its own"),
+        (setup.sequence_parallel, f"{_MEGATRON}.sequence_parallel=false ++{_MEGATRON}.override_transformer_config.sequence_parallel=false",
+         "megatron's local torch norms refuse sequence parallelism (mbridge turns it on whenever TP > 1)"),
+        (setup.fused_kernels, "actor_rollout_ref.model.use_fused_kernels=false",
+         "the fused log-prob kernel uses the output layer's weight without its forward, which the norms watch"),
+        ((setup.virtual_pipeline or 1) > 1, f"{_MEGATRON}.virtual_pipeline_model_parallel_size=null",
+         "the norms bind each layer's gradient to one model chunk's micro-batch"),
+        (setup.context_parallel > 1, f"{_MEGATRON}.context_parallel_size=1", "a sequence split over ranks has no per-sequence norm here"),
+        (setup.per_token_loss, f"++{_MEGATRON}.override_transformer_config.calculate_per_token_loss=false",
+         "OPOB's update is a sum over sequences, not a per-token average"),
+        (setup.overlap_grad_reduce, f"++{_MEGATRON}.override_ddp_config.overlap_grad_reduce=false",
+         "the reduction would start before the combined gradient is written"),
+        (setup.dtype in ("float16", "fp16"), f"{_MEGATRON}.dtype=bfloat16", "fp16 loss scaling would scale every per-sequence norm"),
+        (setup.recompute_granularity == "full" and setup.pipeline_parallel > 1,
+         f"++{_MEGATRON}.override_transformer_config.recompute_granularity=selective",
+         "under pipeline parallelism a fully recomputed layer would be bound to the micro-batch announced last"),
+    ]
+    return [f"{setting} ({why})" for present, setting, why in rules if present]

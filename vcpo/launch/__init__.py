@@ -33,12 +33,28 @@ from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.data.countdown import cache_dir
-from vcpo.launch.memory import check_memory, gpu_memory_gb, projection
+from vcpo.launch.memory import check_memory, gpu_memory_gb, megatron_sequence_parallel, model_shape, projection
 from vcpo.locks import write_atomic
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
-from vcpo.recipes import TaskRecipe, load_tasks, optimizer_table, read_yaml, recipes_dir, run_path
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, ENGINE_MODULE, EXTERNAL_MODULES, last_override
+from vcpo.recipes import (
+    TaskRecipe,
+    hydra_value,
+    load_tasks,
+    megatron_local_layer_overrides,
+    optimizer_table,
+    read_yaml,
+    recipes_dir,
+    run_path,
+)
 from vcpo.runs import METRICS_FILE
+from vcpo.verl_shared import (
+    ENGINE_MODEL_TYPE,
+    ENGINE_MODULE,
+    EXTERNAL_MODULES,
+    MegatronSetup,
+    last_override,
+    megatron_opob_refusals,
+)
 
 VERL_ENTRY = ("-m", "verl.trainer.main_ppo")
 STRATEGIES = ("fsdp2", "fsdp", "megatron")  # the actor strategies vcpo.launch composes (verl also has others)
@@ -137,21 +153,8 @@ def config_name(run: Run) -> str:
     return "ppo_megatron_trainer" if actor_strategy(run) == "megatron" else "ppo_trainer"
 
 
-def _value(value: Any) -> str:
-    """A Hydra override value: lists and dicts in Hydra's grammar, None as null."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{_value(item)}" for key, item in value.items()) + "}"
-    return str(value)
-
-
 def _set(key: str, value: Any) -> str:
-    return f"{key}={_value(value)}"
+    return f"{key}={hydra_value(value)}"
 
 
 def model_and_data_overrides(run: Run) -> list[str]:
@@ -280,13 +283,16 @@ def engine_overrides(run: Run) -> list[str]:
 
 def megatron_overrides(run: Run) -> list[str]:
     """The task's Megatron layout (``recipes/megatron.yaml``, the authors' scripts) for the actor and the
-    reference, under the Megatron strategy only."""
+    reference and the authors' micro-batches (one sequence each), under the Megatron strategy only; for a method with
+    OPOB, megatron's local layers over it (``local_layers``: the local layer spec, the padded layout)."""
     if actor_strategy(run) != "megatron":
         return []
     recipe = read_yaml(recipes_dir() / "megatron.yaml")
     layout = recipe["tasks"][run.task.name]["layout"]
     settings = [_set(f"actor_rollout_ref.{role}.megatron.{key}", value) for role in ("actor", "ref") for key, value in layout.items()]
-    return settings + [_set("actor_rollout_ref.ref.megatron.param_offload", recipe["reference"]["param_offload"])]
+    settings.append(_set("actor_rollout_ref.ref.megatron.param_offload", recipe["reference"]["param_offload"]))
+    settings += [_set(key, value) for key, value in recipe["micro_batches"]["settings"].items()]
+    return settings + (megatron_local_layer_overrides() if step_rule(run.method).opob else [])
 
 
 def asynchrony_overrides(run: Run) -> list[str]:
@@ -353,10 +359,10 @@ def overrides(run: Run, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
         *rollout_overrides(run),
         *optimizer_overrides(run),
         *method_overrides(run),
-        *megatron_overrides(run),
         *asynchrony_overrides(run),
         *trainer_overrides(run),
         *chosen_overrides(run),
+        *megatron_overrides(run),  # after the chosen micro-batching, which the authors' Megatron scripts replace
         *extra,
     ]
 
@@ -483,6 +489,52 @@ def check_engine(config) -> None:
         )
 
 
+def megatron_setup(config) -> MegatronSetup:
+    """The composed config's settings that OPOB on Megatron depends on (`megatron_opob_refusals`)."""
+    model, megatron = config.actor_rollout_ref.model, config.actor_rollout_ref.actor.megatron
+    transformer = megatron.get("override_transformer_config", None) or {}
+    return MegatronSetup(
+        packed=bool(model.get("use_remove_padding", True)), fused_kernels=bool(model.get("use_fused_kernels", False)),
+        transformer_impl=transformer.get("transformer_impl", None),
+        vanilla_mbridge=bool(megatron.get("use_mbridge", False) and megatron.get("vanilla_mbridge", False)),
+        sequence_parallel=megatron_sequence_parallel(megatron),
+        virtual_pipeline=megatron.get("virtual_pipeline_model_parallel_size", None),
+        context_parallel=megatron.get("context_parallel_size", 1) or 1, pipeline_parallel=megatron.pipeline_model_parallel_size,
+        per_token_loss=bool(transformer.get("calculate_per_token_loss", False)),
+        overlap_grad_reduce=bool((megatron.get("override_ddp_config", None) or {}).get("overlap_grad_reduce", False)),
+        dtype=str(megatron.get("dtype", "bfloat16")), recompute_granularity=transformer.get("recompute_granularity", None))
+
+
+def check_megatron(config) -> None:
+    """A Megatron actor's layout fits its trainer GPUs and its model, and (a method with OPOB) the engine can run its
+    step: what megatron or the engine would otherwise refuse only after Ray, vLLM and the model have started."""
+    actor = config.actor_rollout_ref.actor
+    if actor.strategy != "megatron":
+        return
+    megatron, key = actor.megatron, "actor_rollout_ref.actor.megatron"
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    cp, ep = megatron.get("context_parallel_size", 1) or 1, megatron.get("expert_model_parallel_size", 1) or 1
+    trainer_gpus = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if trainer_gpus % (tp * pp * cp):
+        raise LaunchError(f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp} "
+                          f"must divide the {trainer_gpus} trainer GPUs (trainer.nnodes x trainer.n_gpus_per_node)")
+    try:
+        shape = model_shape(str(config.actor_rollout_ref.model.path))
+    except KeyError:
+        shape = None
+    if shape is not None:
+        if shape.heads % tp or shape.kv_heads % tp:
+            raise LaunchError(f"{key}.tensor_model_parallel_size={tp} must divide the model's {shape.heads} attention heads and "
+                              f"{shape.kv_heads} key/value heads")
+        if pp > shape.layers:
+            raise LaunchError(f"{key}.pipeline_model_parallel_size={pp} exceeds the model's {shape.layers} layers")
+        if ep > 1 and not shape.experts:
+            raise LaunchError(f"{key}.expert_model_parallel_size={ep} on a dense model (it has no experts): set it to 1")
+    method = _select(config, "actor_rollout_ref.actor.policy_loss.method")
+    if method and step_rule(method).opob and (refused := megatron_opob_refusals(megatron_setup(config))):
+        raise LaunchError(f"OPOB ({method!r}) on Megatron cannot run with this config; set " + "; ".join(refused))
+
+
 def check_loss_and_optimizer(config) -> None:
     """The loss the actor will look up exists in verl's registry (with the vcpo plugin's losses), and the
     optimizer's numbers are numbers: what verl would otherwise find only on the GPUs."""
@@ -541,6 +593,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
             "actor.policy_loss.loss_mode by its own 'bypass_mode' loss, so the method's loss would not run"
         )
     check_engine(config)
+    check_megatron(config)
     check_lag(config)
     check_loss_and_optimizer(config)
     rollout = config.actor_rollout_ref.rollout

@@ -36,6 +36,16 @@ ACTIVATION_WIDTHS = {"hidden": 12, "intermediate": 4, "kv": 3}
 # (tokens, vocabulary) float32 tensors alive at once when the backward starts: the log-softmax's saved output and
 # the gradient that reaches the logits
 LOGIT_COPIES = 2
+# of those widths, what Megatron's sequence parallelism splits over the tensor-parallel ranks and tensor parallelism
+# alone keeps whole on every rank: the two norms' inputs and the column-parallel linears' inputs (4h)
+SEQUENCE_PARALLEL_WIDTH = 4
+# megatron's unfused (local) attention per score of its (heads / TP, s, s) matrix per sequence: what a layer keeps for
+# its backward (the float32 softmax output and its bf16 copy), and what its backward adds (the float32 score gradient)
+LOCAL_ATTENTION_KEPT_BYTES = 6
+LOCAL_ATTENTION_BACKWARD_BYTES = 4
+# how attention is computed: fused kernels keep no score matrix (flash, SDPA, Transformer Engine); megatron's local
+# attention keeps one per layer, or (selective recompute of core_attn) recomputes it in the backward, one layer at a time
+ATTENTION_KINDS = ("fused", "local", "local_recomputed")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class ModelShape:
     kv_heads: int
     tied: bool
     parameter_count: int | None = None  # the real count, where known; else from the shape
+    experts: int = 0  # routed experts of a mixture-of-experts model (0: dense)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -58,7 +69,8 @@ class ModelShape:
         heads = get("num_attention_heads")
         return cls(hidden=get("hidden_size"), intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
                    vocab=get("vocab_size"), heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                   tied=bool(get("tie_word_embeddings", False)))
+                   tied=bool(get("tie_word_embeddings", False)),
+                   experts=int(get("num_experts", None) or get("num_local_experts", None) or get("n_routed_experts", None) or 0))
 
     @property
     def kv_width(self) -> int:
@@ -99,6 +111,12 @@ class Layout:
     compute_bytes: int = 2
     gradient_checkpointing: bool = True
     distributed_optimizer: bool = True
+    sequence_parallel: bool = True  # Megatron with TP > 1: splits SEQUENCE_PARALLEL_WIDTH of the activations over the ranks
+    attention: str = "fused"  # ATTENTION_KINDS
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"Layout.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
 
     @property
     def model_parallel(self) -> int:
@@ -144,17 +162,36 @@ class StepMemory:
         return sum(getattr(self, kind).values())
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> dict[str, float]:
-    """What one micro-batch of ``tokens`` keeps for its backward (per rank: tensor parallelism splits the
-    layers' widths, pipeline parallelism the layers), and the logits around its log-softmax."""
-    per_token_layer = (ACTIVATION_WIDTHS["hidden"] * shape.hidden + ACTIVATION_WIDTHS["intermediate"] * shape.intermediate
+def megatron_recompute(transformer_impl: str | None, recompute_granularity: str | None,
+                       recompute_modules=None) -> tuple[bool, str]:
+    """(gradient checkpointing, `Layout.attention`) of a megatron TransformerConfig's settings: full recompute keeps
+    only each layer's input; the local spec's attention is unfused, and selective recompute of core_attn (megatron's
+    default module list) recomputes it in the backward."""
+    local = transformer_impl == "local"
+    recomputed = recompute_granularity == "selective" and "core_attn" in (recompute_modules or ("core_attn",))
+    return recompute_granularity == "full", ("local_recomputed" if recomputed else "local") if local else "fused"
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequence_length: int | None = None) -> dict[str, float]:
+    """What one micro-batch of ``tokens`` (sequences of ``sequence_length``, padded) keeps for its backward, per rank:
+    tensor parallelism splits the layers' widths (sequence parallelism the rest, `SEQUENCE_PARALLEL_WIDTH`), pipeline
+    parallelism the layers; the logits around its log-softmax; local attention's score matrices (``layout.attention``)."""
+    whole = 0 if layout.sequence_parallel or layout.tensor_parallel == 1 else SEQUENCE_PARALLEL_WIDTH
+    per_token_layer = ((ACTIVATION_WIDTHS["hidden"] - whole) * shape.hidden + ACTIVATION_WIDTHS["intermediate"] * shape.intermediate
                        + ACTIVATION_WIDTHS["kv"] * shape.kv_width) * layout.compute_bytes / layout.tensor_parallel
+    per_token_layer += whole * shape.hidden * layout.compute_bytes
     layers = math.ceil(shape.layers / layout.pipeline_parallel)
     if layout.gradient_checkpointing:  # each layer's input, and one layer recomputed in full
         kept = {"activations: layer inputs": tokens * shape.hidden * layout.compute_bytes * layers,
                 "activations: one recomputed layer": tokens * per_token_layer}
     else:
         kept = {"activations": tokens * per_token_layer * layers}
+    if layout.attention != "fused":
+        length = sequence_length or tokens
+        scores = max(1, tokens // length) * shape.heads / layout.tensor_parallel * length**2  # per layer
+        one_layer = layout.attention == "local_recomputed" or layout.gradient_checkpointing
+        kept["local attention scores" + (" (one layer, recomputed)" if one_layer else "")] = scores * (
+            LOCAL_ATTENTION_KEPT_BYTES * (1 if one_layer else layers) + LOCAL_ATTENTION_BACKWARD_BYTES)
     return {**kept, "logits": LOGIT_COPIES * tokens * shape.vocab * 4 / layout.tensor_parallel}
 
 
@@ -166,7 +203,7 @@ def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemor
     full, compute = P * layout.param_bytes, P * layout.compute_bytes
     unit = max(shape.layer_parameters, shape.embedding_parameters) * layout.compute_bytes  # largest FSDP unit
     persistent = {"parameters (sharded)": full / N, "Adam moments (sharded)": 2 * full / N}
-    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
+    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch, step.sequence_length)
     # FSDP2 all-gathers into storage of its own (one rank too): two units unsharded at a time in a plain step
     plain = {"gradients (sharded)": full / N, "unsharded units (two at a time)": 2 * unit, **activations}
     # single: the model is held unsharded from the first forward to `combine`; the buffers open as the backward
@@ -200,7 +237,7 @@ def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> Step
     persistent = {"parameters (bf16)": local * layout.compute_bytes,
                   "main gradients (float32)": local * 4,
                   "main parameters and Adam moments (float32)": 3 * local * 4 / optimizer_shards}
-    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch)
+    activations = activation_bytes(shape, layout, step.tokens_per_micro_batch, step.sequence_length)
     tokens, length = step.tokens_per_micro_batch, step.sequence_length or step.tokens_per_micro_batch
     widest = max(shape.vocab, shape.intermediate) / layout.tensor_parallel
     norms = {"float32 ghost-norm inputs (widest layer) and Gram matrices": tokens * (widest + shape.hidden) * 4

@@ -10,18 +10,18 @@ after ``vcpo.verl_shared.select_cpu_platform``; it changes a few ``torch.cuda`` 
 process-wide, so call it only in a process that never uses a GPU.
 
 What the engine still needs from its config (``vcpo.verl_plugin.cpu.standalone.build_megatron_engine``
-passes these): ``vanilla_mbridge=True`` (verl's Megatron-Bridge path pins a release that is not
-installed), ``use_remove_padding=False`` (the packed path needs Transformer Engine's attention),
-``dtype="bfloat16"`` (verl's fp16 turns on megatron's precision-aware optimizer, which needs TE), and in
-``override_transformer_config`` :data:`CPU_TRANSFORMER_CONFIG` (no sequence parallelism: the local layer
-spec's torch norms refuse it). Packages: mbridge 0.15.1 (and einops, which ``import mbridge`` needs).
+passes these): megatron's local layers as OPOB trains them on GPUs too (``recipes/megatron.yaml``, ``local_layers``:
+mbridge with ``transformer_impl="local"``, `vcpo.verl_plugin.engine.layer_spec`; the padded path; no sequence
+parallelism), ``dtype="bfloat16"`` (verl's fp16 turns on megatron's precision-aware optimizer, which needs TE),
+and in ``override_transformer_config`` :data:`CPU_TRANSFORMER_CONFIG`. Packages: mbridge 0.15.1 (and einops,
+which ``import mbridge`` needs).
 
 In verl's trainer (``python -m vcpo.launch.cpu ... -- actor_rollout_ref.actor.strategy=megatron``, whose
 overrides are ``vcpo.verl_plugin.cpu.recipe.megatron_engine_overrides``), the CPU plugin calls :func:`install` at
 import in every process: the shims are applied by the construction of a Megatron engine on the CPU platform, so
 only the trainer's Megatron workers get them (tests/test_verl_megatron_cpu_trainer.py). The rollout replica gets
 the weights through the engine's ``get_per_tensor_param`` (mbridge's ``export_weights``, whose names the local
-norms are mapped for below) and the ``ray`` checkpoint engine.
+norms are mapped for by `layer_spec`) and the ``ray`` checkpoint engine.
 
 Covered (tests/verl_megatron_worker.py): the padded (bshd) path with tensor, pipeline (1F1B) or data
 parallelism, tied or untied embeddings, bf16 parameters with fp32 main parameters and gradients, megatron's
@@ -43,11 +43,8 @@ DEVICE = "cpu"
 # megatron TransformerConfig fields the engine needs on CPU, passed through verl's
 # ``McoreEngineConfig.override_transformer_config`` (mbridge applies them after its own defaults).
 CPU_TRANSFORMER_CONFIG = {
-    # required: mbridge sets sequence_parallel whenever TP > 1, and the torch norms of the local layer spec
-    # refuse it (Transformer Engine's norms are GPU only); mbridge applies these overrides after its defaults
-    "sequence_parallel": False,
-    # the rest is explicit rather than required at megatron-core 0.16.1 (defaults already off, or a torch
-    # fallback when the CUDA kernel is missing, or the torch.cuda.current_device shim below):
+    # explicit rather than required at megatron-core 0.16.1 (defaults already off, or a torch fallback when the CUDA
+    # kernel is missing, or the torch.cuda.current_device shim below):
     "use_cpu_initialization": True,  # weights initialised on the host, not torch.cuda.current_device()
     "gradient_accumulation_fusion": False,  # the fused_weight_gradient_mlp_cuda extension
     "masked_softmax_fusion": False,  # a CUDA kernel (mbridge turns it on; megatron falls back to torch)
@@ -200,6 +197,10 @@ def _patch_rng_tracker() -> None:
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(original)
 
+    # megatron's activation recompute (tensor_parallel.checkpoint: the selective recompute of core_attn that OPOB's local
+    # layers use) saves and restores the CUDA generator's state around the recomputed forward: the host generator's.
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     # verl seeds megatron's tracker (model_parallel_cuda_manual_seed) whenever its platform reports a
     # device; the CUDA tracker reads and writes torch.cuda RNG states, which a CPU build of torch lacks.
     # initialize_rng_tracker instantiates the class by this module-level name.
@@ -228,53 +229,6 @@ def _patch_local_attention_mask() -> None:
 
     forward_with_square_mask.__vcpo_cpu_shim__ = True
     DotProductAttention.forward = forward_with_square_mask
-
-
-# --------------------------------------------------------------------------------------------------------
-# mbridge: layer spec and weight names
-# --------------------------------------------------------------------------------------------------------
-
-# local-spec parameter names -> Transformer Engine spec names (the fused norm of linear_qkv / linear_fc1)
-_LOCAL_TO_TE_NAMES = (
-    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
-    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
-    (".input_layernorm.bias", ".self_attention.linear_qkv.layer_norm_bias"),
-    (".pre_mlp_layernorm.bias", ".mlp.linear_fc1.layer_norm_bias"),
-)
-
-
-def _patch_mbridge() -> None:
-    from mbridge.core.bridge import Bridge
-    from mbridge.core.llm_bridge import LLMBridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    if getattr(LLMBridge._get_transformer_layer_spec, "__vcpo_cpu_shim__", False):
-        return
-
-    def local_layer_spec(self, vp_stage=None):
-        # mbridge hard-codes get_gpt_decoder_block_spec(..., use_transformer_engine=True): TE is GPU only.
-        # megatron's local spec (get_gpt_layer_local_spec per layer, torch norms) instead.
-        self.has_vp_stage = True
-        return get_gpt_decoder_block_spec(
-            self.config, use_transformer_engine=False, normalization=self.config.normalization, vp_stage=vp_stage
-        )
-
-    local_layer_spec.__vcpo_cpu_shim__ = True
-    LLMBridge._get_transformer_layer_spec = local_layer_spec
-
-    to_hf = Bridge._weight_name_mapping_mcore_to_hf
-
-    @functools.wraps(to_hf)
-    def to_hf_with_local_norms(self, mcore_weights_name):
-        # mbridge's name maps know TE's fused norms (linear_qkv.layer_norm_weight, linear_fc1.layer_norm_weight);
-        # the local spec has separate input_layernorm / pre_mlp_layernorm modules holding the same weights.
-        for local, te in _LOCAL_TO_TE_NAMES:
-            if mcore_weights_name.endswith(local):
-                mcore_weights_name = mcore_weights_name[: -len(local)] + te
-                break
-        return to_hf(self, mcore_weights_name)
-
-    Bridge._weight_name_mapping_mcore_to_hf = to_hf_with_local_norms
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -313,7 +267,11 @@ def enable_megatron_on_cpu() -> None:
     _patch_type_checks()
     _patch_rng_tracker()
     _patch_local_attention_mask()
-    _patch_mbridge()
+    # mbridge's spec follows transformer_impl="local" (the CPU recipe's, as OPOB's); imported here, at the engine's
+    # construction: importing vcpo.verl_plugin.engine while `import verl` loads this plugin would ask for the device
+    from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
+
+    honour_transformer_impl()
     register_cpu_megatron_engines()
     _ENABLED = True
 

@@ -28,6 +28,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from vcpo.recipes import hydra_value, megatron_local_layer_overrides
 from vcpo.runs import METRICS_FILE
 from vcpo.verl_shared import (
     CPU_PLATFORM_ENV,
@@ -113,31 +114,19 @@ def fsdp_engine_overrides() -> list[str]:
 def megatron_engine_overrides() -> list[str]:
     """verl's Megatron engine as :mod:`.megatron` runs it on CPU (gloo), for the actor (the reference follows).
 
-    The parallel layout (TP/PP from ``recipes/megatron.yaml`` or the user's overrides) is kept; what changes
-    is what the CPU shims need (the module doc of :mod:`vcpo.verl_plugin.cpu.megatron`)."""
+    The parallel layout (TP/PP from ``recipes/megatron.yaml`` or the user's overrides) is kept; megatron's local
+    layers are what OPOB trains with on GPUs (``local_layers``: the local layer spec, the padded path, no sequence
+    parallelism), and the rest is what the CPU shims need (the module doc of :mod:`vcpo.verl_plugin.cpu.megatron`)."""
     from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG
 
     megatron = "actor_rollout_ref.actor.megatron"
     return [
         "actor_rollout_ref.actor.strategy=megatron",
-        # the padded (bshd) path: the packed (thd) one needs Transformer Engine's attention; verl's workers read
-        # the model's flag (engine_workers.py), the engine's own is kept consistent
-        "actor_rollout_ref.model.use_remove_padding=false",
-        "actor_rollout_ref.model.use_fused_kernels=false",
-        f"{megatron}.use_remove_padding=false",
+        *megatron_local_layer_overrides(),
         # bf16 parameters, fp32 main parameters and gradients: the engine takes bf16/fp16 only, and verl's fp16
         # turns on megatron's precision-aware optimizer, which needs Transformer Engine
         f"{megatron}.dtype=bfloat16",
-        # the legacy mbridge (verl's Megatron-Bridge path pins a release that is not installed)
-        f"{megatron}.use_mbridge=true",
-        f"{megatron}.vanilla_mbridge=true",
-        # the local layer spec's torch norms refuse sequence parallelism (mbridge turns it on with TP > 1)
-        f"{megatron}.sequence_parallel=false",
-        "actor_rollout_ref.ref.megatron.sequence_parallel=false",  # the reference's other keys follow the actor's
-        # megatron's own attention on the local layer spec (verl's default asks for flash-attn)
-        f"++{megatron}.override_transformer_config.attention_backend=local",
-        *(f"++{megatron}.override_transformer_config.{key}={'true' if value else 'false'}"
-          for key, value in CPU_TRANSFORMER_CONFIG.items()),
+        *(f"++{megatron}.override_transformer_config.{key}={hydra_value(value)}" for key, value in CPU_TRANSFORMER_CONFIG.items()),
     ]
 
 

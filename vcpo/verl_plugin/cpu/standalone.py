@@ -108,10 +108,12 @@ def build_megatron_engine(
     in megatron's DDP and Float16Module; megatron's optimizer), on the ranks of this process group
     (world size = data x ``tensor_parallel`` x ``pipeline_parallel``). bf16 parameters with fp32 main
     parameters and gradients (the engine accepts bf16/fp16 only, and verl's fp16 turns on megatron's
-    precision-aware optimizer, which needs Transformer Engine), the padded (bshd) path, legacy mbridge.
+    precision-aware optimizer, which needs Transformer Engine), megatron's local layers on the padded (bshd)
+    path through legacy mbridge (``recipes/megatron.yaml``, ``local_layers``).
     Applies `vcpo.verl_plugin.cpu.megatron.enable_megatron_on_cpu` first."""
     from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 
+    from vcpo.recipes import megatron_local_layers
     from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG, enable_megatron_on_cpu
 
     enable_megatron_on_cpu()
@@ -140,7 +142,8 @@ def build_megatron_engine(
             use_mbridge=True,
             vanilla_mbridge=True,
             seed=seed,
-            override_transformer_config=dict(CPU_TRANSFORMER_CONFIG),
+            # megatron's local layers, as OPOB trains them (recipes/megatron.yaml), and what the CPU needs
+            override_transformer_config={**megatron_local_layers()["override_transformer_config"], **CPU_TRANSFORMER_CONFIG},
         ),
         optimizer_config=McoreOptimizerConfig(
             lr=lr, clip_grad=1e9, weight_decay=0.0, lr_decay_style="constant", total_training_steps=1000

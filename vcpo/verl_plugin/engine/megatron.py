@@ -25,11 +25,13 @@ Selected as the FSDP engine is (``+actor_rollout_ref.model.model_type=vcpo_langu
     G_R − Σ_γ b_γ G_S^γ (times DP, for megatron's average) written over each parameter's ``main_grad``, then
     megatron's own finalize: one reduction of the combined gradient, as in VCPO App. C.
 
-Refused with a clear error: virtual pipeline stages, context parallelism, megatron's per-token loss,
-overlapping gradient reduction (it would start reducing before the combination is written), embeddings
-tied across pipeline stages on the packed path (the last stage, which has no embedding, is given the ids in
-verl's padded layout; the packed one is not wired), top-K distillation, and anything `MegatronSequenceNorms` cannot count (it names the module). Metrics as
-the FSDP engine logs them.
+OPOB trains megatron's local layers (``recipes/megatron.yaml``, ``local_layers``, which ``python -m vcpo.launch``
+composes): the local layer spec (mbridge made to follow ``transformer_impl``, `layer_spec`), the padded layout, no
+sequence parallelism. At its first OPOB step the engine refuses, each by its key, what `megatron_opob_refusals` refuses
+at the launcher's dry run (packed micro-batches, Transformer Engine's layers, Megatron-Bridge, sequence parallelism,
+fused kernels, virtual pipeline stages, context parallelism, megatron's per-token loss, overlapping gradient reduction,
+fp16, full recompute under pipeline parallelism), top-K distillation, and anything `MegatronSequenceNorms` cannot
+count (it names the module). Metrics as the FSDP engine logs them.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, step_memory
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute, step_memory
+from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
 from vcpo.verl_plugin.engine.rule import check_opob_loss
 from vcpo.verl_plugin.engine.step import (
     StepState,
@@ -65,7 +68,9 @@ from vcpo.verl_plugin.engine.step import (
     second_pass,
     sequence_lengths,
 )
-from vcpo.verl_shared import step_rule_applied
+from vcpo.verl_shared import MegatronSetup, megatron_opob_refusals, step_rule_applied
+
+honour_transformer_impl()  # before any engine of this process builds its model through mbridge
 
 
 class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
@@ -114,10 +119,12 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
         shape = dataclasses.replace(ModelShape.from_config(self.model_config.hf_config), parameter_count=count * tp * pp)
         config = get_model_config(self.module[0])
+        checkpointing, attention = megatron_recompute(getattr(config, "transformer_impl", None), getattr(config, "recompute_granularity", None),
+                                                      getattr(config, "recompute_modules", None))
         layout = Layout(strategy="megatron", data_parallel=mpu.get_data_parallel_world_size(), tensor_parallel=tp,
-                        pipeline_parallel=pp, compute_bytes=2,
-                        gradient_checkpointing=getattr(config, "recompute_granularity", None) is not None,
-                        distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)))
+                        pipeline_parallel=pp, compute_bytes=2, gradient_checkpointing=checkpointing,
+                        distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)),
+                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), attention=attention)
         groups = int(torch.unique(data["vcpo_group"].cpu()).numel())
         longest = int(sequence_lengths(data).max())
         return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest)
@@ -142,11 +149,6 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         self._check_opob_setting()
         model = unwrap_model(self.module[0])
         tied_across_stages = getattr(model, "share_embeddings_and_output_weights", False) and mpu.get_pipeline_model_parallel_world_size() > 1
-        if tied_across_stages and self.engine_config.use_remove_padding:
-            raise NotImplementedError(
-                "OPOB in the vcpo Megatron engine does not support embeddings tied across pipeline stages on the packed "
-                "path (the last stage would need the ids as the first stage's embedding sees them in verl's THD layout); "
-                "set actor_rollout_ref.actor.megatron.use_remove_padding=false, use PP 1 or an untied model")
         embedding_group = mpu.get_embedding_group() if tied_across_stages else None
         norms = MegatronSequenceNorms(model, mpu.get_tensor_model_parallel_group(), self._pipeline_group(), embedding_group)
         self._ids_for_tied_head = tied_across_stages and norms.last_stage and not norms.first_stage
@@ -168,18 +170,21 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             self._norms = None
 
     def _check_opob_setting(self) -> None:
-        config = get_model_config(self.module[0])
-        refusals = {
-            "virtual pipeline stages": len(self.module) > 1,
-            "context parallelism (context_parallel_size > 1)": mpu.get_context_parallel_world_size() > 1,
-            "megatron's per-token loss (calculate_per_token_loss)": bool(getattr(config, "calculate_per_token_loss", False)),
-            "overlap_grad_reduce (the reduction would start before the combined gradient is written)":
-                bool(getattr(getattr(self.module[0], "ddp_config", None), "overlap_grad_reduce", False)),
-            "fp16 loss scaling (it would scale every per-sequence norm)": self.param_dtype == torch.float16,
-        }
-        refused = [name for name, present in refusals.items() if present]
+        """Refuse, by key, what OPOB cannot run with (`megatron_opob_refusals`, as the launcher's dry run does)."""
+        config, engine = get_model_config(self.module[0]), self.engine_config
+        setup = MegatronSetup(
+            packed=bool(engine.use_remove_padding), fused_kernels=bool(getattr(self.model_config, "use_fused_kernels", False)),
+            transformer_impl=getattr(config, "transformer_impl", None),
+            vanilla_mbridge=bool(engine.use_mbridge and engine.vanilla_mbridge),
+            sequence_parallel=bool(getattr(config, "sequence_parallel", False)), virtual_pipeline=len(self.module),
+            context_parallel=mpu.get_context_parallel_world_size(), pipeline_parallel=mpu.get_pipeline_model_parallel_world_size(),
+            per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+            overlap_grad_reduce=bool(getattr(getattr(self.module[0], "ddp_config", None), "overlap_grad_reduce", False)),
+            dtype="float16" if self.param_dtype == torch.float16 else "bfloat16",
+            recompute_granularity=getattr(config, "recompute_granularity", None))
+        refused = megatron_opob_refusals(setup)
         if refused:
-            raise NotImplementedError(f"OPOB in the vcpo Megatron engine does not support {', '.join(refused)}")
+            raise NotImplementedError("OPOB in the vcpo Megatron engine cannot run with this config; set " + "; ".join(refused))
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         state = self._step

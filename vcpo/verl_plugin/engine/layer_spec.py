@@ -1,0 +1,76 @@
+"""mbridge made to follow megatron's own ``TransformerConfig.transformer_impl``: the local layer spec when it says "local".
+
+mbridge 0.15.1 builds every GPT with Transformer Engine's layer spec (``LLMBridge._get_transformer_layer_spec`` asks
+``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``), whatever ``transformer_impl`` says. OPOB on Megatron
+needs megatron's local spec (``recipes/megatron.yaml``, ``local_layers``): its ColumnParallelLinear / RowParallelLinear,
+torch norms and unfused attention are what `MegatronSequenceNorms` watches; TE's fused norm + linear hides the norm's
+output gradient. `honour_transformer_impl` patches mbridge's class (no file is edited) so that a config with
+``transformer_impl="local"`` (``override_transformer_config``, which mbridge passes into the TransformerConfig) gets the
+local spec, and every other config mbridge's own. mbridge's weight-name maps know TE's fused norms
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); the local spec keeps the same weights in separate
+``input_layernorm`` / ``pre_mlp_layernorm`` modules, so their names are mapped to TE's before mbridge's maps (loading the
+Hugging Face checkpoint and exporting weights to the rollout alike).
+
+Applied by the vcpo Megatron engine module at import (every worker that can build the vcpo engine) and by the CPU shims.
+"""
+
+from __future__ import annotations
+
+import functools
+
+LOCAL = "local"
+
+# local-spec parameter names -> Transformer Engine spec names (the fused norm of linear_qkv / linear_fc1)
+LOCAL_TO_TE_NAMES = (
+    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+    (".input_layernorm.bias", ".self_attention.linear_qkv.layer_norm_bias"),
+    (".pre_mlp_layernorm.bias", ".mlp.linear_fc1.layer_norm_bias"),
+)
+
+
+def uses_local_spec(config) -> bool:
+    """A megatron TransformerConfig (or anything with its ``transformer_impl``) that asks for the local layer spec."""
+    return getattr(config, "transformer_impl", None) == LOCAL
+
+
+def te_name(name: str) -> str:
+    """A local-spec parameter name as the Transformer Engine spec names the same weight (others unchanged)."""
+    for local, te in LOCAL_TO_TE_NAMES:
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def honour_transformer_impl() -> None:
+    """Patch mbridge's LLMBridge (idempotent; nothing where mbridge is not installed): module doc."""
+    try:
+        from mbridge.core.bridge import Bridge
+        from mbridge.core.llm_bridge import LLMBridge
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    except ImportError:
+        return
+    spec = LLMBridge._get_transformer_layer_spec
+    if getattr(spec, "__vcpo_honours_transformer_impl__", False):
+        return
+
+    @functools.wraps(spec)
+    def layer_spec(self, vp_stage=None):
+        if not uses_local_spec(self.config):
+            return spec(self, vp_stage)
+        self.has_vp_stage = True
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization=self.config.normalization,
+                                          vp_stage=vp_stage)
+
+    to_hf = Bridge._weight_name_mapping_mcore_to_hf
+
+    @functools.wraps(to_hf)
+    def to_hf_names(self, mcore_weights_name):
+        return to_hf(self, te_name(mcore_weights_name) if uses_local_spec(self.config) else mcore_weights_name)
+
+    layer_spec.__vcpo_honours_transformer_impl__ = True
+    LLMBridge._get_transformer_layer_spec = layer_spec
+    Bridge._weight_name_mapping_mcore_to_hf = to_hf_names
+
+
+__all__ = ["LOCAL", "LOCAL_TO_TE_NAMES", "honour_transformer_impl", "te_name", "uses_local_spec"]
