@@ -48,13 +48,13 @@ def models(tmp_path_factory) -> dict[bool, Path]:
                                                tie_word_embeddings=tied) for tied in (True, False)}
 
 
-def torchrun(worker: Path, args: list, out: Path, ranks: int = 2) -> dict:
+def torchrun(worker: Path, args: list, out: Path, ranks: int = 2, after: tuple = ()) -> dict:
     """``worker`` on ``ranks`` gloo ranks; the JSON its output rank writes to ``out``."""
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-               "--master_port", str(port), str(worker), *map(str, args), str(out)]
+               "--master_port", str(port), str(worker), *map(str, args), str(out), *after]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stderr[-4000:]
     return json.loads(out.read_text())
@@ -99,12 +99,14 @@ def test_one_vcpo_step_under_megatron_is_the_fsdp_engines_step(process_group, mo
 
 
 def test_the_megatron_step_at_data_parallel_2_is_its_step_at_1(models, tmp_path):
-    """Two data-parallel ranks, each with half the batch (a prompt group each), against one rank with all of it: the
-    ESS and OPOB's norms and baseline gathered over the ranks, and the update (its norm before clipping: megatron
-    averages the ranks' gradients, and the engine writes each rank's part times DP)."""
+    """Two data-parallel ranks, each with half the batch (a prompt group each), with megatron's distributed optimizer
+    (its state sharded over them), against one rank with all of it and the plain optimizer: the ESS and OPOB's norms
+    and baseline gathered over the ranks, and the update (its norm before clipping: megatron averages the ranks'
+    gradients, and the engine writes each rank's part times DP)."""
     one = torchrun(WORKER, [1, 1, models[False]], tmp_path / "dp1.json", ranks=1)
-    two = torchrun(WORKER, [1, 1, models[False]], tmp_path / "dp2.json", ranks=2)
+    two = torchrun(WORKER, [1, 1, models[False]], tmp_path / "dp2.json", ranks=2, after=("distributed_optimizer",))
     assert (one["data_parallel"], two["data_parallel"]) == (1, 2)
+    assert set(two["optimizers"]) == {"DistributedOptimizer"} and "DistributedOptimizer" not in one["optimizers"]
     for step in ("vcpo", TWO_PASS, "tis_ess"):
         ours, theirs = two["steps"][step], one["steps"][step]
         names = ["rollout_corr/seq_ess_ratio", "actor/lr_scale"]
@@ -175,3 +177,15 @@ def test_mbridge_builds_megatrons_local_spec_when_the_transformer_config_says_lo
     assert te_name("decoder.layers.0.pre_mlp_layernorm.weight") == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
     assert te_name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
     assert getattr(Bridge._weight_name_mapping_mcore_to_hf, "__wrapped__", None) is not None
+
+
+def test_verls_padding_mask_becomes_megatrons_square_mask():
+    """verl's padded path: [b, s], True at real tokens; megatron's local attention: [b, 1, sq, sk], True where masked
+    (a later key, or a padded one). By hand for one sequence of 2 real tokens padded to 3."""
+    import torch
+
+    from vcpo.verl_plugin.engine.layer_spec import square_attention_mask
+
+    mask = square_attention_mask(torch.tensor([[True, True, False]]), 3, 3)
+    assert mask.shape == (1, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, True]]

@@ -1,7 +1,8 @@
 """One rank of tests/test_verl_megatron_engine.py: one VCPO actor step (ESS step size and OPOB), then one tis_ess step (the ESS step size alone), of the vcpo
 Megatron engine (`vcpo.verl_plugin.engine.megatron`) inside verl 0.9.1's Megatron engine on CPU (gloo, bf16,
 padded path, the shims of `vcpo.verl_plugin.cpu.megatron`), on the model and batch the test gives the FSDP
-engine. Run by ``python -m torch.distributed.run --nproc_per_node N THIS TP PP MODEL_DIR OUT``: N / (TP x PP) data-parallel
+engine. Run by ``python -m torch.distributed.run --nproc_per_node N THIS TP PP MODEL_DIR OUT [distributed_optimizer]``
+(megatron's distributed optimizer, its state sharded over the data-parallel ranks): N / (TP x PP) data-parallel
 ranks, each with its share of the batch's rows; the first rank holding the engine's outputs (tensor rank 0 of the
 last pipeline stage, data-parallel rank 0) writes the steps' metrics to OUT.
 """
@@ -28,7 +29,7 @@ def scalars(metrics: dict) -> dict[str, float]:
     return {name: float(value) for name, value in values.items() if isinstance(value, (int, float))}
 
 
-def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
+def main(tensor: int, pipeline: int, model_dir: str, out: str, distributed_optimizer: bool = False) -> None:
     select_cpu_platform()  # before verl is imported (the test imports this module for its constants only)
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as mpu
@@ -42,7 +43,7 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
 
     def build():
         return standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
-                                                model_type=MODEL_TYPE)
+                                                model_type=MODEL_TYPE, use_distributed_optimizer=distributed_optimizer)
 
     engine, steps = build(), {}
     # one step each, in turn, on the same batch; then the first again on a new engine in two_pass mode
@@ -62,9 +63,11 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str) -> None:
         with open(out, "w") as handle:
             json.dump({"engine": type(engine).__name__, "steps": steps, "data_parallel": mpu.get_data_parallel_world_size(),
                        "transformer_impl": config.transformer_impl, "recompute_granularity": config.recompute_granularity,
-                       "sequence_parallel": config.sequence_parallel}, handle)
+                       "sequence_parallel": config.sequence_parallel,
+                       "optimizers": [type(inner).__name__ for inner in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]},
+                      handle)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], distributed_optimizer=sys.argv[5:] == ["distributed_optimizer"])

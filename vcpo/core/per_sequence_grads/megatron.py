@@ -136,8 +136,6 @@ class MegatronSequenceNorms:
     def __init__(self, model: nn.Module, tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                  embedding_group: dist.ProcessGroup | None = None):
         self.model, self.tp_group, self.pp_group, self.embedding_group = model, tp_group, pp_group, embedding_group
-        config = getattr(model, "config", None)
-        self.partial = {id(p) for name, p in model.named_parameters() if partial_over_tensor_parallel(config, name, p)}
         self.first_stage, self.last_stage = getattr(model, "pre_process", True) is not False, getattr(model, "post_process", True) is not False
         tied = getattr(model, "share_embeddings_and_output_weights", False)
         self.tied_across_stages = tied and not (self.first_stage and self.last_stage)  # its other half on another stage
@@ -159,6 +157,8 @@ class MegatronSequenceNorms:
                 if self.tied is None:
                     raise ValueError(f"MegatronSequenceNorms: {name!r} has no weight of its own and the model ties none")
                 self.modules.append(module)
+        config = getattr(model, "config", None)
+        self.partial = {id(p) for name, p in model.named_parameters() if partial_over_tensor_parallel(config, name, p)}
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._micro_batches: list[_MicroBatch] = []
         self._current: _MicroBatch | None = None

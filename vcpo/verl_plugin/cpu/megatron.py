@@ -116,7 +116,7 @@ def _patch_cuda_literals() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# megatron: tensor type names, RNG tracker, local attention mask
+# megatron: tensor type names, RNG tracker
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -210,27 +210,6 @@ def _patch_rng_tracker() -> None:
         megatron_random.initialize_rng_tracker(force_reset=True)
 
 
-def _patch_local_attention_mask() -> None:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    forward = DotProductAttention.forward
-    if getattr(forward, "__vcpo_cpu_shim__", False):
-        return
-
-    @functools.wraps(forward)
-    def forward_with_square_mask(self, query, key, value, attention_mask, *args, **kwargs):
-        # verl's padded (bshd) path hands the model a [b, s] mask, True at real tokens (what TE's
-        # attention takes); megatron's local attention wants [b, 1, sq, sk], True where masked.
-        if attention_mask is not None and attention_mask.dim() == 2:
-            sq, sk = query.size(0), key.size(0)
-            causal = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1 + sk - sq)
-            attention_mask = causal[None, None] | ~attention_mask.bool()[:, None, None, :]
-        return forward(self, query, key, value, attention_mask, *args, **kwargs)
-
-    forward_with_square_mask.__vcpo_cpu_shim__ = True
-    DotProductAttention.forward = forward_with_square_mask
-
-
 # --------------------------------------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------------------------------------
@@ -266,9 +245,9 @@ def enable_megatron_on_cpu() -> None:
     _patch_cuda_literals()
     _patch_type_checks()
     _patch_rng_tracker()
-    _patch_local_attention_mask()
-    # mbridge's spec follows transformer_impl="local" (the CPU recipe's, as OPOB's); imported here, at the engine's
-    # construction: importing vcpo.verl_plugin.engine while `import verl` loads this plugin would ask for the device
+    # mbridge's spec follows transformer_impl="local" (the CPU recipe's, as OPOB's), and megatron's local attention takes
+    # verl's padded mask; imported here, at the engine's construction: importing vcpo.verl_plugin.engine while
+    # `import verl` loads this plugin would ask for the device
     from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
 
     honour_transformer_impl()

@@ -9,7 +9,10 @@ output gradient. `honour_transformer_impl` patches mbridge's class (no file is e
 local spec, and every other config mbridge's own. mbridge's weight-name maps know TE's fused norms
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); the local spec keeps the same weights in separate
 ``input_layernorm`` / ``pre_mlp_layernorm`` modules, so their names are mapped to TE's before mbridge's maps (loading the
-Hugging Face checkpoint and exporting weights to the rollout alike).
+Hugging Face checkpoint and exporting weights to the rollout alike). verl's padded (bshd) path hands the model a
+[b, s] mask, True at real tokens, which is what Transformer Engine's attention takes; megatron's local attention
+wants [b, 1, sq, sk], True where a score is masked, so `honour_transformer_impl` also makes it take verl's mask
+(`square_attention_mask`); a mask already square is left alone.
 
 Applied by the vcpo Megatron engine module at import (every worker that can build the vcpo engine) and by the CPU shims.
 """
@@ -42,17 +45,35 @@ def te_name(name: str) -> str:
     return name
 
 
+def square_attention_mask(mask, queries: int, keys: int):
+    """verl's [b, s] padding mask (True at real tokens) as megatron's local attention's [b, 1, sq, sk] (True where
+    masked: a padded key, or a key after the query)."""
+    import torch
+
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)
+    return causal[None, None] | ~mask.bool()[:, None, None, :]
+
+
 def honour_transformer_impl() -> None:
-    """Patch mbridge's LLMBridge (idempotent; nothing where mbridge is not installed): module doc."""
+    """Patch mbridge's LLMBridge and megatron's local attention (idempotent; nothing where mbridge is not installed):
+    module doc."""
     try:
         from mbridge.core.bridge import Bridge
         from mbridge.core.llm_bridge import LLMBridge
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
     except ImportError:
         return
     spec = LLMBridge._get_transformer_layer_spec
     if getattr(spec, "__vcpo_honours_transformer_impl__", False):
         return
+    attention = DotProductAttention.forward
+
+    @functools.wraps(attention)
+    def attention_with_verls_mask(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = square_attention_mask(attention_mask, query.size(0), key.size(0))
+        return attention(self, query, key, value, attention_mask, *args, **kwargs)
 
     @functools.wraps(spec)
     def layer_spec(self, vp_stage=None):
@@ -71,6 +92,7 @@ def honour_transformer_impl() -> None:
     layer_spec.__vcpo_honours_transformer_impl__ = True
     LLMBridge._get_transformer_layer_spec = layer_spec
     Bridge._weight_name_mapping_mcore_to_hf = to_hf_names
+    DotProductAttention.forward = attention_with_verls_mask
 
 
-__all__ = ["LOCAL", "LOCAL_TO_TE_NAMES", "honour_transformer_impl", "te_name", "uses_local_spec"]
+__all__ = ["LOCAL", "LOCAL_TO_TE_NAMES", "honour_transformer_impl", "square_attention_mask", "te_name", "uses_local_spec"]
