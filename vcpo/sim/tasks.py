@@ -72,8 +72,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vcpo.data.countdown import cache_dir
-from vcpo.locks import cache_entry_lock, write_atomic
+from vcpo.locks import cache_dir, cache_entry_lock, write_atomic
 from vcpo.rewards import REWARD_BY_DATA_SOURCE, countdown_ground_truth
 
 SPLITS = ("train", "validation", "test")
