@@ -1,0 +1,117 @@
+"""The base evaluation of the real pretrained model on CPU, as registered in recipes/real_model.yaml.
+
+For each benchmark: the subset the registered rule gives (the first K problems), ``python -m vcpo.evaluation``
+with the registered sampling on the hf backend, then mean@n with a bootstrap interval over problems, the
+response length and the generation throughput, into tables/real_model/base_eval.{json,md} (commands, commit,
+time and machine included). A benchmark already evaluated in --work is read back, not rerun.
+
+    python benchmarks/real_model_eval.py --data DIR [--benchmarks gsm8k,math500] [--work results/real_model]
+
+``--data``: benchmark files as <benchmark>/test.jsonl (``python -m vcpo.data`` writes them; the repository's
+fixtures are too small for this table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vcpo.local_models import packaged_model  # noqa: E402
+from vcpo.provenance import code_state, cpu_name, library_versions, utc_now  # noqa: E402
+from vcpo.recipes import read_yaml, recipes_dir  # noqa: E402
+
+OUT = REPO / "tables" / "real_model"
+
+
+def subset_size(problems: int, samples: int, plan: dict) -> int:
+    """The registered rule: the most problems whose worst case fits the budget."""
+    rule, tokens = plan["subset"], plan["sampling"]["max_new_tokens"]
+    return min(problems, math.floor(rule["budget_s"] * rule["slots_per_s"] / (samples * tokens)))
+
+
+def bootstrap_interval(values: list[float], level: float, resamples: int, seed: int) -> tuple[float, float]:
+    """Percentile bootstrap of the mean over ``values`` (one per problem)."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
+    low, high = (1 - level) / 2, 1 - (1 - level) / 2
+    return means[int(low * (resamples - 1))], means[int(high * (resamples - 1))]
+
+
+def per_problem(samples_file: Path, answer_format: str) -> list[float]:
+    """Each problem's mean score over its samples, under ``answer_format``."""
+    scores: dict[int, list[float]] = {}
+    for line in samples_file.read_text().splitlines():
+        row = json.loads(line)
+        scores.setdefault(row["problem_id"], []).append(float(row["by_answer_format"][answer_format]["acc"]))
+    return [sum(values) / len(values) for _, values in sorted(scores.items())]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, type=Path, help="benchmark files: <benchmark>/test.jsonl")
+    parser.add_argument("--benchmarks", default=None, help="comma-separated; default: the registered ones")
+    parser.add_argument("--work", type=Path, default=REPO / "results" / "real_model")
+    args = parser.parse_args(argv)
+    plan = read_yaml(recipes_dir() / "real_model.yaml")
+    settings = read_yaml(recipes_dir() / "benchmarks.yaml")
+    model = packaged_model(plan["model"])
+    names = args.benchmarks.split(",") if args.benchmarks else plan["benchmarks"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    results_file = OUT / "base_eval.json"
+    rows = json.loads(results_file.read_text())["rows"] if results_file.exists() else {}
+    for name in names:
+        spec = {**settings["defaults"], **settings["benchmarks"][name]}
+        problems = sum(1 for _ in (args.data / name / "test.jsonl").open())
+        k = subset_size(problems, spec["n"], plan)
+        out = args.work / name
+        command = [sys.executable, "-m", "vcpo.evaluation", "--model", str(model), "--benchmarks", name, "--out", str(out),
+                   "--source-dir", str(args.data), "--limit", str(k), "--max-new-tokens", str(plan["sampling"]["max_new_tokens"]),
+                   "--backend", "hf", "--batch-size", str(plan["sampling"]["batch_size"])]
+        summary_file = out / name / "summary.json"
+        if not summary_file.exists():
+            print(f"{name}: the first {k} of {problems} problems, n = {spec['n']}", flush=True)
+            env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
+            subprocess.run(command, check=True, env=env)
+        summary = json.loads(summary_file.read_text())
+        interval = plan["interval"]
+        row = {"problems": k, "of": problems, "n": summary["sampling"]["n"], "max_new_tokens": summary["sampling"]["max_new_tokens"],
+               "mean_response_tokens": summary["mean_response_tokens"], "truncated": summary["truncated"],
+               "tokens_per_s": summary["num_samples"] * summary["mean_response_tokens"] / summary["generation_seconds"],
+               "generation_s": summary["generation_seconds"], "command": " ".join(["python", *command[1:]])}
+        for answer_format in ("strict", "lenient"):
+            values = per_problem(out / name / "samples.jsonl", answer_format)
+            low, high = bootstrap_interval(values, interval["level"], interval["resamples"], interval["seed"])
+            row[answer_format] = {"mean_at_n": sum(values) / len(values), "low": low, "high": high}
+        rows[name] = row
+    provenance = {**code_state(), "time": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions(),
+                  "model": plan["model"], "registration": "recipes/real_model.yaml"}
+    results_file.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")
+    (OUT / "base_eval.md").write_text(table(rows, provenance))
+    print(table(rows, provenance))
+    return 0
+
+
+def table(rows: dict, provenance: dict) -> str:
+    lines = ["| benchmark | problems (of) | n | mean@n strict [95% CI] | mean@n lenient [95% CI] | response tokens (truncated) | tokens/s |",
+             "|---|---:|---:|---|---|---:|---:|"]
+    for name, row in rows.items():
+        cells = [f"{100 * row[f]['mean_at_n']:.1f}% [{100 * row[f]['low']:.1f}, {100 * row[f]['high']:.1f}]" for f in ("strict", "lenient")]
+        lines.append(f"| {name} | {row['problems']} ({row['of']}) | {row['n']} | {cells[0]} | {cells[1]} | "
+                     f"{row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | {row['tokens_per_s']:.1f} |")
+    lines.append("")
+    lines.append(f"SmolLM2-135M-Instruct (vcpo.local_models), hf backend on CPU, {provenance['threads']} threads, {provenance['cpu']}; "
+                 f"commit {provenance.get('commit', '?')[:12]}, {provenance['time']}; registered in recipes/real_model.yaml.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
