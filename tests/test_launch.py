@@ -394,6 +394,8 @@ def test_opob_on_megatron_composes_megatrons_local_layers_over_the_authors_paral
         assert actor.megatron[key] == ref.megatron[key] == layout[key]
     transformer = actor.megatron.override_transformer_config
     assert (transformer.transformer_impl, transformer.sequence_parallel, transformer.recompute_granularity) == ("local", False, "selective")
+    assert transformer.masked_softmax_fusion is False  # its kernel is apex's or Megatron-LM's, not megatron-core's
+    assert ref.megatron.pad_bshd_to_minibatch_max is False
     assert (actor.megatron.sequence_parallel, ref.megatron.sequence_parallel, config.actor_rollout_ref.model.use_remove_padding) == (False,) * 3
     assert (actor.megatron.use_mbridge, actor.megatron.vanilla_mbridge) == (True, True)
     assert (actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu) == (False, 1)
@@ -474,6 +476,9 @@ def test_the_refusals_are_the_engines_own():
     for name, value in fields.items():
         assert len(megatron_opob_refusals(dataclasses.replace(runs, **{name: value}))) == 1, name
     assert megatron_opob_refusals(dataclasses.replace(runs, recompute_granularity="full", pipeline_parallel=1)) == []
+    # a selective recompute reruns watched layers too, unless it is core attention's alone (megatron's default list)
+    assert len(megatron_opob_refusals(dataclasses.replace(runs, recompute_modules=("core_attn", "mlp")))) == 1
+    assert megatron_opob_refusals(dataclasses.replace(runs, recompute_modules=("core_attn",))) == []
 
 
 def test_a_strategy_the_launcher_does_not_compose_is_refused():

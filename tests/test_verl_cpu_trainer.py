@@ -218,3 +218,25 @@ def test_the_shaped_reward_adds_the_dense_term():
 
     reward = shaped_reward("gsm8k", "#### 7", "7")
     assert reward["score"] == pytest.approx(1.0 + 0.1 * 1 / 6) and reward["acc"]
+
+
+@pytest.mark.slow
+def test_verls_trainer_runs_vcpo_on_the_real_pretrained_model(tmp_path):
+    """Two VCPO steps at lag 1 through verl's trainer on SmolLM2-135M-Instruct (vcpo.local_models: fetched once, then
+    from the cache): the VCPO metrics finite every step as on the random model, and the actor's weights moved."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vcpo.local_models import packaged_model
+
+    base = packaged_model("smollm2-135m-instruct")
+    out = tmp_path / "run"
+    records, output = run_cpu_recipe(out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps", "2")
+    check_vcpo_lag1_run(records, output, 2)
+    check_checkpoint(out, 2)
+    trained = torch.load(out / "checkpoints" / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)
+    before = load_file(base / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    after = trained[name].full_tensor() if hasattr(trained[name], "full_tensor") else trained[name]
+    change = float((after.float() - before[name]).norm() / before[name].norm())
+    assert 0 < change < 0.1, change

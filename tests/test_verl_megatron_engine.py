@@ -157,7 +157,9 @@ def test_mbridge_builds_megatrons_local_spec_when_the_transformer_config_says_lo
 
     parallel_state.initialize_model_parallel()
     try:
-        layer = LLMBridge._get_transformer_layer_spec(bridge("local")).layer_specs[0].submodules
+        block = LLMBridge._get_transformer_layer_spec(bridge("local"))
+        assert block.layer_norm.__name__ == "WrappedTorchNorm"  # the final norm too (apex's would refuse RMSNorm)
+        layer = block.layer_specs[0].submodules
         attention = layer.self_attention.submodules
         assert (attention.linear_qkv, attention.linear_proj, layer.mlp.submodules.linear_fc1) == (
             ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear)

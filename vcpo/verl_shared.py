@@ -105,9 +105,17 @@ class MegatronSetup:
     overlap_grad_reduce: bool  # override_ddp_config.overlap_grad_reduce
     dtype: str
     recompute_granularity: str | None
+    recompute_modules: tuple[str, ...] | None = None  # selective recompute's modules (None: megatron's default, core_attn)
 
 
 _MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+def _recomputes_watched_layers(setup: MegatronSetup) -> bool:
+    """Whether megatron reruns, in the backward, a module whose linears or norms the per-sequence norms watch: full
+    recompute, or a selective recompute of anything but core attention (which has no parameters)."""
+    modules = ("core_attn",) if setup.recompute_modules is None else setup.recompute_modules
+    return setup.recompute_granularity == "full" or (setup.recompute_granularity == "selective" and bool(set(modules) - {"core_attn"}))
 
 
 def megatron_opob_refusals(setup: MegatronSetup) -> list[str]:
@@ -132,8 +140,9 @@ def megatron_opob_refusals(setup: MegatronSetup) -> list[str]:
         (setup.overlap_grad_reduce, f"++{_MEGATRON}.override_ddp_config.overlap_grad_reduce=false",
          "the reduction would start before the combined gradient is written"),
         (setup.dtype in ("float16", "fp16"), f"{_MEGATRON}.dtype=bfloat16", "fp16 loss scaling would scale every per-sequence norm"),
-        (setup.recompute_granularity == "full" and setup.pipeline_parallel > 1,
-         f"++{_MEGATRON}.override_transformer_config.recompute_granularity=selective",
-         "under pipeline parallelism a fully recomputed layer would be bound to the micro-batch announced last"),
+        (setup.pipeline_parallel > 1 and _recomputes_watched_layers(setup),
+         f"++{_MEGATRON}.override_transformer_config.recompute_granularity=selective "
+         f"++{_MEGATRON}.override_transformer_config.recompute_modules=[core_attn]",
+         "under pipeline parallelism a recomputed linear or norm would be bound to the micro-batch announced last"),
     ]
     return [f"{setting} ({why})" for present, setting, why in rules if present]

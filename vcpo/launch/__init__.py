@@ -501,7 +501,8 @@ def megatron_setup(config) -> MegatronSetup:
         context_parallel=megatron.get("context_parallel_size", 1) or 1, pipeline_parallel=megatron.pipeline_model_parallel_size,
         per_token_loss=bool(transformer.get("calculate_per_token_loss", False)),
         overlap_grad_reduce=bool((megatron.get("override_ddp_config", None) or {}).get("overlap_grad_reduce", False)),
-        dtype=str(megatron.get("dtype", "bfloat16")), recompute_granularity=transformer.get("recompute_granularity", None))
+        dtype=str(megatron.get("dtype", "bfloat16")), recompute_granularity=transformer.get("recompute_granularity", None),
+        recompute_modules=None if transformer.get("recompute_modules", None) is None else tuple(transformer.recompute_modules))
 
 
 def check_megatron(config) -> None:

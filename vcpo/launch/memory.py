@@ -115,8 +115,8 @@ def model_shape(path: str) -> ModelShape:
 def megatron_sequence_parallel(megatron) -> bool:
     """Whether the actor's megatron model runs sequence parallel: mbridge turns it on whenever TP > 1 and only
     ``override_transformer_config.sequence_parallel`` turns it off (Megatron-Bridge follows the engine's own key)."""
-    if not megatron.get("vanilla_mbridge", False):
-        return bool(megatron.get("sequence_parallel", False))
+    if not megatron.get("vanilla_mbridge", False):  # verl's McoreEngineConfig turns it off at TP 1
+        return bool(megatron.get("sequence_parallel", False)) and megatron.tensor_model_parallel_size > 1
     transformer = megatron.get("override_transformer_config", None) or {}
     return bool(transformer.get("sequence_parallel", megatron.tensor_model_parallel_size > 1))
 
@@ -176,8 +176,10 @@ def check_memory(projected: Projection, capacity_gb: float) -> None:
     step = f"OPOB {projected.mode} step" if projected.opob else "plain step"
     if projected.layout.strategy == "megatron":  # verl's Megatron engine recomputes by its transformer config
         transformer = "++actor_rollout_ref.actor.megatron.override_transformer_config"
-        hints = ["more trainer GPUs", f"{transformer}.recompute_granularity=full {transformer}.recompute_method=uniform "
-                 f"{transformer}.recompute_num_layers=1"]
+        hints = ["more trainer GPUs"]
+        if not (projected.opob and projected.layout.pipeline_parallel > 1):  # OPOB refuses it there (megatron_opob_refusals)
+            hints.append(f"{transformer}.recompute_granularity=full {transformer}.recompute_method=uniform "
+                         f"{transformer}.recompute_num_layers=1")
     else:
         hints = ["more trainer GPUs", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu lower",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true"]

@@ -314,7 +314,7 @@ class MegatronSequenceNorms:
         A parameter `partial_over_tensor_parallel` has this rank's part of each vector (its tokens, its heads):
         squared after their sum over the TP group, combined as they are (its gradient is summed over the group afterwards)."""
         flat = per_sequence.reshape(per_sequence.shape[0], -1)
-        if id(param) in self.partial and dist.is_initialized():
+        if id(param) in self.partial and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             summed = all_reduce_here(flat, self.tp_group)
             self._add(record, param, (summed * summed).sum(1))
         else:

@@ -168,7 +168,8 @@ def megatron_recompute(transformer_impl: str | None, recompute_granularity: str 
     only each layer's input; the local spec's attention is unfused, and selective recompute of core_attn (megatron's
     default module list) recomputes it in the backward."""
     local = transformer_impl == "local"
-    recomputed = recompute_granularity == "selective" and "core_attn" in (recompute_modules or ("core_attn",))
+    modules = ("core_attn",) if recompute_modules is None else recompute_modules
+    recomputed = recompute_granularity == "selective" and "core_attn" in modules
     return recompute_granularity == "full", ("local_recomputed" if recomputed else "local") if local else "fused"
 
 

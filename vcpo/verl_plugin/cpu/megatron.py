@@ -47,7 +47,6 @@ CPU_TRANSFORMER_CONFIG = {
     # kernel is missing, or the torch.cuda.current_device shim below):
     "use_cpu_initialization": True,  # weights initialised on the host, not torch.cuda.current_device()
     "gradient_accumulation_fusion": False,  # the fused_weight_gradient_mlp_cuda extension
-    "masked_softmax_fusion": False,  # a CUDA kernel (mbridge turns it on; megatron falls back to torch)
     "bias_activation_fusion": False,
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 LOCAL = "local"
+PATCHED = "__vcpo_honours_transformer_impl__"  # on each patched function (each is patched once, whatever else restores)
 
 # local-spec parameter names -> Transformer Engine spec names (the fused norm of linear_qkv / linear_fc1)
 LOCAL_TO_TE_NAMES = (
@@ -64,35 +65,45 @@ def honour_transformer_impl() -> None:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
     except ImportError:
         return
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     spec = LLMBridge._get_transformer_layer_spec
-    if getattr(spec, "__vcpo_honours_transformer_impl__", False):
-        return
-    attention = DotProductAttention.forward
+    if not getattr(spec, PATCHED, False):
 
-    @functools.wraps(attention)
-    def attention_with_verls_mask(self, query, key, value, attention_mask, *args, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 2:
-            attention_mask = square_attention_mask(attention_mask, query.size(0), key.size(0))
-        return attention(self, query, key, value, attention_mask, *args, **kwargs)
+        @functools.wraps(spec)
+        def layer_spec(self, vp_stage=None):
+            if not uses_local_spec(self.config):
+                return spec(self, vp_stage)
+            self.has_vp_stage = True
+            block = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization=self.config.normalization,
+                                               vp_stage=vp_stage)
+            # the final norm is megatron's LNImpl, apex's FusedLayerNorm where apex is installed, which refuses RMSNorm;
+            # the layers' own norms are torch's (the local spec's provider), and so is this one
+            block.layer_norm = WrappedTorchNorm
+            return block
 
-    @functools.wraps(spec)
-    def layer_spec(self, vp_stage=None):
-        if not uses_local_spec(self.config):
-            return spec(self, vp_stage)
-        self.has_vp_stage = True
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization=self.config.normalization,
-                                          vp_stage=vp_stage)
-
+        setattr(layer_spec, PATCHED, True)
+        LLMBridge._get_transformer_layer_spec = layer_spec
     to_hf = Bridge._weight_name_mapping_mcore_to_hf
+    if not getattr(to_hf, PATCHED, False):
 
-    @functools.wraps(to_hf)
-    def to_hf_names(self, mcore_weights_name):
-        return to_hf(self, te_name(mcore_weights_name) if uses_local_spec(self.config) else mcore_weights_name)
+        @functools.wraps(to_hf)
+        def to_hf_names(self, mcore_weights_name):
+            return to_hf(self, te_name(mcore_weights_name) if uses_local_spec(self.config) else mcore_weights_name)
 
-    layer_spec.__vcpo_honours_transformer_impl__ = True
-    LLMBridge._get_transformer_layer_spec = layer_spec
-    Bridge._weight_name_mapping_mcore_to_hf = to_hf_names
-    DotProductAttention.forward = attention_with_verls_mask
+        setattr(to_hf_names, PATCHED, True)
+        Bridge._weight_name_mapping_mcore_to_hf = to_hf_names
+    attention = DotProductAttention.forward
+    if not getattr(attention, PATCHED, False):
+
+        @functools.wraps(attention)
+        def attention_with_verls_mask(self, query, key, value, attention_mask, *args, **kwargs):
+            if attention_mask is not None and attention_mask.dim() == 2:
+                attention_mask = square_attention_mask(attention_mask, query.size(0), key.size(0))
+            return attention(self, query, key, value, attention_mask, *args, **kwargs)
+
+        setattr(attention_with_verls_mask, PATCHED, True)
+        DotProductAttention.forward = attention_with_verls_mask
 
 
 __all__ = ["LOCAL", "LOCAL_TO_TE_NAMES", "honour_transformer_impl", "square_attention_mask", "te_name", "uses_local_spec"]

@@ -173,7 +173,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         """Refuse, by key, what OPOB cannot run with (`megatron_opob_refusals`, as the launcher's dry run does)."""
         config, engine = get_model_config(self.module[0]), self.engine_config
         setup = MegatronSetup(
-            packed=bool(engine.use_remove_padding), fused_kernels=bool(getattr(self.model_config, "use_fused_kernels", False)),
+            packed=bool(engine.use_remove_padding), fused_kernels=bool(getattr(engine, "use_fused_kernels", False)),
             transformer_impl=getattr(config, "transformer_impl", None),
             vanilla_mbridge=bool(engine.use_mbridge and engine.vanilla_mbridge),
             sequence_parallel=bool(getattr(config, "sequence_parallel", False)), virtual_pipeline=len(self.module),
@@ -181,7 +181,8 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
             overlap_grad_reduce=bool(getattr(getattr(self.module[0], "ddp_config", None), "overlap_grad_reduce", False)),
             dtype="float16" if self.param_dtype == torch.float16 else "bfloat16",
-            recompute_granularity=getattr(config, "recompute_granularity", None))
+            recompute_granularity=getattr(config, "recompute_granularity", None),
+            recompute_modules=None if getattr(config, "recompute_modules", None) is None else tuple(config.recompute_modules))
         refused = megatron_opob_refusals(setup)
         if refused:
             raise NotImplementedError("OPOB in the vcpo Megatron engine cannot run with this config; set " + "; ".join(refused))
