@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", required=True, type=Path, help="benchmark files: <benchmark>/test.jsonl")
     parser.add_argument("--benchmarks", default=None, help="comma-separated; default: the registered ones")
     parser.add_argument("--work", type=Path, default=REPO / "results" / "real_model")
+    parser.add_argument("--other-work", default=None,
+                        help="what else ran on the machine during the generation, if anything (recorded: it slows tokens/s)")
     args = parser.parse_args(argv)
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     settings = read_yaml(recipes_dir() / "benchmarks.yaml")
@@ -76,11 +78,15 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "vcpo.evaluation", "--model", str(model), "--benchmarks", name, "--out", str(out),
                    "--source-dir", str(args.data), "--limit", str(k), "--max-new-tokens", str(plan["sampling"]["max_new_tokens"]),
                    "--backend", "hf", "--batch-size", str(plan["sampling"]["batch_size"])]
-        summary_file = out / name / "summary.json"
+        summary_file, origin_file = out / name / "summary.json", out / "provenance.json"
         if not summary_file.exists():
             print(f"{name}: the first {k} of {problems} problems, n = {spec['n']}", flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            origin = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions()}
+            origin_file.write_text(json.dumps(origin, indent=2) + "\n")
             env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
             subprocess.run(command, check=True, env=env)
+            origin_file.write_text(json.dumps({**origin, "end": utc_now()}, indent=2) + "\n")
         summary = json.loads(summary_file.read_text())
         interval = plan["interval"]
         row = {"problems": k, "of": problems, "n": summary["sampling"]["n"], "max_new_tokens": summary["sampling"]["max_new_tokens"],
@@ -91,16 +97,16 @@ def main(argv=None) -> int:
             values = per_problem(out / name / "samples.jsonl", answer_format)
             low, high = bootstrap_interval(values, interval["level"], interval["resamples"], interval["seed"])
             row[answer_format] = {"mean_at_n": sum(values) / len(values), "low": low, "high": high}
+        row["provenance"] = {**json.loads(origin_file.read_text()), "other_work": args.other_work}  # as the run began and ended
         rows[name] = row
-    provenance = {**code_state(), "time": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions(),
-                  "model": plan["model"], "registration": "recipes/real_model.yaml"}
-    results_file.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")
-    (OUT / "base_eval.md").write_text(table(rows, provenance))
-    print(table(rows, provenance))
+        provenance = {"model": plan["model"], "registration": "recipes/real_model.yaml"}
+        results_file.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")  # after each benchmark
+        (OUT / "base_eval.md").write_text(table(rows))
+    print(table(rows))
     return 0
 
 
-def table(rows: dict, provenance: dict) -> str:
+def table(rows: dict) -> str:
     lines = ["| benchmark | problems (of) | n | mean@n strict [95% CI] | mean@n lenient [95% CI] | response tokens (truncated) | tokens/s |",
              "|---|---:|---:|---|---|---:|---:|"]
     for name, row in rows.items():
@@ -108,8 +114,13 @@ def table(rows: dict, provenance: dict) -> str:
         lines.append(f"| {name} | {row['problems']} ({row['of']}) | {row['n']} | {cells[0]} | {cells[1]} | "
                      f"{row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | {row['tokens_per_s']:.1f} |")
     lines.append("")
-    lines.append(f"SmolLM2-135M-Instruct (vcpo.local_models), hf backend on CPU, {provenance['threads']} threads, {provenance['cpu']}; "
-                 f"commit {provenance.get('commit', '?')[:12]}, {provenance['time']}; registered in recipes/real_model.yaml.")
+    lines.append("SmolLM2-135M-Instruct (vcpo.local_models: the Q4_1 GGUF dequantized), hf backend on CPU; registered in "
+                 "recipes/real_model.yaml; mean@n over the first K problems, 95% percentile bootstrap over problems.")
+    for name, row in rows.items():
+        origin = row["provenance"]
+        lines.append(f"- {name}: `{row['command']}`; commit {origin['commit'][:12]}{' (dirty)' if origin['dirty'] else ''}, "
+                     f"{origin['start']} to {origin['end']}, {origin['cpu']}, {origin['threads']} threads"
+                     f"{'; other work on the machine: ' + origin['other_work'] if origin['other_work'] else ''}")
     return "\n".join(lines) + "\n"
 
 

@@ -69,10 +69,11 @@ def check_training_steps(records: list[dict], steps: int) -> None:
         assert finite(record, "response_length/mean") > 0
 
 
-def check_on_policy_log_probs(record: dict) -> None:
-    """Bypass mode: old_log_probs = rollout_log_probs, so on-policy weights are 1 up to float32 noise."""
+def check_on_policy_log_probs(record: dict, tolerance: float = 1e-4) -> None:
+    """Bypass mode: old_log_probs = rollout_log_probs, so on-policy weights are 1 up to float32 noise (the rollout's
+    padded generate against the trainer's packed forward)."""
     for key in ("actor/is_weight_max", "actor/is_weight_min"):
-        assert abs(finite(record, key) - 1.0) < 1e-4, (record["step"], key, record["data"][key])
+        assert abs(finite(record, key) - 1.0) < tolerance, (record["step"], key, record["data"][key])
 
 
 def check_checkpoint(out: Path, step: int) -> None:
@@ -87,19 +88,20 @@ def check_checkpoint(out: Path, step: int) -> None:
 OPOB_METRICS = ("actor/opob_baseline", "actor/seq_grad_norm_mean", "actor/seq_grad_norm_max", "actor/seq_grad_norm_min")
 
 
-def check_vcpo_lag1_run(records: list[dict], output: str, steps: int) -> None:
+def check_vcpo_lag1_run(records: list[dict], output: str, steps: int, on_policy_tolerance: float = 1e-4) -> None:
     """A vcpo run at lag 1 (PipelineRL-1 on ``separate_async``: a trainer worker and a standalone ``hf``
     rollout replica, weights synced through the object-store checkpoint engine after every step), run by
-    verl's trainer with the vcpo engine: seq-TIS, OPOB in the backward, the ESS step size. ``output``: its log."""
+    verl's trainer with the vcpo engine: seq-TIS, OPOB in the backward, the ESS step size. ``output``: its log;
+    ``on_policy_tolerance``: how far from 1 float32 noise may move an on-policy sequence weight."""
     check_training_steps(records, steps)
     assert "'loss_mode': 'seq_tis'" in output and "'model_type': 'vcpo_language_model'" in output
     staleness = [int(finite(r, STALENESS)) for r in records]
     assert staleness == [0] + [1] * (steps - 1), f"after the warm-up batch every step trains on lag-1 data: {staleness}"
     for record, lag in zip(records, staleness, strict=True):
         if lag == 0:  # bypass mode: old_log_probs = rollout log-probs, so on-policy weights are 1
-            check_on_policy_log_probs(record)
+            check_on_policy_log_probs(record, on_policy_tolerance)
         else:
-            assert abs(finite(record, "actor/is_weight_mean") - 1.0) > 1e-4, record["data"]
+            assert abs(finite(record, "actor/is_weight_mean") - 1.0) > on_policy_tolerance, record["data"]
         scale = finite(record, "actor/lr_scale")  # the ESS rule scaled this step's learning rate
         assert 0.0 < scale <= 1.0 + 1e-9
         assert math.isclose(finite(record, "actor/effective_lr"), scale * finite(record, "actor/lr"), rel_tol=1e-6)
@@ -232,7 +234,8 @@ def test_verls_trainer_runs_vcpo_on_the_real_pretrained_model(tmp_path):
     base = packaged_model("smollm2-135m-instruct")
     out = tmp_path / "run"
     records, output = run_cpu_recipe(out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps", "2")
-    check_vcpo_lag1_run(records, output, 2)
+    # 30 float32 layers: the on-policy weights sat 1.3e-4 below 1; the lagged ones at lr 1e-5 spread over 0.69-1.36
+    check_vcpo_lag1_run(records, output, 2, on_policy_tolerance=1e-3)
     check_checkpoint(out, 2)
     trained = torch.load(out / "checkpoints" / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)
     before = load_file(base / "model.safetensors")

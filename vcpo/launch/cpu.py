@@ -46,8 +46,8 @@ def build(args: argparse.Namespace, extra: list[str]):
     # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
     run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model in PACKAGED_MODELS:  # a pretrained model by name: the cached folder, fetched once
+    model, pretrained = args.model, args.model in PACKAGED_MODELS
+    if pretrained:  # a pretrained model by name: the cached folder, fetched once
         model = packaged_model(model)
     if model is None:
         model = out / "model"
@@ -62,7 +62,8 @@ def build(args: argparse.Namespace, extra: list[str]):
     strategy = actor_strategy(run)
     # Megatron: the task's layout (recipes/megatron.yaml) unless the user's overrides change it; it sets the trainer's slots
     layout = megatron_layout([*megatron_overrides(run), *extra]) if strategy == "megatron" else None
-    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout)
+    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout,
+                              pretrained=pretrained)
     overrides += [
         f"trainer.default_local_dir={out / 'checkpoints'}",
         # Ray workers get the driver's module list (CPU platform first), not the launcher's engine-only one

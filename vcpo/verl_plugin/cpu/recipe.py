@@ -130,6 +130,12 @@ def megatron_engine_overrides() -> list[str]:
     ]
 
 
+# a random model needs a large step to move within 3 steps (so lagged steps see ratios != 1); a pretrained one a small
+# one: at 1e-3 SmolLM2-135M's first step unlearned it (at step 2 the lag-1 weights fell to 2e-4 on average, ESS 1/8)
+RANDOM_MODEL_LR = 1e-3
+PRETRAINED_LR = 1e-5
+
+
 def cpu_overrides(
     model: str | os.PathLike,
     train_file: str | os.PathLike,
@@ -139,6 +145,7 @@ def cpu_overrides(
     separate: bool = True,
     strategy: str = "fsdp2",
     layout: dict[str, int] | None = None,
+    pretrained: bool = False,
 ) -> list[str]:
     """What a ``vcpo.launch`` run changes to fit one CPU: appended after the run's own overrides (they win).
 
@@ -149,6 +156,7 @@ def cpu_overrides(
     ``separate``: the run is ``separate_async`` (a logical GPU slot for the rollout replica besides the trainer's).
     ``strategy``: the actor's (``fsdp2`` unless the run asks for ``megatron``, see :func:`megatron_engine_overrides`);
     ``layout``: the Megatron world (:func:`megatron_layout`), which sets the trainer's GPU slots.
+    ``pretrained``: the model is a pretrained one (``vcpo.local_models.PACKAGED_MODELS``), trained at `PRETRAINED_LR`.
     """
     if strategy not in ("fsdp", "fsdp2", "megatron"):
         raise ValueError(f"cpu_overrides: the CPU recipe runs the fsdp2 or megatron strategy, not {strategy!r}")
@@ -173,8 +181,7 @@ def cpu_overrides(
         *(megatron_engine_overrides() if strategy == "megatron" else fsdp_engine_overrides()),
         f"{actor}.ppo_mini_batch_size=4",
         f"{actor}.ppo_micro_batch_size_per_gpu=4",
-        # a random model needs a large step to move within 3 steps (so lagged steps see ratios != 1)
-        f"{actor}.optim.lr=1e-3",
+        f"{actor}.optim.lr={PRETRAINED_LR if pretrained else RANDOM_MODEL_LR}",
         f"{actor}.optim.lr_warmup_steps=0",
         f"{actor}.optim.total_training_steps={steps}",
         # --- rollout: the transformers server of vcpo.verl_plugin.cpu.rollout, with per-token log-probs
