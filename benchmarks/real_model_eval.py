@@ -22,12 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from vcpo.local_models import packaged_model
+from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
+from vcpo.recipes import read_yaml, recipes_dir
 
-from vcpo.local_models import packaged_model  # noqa: E402
-from vcpo.provenance import code_state, cpu_name, library_versions, utc_now  # noqa: E402
-from vcpo.recipes import read_yaml, recipes_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 OUT = REPO / "tables" / "real_model"
 

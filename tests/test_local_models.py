@@ -166,3 +166,22 @@ def test_the_pretrained_model_is_smollm2_with_its_chat_template_and_real_text(sm
         out = model.generate(ids, max_new_tokens=24, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "51" in answer, answer
+
+
+def test_the_readmes_real_model_scores_are_the_committed_table():
+    """The README's evaluation row quotes tables/real_model/base_eval.json (benchmarks/real_model_eval.py wrote it)."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "tables" / "real_model" / "base_eval.json").read_text())["rows"]
+    readme = (root / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `vcpo/evaluation/`"))
+    quoted = re.search(r"GSM8K mean@(\d) ([\d.]+)% strict \[([\d.]+), ([\d.]+)\], ([\d.]+)% lenient \[([\d.]+), ([\d.]+)\] "
+                       r"over its first (\d+) problems", row)
+    gsm8k = rows["gsm8k"]
+    expected = [gsm8k["n"], *(round(100 * gsm8k[f][key], 1) for f in ("strict", "lenient") for key in ("mean_at_n", "low", "high")),
+                gsm8k["problems"]]
+    found = [int(quoted[1]), *(float(quoted[i]) for i in range(2, 8)), int(quoted[8])]
+    assert found == expected
