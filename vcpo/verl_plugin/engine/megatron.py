@@ -30,7 +30,7 @@ composes): the local layer spec (mbridge made to follow ``transformer_impl``, `l
 sequence parallelism. At its first OPOB step the engine refuses, each by its key, what `megatron_opob_refusals` refuses
 at the launcher's dry run (packed micro-batches, Transformer Engine's layers, Megatron-Bridge, sequence parallelism,
 fused kernels, virtual pipeline stages, context parallelism, megatron's per-token loss, overlapping gradient reduction,
-fp16, full recompute under pipeline parallelism), top-K distillation, and anything `MegatronSequenceNorms` cannot
+fp16, under pipeline parallelism any recompute of the layers the norms watch), top-K distillation, and anything `MegatronSequenceNorms` cannot
 count (it names the module). Metrics as the FSDP engine logs them.
 """
 
