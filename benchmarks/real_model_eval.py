@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
+from vcpo.studies.statistics import bootstrap_mean_interval
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,14 +35,6 @@ def subset_size(problems: int, samples: int, plan: dict) -> int:
     """The registered rule: the most problems whose worst case fits the budget."""
     rule, tokens = plan["subset"], plan["sampling"]["max_new_tokens"]
     return min(problems, math.floor(rule["budget_s"] * rule["slots_per_s"] / (samples * tokens)))
-
-
-def bootstrap_interval(values: list[float], level: float, resamples: int, seed: int) -> tuple[float, float]:
-    """Percentile bootstrap of the mean over ``values`` (one per problem)."""
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
-    low, high = (1 - level) / 2, 1 - (1 - level) / 2
-    return means[int(low * (resamples - 1))], means[int(high * (resamples - 1))]
 
 
 def per_problem(samples_file: Path, answer_format: str) -> list[float]:
@@ -94,7 +86,7 @@ def main(argv=None) -> int:
                "generation_s": summary["generation_seconds"], "command": " ".join(["python", *command[1:]])}
         for answer_format in ("strict", "lenient"):
             values = per_problem(out / name / "samples.jsonl", answer_format)
-            low, high = bootstrap_interval(values, interval["level"], interval["resamples"], interval["seed"])
+            low, high = bootstrap_mean_interval(values, interval["level"], interval["resamples"], interval["seed"])
             row[answer_format] = {"mean_at_n": sum(values) / len(values), "low": low, "high": high}
         row["provenance"] = {**json.loads(origin_file.read_text()), "other_work": args.other_work}  # as the run began and ended
         rows[name] = row

@@ -286,7 +286,8 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_every_task_has_a_reward():
-    assert set(TASKS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown"}
+    assert set(TASKS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown",
+                          "sums", "chain_sums", "word_problems", "countdown3"}
     assert {task.data_source for task in TASKS.values()} <= set(REWARD_BY_DATA_SOURCE)
 
 
@@ -346,3 +347,31 @@ def test_a_source_named_after_another_split_warns_and_is_recorded(tmp_path, benc
     assert str(test_file) in json.dumps(manifest)
     build("gsm8k", tmp_path / "out", split="test", source=test_file, size=5)
     assert "warning" not in capsys.readouterr().err
+
+
+STARTER_TASKS = [name for name, spec in TASKS.items() if spec.generator is not None]
+
+
+@pytest.mark.parametrize("task", STARTER_TASKS)
+def test_starter_tasks_are_disjoint_seeded_and_their_gold_answers_score_full_marks(task):
+    from vcpo.rewards import compute_score
+
+    train, validation = load_rows(task, "train", size=300), load_rows(task, "validation", size=300)
+    questions = [row["extra_info"]["question"] for row in train + validation]
+    assert len(set(questions)) == len(questions)  # no repeats, none shared by the splits
+    assert len(validation) == round(len(questions) * 0.2) and load_rows(task, "train", size=300) == train
+    assert load_rows(task, "train", size=300, seed=1) != train
+    for row in train[:20]:
+        assert row["data_source"] in REWARD_BY_DATA_SOURCE
+        oracle = row["extra_info"]["answer"]  # Reasoning Gym's own answer, written as the prompt asks
+        written = f"<answer>{oracle}</answer>" if row["data_source"] == "countdown" else f"#### {oracle}"
+        assert compute_score(row["data_source"], written, row["reward_model"]["ground_truth"])["score"] == 1.0
+
+
+def test_the_easiest_starter_task_is_sums_and_differences_of_two_numbers_up_to_ten():
+    rows = load_rows("sums", "train")
+    for row in rows:
+        a, operator, b = re.fullmatch(r"Calculate (\d+) ([+-]) (\d+)\.", row["extra_info"]["question"]).groups()
+        assert max(int(a), int(b)) <= 10  # Reasoning Gym's one-digit range reaches 10
+        assert int(row["reward_model"]["ground_truth"]) == (int(a) + int(b) if operator == "+" else int(a) - int(b))
+    assert len(rows) + len(load_rows("sums", "validation")) <= 11 * 11 * 2  # every distinct problem at most

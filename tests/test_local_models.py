@@ -185,3 +185,23 @@ def test_the_readmes_real_model_scores_are_the_committed_table():
                 gsm8k["problems"]]
     found = [int(quoted[1]), *(float(quoted[i]) for i in range(2, 8)), int(quoted[8])]
     assert found == expected
+
+
+def _benchmark_module(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_registered_task_rule_takes_the_candidate_in_the_band_closest_to_the_target():
+    chosen_task = _benchmark_module("real_model_task").chosen_task
+    band = (0.10, 0.60)
+    assert chosen_task({"a": 0.05, "b": 0.20, "c": 0.45, "d": 0.70}, band, 0.35) == "c"  # 0.10 from it, b 0.15
+    assert chosen_task({"a": 0.25, "b": 0.45}, band, 0.35) == "a"  # a tie goes to the earlier candidate
+    assert chosen_task({"a": 0.10, "b": 0.61}, band, 0.35) == "a"  # the band's ends are in it
+    assert chosen_task({"a": 0.0, "b": 0.09, "c": 0.95}, band, 0.35) is None

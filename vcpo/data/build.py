@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from vcpo import __version__
 from vcpo.data.countdown import countdown_split, default_size
 from vcpo.data.fields import gold_of, original_answer_of, question_of
+from vcpo.data.generated import DRAWS, generated_gold, generated_split
 from vcpo.data.sources import read_hub, read_local
 from vcpo.data.tasks import DatasetSpec, check_split, get_dataset
 from vcpo.rewards.countdown import countdown_ground_truth
@@ -28,7 +29,8 @@ def load_rows(
 
     ``size`` keeps a seeded random subset of that many rows (in their original order). For Countdown
     it is the size of the whole generated set instead (default 10,000: 9,000 train and 1,000
-    validation) and ``seed`` is the generation seed.
+    validation) and ``seed`` is the generation seed; for the starter tasks the number of draws
+    (`vcpo.data.generated`).
     """
     spec = get_dataset(task)
     check_split(spec, split)
@@ -37,6 +39,9 @@ def load_rows(
     if spec.hub_id is None:
         if source is not None:
             raise ValueError(f"task {task!r} is generated offline with Reasoning Gym and takes no source")
+        if spec.generator is not None:
+            return [_row(spec, split, index, entry["question"], generated_gold(spec, entry), str(entry["answer"]))
+                    for index, entry in enumerate(generated_split(spec, split, size, seed))]
         return [
             _countdown_row(spec, split, index, entry) for index, entry in enumerate(countdown_split(split, size, seed))
         ]
@@ -142,6 +147,9 @@ def _describe_source(spec: DatasetSpec, split: str, source, size: int | None, se
     if spec.hub_id is None:
         import reasoning_gym
 
+        if spec.generator is not None:
+            return {"source": f"reasoning_gym {reasoning_gym.__version__} {spec.generator} {spec.generator_config}, "
+                              f"{size or DRAWS} draws, seed {seed}"}
         total = size or default_size()
         return {"source": f"reasoning_gym {reasoning_gym.__version__} countdown, {total} puzzles, seed {seed}"}
     subset = {"subset": {"size": size, "seed": seed}} if size is not None else {}

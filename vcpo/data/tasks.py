@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 GSM8K_TEMPLATE = '{question} Let\'s think step by step and output the final answer after "####".'
 MATH_TEMPLATE = "{question} Let's think step by step and output the final answer within \\boxed{{}}."
+# the starter tasks (a small pretrained model's first RL task): the answer after "####", without asking for
+# step-by-step reasoning, so that a 64-token response holds it
+STARTER_TEMPLATE = '{question} Output the final answer after "####".'
 COUNTDOWN_TEMPLATE = (
     "{question}\nThink step by step, then write only the final expression inside <answer> </answer> tags, "
     "for example <answer>(1 + 2) * 3</answer>."
@@ -37,6 +40,12 @@ class DatasetSpec:
     dedupe_by_question: bool = False
     # Our split name -> a copy in the shared data folder, named in errors when the hub is unreachable.
     shared_files: dict[str, str] = field(default_factory=dict)
+    # generated offline by this Reasoning Gym dataset with this configuration (vcpo.data.generated); None: the hub,
+    # or Countdown's own generator (vcpo.data.countdown)
+    generator: str | None = None
+    generator_config: dict = field(default_factory=dict)
+    # the reward rule's data source (vcpo.rewards.REWARD_BY_DATA_SOURCE) when it is not the task's own name
+    reward_source: str | None = None
 
     def hub_split(self, split: str) -> str:
         return self.hub_splits.get(split, split)
@@ -44,11 +53,17 @@ class DatasetSpec:
     @property
     def data_source(self) -> str:
         # vcpo.rewards.REWARD_BY_DATA_SOURCE maps this name to the rule that scores the task.
-        return self.name
+        return self.reward_source or self.name
 
 
 def _math_task(name: str, hub_id: str, splits: tuple[str, ...], **details) -> DatasetSpec:
     return DatasetSpec(name=name, ability="math", template=MATH_TEMPLATE, splits=splits, hub_id=hub_id, **details)
+
+
+def _starter_task(name: str, generator: str, config: dict, *, template: str = STARTER_TEMPLATE,
+                  reward_source: str = "gsm8k") -> DatasetSpec:
+    return DatasetSpec(name=name, ability="arithmetic", template=template, splits=("train", "validation"),
+                       generator=generator, generator_config=config, reward_source=reward_source)
 
 
 TASKS: dict[str, DatasetSpec] = {
@@ -87,6 +102,16 @@ TASKS: dict[str, DatasetSpec] = {
             template=COUNTDOWN_TEMPLATE,
             splits=("train", "validation"),
         ),
+        # Starter tasks, generated offline: easy enough for SmolLM2-135M-Instruct to get some right before training
+        # (recipes/real_model.yaml chooses among them). Numeric answers are scored by the GSM8K rule (after "####").
+        _starter_task("sums", "basic_arithmetic",
+                      {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+                       "allow_parentheses": False, "allow_negation": False}),
+        _starter_task("chain_sums", "chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+        _starter_task("word_problems", "gsm_symbolic", {}),
+        _starter_task("countdown3", "countdown", {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 10,
+                                                  "min_target": 1, "max_target": 30}, template=COUNTDOWN_TEMPLATE,
+                      reward_source="countdown"),
     ]
 }
 

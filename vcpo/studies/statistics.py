@@ -5,6 +5,7 @@ tests). Small pure functions on arrays of numbers; each says what it computes.""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 
@@ -21,6 +22,14 @@ def mean_interval(values, confidence: float = 0.95) -> tuple[float, float, float
         return mean, -math.inf, math.inf
     half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
     return mean, mean - half, mean + half
+
+
+def bootstrap_mean_interval(values: list[float], level: float, resamples: int, seed: int) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (one per problem: problems are resampled)."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
+    low, high = (1 - level) / 2, 1 - (1 - level) / 2
+    return means[int(low * (resamples - 1))], means[int(high * (resamples - 1))]
 
 
 def paired_difference(a, b) -> dict:
