@@ -8,6 +8,9 @@ On one random-init Qwen2 model and one batch, in one process, it times one optim
   two_pass        the engines' memory-safe mode: a norms-only backward (``combination="norms"``), then a plain
                   backward of Σ_i (c^R_i − b c^S_i) l_i,
   per_sequence    one trajectory per micro-batch (the authors' release): ||g_i||² read off p.grad,
+  norms_pass      two_pass's first pass alone (what two_pass adds to plain),
+  input_grads     a forward and a backward that forms input gradients only (no weight gradient, no norm): the
+                  least any first pass costs, since every ||g_i||² needs every layer's output gradient,
 and prints each variant's median time and peak memory as a ratio to plain. Every step ends with the
 ESS-scaled AdamW step (`scaled_learning_rate` + `ess_step_scale`), identical in all variants.
 
@@ -46,7 +49,7 @@ from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
 from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
 
-VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence")
+VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
 
 # Qwen2 shapes; "0.5b" is the Qwen2-0.5B architecture (tied embeddings), with random weights.
 MODEL_SHAPES = {
@@ -172,6 +175,24 @@ def step_two_pass(model, engines, batch, args):
     weighted_backward(model, batch, args, batch["coef_r"] - baseline_from(norms, batch) * batch["coef_s"])
 
 
+def step_norms_pass(model, engines, batch, args):
+    opob_norms_and_buffers(engines.norms, model, batch, args)
+    engines.norms.discard()
+
+
+def step_input_grads(model, engines, batch, args):
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.requires_grad_())
+    try:
+        weighted_backward(model, batch, args, batch["coef_s"])
+    finally:
+        handle.remove()
+        for p in params:
+            p.requires_grad_(True)
+
+
 def step_per_sequence(model, engines, batch, args):
     """One unpadded trajectory per micro-batch: g_i = p.grad, folded into G_R and G_S one at a time."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -193,7 +214,7 @@ def step_per_sequence(model, engines, batch, args):
 
 
 STEPS = {"plain": step_plain, "opob": step_opob, "naive": step_naive, "two_pass": step_two_pass,
-         "per_sequence": step_per_sequence}
+         "per_sequence": step_per_sequence, "norms_pass": step_norms_pass, "input_grads": step_input_grads}
 
 
 def optimizer_step(optimizer, batch: dict) -> None:
