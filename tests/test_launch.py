@@ -177,6 +177,8 @@ def test_every_task_method_pair_composes_and_instantiates_verls_dataclasses():
          "must be divisible by the 8 data-parallel trainer GPUs"),
         (["--task", "math", "--method", "vcpo", "trainer.use_v1=false"], "legacy trainer replaces"),
         (["--task", "math", "--method", "vcpo", "no_such_key=1"], "verl's Hydra config rejects the overrides"),
+        (["--task", "gsm8k", "--method", "vcpo", "actor_rollout_ref.actor.policy_loss.rho_on=-0.5"],
+         "actor_rollout_ref.actor.policy_loss.rho_on: rho_on must be a positive finite number (an ESS ratio), got -0.5"),
     ],
 )
 def test_invalid_runs_fail_before_launch_naming_the_key(argv, message, capsys):

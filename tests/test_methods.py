@@ -204,6 +204,9 @@ def test_the_step_rule_is_read_from_the_preset_once():
     vcpo = step_rule("vcpo")
     assert (vcpo.ess, vcpo.opob, vcpo.rho_on, vcpo.form, vcpo.clamp) == (True, True, 1.0, "sqrt", True)
     assert vcpo.with_rho_on(None) is vcpo and vcpo.with_rho_on(0.55).rho_on == 0.55
+    for bad in (-0.5, 0.0, float("nan"), float("inf"), "0.5", True):
+        with pytest.raises(ValueError, match="rho_on must be a positive finite number"):
+            vcpo.with_rho_on(bad)
     # ρ_ess = 0.25 under the sqrt rule with ρ_on = 1: the step shrinks to sqrt(0.25) = 0.5 (VCPO Eq. 5)
     assert vcpo.lr_scale(0.25) == pytest.approx(0.5) and step_rule("tis_opob").lr_scale(0.25) == 1.0
     assert not step_rule("seq_tis_c8").active and step_rule("opob_only") == step_rule("tis_opob")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 import shlex
 import subprocess
@@ -227,18 +228,22 @@ def dry_run(config_name: str, results: Path) -> str:
 
 
 @pytest.mark.parametrize("name", ["ci", "paper"])
-def test_paths_with_spaces_stay_one_argument(tmp_path, name):
-    """Every shell command of the workflow, with a results folder whose path has spaces: each path
-    reaches its program as one argument (no split, no redirection elsewhere)."""
+def test_every_command_runs_this_interpreter_and_paths_with_spaces_stay_one_argument(tmp_path, name):
+    """Every shell command of the workflow, with a results folder whose path has spaces and a PATH without the
+    interpreter's folder: each runs the interpreter Snakemake runs in (not the shell's first `python`), and each
+    path reaches its program as one argument (no split, no redirection elsewhere)."""
     results = tmp_path / "with space" / "results"
     command = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "-n", "-p", "--configfile",
                str(CONFIGS / f"{name}.yaml"), "--config", f"results={results}"]
-    output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert output.returncode == 0, output.stdout + output.stderr
     commands = [line.removeprefix("Shell command: ") for line in output.stdout.splitlines() if line.startswith("Shell command: ")]
     assert len(commands) > 3
     with_results = 0
     for line in commands:
+        assert not re.search(r"(^|[\s;(])python3?\s", line), line
+        assert shlex.quote(sys.executable) in line or "vcpo" not in line, line
         pieces = [token for token in shlex.split(line) if "space" in token or token.startswith(str(tmp_path))]
         assert all(str(results) in token for token in pieces), line
         with_results += bool(pieces)

@@ -1,6 +1,7 @@
 """Simulator tasks, SFT bases and held-out evaluation (vcpo.sim.tasks, .base, .evaluate)."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -189,3 +190,16 @@ def test_a_base_trains_on_one_thread_whatever_its_builder_has(tmp_path, monkeypa
         assert seen == [base.SFT_THREADS] == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_machine_without_the_sandbox_is_told_before_the_tool_tasks_fine_tuning(tmp_path):
+    """`setpriv` missing (a PATH without it): the tool-use task's SFT base refuses in one line before training."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": str(tmp_path)}  # no setpriv, no unshare
+    done = subprocess.run([sys.executable, "-m", "vcpo.sim.base", "--task", "tir", "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "setpriv --pdeathsig" in done.stderr
+    assert not list((tmp_path / "cache").rglob("config.json"))  # no base was trained

@@ -15,9 +15,9 @@ import torch
 from vcpo.local_models import save_random_model
 from vcpo.methods import filed_lag, list_methods
 from vcpo.provenance import KERNEL_ENV, code_state
+from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
-from vcpo.runs import METRICS_FILE
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
 
 SMALL = {
@@ -125,6 +125,8 @@ def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"eps": -1.0}, "eps"),
         ({"eval_temperature": 0.0}, "eval_temperature"),
+        ({"rho_on": -0.5}, "rho_on"),
+        ({"rho_on": float("nan")}, "rho_on"),
     ],
 )
 def test_bad_config_names_the_key(base, tmp_path, changes, key):

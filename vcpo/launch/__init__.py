@@ -472,6 +472,10 @@ def check_engine(config) -> None:
     rule = step_rule(method)
     if not rule.active:
         return
+    try:  # the simulator's own check of the value (vcpo.methods)
+        rule.with_rho_on(_select(config, "actor_rollout_ref.actor.policy_loss.rho_on"))
+    except ValueError as error:
+        raise LaunchError(f"actor_rollout_ref.actor.policy_loss.rho_on: {error}") from None
     # key -> (its value, the values the engine accepts; the first is what vcpo.launch sets)
     needs = {
         "+actor_rollout_ref.model.model_type": (_select(config, "actor_rollout_ref.model.model_type"), (ENGINE_MODEL_TYPE,)),

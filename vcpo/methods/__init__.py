@@ -237,8 +237,13 @@ class StepRule:
         return " and ".join(name for name, used in (("the ESS step size", self.ess), ("OPOB", self.opob)) if used)
 
     def with_rho_on(self, rho_on: float | None) -> StepRule:
-        """The rule with a task's ρ_on (multi-turn tasks set their own, VCPO Table 5); None keeps the preset's."""
-        return self if rho_on is None else dataclasses.replace(self, rho_on=float(rho_on))
+        """The rule with a task's ρ_on (multi-turn tasks set their own, VCPO Table 5); None keeps the preset's.
+        ρ_on is an ESS ratio at which the step is full size: it must be a positive number (ValueError)."""
+        if rho_on is None:
+            return self
+        if isinstance(rho_on, bool) or not isinstance(rho_on, (int, float)) or not rho_on > 0 or rho_on == float("inf"):
+            raise ValueError(f"rho_on must be a positive finite number (an ESS ratio), got {rho_on!r}")
+        return dataclasses.replace(self, rho_on=float(rho_on))
 
     def lr_scale(self, ess_ratio: float) -> float:
         """The learning-rate multiplier of this step: the ESS rule's, 1 for a constant step size."""

@@ -38,6 +38,7 @@ from vcpo.locks import cache_dir as default_cache_dir
 from vcpo.locks import cache_entry_lock
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
+from vcpo.tools.sandbox import SandboxUnavailableError
 
 # Bump when the SFT procedure changes in a way the settings below do not capture: it changes every hash.
 SFT_VERSION = 2  # 2: every base trains on SFT_THREADS (a cached base of 1 may have trained on more)
@@ -231,6 +232,9 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
 
     from vcpo.sim.evaluate import heldout_accuracy
 
+    # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout; made first, so that a
+    # machine that cannot run the sandbox is told so before the fine-tuning, not after it
+    tool = {"tool": sandbox_tool(SIM_TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
     started, cpu_started = time.perf_counter(), time.process_time()
     dims = model_size(size)
     train = sim_task.problems("train")
@@ -286,8 +290,6 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
 
     model.eval()
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
-    # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout
-    tool = {"tool": sandbox_tool(SIM_TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
     if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
         model = model.cpu()
     sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)
@@ -356,7 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="SFT steps (default: the size's and task's)")
     args = parser.parse_args(argv)
     die_with_the_named_runner()  # a study's runner, however many processes lie between
-    path = sft_base(args.task, args.size, seed=args.seed, cache_dir=args.cache_dir, steps=args.steps)
+    try:
+        path = sft_base(args.task, args.size, seed=args.seed, cache_dir=args.cache_dir, steps=args.steps)
+    except SandboxUnavailableError as error:
+        raise SystemExit(f"error: {error}") from None
     info = json.loads((path / INFO_FILE).read_text())
     print(path)
     print(

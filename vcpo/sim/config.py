@@ -352,8 +352,10 @@ def validate(config: SimConfig) -> SimConfig:
         fail("base", f"no SFT base model at {config.base!r} (expected a save_pretrained folder with config.json)")
     if config.base is None and config.model_size not in MODEL_SIZES:
         fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
-    if config.rho_on is not None and not config.rho_on > 0:
-        fail("rho_on", "must be positive")
+    try:
+        step_rule(method.name).with_rho_on(config.rho_on)
+    except ValueError as error:
+        fail("rho_on", str(error))
     return dataclasses.replace(
         config,
         max_response_tokens=task.max_response_tokens if config.max_response_tokens is None else config.max_response_tokens,

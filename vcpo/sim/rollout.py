@@ -395,8 +395,11 @@ SIM_TOOL_TIMEOUT_S = 5.0
 
 def sandbox_tool(timeout_s: float) -> Callable[[str], ToolResult]:
     """The tool of multi-turn rollouts: run the program in vcpo.tools' sandbox; the policy reads stdout,
-    the exception's last line, or the limit that stopped the program (``Error: timeout``, ...)."""
-    from vcpo.tools.sandbox import SandboxStatus, run_python
+    the exception's last line, or the limit that stopped the program (``Error: timeout``, ...). Refuses at once
+    (RuntimeError) where the sandbox cannot run, before any training relies on it."""
+    from vcpo.tools.sandbox import SandboxStatus, check_sandbox, run_python
+
+    check_sandbox()
 
     def run(code: str) -> ToolResult:
         result = run_python(code, timeout_s=timeout_s)

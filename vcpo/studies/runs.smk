@@ -1,5 +1,7 @@
 # A study's runs: the SFT bases, the trainings, the archive. vcpo.studies.runner.run_all writes the config
 # (the design, the study and archive folders, the runs to do) and runs this file; see its docstring.
+import shlex
+import sys
 from pathlib import Path
 
 from vcpo.runs import FINAL_EVAL
@@ -8,6 +10,7 @@ from vcpo.studies.runner import base_marker, design_from_plan, sources, train
 
 DESIGN = design_from_plan(config)
 RUNS, ARCHIVE = Path(config["runs"]), Path(config["archive"])
+PYTHON = shlex.quote(sys.executable)  # the interpreter vcpo is installed in, not the shell's first `python`
 PENDING = [(DESIGN.arm(task, name), seed) for task, name, seed in config["pending"]]
 PRIORITY = {(arm.task, arm.name, seed): len(PENDING) - index for index, (arm, seed) in enumerate(PENDING)}
 # a base is built when the first run that needs it comes up, not before (Snakemake gives dependencies no priority)
@@ -47,7 +50,7 @@ rule sft_base:
     threads: 1
     priority: lambda wildcards: BASE_PRIORITY.get(f"{wildcards.sim_task}-seed{wildcards.seed}.txt", 0)
     shell:
-        "python -m vcpo.sim.base --task {wildcards.sim_task} --seed {wildcards.seed} > {output:q}.tmp 2> {log:q} && mv {output:q}.tmp {output:q}"
+        "{PYTHON} -m vcpo.sim.base --task {wildcards.sim_task} --seed {wildcards.seed} > {output:q}.tmp 2> {log:q} && mv {output:q}.tmp {output:q}"
 
 
 rule train:

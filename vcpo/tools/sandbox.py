@@ -385,6 +385,15 @@ def _check_limits(**limits: float) -> None:
             raise ValueError(f"run_python: {name} must be positive, got {value!r}")
 
 
+class SandboxUnavailableError(RuntimeError):
+    """`run_python` cannot start a program on this machine (what is missing is named)."""
+
+
+def check_sandbox() -> None:
+    """SandboxUnavailableError naming what is missing when `run_python` could not start a program here."""
+    _check_guard()
+
+
 @functools.lru_cache(maxsize=1)
 def _check_guard() -> None:
     """The guard needs ``setpriv --pdeathsig`` (util-linux >= 2.33); without it a program could outlive
@@ -394,7 +403,7 @@ def _check_guard() -> None:
     except (OSError, subprocess.TimeoutExpired):
         ok = False
     if not ok:
-        raise RuntimeError(
+        raise SandboxUnavailableError(
             "run_python: `setpriv --pdeathsig` (util-linux >= 2.33) is needed so that a sandboxed program "
             "cannot outlive its caller; install util-linux"
         )

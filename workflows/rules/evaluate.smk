@@ -55,7 +55,7 @@ if config["backend"] == "verl":
         shell:
             # the latest checkpoint verl saved (with its Hugging Face weights: recipes/verl.yaml)
             "step=$(cat {params.checkpoints:q}/latest_checkpointed_iteration.txt);"
-            " python -m vcpo.evaluation --model {params.checkpoints:q}/global_step_$step/actor/huggingface"
+            " {PYTHON} -m vcpo.evaluation --model {params.checkpoints:q}/global_step_$step/actor/huggingface"
             ' --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
 
     rule evaluate_base:
@@ -71,7 +71,7 @@ if config["backend"] == "verl":
         log:
             f"{R}/logs/eval/{{task}}-base.log",
         shell:
-            'python -m vcpo.evaluation --model {params.model:q} --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
+            '{PYTHON} -m vcpo.evaluation --model {params.model:q} --out "$(dirname {output:q})" {params.options} > {log:q} 2>&1'
 
 
 def run_outputs(runs):

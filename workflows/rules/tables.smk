@@ -35,7 +35,7 @@ rule grad_norm_measurement:
         f"{R}/logs/measurements/{{figure}}.log",
     threads: 1
     shell:
-        "python -m vcpo.studies.grad_norms --runs {R:q}/runs --task {params.task} --out {output:q} > {log:q} 2>&1"
+        "{PYTHON} -m vcpo.studies.grad_norms --runs {R:q}/runs --task {params.task} --out {output:q} > {log:q} 2>&1"
 
 
 rule figure:
@@ -53,7 +53,7 @@ rule figure:
     log:
         f"{R}/logs/figures/{{figure}}.log",
     shell:
-        "python -m vcpo.reporting figure {wildcards.figure} --runs {R:q}/runs --scale {SCALE} {params.args}"
+        "{PYTHON} -m vcpo.reporting figure {wildcards.figure} --runs {R:q}/runs --scale {SCALE} {params.args}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -66,7 +66,7 @@ rule overhead_benchmark:
         f"{R}/logs/benchmarks/opob_overhead.log",
     threads: 2
     shell:
-        "python benchmarks/opob_overhead.py {params.args} --json {output:q} > {log:q} 2>&1"
+        "{PYTHON} benchmarks/opob_overhead.py {params.args} --json {output:q} > {log:q} 2>&1"
 
 
 def table1_args():
@@ -88,7 +88,7 @@ rule table1:
     log:
         f"{R}/logs/tables/table1.log",
     shell:
-        "python -m vcpo.reporting table1 --runs {R:q}/runs --scale {SCALE} {params.args} --out {output:q} > {log:q} 2>&1"
+        "{PYTHON} -m vcpo.reporting table1 --runs {R:q}/runs --scale {SCALE} {params.args} --out {output:q} > {log:q} 2>&1"
 
 
 rule hyperparameters:
@@ -105,7 +105,7 @@ rule hyperparameters:
     log:
         f"{R}/logs/tables/hyperparameters.log",
     shell:
-        "python -m vcpo.reporting hyperparams --out {R:q}/tables > {log:q} 2>&1"
+        "{PYTHON} -m vcpo.reporting hyperparams --out {R:q}/tables > {log:q} 2>&1"
 
 
 rule provenance:

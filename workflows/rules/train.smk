@@ -30,7 +30,7 @@ if config["backend"] == "sim":
         # same base whatever the cores), so the bases are built side by side.
         threads: 1
         shell:
-            f"python -m vcpo.sim.base --task {{wildcards.task}} {sim_base_args(config)}"
+            f"{PYTHON} -m vcpo.sim.base --task {{wildcards.task}} {sim_base_args(config)}"
             " > {output:q} 2> {log:q}"
 
     rule train:
@@ -53,7 +53,7 @@ if config["backend"] == "sim":
         threads: lambda wildcards: sim_cores(config, wildcards.task, wildcards.method, int(wildcards.lag))
         priority: training_priority
         shell:
-            "python -m vcpo.sim train {params.sim_config} --task {wildcards.task} --method {wildcards.method}"
+            "{PYTHON} -m vcpo.sim train {params.sim_config} --task {wildcards.task} --method {wildcards.method}"
             " --lag {wildcards.lag} --seed {wildcards.seed} --steps {params.steps} --out {params.out:q}"
             ' base="$(head -n 1 {input.base:q})" {params.settings} > {log:q} 2>&1'
 
@@ -72,7 +72,7 @@ else:
         log:
             f"{R}/logs/data/{{dataset}}-{{split}}.log",
         shell:
-            "python -m vcpo.data build {wildcards.dataset} --out {DATA:q} --split {wildcards.split}"
+            "{PYTHON} -m vcpo.data build {wildcards.dataset} --out {DATA:q} --split {wildcards.split}"
             " {params.source} > {log:q} 2>&1"
 
     def all_data_files():
@@ -115,7 +115,7 @@ else:
             log:
                 f"{R}/logs/random_model.log",
             shell:
-                "python -m vcpo.local_models {CPU_MODEL:q} > {log:q} 2>&1"
+                "{PYTHON} -m vcpo.local_models {CPU_MODEL:q} > {log:q} 2>&1"
 
     def launch_command(wildcards):
         """The run's command line: vcpo.launch on GPUs, or vcpo.launch.cpu (absolute paths: it runs
@@ -124,11 +124,11 @@ else:
         run = [f"--task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag} --seed {wildcards.seed}"]
         args = " ".join(q(arg) for arg in LAUNCH_ARGS)
         if not CPU_STEPS:
-            return " ".join(["python -m vcpo.launch", *run, f"--data-dir {q(DATA)} --output-dir {q(R + '/runs')}", args])
+            return " ".join([f"{PYTHON} -m vcpo.launch", *run, f"--data-dir {q(DATA)} --output-dir {q(R + '/runs')}", args])
         files = launcher_run(wildcards)
         train, val = (str(Path(files.data_files(which)[0]).resolve()) for which in ("train", "val"))
         return " ".join(
-            ["python -m vcpo.launch.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
+            [f"{PYTHON} -m vcpo.launch.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
              f"--model {q(str(Path(CPU_MODEL).resolve()))} --train {q(train)} --val {q(val)} --", args]
         )  # fmt: skip
 
