@@ -280,3 +280,80 @@ def test_the_results_counts_steps_and_times_are_the_committed_ones():
     seq_tis, vcpo = confirm["arms"]["seq_tis_lr5e-4_k8"], confirm["arms"]["vcpo_lr5e-4_k8"]
     assert seq_tis["collapses"] == seq_tis["n"] == 10 and f"ends at {100 * seq_tis['end']:.1f}%;" in prose
     assert f"({vcpo['collapses']} of 10 collapse)" in prose and "collapses in 10 of 10 runs" in readme
+
+
+# -- damaged archives (a copy of one archived run, never the committed archive itself) ---------------------------
+ARCHIVED_RUN = ROOT / "tables/across_lags/runs/tir_search/vcpo_lr2e-4_k4/seed1"
+
+
+@pytest.fixture
+def archived_copy(tmp_path):
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(ARCHIVED_RUN, folder)
+    return folder
+
+
+def test_an_archive_cut_short_is_refused_naming_the_file_and_the_missing_steps(archived_copy):
+    from vcpo.runs import MetricsProblem
+    from vcpo.studies.design import archived_metrics
+
+    assert len(archived_metrics(archived_copy)) == 81  # whole: steps 0-79 and the final evaluation's line
+    metrics = archived_copy / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:41]))  # steps 0-40 kept
+    with pytest.raises(MetricsProblem, match=rf"{metrics} lacks steps 41, 42, 43, 44, 45, \.\.\. \(39 in all\) of the 80"):
+        archived_metrics(archived_copy)
+
+
+@pytest.mark.parametrize(("file", "content", "message"), [
+    ("final/eval.json", "{not json", r"final/eval.json cannot be read as JSON \(JSONDecodeError"),
+    ("final/eval.json", "{}", "final/eval.json lacks test/accuracy"),
+    ("final/eval.json", "[1, 2]", "final/eval.json holds a JSON list, not an object"),
+    ("config.json", '{"steps": 80}', "config.json lacks task, lag, lr, base_seed"),
+])
+def test_a_damaged_run_file_is_one_sentence_naming_it(archived_copy, file, content, message):
+    from vcpo.runs import RunFileProblem
+    from vcpo.studies.across_lags import DESIGN
+    from vcpo.studies.design import load_design
+    from vcpo.studies.evidence import run_row
+
+    design = load_design(ROOT / DESIGN)
+    arm = design.arm("tir_search", "vcpo_lr2e-4_k4")
+    root = archived_copy.parent / "archive"
+    folder = root / "tir_search" / "vcpo_lr2e-4_k4" / "seed1"
+    folder.parent.mkdir(parents=True)
+    archived_copy.rename(folder)
+    assert run_row(design, arm, 1, root)["end"] == json.loads((ARCHIVED_RUN / "final/eval.json").read_text())["test/accuracy"]
+    (folder / file).write_text(content)
+    with pytest.raises(RunFileProblem, match=message):
+        run_row(design, arm, 1, root)
+
+
+def test_a_run_twice_in_a_table_is_refused_by_every_reader(tmp_path):
+    import sys
+
+    from vcpo.runs import RunFileProblem
+    from vcpo.studies.evidence import read_rows
+
+    lines = (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines(keepends=True)
+    table = tmp_path / "runs.jsonl"
+    table.write_text("".join([*lines[:3], lines[1]]))
+    row = json.loads(lines[1])
+    with pytest.raises(RunFileProblem, match=rf"{table} lines 2 and 4 are the same run \({row['task']}/{row['arm']}/{row['seed']}\)"):
+        read_rows(table)
+    for study in ("evidence", "across_lags"):
+        done = subprocess.run([sys.executable, "-m", f"vcpo.studies.{study}", "report", "--table", str(table), "--out", str(tmp_path)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 1 and done.stderr.strip().splitlines() == [f"error: {table} lines 2 and 4 are the same run "
+                                                                           f"({row['task']}/{row['arm']}/{row['seed']})"]
+
+
+def test_a_partial_last_line_is_reported_once_however_often_the_file_is_read(archived_copy, caplog):
+    from vcpo.reporting.runs import read_metrics
+
+    with open(archived_copy / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 80, "actor/lr')
+    for _ in range(3):
+        assert len(read_metrics(archived_copy)) == 81
+    assert sum("a partial last line is left out" in record.message for record in caplog.records) == 1

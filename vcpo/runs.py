@@ -36,12 +36,35 @@ def is_finished(run: str | Path) -> bool:
     return (Path(run) / FINAL_EVAL).exists()
 
 
-def final_eval(run: str | Path) -> dict:
-    return json.loads((Path(run) / FINAL_EVAL).read_text())
+class RunFileProblem(ValueError):
+    """A run's file that cannot be what it should be (damaged, cut, missing keys): one sentence naming it."""
 
 
-class MetricsProblem(ValueError):
+class MetricsProblem(RunFileProblem):
     """What a metrics file holds that cannot be one run's record of each step once."""
+
+
+def read_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
+    """The JSON object in ``path``, with ``keys``; RunFileProblem naming the file when it is not one."""
+    try:
+        content = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunFileProblem(f"{path} cannot be read as JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(content, dict):
+        raise RunFileProblem(f"{path} holds a JSON {type(content).__name__}, not an object")
+    if missing := [key for key in keys if key not in content]:
+        raise RunFileProblem(f"{path} lacks {', '.join(missing)}")
+    return content
+
+
+def final_eval(run: str | Path) -> dict:
+    return read_json(Path(run) / FINAL_EVAL, (TEST_ACCURACY,))
+
+
+def missing_steps(records: list[dict], steps: int) -> list[int]:
+    """The optimizer steps 0..steps-1 that no record of ``records`` (a run's metrics, flat) logs."""
+    ran = {int(record["step"]) for record in records if LR_SCALE in record}
+    return [step for step in range(steps) if step not in ran]
 
 
 def complete_records(path: Path) -> tuple[list[tuple[str, dict]], str]:

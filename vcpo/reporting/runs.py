@@ -9,6 +9,7 @@ Both become a list of flat dicts ``{"step": int, **metrics}``, so every consumer
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -44,8 +45,14 @@ def _flat(record: dict) -> dict:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``, by
-    ``vcpo.runs.metric_records``'s rule; what it leaves out is logged as a warning naming the run."""
-    return [_flat(record) for _, record in metric_records(run_dir, report=LOG.warning)]
+    ``vcpo.runs.metric_records``'s rule; what it leaves out is logged as a warning naming the run, once per
+    process (a report reads a run's file several times)."""
+    return [_flat(record) for _, record in metric_records(run_dir, report=_warn_once)]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    LOG.warning(message)
 
 
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:

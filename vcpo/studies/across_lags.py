@@ -24,9 +24,9 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.reporting.runs import read_metrics
+from vcpo.runs import VAL_ACCURACY, RunFileProblem, is_finished
 from vcpo.sim.config import load_config_file
-from vcpo.runs import VAL_ACCURACY, is_finished
-from vcpo.studies.design import Design, command_line, load_design, run_folder, run_settings
+from vcpo.studies.design import Design, archived_metrics, command_line, load_design, run_folder, run_settings
 from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
 from vcpo.studies.statistics import ALPHA, equivalence, holm
 
@@ -78,7 +78,7 @@ def write_rows(design: Design, archive: Path, table: Path) -> list[dict]:
         for seed in design.seeds_of(arm.task):
             folder = run_folder(archive, arm, seed)
             if is_finished(folder):
-                lines = read_metrics(folder)
+                lines = archived_metrics(folder)
                 rows.append({**run_row(design, arm, seed, archive, lines), "study_task": arm.task,
                              "validation_curve": validation_curve(lines)})
     target = sync_target([row for row in rows if counts(row)])
@@ -293,4 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RunFileProblem as problem:  # a damaged archive or table: one line naming the file
+        sys.exit(f"error: {problem}")

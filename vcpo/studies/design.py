@@ -24,7 +24,10 @@ from vcpo.runs import (
     SEQ_ESS_RATIO,
     TEST_ACCURACY,
     VAL_ACCURACY,
+    MetricsProblem,
     is_finished,
+    missing_steps,
+    read_json,
 )
 from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
 
@@ -108,9 +111,20 @@ def archive_finished(design: Design, runs: Path, archive: Path) -> int:
     return len(kept)
 
 
+def archived_metrics(folder: Path) -> list[dict]:
+    """A finished run's metrics, refused (MetricsProblem naming the file and the steps) unless they log every step its
+    config ran: a cut or damaged archive must not become a number."""
+    steps = read_json(folder / CONFIG_FILE, ("steps",))["steps"]
+    lines = read_metrics(folder)
+    if missing := missing_steps(lines, steps):
+        shown = ", ".join(map(str, missing[:5])) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise MetricsProblem(f"{folder / METRICS_FILE} lacks steps {shown} of the {steps} its config ran")
+    return lines
+
+
 def mean_step_scale(folders: list[Path]) -> float:
     """The mean of ``actor/lr_scale`` over every step of ``folders`` (evidence.md: the constant-rate control)."""
-    scales = [line[LR_SCALE] for folder in folders for line in read_metrics(folder) if LR_SCALE in line]
+    scales = [line[LR_SCALE] for folder in folders for line in archived_metrics(folder) if LR_SCALE in line]
     return float(np.mean(scales))
 
 

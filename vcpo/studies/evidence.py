@@ -30,7 +30,6 @@ import numpy as np
 from vcpo.locks import FolderInUse, write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.recipes import recipes_dir
-from vcpo.reporting.runs import read_metrics
 from vcpo.runs import (
     CONFIG_FILE,
     EFFECTIVE_LR,
@@ -38,14 +37,17 @@ from vcpo.runs import (
     SEQ_ESS_RATIO,
     TEST_ACCURACY,
     VAL_ACCURACY,
+    RunFileProblem,
     final_eval,
     is_finished,
+    read_json,
 )
 from vcpo.sim.config import SimConfig, validate
 from vcpo.studies.design import (
     Arm,
     Design,
     archive_finished,
+    archived_metrics,
     command_line,
     load_design,
     run_folder,
@@ -133,15 +135,19 @@ def ess_predictor(lines: list[dict], fall_step: int | None) -> float:
     return float(min(values)) if values else float("nan")
 
 
+# what a run's config.json must record for its row
+RECORDED_KEYS = ("task", "lag", "lr", "base_seed", "steps", "test_problems", "test_samples", "config_file", "threads")
+
+
 def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] | None = None) -> dict:
     """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json).
     ``lines``: its metrics, when the caller has read them already."""
     from vcpo.studies.stability import outcome
 
     folder = run_folder(root, arm, seed)
-    recorded = json.loads((folder / CONFIG_FILE).read_text())
+    recorded = read_json(folder / CONFIG_FILE, RECORDED_KEYS)
     final = final_eval(folder)
-    lines = read_metrics(folder) if lines is None else lines
+    lines = archived_metrics(folder) if lines is None else lines
     judged = outcome(lines)
     settings = run_settings(design, arm, seed, root)
     if settings is None:
@@ -189,7 +195,22 @@ def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
 
 # -- the report -------------------------------------------------------------------------------------
 def read_rows(table: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(table).read_text().splitlines() if line.strip()]
+    """The rows of a study's runs.jsonl; RunFileProblem naming the file and line when one cannot be read, or when a
+    run, (task, arm, seed), has two rows (it would count twice)."""
+    rows, seen = [], {}
+    for number, line in enumerate(Path(table).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            key = (row.get("study_task", row["task"]), row["arm"], row["seed"])
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise RunFileProblem(f"{table} line {number} is not a run's row") from None
+        if key in seen:
+            raise RunFileProblem(f"{table} lines {seen[key]} and {number} are the same run ({'/'.join(map(str, key))})")
+        seen[key] = number
+        rows.append(row)
+    return rows
 
 
 def arm_summary(rows: list[dict]) -> dict:
@@ -390,4 +411,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RunFileProblem as problem:  # a damaged archive or table: one line naming the file
+        sys.exit(f"error: {problem}")
