@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from vcpo.local_models import save_random_model
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
 from vcpo.runs import METRICS_FILE
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
 
 SMALL = {
@@ -240,3 +241,82 @@ def test_the_documented_rounds_are_the_committed_benchmarks():
             values[arm["method"] + "_range"] = f"{min(arm['speedup_rounds']):.2f}-{max(arm['speedup_rounds']):.2f}"
         assert quoted.format(**values) in readme
     assert f"seq-TIS in {gains['tir']['seq_tis_c8']} rounds of 5, VCPO in {gains['tir']['vcpo']})" in doc
+
+
+def test_more_than_one_thread_per_side_is_refused_naming_the_key(base, tmp_path):
+    """A forked generator hangs in OpenMP's first parallel region when the learner ran with more threads."""
+    for threads in (0, 2, 8):
+        with pytest.raises(ConfigError, match=rf"config key 'threads': execution=concurrent runs each side on one thread.*got threads={threads}"):
+            validate(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent", threads=threads))
+
+
+def test_a_reader_killed_holding_the_weights_lock_ends_the_publish_within_a_poll():
+    """The weights' lock taken by a process that then dies: publish gives up after POLL_S with GeneratorDied."""
+    import multiprocessing
+
+    from vcpo.sim.concurrent import POLL_S, GeneratorDied, SharedWeights
+
+    context = multiprocessing.get_context("fork")
+    weights = SharedWeights({"w": torch.zeros(3)}, 2, context)
+    weights.publish(0, {"w": torch.ones(3)})
+    holder = context.Process(target=lambda: (weights.lock.acquire(), os.kill(os.getpid(), signal.SIGKILL)))
+    holder.start()
+    holder.join()
+    started = time.monotonic()
+    with pytest.raises(GeneratorDied, match="died holding the weights' lock"):
+        weights.publish(1, {"w": torch.full((3,), 2.0)}, holder.is_alive)
+    assert time.monotonic() - started < 3 * POLL_S
+
+
+def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, tmp_path, monkeypatch):
+    """The learner holds step 2's update until the generator waits for θ_2, then SIGKILLs it: the learner's next wait
+    ends within seconds with GeneratorDied (before, a killed waiter could block the publish forever)."""
+    from vcpo.sim.concurrent import GeneratorDied, SharedWeights
+
+    get = SharedWeights.get
+
+    def waiting(self, version):  # the generator says when it starts to wait for a version not yet published
+        if int(self.versions[version % len(self.slots)]) != version:
+            os.kill(os.getppid(), signal.SIGUSR1)
+        return get(self, version)
+
+    monkeypatch.setattr(SharedWeights, "get", waiting)
+    waits = []
+    signal.signal(signal.SIGUSR1, lambda *_: waits.append(time.monotonic()))
+    train_step = Trainer.train_step
+
+    def killing(self):
+        if self.step == 2:
+            deadline = time.monotonic() + 60
+            while not waits and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert waits, "the generator never waited for weights"
+            os.kill(self.engine.process.pid, signal.SIGKILL)
+            self.engine.process.join()
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", killing)
+    trainer = Trainer(config(base, tmp_path / "run", lag_model="pipeline_overlap", execution="concurrent", lag=1, steps=6))
+    started = time.monotonic()
+    try:
+        with pytest.raises(GeneratorDied, match="the generator process ended \\(exit code -9\\) before step"):
+            trainer.run()
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    assert time.monotonic() - started < 120 and trainer.engine is None
+
+
+@pytest.mark.slow
+def test_the_command_line_says_in_one_line_that_the_generator_died_and_how_to_resume(base, tmp_path):
+    settings = [f"{k}={v}" for k, v in {**SMALL, "steps": 40, "lag_model": "pipeline_overlap"}.items()] + [f"base={base}", "threads=1"]
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "vcpo.sim", "train", *settings, f"out={out}", "execution=concurrent"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not ((out / METRICS_FILE).exists() and len((out / METRICS_FILE).read_text().splitlines()) >= 3):
+        time.sleep(0.02)
+    os.kill(child_pids(process.pid)[0], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert stderr.strip().splitlines()[-1].startswith("error: the generator process ended (exit code -9) before step")
+    assert stderr.strip().splitlines()[-1].endswith("the same command resumes it")

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{field.name:24s} {getattr(SimConfig(), field.name)!r}")
             return 0
         if args.command == "train":
+            from vcpo.sim.concurrent import GeneratorDied
             from vcpo.sim.train import Trainer
 
             die_with_the_named_runner()  # a study's runner, however many processes lie between
@@ -124,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"interrupted at step {trainer.step} of {trainer.config.steps} (last checkpoint: step "
                       f"{trainer.checkpointed_step}); the same command resumes it", file=sys.stderr)
                 return 130
+            except GeneratorDied as died:
+                print(f"error: {died} (last checkpoint: step {trainer.checkpointed_step}); the same command resumes it",
+                      file=sys.stderr)
+                return 1
             return 0
         if args.jobs < 1:
             parser.error(f"--jobs {args.jobs}: must be >= 1")

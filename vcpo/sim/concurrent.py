@@ -11,9 +11,14 @@ concurrent run logs the serial run's metrics (timings aside); the tests hold tha
 Weights travel through a ring of lag + 1 slots of shared tensors, version v in slot v mod (lag + 1).
 The learner writes θ_{s+1} after training on batch s, when the generator has produced batch s and
 needs only versions >= s + 1 - lag (``fixed``; >= s for ``pipeline_overlap``), so the slot written
-(that of θ_{s-lag}) is never read again. Batches travel back pickled at once, in a queue: the engine's
-state keeps changing after a batch is sent. The generator dies with the learner (PR_SET_PDEATHSIG),
-ignores Ctrl-C (the learner stops it), and reports its own failure as a traceback the learner raises.
+(that of θ_{s-lag}) is never read again. A lock guards the ring; the generator polls the version it needs
+rather than sleeping on a condition, because a process killed inside a multiprocessing ``Condition.wait``
+never gives its wake back, and the next ``notify_all`` would block the learner forever. Every wait of the
+learner's (the lock, the next batch) has a timeout and checks that the generator lives, so the generator's
+death at any point ends the learner within about ``POLL_S`` (`GeneratorDied`). Batches travel back pickled
+at once, in a queue: the engine's state keeps changing after a batch is sent. The generator dies with the
+learner (PR_SET_PDEATHSIG), ignores Ctrl-C (the learner stops it), and reports its own failure as a traceback
+the learner raises.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ from vcpo.lifetimes import die_with_parent
 
 # The generator side's share of a step, measured in the process that did the work.
 GENERATOR_TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/gen_wait_weights")
-POLL_S = 1.0  # how often a waiting side checks that the other is still alive
+POLL_S = 1.0  # how often the learner, waiting, checks that the generator is still alive
+VERSION_POLL_S = 0.001  # how often the generator looks for the version it waits for
+
+
+class GeneratorDied(RuntimeError):
+    """The generator process ended while the learner needed it (killed, out of memory, ...)."""
 
 
 @dataclass
@@ -60,26 +70,34 @@ class SharedWeights:
     def __init__(self, template: dict[str, torch.Tensor], slots: int, context):
         self.slots = [{name: value.detach().clone().share_memory_() for name, value in template.items()} for _ in range(slots)]
         self.versions = torch.full((slots,), -1, dtype=torch.long).share_memory_()
-        self.changed = context.Condition()
+        self.lock = context.Lock()
         self.waited_s = 0.0  # the generator's time waiting for versions, since the last take_waited()
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def publish(self, version: int, state: dict[str, torch.Tensor], reader_alive: Callable[[], bool] = lambda: True) -> None:
+        """Write ``version`` into its slot; GeneratorDied when the lock stays taken by a reader that has died."""
         slot = version % len(self.slots)
-        with self.changed:
+        while not self.lock.acquire(timeout=POLL_S):
+            if not reader_alive():
+                raise GeneratorDied(f"the generator process died holding the weights' lock (publishing version {version})")
+        try:
             for name, value in state.items():
                 self.slots[slot][name].copy_(value)
             self.versions[slot] = version
-            self.changed.notify_all()
+        finally:
+            self.lock.release()
 
     def get(self, version: int) -> dict[str, torch.Tensor]:
         """Version ``version``'s weights, once the learner has published them."""
         slot = version % len(self.slots)
         started = time.perf_counter()
-        with self.changed:
-            while int(self.versions[slot]) != version:
-                if int(self.versions[slot]) > version:
-                    raise RuntimeError(f"policy version {version} was overwritten by {int(self.versions[slot])}: the ring is too small")
-                self.changed.wait(POLL_S)
+        while True:
+            with self.lock:
+                current = int(self.versions[slot])
+            if current == version:
+                break
+            if current > version:
+                raise RuntimeError(f"policy version {version} was overwritten by {current}: the ring is too small")
+            time.sleep(VERSION_POLL_S)
         self.waited_s += time.perf_counter() - started
         return self.slots[slot]
 
@@ -127,7 +145,7 @@ class ConcurrentEngine:
         self.process.start()
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self.weights.publish(version, state)
+        self.weights.publish(version, state, self.process.is_alive)
 
     def next_batch(self, step: int) -> Produced:
         while True:
@@ -136,7 +154,8 @@ class ConcurrentEngine:
                 break
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(f"the generator process ended (exit code {self.process.exitcode}) before step {step}'s batch") from None
+                    raise GeneratorDied(f"the generator process ended (exit code {self.process.exitcode}) before step "
+                                        f"{step}'s batch") from None
         if isinstance(item, GeneratorFailed):
             raise RuntimeError(f"the generator process failed at step {step}:\n{item.traceback}")
         if item.step != step:

@@ -295,6 +295,11 @@ def validate(config: SimConfig) -> SimConfig:
         fail("execution", f"'concurrent' needs a lag model whose generation can overlap the update ({', '.join(OVERLAPPING_LAG_MODELS)} "
              f"at lag >= 1); lag_model={config.lag_model!r} at lag {config.lag} generates every batch with the weights "
              "of the step that trains on it (use execution=serial, or threads=2 to give one run both cores)")
+    if config.execution == "concurrent" and config.threads != 1:
+        # the generator is forked from the learner, and OpenMP's thread pool does not survive a fork: the generator
+        # would wait forever in its first parallel region
+        fail("threads", f"execution=concurrent runs each side on one thread (the generator is a forked process, and "
+             f"a fork cannot carry OpenMP's threads), got threads={config.threads}; use threads=1, or execution=serial")
     if config.max_response_tokens is not None and config.max_response_tokens < 1:
         fail("max_response_tokens", f"must be >= 1, got {config.max_response_tokens}")
     for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):

@@ -425,7 +425,7 @@ class Trainer:
             # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
             **machine,
             # the cores the run holds (threads per process x processes): its wall-clock hours x these are its core-hours
-            "cores": machine["torch_threads"] * (2 if self.config.execution == "concurrent" else 1),
+            "cores": min(machine["torch_threads"] * (2 if self.config.execution == "concurrent" else 1), os.cpu_count() or 1),
             **code,
             # a resumed run keeps its first start; every attempt (start step, time, code) is listed
             "started": earlier.get("started", now),
