@@ -4,10 +4,12 @@ import ast
 import asyncio
 import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -82,6 +84,44 @@ def test_a_disk_quota_bounds_all_files_together(isolation):
     else:
         assert result.status is SandboxStatus.DISK_LIMIT
         assert int(result.stdout or 0) < 200
+
+
+def test_the_quota_caps_the_number_of_files_too(isolation):
+    """Empty files cost no bytes but each costs the kernel an inode: past max_files, namespaces mode's tmpfs
+    refuses the next (ENOSPC), hooks mode stops the program (disk_limit); neither makes the 100,000 asked for."""
+    code = """
+    import os
+    made = 0
+    try:
+        for i in range(100_000):
+            os.symlink("main.py", f"link{i}") if i % 2 else open(f"empty{i}", "w").close()
+            made += 1
+    finally:
+        print(made, flush=True)
+    """
+    result, elapsed = run_timed(code, isolation=isolation, max_files=500, timeout_s=10)
+    if isolation == "namespaces":
+        assert result.status is SandboxStatus.ERROR and "No space left on device" in result.stderr
+        assert int(result.stdout) == 500
+    else:
+        assert result.status is SandboxStatus.DISK_LIMIT and int(result.stdout or 0) < 100_000
+    assert elapsed < 10
+
+
+def test_a_dead_callers_folder_is_removed_by_the_next_call(isolation, tmp_path):
+    """A caller killed between making its folder and starting the guard leaves the folder: the next call removes
+    it (its caller is gone and no process uses it), and keeps the folder of a caller that is alive."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(ended.stdout)
+    folders = [Path(tempfile.mkdtemp(prefix=f"vcpo-sandbox-{dead}-")), Path(tempfile.mkdtemp(prefix="vcpo-sandbox-1-"))]
+    (folders[0] / "work").mkdir()
+    (folders[0] / "work" / "main.py").write_text("print(1)")
+    try:
+        assert run_python("print('ok')", isolation=isolation).stdout == "ok\n"
+        assert not folders[0].exists() and folders[1].exists()  # pid 1 lives
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_timed(code: str, **kwargs):

@@ -224,7 +224,7 @@ class SandboxStatus(str, enum.Enum):
     ERROR = "error"  # non-zero exit status (an uncaught exception exits with 1)
     TIMEOUT = "timeout"  # wall-clock limit; the parent killed it
     OUTPUT_LIMIT = "output_limit"  # stdout or stderr exceeded max_output_bytes; the parent killed it
-    DISK_LIMIT = "disk_limit"  # hooks mode: its files exceeded max_disk_mb; the parent killed it
+    DISK_LIMIT = "disk_limit"  # hooks mode: its files exceeded max_disk_mb or max_files; the parent killed it
     CPU_LIMIT = "cpu_limit"  # RLIMIT_CPU (SIGXCPU)
     MEMORY_LIMIT = "memory_limit"  # MemoryError reached the top level
     KILLED = "killed"  # any other signal
@@ -264,6 +264,7 @@ def run_python(
     max_output_bytes: int = 64 * 1024,
     max_file_mb: int = 16,
     max_disk_mb: int = 64,
+    max_files: int = 4096,
     max_processes: int = 16,
     max_open_files: int = 256,
     stdin: str = "",
@@ -284,6 +285,8 @@ def run_python(
         max_disk_mb: all its files together: in namespaces mode the size of its tmpfs work directory
             (a write beyond it fails with ENOSPC), in hooks mode the parent polls the directory's size
             every ``_DISK_POLL_S`` and stops the program above it (status disk_limit).
+        max_files: files, folders and links it may create (each costs the kernel memory, whatever its size):
+            the tmpfs's inodes in namespaces mode (ENOSPC beyond), polled with the size in hooks mode.
         max_processes: tasks (processes and threads) the program may add (RLIMIT_NPROC).
         max_open_files: RLIMIT_NOFILE.
         stdin: text fed to the program's standard input.
@@ -306,6 +309,7 @@ def run_python(
         max_output_bytes=max_output_bytes,
         max_file_mb=max_file_mb,
         max_disk_mb=max_disk_mb,
+        max_files=max_files,
         max_processes=max_processes,
         max_open_files=max_open_files,
     )
@@ -333,9 +337,9 @@ def run_python(
         }
         command = _interpreter_command(config, site_packages)
         if use_namespaces:
-            command = _in_namespaces(command, workdir, root, max_disk_mb)
+            command = _in_namespaces(command, workdir, root, max_disk_mb, max_files)
         command = [*_GUARD_START, "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
-        disk_used = None if use_namespaces else functools.partial(_directory_bytes, workdir)
+        disk_used = None if use_namespaces else functools.partial(_directory_usage, workdir)
         started = time.monotonic()
         process = subprocess.Popen(
             command,
@@ -347,7 +351,8 @@ def run_python(
             start_new_session=True,
         )
         try:
-            capture = _capture_output(process, started + timeout_s, max_output_bytes, disk_used, max_disk_mb << 20)
+            capture = _capture_output(process, started + timeout_s, max_output_bytes, disk_used, max_disk_mb << 20,
+                                      max_files + 1)  # main.py is the first entry
         finally:
             _kill_process_group(process)
         wall_time_s = time.monotonic() - started
@@ -519,7 +524,9 @@ def _count_tasks_of_user(uid: int) -> int:
 @contextmanager
 def _private_dirs() -> Iterator[tuple[Path, Path]]:
     """A fresh temporary directory with the program's work directory and an empty mount point, on
-    which namespaces mode builds the program's root; deleted afterwards."""
+    which namespaces mode builds the program's root; deleted afterwards. Folders of callers that died before
+    their guard could remove them (a kill between the folder and the guard's start) are removed first."""
+    _remove_dead_callers_folders()
     base = Path(tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()))).resolve()
     try:
         (base / "work").mkdir()
@@ -527,6 +534,35 @@ def _private_dirs() -> Iterator[tuple[Path, Path]]:
         yield base / "work", base / "root"
     finally:
         _remove_tree(base)
+
+
+def _remove_dead_callers_folders() -> None:
+    """Remove every sandbox folder whose calling process has ended and that no process still uses (a guard
+    cleaning up names its folder in its command line)."""
+    temporary = Path(tempfile.gettempdir())
+    for name in os.listdir(temporary):
+        caller = name.removeprefix(_TEMP_PREFIX).split("-", 1)[0]
+        if not name.startswith(_TEMP_PREFIX) or not caller.isdigit() or _process_exists(int(caller)):
+            continue
+        if not leftover_sandboxes(int(caller))[0]:
+            _remove_tree_if_present(temporary / name)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_tree_if_present(path: Path) -> None:
+    try:
+        _remove_tree(path)
+    except FileNotFoundError:  # another caller swept it first
+        pass
 
 
 def _remove_tree(path: Path) -> None:
@@ -560,21 +596,22 @@ def _interpreter_command(config: dict, site_packages: bool) -> list[str]:
     return [sys.executable, *flags, "-c", _CHILD_SOURCE, marshal.dumps(config).hex(), config["workdir"]]
 
 
-def _in_namespaces(command: list[str], workdir: Path, root: Path, max_disk_mb: int) -> list[str]:
+def _in_namespaces(command: list[str], workdir: Path, root: Path, max_disk_mb: int, max_files: int = 4096) -> list[str]:
     """``command`` run in new namespaces with ``root`` as its file system (laid out here, its mounts in an
     fstab beside it, outside what the program sees)."""
-    fstab = _write_fstab(root.parent / "binds.fstab", root, _root_skeleton(root, workdir), workdir, max_disk_mb)
+    fstab = _write_fstab(root.parent / "binds.fstab", root, _root_skeleton(root, workdir), workdir, max_disk_mb, max_files)
     setup = ["sh", "-c", _NAMESPACE_SETUP_SCRIPT, "sandbox-setup", str(root), str(workdir), str(fstab), _MAIN_FILE]
     return [*_NAMESPACE_COMMAND, *setup, *command]
 
 
-def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path, max_disk_mb: int) -> Path:
+def _write_fstab(path: Path, root: Path, read_only: list[str], workdir: Path, max_disk_mb: int, max_files: int) -> Path:
     """An fstab binding each of ``read_only`` onto its place under ``root`` read-only, then a tmpfs of
-    ``max_disk_mb`` at ``workdir``'s place."""
+    ``max_disk_mb`` and ``max_files`` entries (its root and main.py besides) at ``workdir``'s place."""
     binds = [
         b"%s %s none bind,ro 0 0\n" % (_fstab_field(source), _fstab_field(str(root) + source)) for source in read_only
     ]
-    work = b"tmpfs %s tmpfs size=%dm,mode=0700,nosuid,nodev 0 0\n" % (_fstab_field(str(root) + str(workdir)), max_disk_mb)
+    work = b"tmpfs %s tmpfs size=%dm,nr_inodes=%d,mode=0700,nosuid,nodev 0 0\n" % (
+        _fstab_field(str(root) + str(workdir)), max_disk_mb, max_files + 2)
     path.write_bytes(b"".join(binds) + work)
     return path
 
@@ -711,10 +748,12 @@ class _Capture:
 
 
 def _capture_output(
-    process: subprocess.Popen, deadline: float, max_bytes: int, disk_used=None, max_disk_bytes: int = 0
+    process: subprocess.Popen, deadline: float, max_bytes: int, disk_used=None, max_disk_bytes: int = 0,
+    max_entries: int = 0,
 ) -> _Capture:
     """Read both pipes until the program exits, the deadline passes, a stream exceeds ``max_bytes`` or
-    ``disk_used()`` (polled every ``_DISK_POLL_S``, if given) exceeds ``max_disk_bytes``."""
+    ``disk_used()`` (bytes, entries; polled every ``_DISK_POLL_S``, if given) exceeds ``max_disk_bytes`` or
+    ``max_entries``."""
     buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(buffers, False)
     stopped_by = None
@@ -731,7 +770,8 @@ def _capture_output(
                 break
             if disk_used is not None and now >= next_disk_check:
                 next_disk_check = now + _DISK_POLL_S
-                if disk_used() > max_disk_bytes:
+                used, entries = disk_used()
+                if used > max_disk_bytes or entries > max_entries:
                     stopped_by = SandboxStatus.DISK_LIMIT
                     break
             if drain_until is None and _has_exited(process):
@@ -762,16 +802,17 @@ def _capture_output(
     )
 
 
-def _directory_bytes(path: Path) -> int:
-    """Disk space taken by everything under ``path`` (allocated blocks; links not followed)."""
-    total = 0
+def _directory_usage(path: Path) -> tuple[int, int]:
+    """Disk space taken by everything under ``path`` (allocated blocks; links not followed), and its entries."""
+    total = entries = 0
     for folder, subfolders, files in os.walk(path):
         for name in (*subfolders, *files):
+            entries += 1
             try:
                 total += os.lstat(os.path.join(folder, name)).st_blocks * 512
             except OSError:  # removed while we looked
                 continue
-    return total
+    return total, entries
 
 
 def _has_exited(process: subprocess.Popen) -> bool:
