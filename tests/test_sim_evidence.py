@@ -120,6 +120,7 @@ def write_metrics(folder, scales):
     folder.mkdir(parents=True)
     lines = [{"step": step, "actor/lr_scale": scale} for step, scale in enumerate(scales)]
     (folder / METRICS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "config.json").write_text(json.dumps({"steps": len(scales)}) + "\n")  # what a finished run records
     (folder / "final").mkdir()
     (folder / "final" / "eval.json").write_text("{}\n")
 

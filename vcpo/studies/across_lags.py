@@ -115,10 +115,34 @@ def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> d
         "primary": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
         "same_rate": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_k{k}") for k in LAGS]),
         "equivalence": equivalence_report(by_arm, arms),
+        # exploratory, beyond the registration (issue 51): the tuned arms against each other, VCPO's two rates, and which
+        # rate each method prefers at each lag (whether the premise of the transfer claim arises at all)
+        "tuned": compare(by_arm, [(f"vcpo_lr1e-4_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
+        "vcpo_rates": compare(by_arm, [(f"vcpo_lr1e-4_k{k}", f"vcpo_k{k}") for k in LAGS]),
+        "best_rates": best_rates(arms),
     }
     if timing and target:
         result["time_to_target"] = time_report(arms, target["arm"], timing, load_config_file(design.configs["countdown"]).steps)
+        result["time_ratio_range"] = time_ratio_range(result["time_to_target"], arms, timing)
     return result
+
+
+def best_rates(arms: dict) -> list[dict]:
+    """Per method and lag, the tested rates by mean end and the best of them."""
+    by_cell: dict[tuple[str, int], dict[float, float]] = {}
+    for arm in arms.values():
+        by_cell.setdefault((arm["method"], arm["lag"]), {})[arm["lr"]] = arm["end"]
+    return [{"method": method, "lag": lag, "ends": {str(lr): end for lr, end in sorted(ends.items())},
+             "best_lr": max(ends, key=ends.get)} for (method, lag), ends in sorted(by_cell.items()) if len(ends) > 1]
+
+
+def time_ratio_range(results: list[dict], arms: dict, timing: dict) -> dict:
+    """The VCPO / sync time-to-target ratio under each choice the one timing seed leaves open: the lag, and which sync
+    arm's seconds per step (the two rates' step times differ) multiply sync's median steps."""
+    per_step = timing["seconds_per_step"]
+    syncs = [name for name, arm in arms.items() if arm["method"] == "sync" and name in per_step]
+    ratios = [r["seconds"] / (r["sync_median_steps"] * per_step[name]) for r in results for name in syncs]
+    return {"low": min(ratios), "high": max(ratios), "sync_arms": syncs, "timing_seeds": 1} if ratios else {}
 
 
 def best_arm(arms: dict, names: list[str]) -> str | None:

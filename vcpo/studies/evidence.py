@@ -64,6 +64,7 @@ from vcpo.studies.statistics import (
     mean_interval,
     paired_difference,
     roc_auc,
+    sign_test,
     wilson_interval,
 )
 
@@ -217,6 +218,7 @@ def arm_summary(rows: list[dict]) -> dict:
     end, low, high = mean_interval([row["end"] for row in rows])
     quarter, quarter_low, quarter_high = mean_interval([row["last_quarter"] for row in rows])
     collapses = sum(row["collapsed"] for row in rows)
+    holds = sum(row["holds"] for row in rows) if all("holds" in row for row in rows) else None
     return {
         "n": len(rows), "method": rows[0]["method"], "lr": rows[0]["lr"], "lag": rows[0]["lag"],
         "end": end, "end_low": low, "end_high": high, "end_sd": float(np.std([r["end"] for r in rows], ddof=1)) if len(rows) > 1 else math.nan,
@@ -224,6 +226,8 @@ def arm_summary(rows: list[dict]) -> dict:
         "base": float(np.mean([row["base"] for row in rows])),
         "end_validation": float(np.mean([row["end_validation"] for row in rows])),
         "collapses": collapses, "collapse_low": wilson_interval(collapses, len(rows))[0], "collapse_high": wilson_interval(collapses, len(rows))[1],
+        **({"holds": holds, "holds_low": wilson_interval(holds, len(rows))[0], "holds_high": wilson_interval(holds, len(rows))[1]}
+           if holds is not None else {}),
         "mean_lr_scale": float(np.mean([row["mean_lr_scale"] for row in rows])),
         "ess_mean": float(np.mean([row["ess_mean"] for row in rows])), "ess_min": float(np.mean([row["ess_min"] for row in rows])),
         "grad_norm_max": float(np.max([row["grad_norm_max"] for row in rows])),
@@ -252,7 +256,8 @@ def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], me
     results = []
     for a, b in pairs:
         seeds = sorted(set(by_arm.get(a, {})) & set(by_arm.get(b, {})))
-        result = paired_difference([by_arm[a][s][metric] for s in seeds], [by_arm[b][s][metric] for s in seeds]) if seeds else {
+        first, second = [by_arm[a][s][metric] for s in seeds], [by_arm[b][s][metric] for s in seeds]
+        result = {**paired_difference(first, second), **sign_test(np.subtract(first, second))} if seeds else {
             "n": 0, "mean": math.nan, "low": math.nan, "high": math.nan, "p": math.nan}
         results.append({"a": a, "b": b, "metric": metric, **result})
     for result in results:  # what these pairs could have detected (90% power, two-sided ALPHA, before Holm)

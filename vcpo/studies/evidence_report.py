@@ -37,14 +37,15 @@ def p_value(value: float) -> str:
 
 
 def arms_table(arms: dict) -> list[str]:
-    lines = ["| arm | method | lr | lag | n | end, % (95% CI) | SD | last quarter, % (95% CI) | collapses (95% Wilson) | mean ESS step factor |",
-             "|---|---|---:|---:|---:|---|---:|---|---|---:|"]
+    lines = ["| arm | method | lr | lag | n | end, % (95% CI) | SD | last quarter, % (95% CI) | collapses (95% Wilson) | holds (95% Wilson) | mean ESS step factor |",
+             "|---|---|---:|---:|---:|---|---:|---|---|---|---:|"]
     for name, arm in arms.items():
+        holds = (f"{arm['holds']}/{arm['n']} [{100 * arm['holds_low']:.0f}%, {100 * arm['holds_high']:.0f}%]" if "holds" in arm else "-")
         lines.append(
             f"| {name} | {arm['method']} | {arm['lr']:.3g} | {arm['lag']} | {arm['n']} | {points(arm['end'])} "
             f"{interval(arm['end_low'], arm['end_high'])} | {points(arm['end_sd'])} | {points(arm['last_quarter'])} "
             f"{interval(arm['last_quarter_low'], arm['last_quarter_high'])} | {arm['collapses']}/{arm['n']} "
-            f"[{100 * arm['collapse_low']:.0f}%, {100 * arm['collapse_high']:.0f}%] | {arm['mean_lr_scale']:.3f} |"
+            f"[{100 * arm['collapse_low']:.0f}%, {100 * arm['collapse_high']:.0f}%] | {holds} | {arm['mean_lr_scale']:.3f} |"
         )
     return lines
 
@@ -64,13 +65,14 @@ def run_statistics_table(arms: dict) -> list[str]:
 
 
 def comparison_table(comparisons: list[dict]) -> list[str]:
-    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power |",
-             "|---|---:|---|---:|---:|---|---:|---:|"]
+    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power | sign test: a > b, p |",
+             "|---|---:|---|---:|---:|---|---:|---:|---|"]
     for c in comparisons:
+        sign = f"{c['sign_positive']}/{c['sign_n']}, {p_value(c['sign_p'])}" if c.get("sign_n") else "-"
         lines.append(
             f"| {c['a']} - {c['b']} | {c['n']} | {signed_points(c['mean'])} {interval(c['low'], c['high'], signed=True)} | "
             f"{p_value(c['p'])} | {p_value(c.get('p_holm', math.nan))} | {c.get('verdict', 'not tested (fewer than 2 pairs)')} | "
-            f"{points(c.get('sd'))} | {points(c.get('detectable_90'))} |"
+            f"{points(c.get('sd'))} | {points(c.get('detectable_90'))} | {sign} |"
         )
     return lines
 

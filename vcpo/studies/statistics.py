@@ -64,6 +64,17 @@ def detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float 
     return float(optimize.brentq(shortfall, 1e-6, 20.0) * sd)
 
 
+def sign_test(differences) -> dict:
+    """The exact two-sided sign test of paired differences: how many are positive of those not zero, and p (nan
+    without a nonzero difference). Robust where a few pairs carry a t-test's mean."""
+    from scipy import stats
+
+    values = np.asarray(differences, dtype=np.float64)
+    positive, nonzero = int((values > 0).sum()), int((values != 0).sum())
+    p = float(stats.binomtest(positive, nonzero, 0.5).pvalue) if nonzero else math.nan
+    return {"sign_positive": positive, "sign_n": nonzero, "sign_p": p}
+
+
 def holm(p_values: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values (family-wise error), in the given order."""
     order = sorted(range(len(p_values)), key=lambda i: p_values[i])
