@@ -7,12 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prose_quotes import assert_quotes_are_the_statistics, study_prose
 
 from vcpo.studies.across_lags import (
     ARCHIVE,
     DESIGN,
-    LAGS,
     REGISTRATION,
     TABLE,
     confirm_report,
@@ -220,7 +218,7 @@ def test_the_prose_quotes_the_committed_search_outcome():
     studies = " ".join((ROOT / "docs/studies.md").read_text().split())
     assert (f"its registered rule chose lr {label} at k = {chosen['lag']}, where seq-TIS collapsed in "
             f"{chosen['seq_tis_collapses']} of {chosen['seq_tis_n']} seeds and sync held in {chosen['sync_holds']} of {chosen['sync_n']}") in studies
-    assert f"the search found one (lr {label}, k = {chosen['lag']})" in " ".join((ROOT / "README.md").read_text().split())
+    assert f"at the chosen one (lr {label}, k = {chosen['lag']})" in " ".join((ROOT / "README.md").read_text().split())
     assert (ROOT / "tables/across_lags/tir_search.md").read_text() == search_markdown(outcome)
 
 
@@ -236,50 +234,52 @@ def test_the_studies_config_keeps_the_floating_point_order_of_every_archived_row
         assert commands and all("--config recipes/sim/regime.yaml " in c and "opob_combination" not in c for c in commands)
 
 
-def across_lags_prose(path: str) -> str:
-    return study_prose(ROOT, path, ("**Results** (all 272 runs", "Running and continuing it"), "across_lags")
+def block(path: str, marker: str) -> str:
+    text = (ROOT / path).read_text()
+    return text.split(f"<!-- {marker} -->\n", 1)[1].split(f"\n<!-- /{marker} -->", 1)[0]
 
 
-@pytest.mark.parametrize("path", ["docs/studies.md", "README.md"])
-def test_every_interval_the_results_quote_is_in_the_committed_statistics(path):
-    """The results prose quotes tables/across_lags/stats.json (written by `report` from the committed rows)."""
+def test_the_results_blocks_are_generated_from_the_committed_statistics():
+    """docs/studies.md's and the README's across-lags results are what `report` writes from stats.json now."""
+    from vcpo.studies.across_lags_report import readme_markdown, results_markdown
+
+    stats = json.loads((ROOT / "tables/across_lags/stats.json").read_text())
+    assert block("docs/studies.md", "across_lags_results") == results_markdown(stats)
+    assert block("README.md", "across_lags") == readme_markdown(stats)
+
+
+def test_the_readmes_status_paragraph_says_what_the_statistics_say():
+    from vcpo.studies.across_lags_report import common_rate_winners, unconfirmed_by_sign
+
     stats = json.loads((ROOT / "tables/across_lags/stats.json").read_text())
     countdown, confirm = stats["countdown"], stats["tir_confirm"]
-    arms = [*countdown["arms"].values(), *confirm["arms"].values()]
-    comparisons = countdown["primary"] + countdown["same_rate"] + confirm["comparisons"]
-    assert_quotes_are_the_statistics(across_lags_prose(path), arms, comparisons)
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "at this scale no method's best rate changes with the lag" in text
+    assert all(len(best) == 1 for best in common_rate_winners(countdown["best_rates"]).values())
+    assert "its own 1e-4 arms beat it at every lag" in text
+    assert all(c["mean"] > 0 and c["p_holm"] < 0.05 for c in countdown["vcpo_rates"])
+    assert "tuned against tuned VCPO and seq-TIS differ detectably at no lag" in text
+    assert all(c["p_holm"] >= 0.05 for c in countdown["tuned"])
+    words = {3: "three"}
+    qualifying = sum(c["qualifies"] for c in stats["tir_search"]["cells"])
+    assert f"The search found {words[qualifying]} qualifying cells" in text
+    sync, seq_tis, vcpo = (confirm["arms"][name] for name in ("sync_lr5e-4", "seq_tis_lr5e-4_k8", "vcpo_lr5e-4_k8"))
+    assert (f"seq-TIS collapsed in {seq_tis['collapses']} of {seq_tis['n']} runs, VCPO in {vcpo['collapses']} of {vcpo['n']} "
+            f"and sync in none, though sync held in only {sync['holds']}") in text and sync["collapses"] == 0
+    above, below = confirm["comparisons"]
+    assert above["mean"] > 0 > below["mean"] and above["p_holm"] < 0.05 and below["p_holm"] < 0.05
+    assert "VCPO ends above seq-TIS and below sync, the latter not confirmed by a sign test" in text
+    assert unconfirmed_by_sign(confirm["comparisons"]) == [below]
 
 
-def test_the_results_counts_steps_and_times_are_the_committed_ones():
-    stats = json.loads((ROOT / "tables/across_lags/stats.json").read_text())
-    countdown, confirm = stats["countdown"], stats["tir_confirm"]
-    arms, times = countdown["arms"], countdown["time_to_target"]
-    prose, readme = across_lags_prose("docs/studies.md"), across_lags_prose("README.md")
-    assert stats["rows_counted"] == stats["rows"] == 272 and "(all 272 runs" in prose
-    frozen = [arms[f"seq_tis_lr5e-5_k{lag}"] for lag in LAGS]
-    assert sum(a["collapses"] for a in frozen) == 0 and f"none of its {sum(a['n'] for a in frozen)} runs collapses" in prose
-    same_rate = [arms[f"seq_tis_k{lag}"]["collapses"] for lag in LAGS]
-    assert f"seq-TIS collapses there in {min(same_rate)} to {max(same_rate)} runs of 10" in prose
-    assert (f"(mean {arms['vcpo_k12']['mean_lr_scale']:.2f} at k = 12, {arms['vcpo_k96']['mean_lr_scale']:.2f} at k = 96)"
-            in prose)
-    equivalence = countdown["equivalence"]
-    assert all(e["verdict"] == "equivalence not shown" for e in equivalence)
-    gaps = [-100 * e["mean"] for e in equivalence]
-    assert f"ends {min(gaps):.1f} to {max(gaps):.1f} points below sync at its best rate" in prose
-    target, sync = countdown["target"], arms[countdown["target"]["arm"]]
-    assert (f"({100 * target['target']:.1f}% validation, the mean final of sync at 1e-4, reached by {sync['reached']} of its "
-            f"{sync['n']} runs, median {sync['median_steps']:g} steps)") in prose
-    reached = [arms[f"vcpo_k{lag}"]["reached"] for lag in LAGS]
-    assert reached[0] == 3 and not any(reached[1:]) and "in 3 of 10 runs at k = 12 and in none at larger lags" in prose
-    assert all(t["at_least"] for t in times)
-    low, high = min(t["ratio"] for t in times), max(t["ratio"] for t in times)
-    assert f"more than {low:.2f}-{high:.2f}x sync's (lower bounds)" in prose and f"more than {low:.2f}x sync's" in readme
-    per_step = stats["timing"]["seconds_per_step"]
-    vcpo_seconds = [per_step[f"vcpo_k{lag}"] for lag in LAGS]
-    assert f"({min(vcpo_seconds):.3f}-{max(vcpo_seconds):.3f} s against {per_step[target['arm']]:.3f} s" in prose
-    seq_tis, vcpo = confirm["arms"]["seq_tis_lr5e-4_k8"], confirm["arms"]["vcpo_lr5e-4_k8"]
-    assert seq_tis["collapses"] == seq_tis["n"] == 10 and f"ends at {100 * seq_tis['end']:.1f}%;" in prose
-    assert f"({vcpo['collapses']} of 10 collapse)" in prose and "collapses in 10 of 10 runs" in readme
+def test_the_transfer_sentence_says_when_a_best_rate_moves_with_the_lag():
+    from vcpo.studies.across_lags_report import rate_transfer_sentence
+
+    rows = [{"method": "m", "lag": lag, "ends": ends, "best_lr": 0.0}
+            for lag, ends in ((12, {"1e-4": 0.30, "2e-4": 0.25}), (96, {"1e-4": 0.20, "2e-4": 0.25, "5e-5": 0.4}))]
+    assert "the best rate changes with the lag for m" in rate_transfer_sentence(rows)
+    rows[1]["ends"]["1e-4"] = 0.26
+    assert "its best is the same at every lag (m 1e-4)" in rate_transfer_sentence(rows)  # 5e-5 was not tried at k = 12
 
 
 # -- damaged archives (a copy of one archived run, never the committed archive itself) ---------------------------

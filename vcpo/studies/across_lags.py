@@ -308,11 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.out, search_markdown(outcome))
         print(f"{'chosen: ' + json.dumps(outcome['chosen']) if outcome['chosen'] else 'no cell qualifies'} -> {args.out}")
     else:
-        from vcpo.studies.across_lags_report import write_report
+        from vcpo.studies.across_lags_report import readme_markdown, replace_block, results_markdown, write_report
 
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
         rows = read_rows(args.table)
-        write_report(report(rows, design, timing_table), rows, args.out)
+        stats = report(rows, design, timing_table)
+        write_report(stats, rows, args.out)
+        if args.table == TABLE:  # the committed study: its prose in the docs and the README is generated here
+            replace_block(Path("docs/studies.md"), "across_lags_results", results_markdown(stats))
+            replace_block(Path("README.md"), "across_lags", readme_markdown(stats))
+            print("wrote the across-lags blocks of docs/studies.md and README.md")
     return 0
 
 

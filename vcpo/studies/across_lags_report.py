@@ -241,3 +241,140 @@ def write_report(stats: dict, rows: list[dict], out: Path) -> None:
         draw_time(stats, rows, out / "time.png")
         written.append("time.png")
     print(f"wrote {', '.join(str(out / name) for name in written)}")
+
+
+# -- the prose of docs/studies.md and the README, generated from stats.json (issue 51) -------------------------------
+COMPARISON_ROWS = (  # stats key, a's name prefix (its arm at lag k: prefix + "_k{k}"), label, status
+    ("primary", "vcpo", "VCPO 2e-4 (preset) − seq-TIS 5e-5 (tuned at k = 48, frozen)", "registered primary"),
+    ("same_rate", "vcpo", "VCPO − seq-TIS, both at 2e-4", "registered secondary"),
+    ("tuned", "vcpo_lr1e-4", "VCPO 1e-4 − seq-TIS 5e-5 (tuned against tuned)", "exploratory"),
+    ("vcpo_rates", "vcpo_lr1e-4", "VCPO 1e-4 − VCPO 2e-4 (its preset rate)", "exploratory"),
+)
+END_ROWS = (("seq_tis_lr5e-5", "seq-TIS 5e-5 (tuned at k = 48, frozen)"), ("vcpo", "VCPO 2e-4 (preset)"),
+            ("vcpo_lr1e-4", "VCPO 1e-4"), ("seq_tis", "seq-TIS 2e-4"))
+
+
+def typographic(number: str) -> str:
+    return number.replace("-", "−")
+
+
+def difference_cell(c: dict) -> str:
+    """'−3.4 [−5.8, −1.0], Holm p 0.011, 3/10 above' (a typographic minus, as the prose prints it)."""
+    return (f"{typographic(signed_points(c['mean']))} {typographic(interval(c['low'], c['high'], signed=True))}, "
+            f"Holm p {p_value(c['p_holm'])}, {c['sign_positive']}/{c['sign_n']} above")
+
+
+def end_cell(arm: dict) -> str:
+    collapses = f", {arm['collapses']}/{arm['n']} collapse" if arm["collapses"] else ""
+    return f"{points(arm['end'])} {interval(arm['end_low'], arm['end_high'])}{collapses}"
+
+
+def ends_table(stats: dict) -> list[str]:
+    """Countdown's ends by lag, and sync's."""
+    countdown, lags = stats["countdown"], stats["countdown"]["lags"]
+    arms = countdown["arms"]
+    lines = ["| Countdown, `end`, % [95% CI] |" + "".join(f" k = {lag} |" for lag in lags), "|---|" + "---|" * len(lags)]
+    for prefix, label in END_ROWS:
+        lines.append(f"| {label} |" + "".join(f" {end_cell(arms[f'{prefix}_k{lag}'])} |" for lag in lags))
+    syncs = [name for name, arm in arms.items() if arm["method"] == "sync"]
+    return lines + ["", "Sync (no lag): " + "; ".join(f"{rate_label(arms[name]['lr'])}: {end_cell(arms[name])}" for name in syncs) + "."]
+
+
+def differences_table(stats: dict) -> list[str]:
+    """Countdown's paired differences by lag: every comparison, its status and its sign test."""
+    countdown, lags = stats["countdown"], stats["countdown"]["lags"]
+    header = "".join(f" k = {lag} |" for lag in lags)
+    lines = ["| paired by seed, points [95% CI], Holm p, seeds where a > b | status |" + header, "|---|---|" + "---|" * len(lags)]
+    for key, a_prefix, label, status in COMPARISON_ROWS:
+        by_lag = {c["a"]: c for c in countdown[key]}
+        lines.append(f"| {label} | {status} |" + "".join(f" {difference_cell(by_lag[f'{a_prefix}_k{lag}'])} |" for lag in lags))
+    return lines
+
+
+def unconfirmed_by_sign(comparisons: list[dict]) -> list[dict]:
+    """Comparisons Holm's t-test calls a difference that the exact sign test does not (p >= ALPHA)."""
+    return [c for c in comparisons if c.get("p_holm", 1) < 0.05 and not c.get("sign_p", 1) < 0.05]
+
+
+def confirmation_lines(stats: dict) -> list[str]:
+    confirm, search = stats["tir_confirm"], stats["tir_search"]
+    qualifying = [c for c in search["cells"] if c["qualifies"]]
+    chosen = search["chosen"]
+    lines = ["| tool use (`tir`), seeds 10-19 | `end`, % [95% CI] | collapses [95% Wilson] | holds [95% Wilson] |",
+             "|---|---|---|---|"]
+    for name, arm in confirm["arms"].items():
+        lines.append(f"| {name} | {points(arm['end'])} {interval(arm['end_low'], arm['end_high'])} | {arm['collapses']}/{arm['n']} "
+                     f"[{100 * arm['collapse_low']:.0f}%, {100 * arm['collapse_high']:.0f}%] | {arm['holds']}/{arm['n']} "
+                     f"[{100 * arm['holds_low']:.0f}%, {100 * arm['holds_high']:.0f}%] |")
+    lines += ["", "| paired by seed | points [95% CI], Holm p, seeds where a > b | sign test p |", "|---|---|---|"]
+    for c in confirm["comparisons"]:
+        lines.append(f"| {c['a']} − {c['b']} | {difference_cell(c)} | {p_value(c['sign_p'])} |")
+    cells = ", ".join(f"lr {rate_label(c['lr'])} at k = {c['lag']}" for c in qualifying)
+    lines += ["", f"The search (3 seeds per cell) found {len(qualifying)} qualifying cells ({cells}); its registered rule chose "
+                  f"lr {rate_label(chosen['lr'])} at k = {chosen['lag']}, where the confirmation ran."]
+    return lines
+
+
+def verdict_sentences(stats: dict) -> list[str]:
+    """What the numbers allow one to say, each sentence computed from them."""
+    countdown, times = stats["countdown"], stats["countdown"]["time_to_target"]
+    tuned, rates, primary = countdown["tuned"], countdown["vcpo_rates"], countdown["primary"]
+    detected = [c for c in tuned if c["p_holm"] < 0.05]
+    spread = countdown["time_ratio_range"]
+    equivalence = countdown["equivalence"]
+    gaps = [-100 * e["mean"] for e in equivalence]
+    low, high = min(t["ratio"] for t in times), max(t["ratio"] for t in times)
+    unconfirmed = unconfirmed_by_sign(primary + countdown["same_rate"] + stats["tir_confirm"]["comparisons"])
+    return [
+        "- **Does a rate tuned at one lag transfer to the others?** " + rate_transfer_sentence(countdown["best_rates"]),
+        f"- Tuned against tuned (exploratory), VCPO and seq-TIS differ detectably at "
+        f"{'no lag' if not detected else ', '.join(str(c['lag']) for c in detected)} (Holm p ≥ "
+        f"{p_value(min(c['p_holm'] for c in tuned))}). The registered primary, VCPO at its preset rate below seq-TIS at its "
+        f"tuned rate at every lag, measures the preset rate: VCPO at 1e-4 beats VCPO at 2e-4 at every lag "
+        f"({typographic(signed_points(min(c['mean'] for c in rates)))} to {typographic(signed_points(max(c['mean'] for c in rates)))} "
+        f"points, Holm p ≤ "
+        f"{p_value(max(c['p_holm'] for c in rates))}), so 2e-4 is mis-set at this scale.",
+        f"- Equivalence with sync (margin {100 * equivalence[0]['margin']:.0f} points) is shown at no lag: VCPO at its best "
+        f"rate ends {min(gaps):.1f} to {max(gaps):.1f} points below sync at its best rate.",
+        f"- Time to sync's accuracy: async VCPO at its preset rate reaches it later, more than {low:.2f}-{high:.2f}x sync's "
+        f"time (lower bounds), from one timing seed (no interval); with either sync arm's step time and over the lags the "
+        f"ratio spans {spread['low']:.2f}-{spread['high']:.2f}.",
+        "- Not confirmed by a sign test (Holm p < 0.05, sign test p ≥ 0.05): "
+        + ("; ".join(f"{c['a']} − {c['b']} ({c['sign_positive']}/{c['sign_n']} above, p {p_value(c['sign_p'])})" for c in unconfirmed)
+           if unconfirmed else "none") + ".",
+    ]
+
+
+def results_markdown(stats: dict) -> str:
+    """docs/studies.md's across-lags results, between its <!-- across_lags_results --> markers."""
+    return "\n".join([
+        f"**Results** (all {stats['rows_counted']} runs; [tables/across_lags/summary.md](../tables/across_lags/summary.md), "
+        "written from the rows by `python -m vcpo.studies.across_lags report`, which also writes this block; n = 10 per "
+        "arm, final accuracy on 1,000 Countdown test problems × 4 samples and 400 × 4 on `tir`, 95% t intervals, paired "
+        "by seed, Holm-corrected within each row as registered; rows marked exploratory were not registered):", "",
+        *ends_table(stats), "", *differences_table(stats), "", *verdict_sentences(stats), "", *confirmation_lines(stats),
+    ])
+
+
+def readme_markdown(stats: dict) -> str:
+    """The README's across-lags block, between its <!-- across_lags --> markers."""
+    confirm = stats["tir_confirm"]["arms"]
+    collapses = ", ".join(f"{name} {arm['collapses']}/{arm['n']}" for name, arm in confirm.items())
+    return "\n".join([
+        "**Across lags 12 to 96, 10 seeds per arm** (the pre-registered across-lags study, "
+        "[tables/across_lags/summary.md](tables/across_lags/summary.md), `lag_model=pipeline_overlap`; exploratory rows "
+        "were not registered; generated by `python -m vcpo.studies.across_lags report`):", "",
+        *differences_table(stats), "", *verdict_sentences(stats), "",
+        f"- Tool use (`tir`, the chosen cell): collapses {collapses}; "
+        + "; ".join(difference_cell(c).join((f"{c['a']} − {c['b']} ", "")) for c in stats["tir_confirm"]["comparisons"])
+        + ". Details: [docs/studies.md](docs/studies.md#the-across-lags-study).",
+    ])
+
+
+def replace_block(path: Path, marker: str, content: str) -> None:
+    """Put ``content`` between ``<!-- marker -->`` and ``<!-- /marker -->`` in ``path``."""
+    text = path.read_text()
+    start, stop = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(stop, 1)
+    path.write_text(f"{head}{start}\n{content}\n{stop}{tail}")
