@@ -45,10 +45,11 @@ def test_the_target_is_the_best_sync_arms_mean_final_validation_accuracy():
 
 
 def test_only_rows_started_after_the_registration_from_a_clean_tree_count():
-    later = "2026-11-26T15:00:00+00:00"
-    assert counts({"started": later, "dirty": False})
-    assert not counts({"started": later, "dirty": True}) and not counts({"started": later, "dirty": None})
-    assert not counts({"started": "2026-11-26T14:00:00+00:00", "dirty": False}) and not counts({"started": None, "dirty": False})
+    later, end = "2026-11-26T15:00:00+00:00", "2026-11-26T16:00:00+00:00"
+    assert counts({"started": later, "dirty": False, "finished": end})
+    assert not counts({"started": later, "dirty": True, "finished": end}) and not counts({"started": later, "dirty": None, "finished": end})
+    assert not counts({"started": "2026-11-26T14:00:00+00:00", "dirty": False, "finished": end})
+    assert not counts({"started": None, "dirty": False, "finished": end}) and not counts({"started": later, "dirty": False})
 
 
 def test_equivalence_is_two_one_sided_t_tests():
@@ -357,3 +358,30 @@ def test_a_partial_last_line_is_reported_once_however_often_the_file_is_read(arc
     for _ in range(3):
         assert len(read_metrics(archived_copy)) == 81
     assert sum("a partial last line is left out" in record.message for record in caplog.records) == 1
+
+
+def test_every_committed_row_records_its_start_end_and_attempts():
+    """Every archived row has `finished`: the run's record, or (two rows whose record a restart after the end
+    overwrote) the start of that later attempt, an upper bound, said so in `finished_source`."""
+    rows = committed_rows()
+    assert rows and all(row["finished"] and row["started"] <= row["finished"] for row in rows)
+    derived = [row for row in rows if row["finished_source"] != "recorded"]
+    assert [(row["arm"], row["seed"]) for row in derived] == [("vcpo_k12", 3), ("vcpo_lr1e-4_k12", 3)]
+    for row in derived:
+        assert row["finished"] == row["attempts"][-1]["started"] and row["attempts"][-1]["step"] == row["steps"]
+    assert all(row["attempts"] and row["attempts"][0]["started"] == row["started"] for row in rows)
+
+
+def test_a_row_without_its_end_does_not_count():
+    row = next(row for row in committed_rows() if row["counts"])
+    assert counts(row) and not counts({**row, "finished": None}) and not counts({**row, "dirty": True})
+
+
+def test_a_report_refuses_analysis_code_other_than_the_registered_commit():
+    from vcpo.studies.design import analysis_commit_problem
+
+    assert analysis_commit_problem({"commit": "a" * 40}, "b" * 40) is None  # registered before the rule: names none
+    assert analysis_commit_problem({"analysis_commit": "c" * 40}, "c" * 40) is None
+    problem = analysis_commit_problem({"analysis_commit": "c" * 40}, "d" * 40)
+    assert "names analysis code at commit cccccccccccc, but vcpo/studies is at dddddddddddd" in problem
+    assert "--any-analysis-commit" in problem

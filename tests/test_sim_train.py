@@ -265,3 +265,15 @@ def test_code_state_names_the_commit_and_sees_uncommitted_changes(tmp_path):
     assert code_state(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "a.py").write_text("x = 2\n")
     assert code_state(tmp_path) == {"commit": head, "dirty": True}
+
+
+def test_a_finished_run_started_again_keeps_its_end_and_lists_the_attempt(base, tmp_path):
+    """Two across-lags rows lost `finished` this way: a runner started a finished run again, whose config.json was
+    rewritten without it."""
+    out = tmp_path / "run"
+    Trainer(small_config(base, out, steps=2)).run()
+    first = json.loads((out / "config.json").read_text())
+    Trainer(small_config(base, out, steps=2)).run()
+    again = json.loads((out / "config.json").read_text())
+    assert first["finished"] and again["finished"] == first["finished"] and again["started"] == first["started"]
+    assert [attempt["step"] for attempt in again["attempts"]] == [0, 2]

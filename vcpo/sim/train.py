@@ -427,8 +427,10 @@ class Trainer:
             # the cores the run holds (threads per process x processes): its wall-clock hours x these are its core-hours
             "cores": min(machine["torch_threads"] * (2 if self.config.execution == "concurrent" else 1), os.cpu_count() or 1),
             **code,
-            # a resumed run keeps its first start; every attempt (start step, time, code) is listed
+            # a resumed run keeps its first start; every attempt (start step, time, code) is listed; a finished run
+            # started again keeps its end (it has nothing left to do)
             "started": earlier.get("started", now),
+            **({"finished": earlier["finished"]} if earlier.get("finished") and is_finished(self.out) else {}),
             "attempts": [*earlier.get("attempts", []), {"step": self.step, "started": now, **code, "cpu": machine["cpu"]}],
         }
         self.recorded_config = resolved

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,20 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.locks import write_atomic
-from vcpo.provenance import cpu_name
+from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.reporting.runs import read_metrics
 from vcpo.runs import VAL_ACCURACY, RunFileProblem, is_finished
 from vcpo.sim.config import load_config_file
-from vcpo.studies.design import Design, archived_metrics, command_line, load_design, run_folder, run_settings
+from vcpo.studies.design import (
+    Design,
+    analysis_code_commit,
+    analysis_commit_problem,
+    archived_metrics,
+    command_line,
+    load_design,
+    run_folder,
+    run_settings,
+)
 from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
 from vcpo.studies.statistics import ALPHA, equivalence, holm
 
@@ -56,8 +66,10 @@ def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None
 
 
 def counts(row: dict) -> bool:
-    """across_lags.md: a row counts when its run started after the registration, from a clean tree."""
-    return row.get("started") is not None and row["started"] > REGISTRATION["time"] and row.get("dirty") is False
+    """across_lags.md: a row counts when its run started after the registration, from a clean tree, and records when
+    it started and finished."""
+    return (row.get("started") is not None and row["started"] > REGISTRATION["time"] and row.get("dirty") is False
+            and row.get("finished") is not None)
 
 
 def sync_target(rows: list[dict]) -> dict | None:
@@ -260,6 +272,7 @@ def timing_command(design: Design, name: str, out: Path) -> list[str]:
 
 
 def run_timing(design: Design, out: Path, table: Path) -> dict:
+    started = {**code_state(), "start": utc_now(), "load_average_start": os.getloadavg()}
     seconds = {}
     for name in timing_arms(design):
         command = timing_command(design, name, out)
@@ -268,7 +281,9 @@ def run_timing(design: Design, out: Path, table: Path) -> dict:
         steps = [line["timing_s/step"] for line in read_metrics(out / name) if "timing_s/step" in line and line["step"] >= TIMING_FROM_STEP]
         seconds[name] = float(np.mean(steps))
         print(f"  {seconds[name]:.3f} s per step", flush=True)
-    result = {"cpu": cpu_name(), "from_step": TIMING_FROM_STEP, "seconds_per_step": seconds,
+    # the load average says whether other work shared the machine (an idle two-core machine stays near 2 while it runs)
+    provenance = {**started, "end": utc_now(), "load_average_end": os.getloadavg()}
+    result = {"cpu": cpu_name(), "from_step": TIMING_FROM_STEP, "seconds_per_step": seconds, "provenance": provenance,
               "commands": {name: " ".join(["python", *timing_command(design, name, Path("DIR"))[1:]]) for name in seconds}}
     table.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(table, json.dumps(result, indent=1) + "\n")
@@ -292,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--table", type=Path, default=TABLE)
     summary.add_argument("--timing", type=Path, default=TIMING)
     summary.add_argument("--out", type=Path, default=TABLE.parent)
+    summary.add_argument("--any-analysis-commit", action="store_true",
+                         help="run even where the analysis code differs from the commit the registration names")
     args = parser.parse_args(argv)
     design = load_design(args.design)
     if args.command == "rows":
@@ -310,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from vcpo.studies.across_lags_report import readme_markdown, replace_block, results_markdown, write_report
 
+        problem = analysis_commit_problem(REGISTRATION, analysis_code_commit())
+        if problem and not args.any_analysis_commit:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        if "analysis_commit" not in REGISTRATION:
+            print("note: this study's registration predates naming its analysis commit; the analysis code is at "
+                  f"{analysis_code_commit()}", file=sys.stderr)
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
         rows = read_rows(args.table)
         stats = report(rows, design, timing_table)

@@ -172,3 +172,29 @@ def command_line(design: Design, arm: Arm, settings: dict, out: str, runner_sett
 # -- running ------------------------------------------------------------------------------------------
 def sim_task(design: Design, arm: Arm) -> str:
     return design.settings[arm.task].get("task") or load_config_file(design.configs[arm.task]).task
+
+
+def analysis_code_commit() -> str | None:
+    """The last commit that changed the studies' analysis code (vcpo/studies), or None outside a git checkout."""
+    import subprocess
+
+    folder = Path(__file__).parent
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "log", "-1", "--format=%H", "--", "."], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def analysis_commit_problem(registration: dict, current: str | None) -> str | None:
+    """Why a report must not run from this analysis code: the registration names the commit of its analysis code
+    (``analysis_commit``) and the code has changed since. None where they agree, or where the registration predates
+    the rule (it names none)."""
+    registered = registration.get("analysis_commit")
+    if registered is None or current == registered:
+        return None
+    return (f"the registration names analysis code at commit {registered[:12]}, but vcpo/studies is at "
+            f"{(current or 'an unknown commit')[:12]}: check out the registered analysis, or pass --any-analysis-commit "
+            "to run this one (and say so where its numbers are quoted)")
+

@@ -136,6 +136,15 @@ def ess_predictor(lines: list[dict], fall_step: int | None) -> float:
     return float(min(values)) if values else float("nan")
 
 
+def finished_time(recorded: dict) -> dict:
+    """``finished`` and where it comes from: the run's record, or, where a later attempt that found the run finished
+    overwrote it (a restart after the end, fixed since), that attempt's start: an upper bound of the end."""
+    attempts = recorded.get("attempts", [])
+    if recorded.get("finished") is None and len(attempts) > 1 and attempts[-1]["step"] >= recorded["steps"]:
+        return {"finished": attempts[-1]["started"], "finished_source": "at most: the start of a later attempt that found it finished"}
+    return {"finished": recorded.get("finished"), "finished_source": "recorded"}
+
+
 # what a run's config.json must record for its row
 RECORDED_KEYS = ("task", "lag", "lr", "base_seed", "steps", "test_problems", "test_samples", "config_file", "threads")
 
@@ -180,8 +189,10 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] |
         "tool_error_last": tool_lines[-1]["tool/error_frac"] if tool_lines else None,
         "config_file": recorded["config_file"],
         "threads": recorded["threads"], "cpu": recorded.get("cpu"), "versions": recorded.get("versions"),
-        # provenance (runs from before it was recorded: None)
-        **{key: recorded.get(key) for key in ("commit", "dirty", "started", "finished", "cpu_capability")},
+        # provenance (runs from before it was recorded: None); every attempt's start step, time and commit
+        **{key: recorded.get(key) for key in ("commit", "dirty", "started", "cpu_capability")},
+        **finished_time(recorded),
+        "attempts": [{key: attempt.get(key) for key in ("step", "started", "commit", "dirty")} for attempt in recorded.get("attempts", [])],
         "command": " ".join(command),
     }
 
