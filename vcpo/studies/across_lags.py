@@ -331,9 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         if problem and not args.any_analysis_commit:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-        if "analysis_commit" not in REGISTRATION:
-            print("note: this study's registration predates naming its analysis commit; the analysis code is at "
-                  f"{analysis_code_commit()}", file=sys.stderr)
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
         rows = read_rows(args.table)
         stats = report(rows, design, timing_table)
@@ -342,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             replace_block(Path("docs/studies.md"), "across_lags_results", results_markdown(stats))
             replace_block(Path("README.md"), "across_lags", readme_markdown(stats))
             print("wrote the across-lags blocks of docs/studies.md and README.md")
+            if "analysis_commit" not in REGISTRATION:
+                print("note: this study's registration predates naming its analysis commit; the analysis code is at "
+                      f"{analysis_code_commit()}")
     return 0
 
 
