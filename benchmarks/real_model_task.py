@@ -2,6 +2,7 @@
 
     python benchmarks/real_model_task.py choose [--work results/real_model/tasks]
     python benchmarks/real_model_task.py train --arm sync|vcpo [--seed 0] [--work results/real_model/training]
+    python benchmarks/real_model_task.py report [--work results/real_model/training]
 
 ``choose`` evaluates SmolLM2-135M-Instruct on the first problems of each candidate starter task (vcpo.data.tasks)
 with the training's sampling and reward, applies the rule and writes tables/real_model/task_choice.{json,md}:
@@ -24,10 +25,10 @@ from pathlib import Path
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
-from vcpo.studies.statistics import bootstrap_mean_interval
+from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "tables" / "real_model"
+TABLES = REPO / "tables" / "real_model"  # where the tables go (--tables)
 
 
 def chosen_task(means: dict[str, float], band: tuple[float, float], target: float) -> str | None:
@@ -66,7 +67,7 @@ def evaluate_candidate(name: str, rule: dict, answer_format: str, seed: int, mod
     return summary
 
 
-def choose(work: Path) -> dict:
+def choose(work: Path, tables: Path = TABLES) -> dict:
     """Round by round (a later round runs only when the earlier chose no task), as registered."""
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     rule = plan["task_choice"]
@@ -92,9 +93,9 @@ def choose(work: Path) -> dict:
             break
     result = {"rule": rule, "rounds": rounds, "chosen": rounds[-1]["chosen"],
               "answer_format": rounds[-1]["answer_format"] if rounds[-1]["chosen"] else None, "written": utc_now()}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "task_choice.json").write_text(json.dumps(result, indent=2) + "\n")
-    (OUT / "task_choice.md").write_text(choice_markdown(result))
+    tables.mkdir(parents=True, exist_ok=True)
+    (tables / "task_choice.json").write_text(json.dumps(result, indent=2) + "\n")
+    (tables / "task_choice.md").write_text(choice_markdown(result))
     print(choice_markdown(result))
     return result
 
@@ -127,7 +128,7 @@ def choice_markdown(result: dict) -> str:
     ])
 
 
-def training_command(arm: str, seed: int, work: Path) -> tuple[list[str], Path]:
+def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> tuple[list[str], Path]:
     """The ``python -m vcpo.launch.cpu`` command of one arm of the registered training, and its run folder (the
     chosen task's parquet files are written under ``work``)."""
     import pandas as pd
@@ -136,7 +137,7 @@ def training_command(arm: str, seed: int, work: Path) -> tuple[list[str], Path]:
 
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     training, rule = plan["training"], plan["task_choice"]
-    choice = json.loads((OUT / "task_choice.json").read_text())
+    choice = json.loads((tables / "task_choice.json").read_text())
     task = choice["chosen"]
     if task is None:
         raise SystemExit("tables/real_model/task_choice.json chose no task: there is nothing to train on")
@@ -163,21 +164,151 @@ def training_command(arm: str, seed: int, work: Path) -> tuple[list[str], Path]:
     return command, out
 
 
+# verl's metric names: the training reward, the step's time split, and VCPO's own
+TRAIN_REWARD = "critic/score/mean"
+TIME_SPLIT = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/reward", "timing_s/testing")
+VCPO_METRICS = ("rollout_corr/seq_ess_ratio", "actor/lr_scale", "actor/opob_baseline", "actor/seq_grad_norm_mean")
+WINDOW = 5  # steps averaged at the start and at the end of a run
+
+
+def arm_summary(lines: list[dict], steps: int) -> dict:
+    """One run: its training reward over the first and last WINDOW steps (with the t interval of each window's
+    per-step values: the step-to-step spread, the only spread one seed shows), its validation accuracy at each
+    evaluation, the VCPO metrics' means, and where a step's time goes."""
+    from vcpo.runs import VAL_ACCURACY
+
+    train = [line for line in lines if TRAIN_REWARD in line]
+    rewards = [line[TRAIN_REWARD] for line in train]
+    first, last = mean_interval(rewards[:WINDOW]), mean_interval(rewards[-WINDOW:])
+    step_time = [line["timing_s/step"] for line in train if "timing_s/step" in line]
+    return {
+        "steps": len(train), "planned_steps": steps,
+        "reward_first": first, "reward_last": last, "reward_per_step": rewards,
+        "validation": [(line["step"], line[VAL_ACCURACY]) for line in lines if VAL_ACCURACY in line],
+        **{key: sum(line[key] for line in train if key in line) / max(1, sum(key in line for line in train))
+           for key in VCPO_METRICS if any(key in line for line in train)},
+        "ess_per_step": [(line["step"], line["rollout_corr/seq_ess_ratio"], line.get("actor/lr_scale", 1.0))
+                         for line in train if "rollout_corr/seq_ess_ratio" in line],
+        "seconds_per_step": sum(step_time) / len(step_time) if step_time else None,
+        "time_split": {key: sum(line.get(key, 0.0) for line in train) / len(train) for key in TIME_SPLIT} if train else {},
+    }
+
+
+def report(work: Path, tables: Path = TABLES) -> dict:
+    """tables/real_model/training.{json,md,png} from the registered arms' runs under ``work``."""
+    from vcpo.reporting.runs import read_metrics
+
+    plan = read_yaml(recipes_dir() / "real_model.yaml")["training"]
+    runs = {f"{arm}_s{seed}": work / f"{arm}_s{seed}" for arm in plan["arms"] for seed in plan["seeds"]}
+    arms = {name: arm_summary(read_metrics(folder), plan["steps"]) for name, folder in runs.items()
+            if (folder / "metrics.jsonl").exists()}
+    choice = json.loads((tables / "task_choice.json").read_text())
+    result = {"plan": plan, "task": choice["chosen"], "answer_format": choice["answer_format"], "arms": arms,
+              "provenance": {**code_state(), "written": utc_now(), "cpu": cpu_name()}}
+    (tables / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    (tables / "training.md").write_text(training_markdown(result))
+    draw_training(result, tables / "training.png")
+    print(training_markdown(result))
+    return result
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def training_markdown(result: dict) -> str:
+    plan = result["plan"]
+    lines = [f"| run | steps | train reward, first {WINDOW} steps [95% CI] | last {WINDOW} [95% CI] | validation: first -> last "
+             "| ESS ratio | lr scale | s / step: generation, old log-probs, update, rest |",
+             "|---|---:|---|---|---|---:|---:|---|"]
+    for name, arm in result["arms"].items():
+        (a, a_low, a_high), (b, b_low, b_high) = arm["reward_first"], arm["reward_last"]
+        validation = arm["validation"]
+        val = f"{percent(validation[0][1])}% -> {percent(validation[-1][1])}% (step {validation[-1][0]})" if validation else "-"
+        split = arm["time_split"]
+        rest = (arm["seconds_per_step"] or 0) - sum(split.get(key, 0) for key in TIME_SPLIT[:3])
+        lines.append(f"| {name} | {arm['steps']}/{arm['planned_steps']} | {percent(a)}% [{percent(a_low)}, {percent(a_high)}] | "
+                     f"{percent(b)}% [{percent(b_low)}, {percent(b_high)}] | {val} | "
+                     f"{arm.get('rollout_corr/seq_ess_ratio', 1.0):.3f} | {arm.get('actor/lr_scale', 1.0):.3f} | "
+                     f"{split.get('timing_s/gen', 0):.0f}, {split.get('timing_s/old_log_prob', 0):.0f}, "
+                     f"{split.get('timing_s/update_actor', 0):.0f}, {rest:.0f} of {arm['seconds_per_step'] or 0:.0f} |")
+    verdicts = []
+    for name, arm in result["arms"].items():
+        (a, a_low, a_high), (b, b_low, b_high) = arm["reward_first"], arm["reward_last"]
+        if b_low > a_high:
+            verdicts.append(f"{name}: the training reward rose from {percent(a)}% to {percent(b)}%, beyond the step-to-step spread")
+        elif b > a:
+            verdicts.append(f"{name}: the training reward moved from {percent(a)}% to {percent(b)}%, within the step-to-step spread")
+        else:
+            verdicts.append(f"{name}: the training reward did not rise ({percent(a)}% -> {percent(b)}%)")
+    return "\n".join([
+        *lines, "",
+        f"SmolLM2-135M-Instruct trained by verl's own trainer on CPU (`python benchmarks/real_model_task.py train --arm ARM`), "
+        f"task `{result['task']}` scored {result['answer_format']}, {plan['prompts_per_step']} prompts x "
+        f"{plan['responses_per_prompt']} responses per step, {plan['max_response_length']} response tokens, lr 1e-5; "
+        f"validation greedy on {plan['validation']['problems']} problems every {plan['validation']['every']} steps. "
+        f"One seed per arm, so the only spread shown is the step-to-step spread of the training reward (95% t interval "
+        f"over the {WINDOW} steps of each window), not the run-to-run spread.",
+        "", *(f"- {verdict}." for verdict in verdicts), "",
+        f"`python benchmarks/real_model_task.py report`; commit {result['provenance']['commit'][:12]}, "
+        f"{result['provenance']['written']}, {result['provenance']['cpu']}.", "",
+    ])
+
+
+def draw_training(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (reward, validation, ess) = plt.subplots(1, 3, figsize=(13, 3.6))
+    for name, arm in result["arms"].items():
+        values = arm["reward_per_step"]
+        smoothed = [sum(values[max(0, i - WINDOW + 1): i + 1]) / len(values[max(0, i - WINDOW + 1): i + 1]) for i in range(len(values))]
+        line, = reward.plot(range(1, len(values) + 1), values, alpha=0.3)
+        reward.plot(range(1, len(values) + 1), smoothed, color=line.get_color(), label=name)
+        if arm["validation"]:
+            steps, accuracy = zip(*arm["validation"], strict=True)
+            validation.plot(steps, accuracy, marker="o", color=line.get_color(), label=name)
+    for name, arm in result["arms"].items():
+        if arm["ess_per_step"]:
+            steps, ratios, scales = zip(*arm["ess_per_step"], strict=True)
+            ess.plot(steps, ratios, label=f"{name}: ESS ratio")
+            ess.plot(steps, scales, linestyle="--", label=f"{name}: lr scale")
+    reward.set(title=f"training reward ({result['answer_format']}), {WINDOW}-step mean", xlabel="step", ylabel="mean reward")
+    validation.set(title="validation accuracy (greedy)", xlabel="step")
+    ess.set(title="ESS ratio and the step size's factor", xlabel="step", ylim=(0, 1.05))
+    for axes in (reward, validation, ess):
+        axes.legend(fontsize=8)
+    figure.suptitle(f"SmolLM2-135M-Instruct on {result['task']} through verl's trainer (CPU)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("choose", help="evaluate the candidates and apply the registered rule")
     command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "tasks")
+    command.add_argument("--tables", type=Path, default=TABLES)
     command = commands.add_parser("train", help="one arm of the registered training on the chosen task")
     command.add_argument("--arm", required=True)
     command.add_argument("--seed", type=int, default=0)
     command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "training")
     command.add_argument("--print", action="store_true", help="print the command and exit")
+    command.add_argument("--tables", type=Path, default=TABLES)
+    command = commands.add_parser("report", help="the table and figure of the training runs")
+    command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "training")
+    command.add_argument("--tables", type=Path, default=TABLES)
     args = parser.parse_args(argv)
-    if args.command == "choose":
-        choose(args.work)
+    if args.command == "report":
+        report(args.work, args.tables)
         return 0
-    command, out = training_command(args.arm, args.seed, args.work)
+    if args.command == "choose":
+        choose(args.work, args.tables)
+        return 0
+    command, out = training_command(args.arm, args.seed, args.work, args.tables)
     if args.print:
         print(" ".join(command))
         return 0

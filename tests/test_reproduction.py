@@ -385,3 +385,18 @@ def test_a_config_that_breaks_the_schema_is_one_line_naming_where(tmp_path):
     said = result.stdout + result.stderr
     assert result.returncode != 0 and "workflow config: the top level: 'seeds' is a required property" in said
     assert "$schema" not in said and "description" not in said and len(said.strip().splitlines()) <= 6, said
+
+
+def test_the_real_model_target_chooses_trains_every_registered_arm_and_reports(tmp_path):
+    """`snakemake real_model`: the task choice, one verl training per registered arm and seed, the report; the default
+    target does not include it."""
+    plan = yaml.safe_load((REPO / "recipes" / "real_model.yaml").read_text())["training"]
+    snakemake = [sys.executable, "-m", "snakemake"]
+    dry_run = ["-s", "workflows/Snakefile", "-n", "--quiet", "rules", "--config", f"results={tmp_path}"]
+    output = subprocess.run([*snakemake, "real_model", *dry_run], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert output.returncode == 0, output.stdout + output.stderr
+    counts = job_counts(output.stdout)
+    assert counts["real_model_choice"] == 1 and counts["real_model_report"] == 1
+    assert counts["real_model_train"] == len(plan["arms"]) * len(plan["seeds"])
+    default = subprocess.run([*snakemake, *dry_run], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert not any(job.startswith("real_model") for job in job_counts(default.stdout))
