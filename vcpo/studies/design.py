@@ -29,7 +29,7 @@ from vcpo.runs import (
     missing_steps,
     read_json,
 )
-from vcpo.sim.config import SimConfig, apply_overrides, load_config_file, validate
+from vcpo.sim.config import load_config_file
 
 # Every finished run's config, final evaluation and these metrics are archived (committed, in the runs' own
 # layout): a study's rows are computed from the archive, and runs that read other runs read them there.
@@ -151,11 +151,6 @@ def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None
         nominal = source_arm.lr if source_arm.lr is not None else load_config_file(design.configs[arm.task]).lr
         settings["lr"] = float(f"{nominal * mean_step_scale(folders):.4g}")
     return settings
-
-
-def run_config(design: Design, arm: Arm, seed: int, root: Path, settings: dict) -> SimConfig:
-    config = apply_overrides(load_config_file(design.configs[arm.task]), {k: str(v) for k, v in settings.items()})
-    return validate(dataclasses.replace(config, out=str(run_folder(root, arm, seed)), threads=1, progress=False))
 
 
 # how the runner runs every study run: one torch thread (two at a time on two cores), no progress bar in its log
