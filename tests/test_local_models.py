@@ -205,3 +205,20 @@ def test_the_registered_task_rule_takes_the_candidate_in_the_band_closest_to_the
     assert chosen_task({"a": 0.25, "b": 0.45}, band, 0.35) == "a"  # a tie goes to the earlier candidate
     assert chosen_task({"a": 0.10, "b": 0.61}, band, 0.35) == "a"  # the band's ends are in it
     assert chosen_task({"a": 0.0, "b": 0.09, "c": 0.95}, band, 0.35) is None
+
+
+def test_the_docs_task_choice_is_the_committed_table():
+    """docs/data_rewards_evaluation.md quotes tables/real_model/task_choice.json (the choice driver wrote it)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    choice = json.loads((root / "tables" / "real_model" / "task_choice.json").read_text())
+    doc = " ".join((root / "docs" / "data_rewards_evaluation.md").read_text().split())
+    strict, lenient = choice["rounds"]
+    means = [row["mean_reward"] for row in strict["rows"].values()]
+    assert strict["chosen"] is None and f"every candidate scored {100 * min(means):.1f}-{100 * max(means):.1f}%" in doc
+    row = lenient["rows"][choice["chosen"]]
+    assert choice["answer_format"] == "lenient"
+    assert f"it chose `{choice['chosen']}` (two numbers up to 10 added or subtracted) at {100 * row['mean_reward']:.1f}% " \
+           f"[{100 * row['low']:.1f}, {100 * row['high']:.1f}]" in doc
