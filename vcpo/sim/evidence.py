@@ -3,7 +3,5 @@ in ``vcpo.studies.evidence`` (``vcpo.sim`` holds the trainer alone), which this 
 
 import runpy
 
-from vcpo.studies.statistics import detectable_difference  # noqa: F401 (recipes/sim/across_lags.md cites it here)
-
 if __name__ == "__main__":
     runpy.run_module("vcpo.studies.evidence", run_name="__main__", alter_sys=True)
