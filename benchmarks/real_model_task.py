@@ -156,6 +156,8 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
         f"data.train_batch_size={training['prompts_per_step']}", f"{rollout}.n={training['responses_per_prompt']}",
         f"data.max_response_length={training['max_response_length']}", f"data.max_prompt_length={training['max_prompt_length']}",
         f"trainer.test_freq={training['validation']['every']}", "trainer.val_before_train=true", "trainer.save_freq=-1",
+        # a Ray instance of its own: two arms at once would otherwise share one, and its memory monitor kills either's workers
+        "+ray_kwargs.ray_init.address=local",
     ]
     launch_task = "countdown" if TASKS[task].data_source == "countdown" else "gsm8k"
     command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), "--task", launch_task, "--method", spec["method"],
