@@ -72,9 +72,9 @@ def timed_update(trainer: Trainer, config, step: int, batch, engine_settings: di
     for name, value in (engine_settings or {}).items():
         setattr(learner.opob, name, value)
     learner.optimizer.load_state_dict(trainer.learner.optimizer.state_dict())
-    lr_scale = warmup_stable_decay(step, config.steps, config.warmup_steps, config.decay_steps)
+    schedule_factor = warmup_stable_decay(step, config.steps, config.warmup_steps, config.decay_steps)
     started, started_cpu = time.perf_counter(), time.process_time()
-    metrics = learner.update(batch, lr_scale, None)
+    metrics = learner.update(batch, schedule_factor, None)
     return {"timing_s/update": time.perf_counter() - started, "timing_s/forward": metrics["timing_s/forward"],
             "timing_s/backward": metrics["timing_s/backward"], "cpu_s/update": time.process_time() - started_cpu}
 

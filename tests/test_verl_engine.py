@@ -548,7 +548,7 @@ def test_the_simulator_and_the_engine_take_the_same_step(process_group, model_di
         behav_log_prob=raw.old, sum_pi_squared=torch.zeros_like(raw.old), versions=versions, rewards=raw.rewards,
         groups=raw.groups,
     )
-    sim_metrics = learner.update(batch, lr_scale=1.0)
+    sim_metrics = learner.update(batch, schedule_factor=1.0)
 
     assert sim_lr == [pytest.approx(lr, rel=1e-9) for lr in engine_lr]
     assert sim_metrics["actor/lr_scale"] == pytest.approx(scalar(engine_metrics, "actor/lr_scale"), rel=1e-9)

@@ -207,10 +207,11 @@ class Learner:
         return advantages
 
     # -- the update ------------------------------------------------------------------------------
-    def update(self, batch: Batch, lr_scale: float, prox_log_prob: torch.Tensor | None = None,
+    def update(self, batch: Batch, schedule_factor: float, prox_log_prob: torch.Tensor | None = None,
                step_scale: float | None = None) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns its metrics (verl names). ``step_scale`` replaces the
-        rule's step-size scale (a replayed schedule, ``SimConfig.lr_scale_from``)."""
+        """One optimizer step on ``batch``; returns its metrics (verl names). ``schedule_factor``: the warm-up and decay
+        schedule's multiplier of the base rate at this step; ``step_scale`` replaces the ESS rule's factor (its logged
+        ``actor/lr_scale``; a replayed one, ``SimConfig.lr_scale_from``)."""
         timings = {}
         started = time.perf_counter()
         rewards, metrics = self.shaped_rewards(batch)
@@ -232,7 +233,7 @@ class Learner:
         ess = float(ess_ratio(seq_log_weights, valid_rows))
         scale = self.rule.lr_scale(ess) if step_scale is None else step_scale
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.base_lr * lr_scale
+            group["lr"] = self.config.base_lr * schedule_factor
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
         if math.isfinite(grad_norm):
             with scaled_learning_rate(self.optimizer, scale):
@@ -249,9 +250,9 @@ class Learner:
             {
                 "actor/grad_norm": grad_norm,
                 "actor/grad_norm_finite": float(math.isfinite(grad_norm)),
-                "actor/lr": self.config.base_lr * lr_scale,
+                "actor/lr": self.config.base_lr * schedule_factor,
                 LR_SCALE: scale,
-                EFFECTIVE_LR: self.config.base_lr * lr_scale * scale,
+                EFFECTIVE_LR: self.config.base_lr * schedule_factor * scale,
                 "critic/score/mean": float(batch.rewards.mean()),
                 "critic/advantages/mean": advantage_mean,
             }

@@ -364,9 +364,9 @@ class Trainer:
         batch = collate(trajectories, [r["score"] for r in results], self.tokenizer.pad_token_id, self.model.dtype)
 
         update_started = time.perf_counter()
-        lr_scale = warmup_stable_decay(self.step, config.steps, config.warmup_steps, config.decay_steps)
+        schedule_factor = warmup_stable_decay(self.step, config.steps, config.warmup_steps, config.decay_steps)
         replayed = None if self.replayed_scales is None else self.replayed_scales[self.step]
-        metrics.update(self.learner.update(batch, lr_scale, self._prox_log_prob(batch), step_scale=replayed))
+        metrics.update(self.learner.update(batch, schedule_factor, self._prox_log_prob(batch), step_scale=replayed))
         metrics["timing_s/update_actor"] = time.perf_counter() - update_started
         metrics.update(self._batch_metrics(batch, trajectories, results))
 
