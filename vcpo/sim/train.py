@@ -53,7 +53,6 @@ from vcpo.sim.rollout import (
     use_grouped_query_sdpa,
 )
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run,
 # and between a serial and a concurrent one.
 TIMING_PREFIXES = ("timing_s/", "perf/", "tool/time_", "tool/calls_per_s", "tool/latency_")
@@ -120,11 +119,11 @@ class Trainer:
         self.task = get_sim_task(config.task)
         self.base = load_base(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base)
-        learner_dtype = DTYPES[config.learner_dtype]
+        learner_dtype = getattr(torch, config.learner_dtype)
         torch.manual_seed(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.base, dtype=learner_dtype)
         self.model.train()
-        self.rollout_model = copy.deepcopy(self.model).to(DTYPES[config.resolved_rollout_dtype]).eval()
+        self.rollout_model = copy.deepcopy(self.model).to(getattr(torch, config.resolved_rollout_dtype)).eval()
         use_grouped_query_sdpa(self.rollout_model)
         method = config.method_preset
         ref_model = None
