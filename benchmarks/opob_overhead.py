@@ -50,6 +50,7 @@ from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
 
 VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
+DEFAULT_VARIANTS = VARIANTS[:5]  # the parts of two_pass (norms_pass, input_grads) on request
 
 # Qwen2 shapes; "0.5b" is the Qwen2-0.5B architecture (tied embeddings), with random weights.
 MODEL_SHAPES = {
@@ -368,26 +369,27 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     return (per_sequence_s - plain_s) / plain_s * 2 * tokens
 
 
-def count_ops(args: argparse.Namespace) -> dict[str, int]:
+def count_ops(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """ATen operators dispatched by one step (forward, backward, combination; not the optimizer) of each variant,
-    after a warm-up step."""
+    after a warm-up step: all of them, and those that compute (not a view, which a GPU runs without a kernel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
-        count = 0
+        dispatched = computing = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.count += 1
+            Counter.dispatched += 1
+            Counter.computing += not func.is_view
             return func(*args, **(kwargs or {}))
 
     model, engine, optimizer, batch = setup(args)
-    counts = {}
+    counts = {"dispatched": {}, "computing": {}}
     for variant in args.variants:
         timed_step(variant, model, engine, optimizer, batch, args)
-        Counter.count = 0
+        Counter.dispatched = Counter.computing = 0
         with Counter():
             run_step(variant, model, engine, batch, args)
-        counts[variant] = Counter.count
+        counts["dispatched"][variant], counts["computing"][variant] = Counter.dispatched, Counter.computing
         model.zero_grad(set_to_none=True)
     return counts
 
@@ -463,7 +465,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--mode", choices=("auto", "materialize", "ghost"), default="auto")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument(
         "--calibrate",
@@ -516,9 +518,9 @@ def main(argv=None) -> None:
     print_table(args, timing, memory)
     if args.count_ops:
         timing["aten_ops"] = count_ops(args)
-        ops = timing["aten_ops"]
-        print("ATen ops per step" + (" (CUDA's blocks and cost model)" if args.cuda_blocks else "") + ": "
-              + ", ".join(f"{v} {n} ({n / ops['plain']:.2f}x plain)" for v, n in ops.items()))
+        for kind, ops in timing["aten_ops"].items():
+            print(f"ATen ops per step, {kind}" + (" (CUDA's blocks and cost model)" if args.cuda_blocks else "") + ": "
+                  + ", ".join(f"{v} {n} ({n / ops['plain']:.2f}x plain)" for v, n in ops.items()))
     if args.json:
         write_json(args.json, args, timing, memory)
 

@@ -30,7 +30,9 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     overhead, exactness = report["overhead"], report["exactness"]
     assert set(overhead["ratios"]["step_time_ratio"]) == {"plain", "opob", "naive", "two_pass", "per_sequence"}
-    assert set(overhead["aten_ops"]) == set(overhead["ratios"]["step_time_ratio"]) and overhead["aten_ops"]["plain"] > 0
+    for kind in ("dispatched", "computing"):  # all operators, and those that are not views (a kernel each on a GPU)
+        assert set(overhead["aten_ops"][kind]) == set(overhead["ratios"]["step_time_ratio"]) and overhead["aten_ops"][kind]["plain"] > 0
+    assert all(overhead["aten_ops"]["computing"][v] < overhead["aten_ops"]["dispatched"][v] for v in overhead["aten_ops"]["computing"])
     assert overhead["ratios"]["step_time_ratio"]["plain"] == 1.0 and overhead["step_s"]["opob"] > 0
     assert overhead["opob_within_target"] == (overhead["ratios"]["step_time_ratio"]["opob"] <= 1.10)
     assert report["calibrate"]["pass_cost"] > 0
