@@ -168,7 +168,7 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
 
 # verl's metric names: the training reward, the step's time split, and VCPO's own
 TRAIN_REWARD = "critic/score/mean"
-TIME_SPLIT = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/reward", "timing_s/testing")
+TIME_SPLIT = ("timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "timing_s/testing")  # old log-probs: 0 (bypass)
 VCPO_METRICS = ("rollout_corr/seq_ess_ratio", "actor/lr_scale", "actor/opob_baseline", "actor/seq_grad_norm_mean")
 WINDOW = 5  # steps averaged at the start and at the end of a run
 
@@ -221,19 +221,19 @@ def percent(value: float) -> str:
 def training_markdown(result: dict) -> str:
     plan = result["plan"]
     lines = [f"| run | steps | train reward, first {WINDOW} steps [95% CI] | last {WINDOW} [95% CI] | validation: first -> last "
-             "| ESS ratio | lr scale | s / step: generation, old log-probs, update, rest |",
+             "| ESS ratio | lr scale | s / step: generation, update, weight sync, rest |",
              "|---|---:|---|---|---|---:|---:|---|"]
     for name, arm in result["arms"].items():
         (a, a_low, a_high), (b, b_low, b_high) = arm["reward_first"], arm["reward_last"]
         validation = arm["validation"]
         val = f"{percent(validation[0][1])}% -> {percent(validation[-1][1])}% (step {validation[-1][0]})" if validation else "-"
         split = arm["time_split"]
-        rest = (arm["seconds_per_step"] or 0) - sum(split.get(key, 0) for key in TIME_SPLIT[:3])
+        rest = (arm["seconds_per_step"] or 0) - sum(split.get(key, 0) for key in TIME_SPLIT[:3])  # validation included
         lines.append(f"| {name} | {arm['steps']}/{arm['planned_steps']} | {percent(a)}% [{percent(a_low)}, {percent(a_high)}] | "
                      f"{percent(b)}% [{percent(b_low)}, {percent(b_high)}] | {val} | "
                      f"{arm.get('rollout_corr/seq_ess_ratio', 1.0):.3f} | {arm.get('actor/lr_scale', 1.0):.3f} | "
-                     f"{split.get('timing_s/gen', 0):.0f}, {split.get('timing_s/old_log_prob', 0):.0f}, "
-                     f"{split.get('timing_s/update_actor', 0):.0f}, {rest:.0f} of {arm['seconds_per_step'] or 0:.0f} |")
+                     f"{split.get('timing_s/gen', 0):.0f}, {split.get('timing_s/update_actor', 0):.0f}, "
+                     f"{split.get('timing_s/update_weights', 0):.0f}, {rest:.0f} of {arm['seconds_per_step'] or 0:.0f} |")
     verdicts = []
     for name, arm in result["arms"].items():
         (a, a_low, a_high), (b, b_low, b_high) = arm["reward_first"], arm["reward_last"]
@@ -264,19 +264,18 @@ def draw_training(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (reward, validation, ess) = plt.subplots(1, 3, figsize=(13, 3.6))
-    for name, arm in result["arms"].items():
+    for (name, arm), color in zip(result["arms"].items(), ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=False):
         values = arm["reward_per_step"]
         smoothed = [sum(values[max(0, i - WINDOW + 1): i + 1]) / len(values[max(0, i - WINDOW + 1): i + 1]) for i in range(len(values))]
-        line, = reward.plot(range(1, len(values) + 1), values, alpha=0.3)
-        reward.plot(range(1, len(values) + 1), smoothed, color=line.get_color(), label=name)
+        reward.plot(range(1, len(values) + 1), values, color=color, alpha=0.25, linewidth=1)
+        reward.plot(range(1, len(values) + 1), smoothed, color=color, label=name)
         if arm["validation"]:
             steps, accuracy = zip(*arm["validation"], strict=True)
-            validation.plot(steps, accuracy, marker="o", color=line.get_color(), label=name)
-    for name, arm in result["arms"].items():
+            validation.plot(steps, accuracy, marker="o", color=color, label=name)
         if arm["ess_per_step"]:
             steps, ratios, scales = zip(*arm["ess_per_step"], strict=True)
-            ess.plot(steps, ratios, label=f"{name}: ESS ratio")
-            ess.plot(steps, scales, linestyle="--", label=f"{name}: lr scale")
+            ess.plot(steps, ratios, color=color, label=f"{name}: ESS ratio")
+            ess.plot(steps, scales, color=color, linestyle="--", label=f"{name}: lr scale")
     reward.set(title=f"training reward ({result['answer_format']}), {WINDOW}-step mean", xlabel="step", ylabel="mean reward")
     validation.set(title="validation accuracy (greedy)", xlabel="step")
     ess.set(title="ESS ratio and the step size's factor", xlabel="step", ylim=(0, 1.05))
