@@ -222,3 +222,26 @@ def test_the_docs_task_choice_is_the_committed_table():
     assert choice["answer_format"] == "lenient"
     assert f"it chose `{choice['chosen']}` (two numbers up to 10 added or subtracted) at {100 * row['mean_reward']:.1f}% " \
            f"[{100 * row['low']:.1f}, {100 * row['high']:.1f}]" in doc
+
+
+def test_the_training_report_compares_the_first_and_last_steps_against_their_spread():
+    """benchmarks/real_model_task.py: the windows' means and t intervals, by hand, and the verdict they give."""
+    module = _benchmark_module("real_model_task")
+    rewards = [0.1, 0.2, 0.1, 0.2, 0.1] + [0.5] * 20 + [0.6, 0.7, 0.6, 0.7, 0.6]
+    lines = [{"step": 0, "val/accuracy": 0.5}] + [
+        {"step": i + 1, "critic/score/mean": r, "timing_s/step": 10.0, "timing_s/gen": 4.0, "timing_s/update_actor": 5.0}
+        for i, r in enumerate(rewards)] + [{"step": 30, "val/accuracy": 0.75}]
+    arm = module.arm_summary(lines, 30)
+    first, last = arm["reward_first"], arm["reward_last"]
+    assert first[0] == pytest.approx(0.14) and last[0] == pytest.approx(0.64)
+    half = 2.7764451051977987 * (0.0547722557505166 / 5 ** 0.5)  # t(0.975, 4) x SD / sqrt(5)
+    assert first[2] - first[0] == pytest.approx(half) and arm["validation"] == [(0, 0.5), (30, 0.75)]
+    assert arm["time_split"]["timing_s/gen"] == 4.0 and arm["seconds_per_step"] == 10.0
+    result = {"plan": {"prompts_per_step": 4, "responses_per_prompt": 4, "max_response_length": 64,
+                       "validation": {"problems": 48, "every": 5}},
+              "task": "sums", "answer_format": "lenient", "arms": {"sync_s0": arm},
+              "provenance": {"commit": "0" * 40, "written": "now", "cpu": "cpu"}}
+    assert "sync_s0: the training reward rose from 14.0% to 64.0%, beyond the step-to-step spread" in module.training_markdown(result)
+    flat = module.arm_summary([{"step": i, "critic/score/mean": 0.3 + 0.01 * (i % 2)} for i in range(10)], 10)
+    assert "x: the training reward moved from 30.4% to 30.6%, within the step-to-step spread" in module.training_markdown(
+        {**result, "arms": {"x": flat}})
