@@ -245,3 +245,19 @@ def test_the_training_report_compares_the_first_and_last_steps_against_their_spr
     flat = module.arm_summary([{"step": i, "critic/score/mean": 0.3 + 0.01 * (i % 2)} for i in range(10)], 10)
     assert "x: the training reward moved from 30.4% to 30.6%, within the step-to-step spread" in module.training_markdown(
         {**result, "arms": {"x": flat}})
+
+
+def test_the_readmes_real_model_training_is_the_committed_table():
+    """The README's status bullet quotes tables/real_model/training.json (benchmarks/real_model_task.py report)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    arm = json.loads((root / "tables" / "real_model" / "training.json").read_text())["arms"]["vcpo_s0"]
+    readme = " ".join((root / "README.md").read_text().split())
+    (first, first_low, first_high), (last, last_low, last_high) = arm["reward_first"], arm["reward_last"]
+    validation = [value for _, value in arm["validation"]]
+    assert arm["steps"] == arm["planned_steps"] == 30 and last_low > first_high  # it rose beyond the steps' spread
+    assert (f"training reward {100 * first:.1f}% → {100 * last:.1f}% (first and last 5 steps; 95% intervals over those "
+            f"steps [{100 * first_low:.1f}, {100 * first_high:.1f}] and [{100 * last_low:.1f}, {100 * last_high:.1f}]), greedy "
+            f"validation {100 * validation[0]:.1f}% → {100 * validation[-1]:.1f}% (peak {100 * max(validation):.1f}%)") in readme
