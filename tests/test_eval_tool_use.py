@@ -198,7 +198,7 @@ def test_the_paper_workflow_evaluates_simpletir_with_its_rollouts_tool_settings(
                    str(REPO / "workflows/config/paper.yaml"), "--config", f"results={tmp_path}", "--", str(target)]  # fmt: skip
         output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert output.returncode == 0, output.stdout + output.stderr
-        (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m vcpo.evaluation")]
+        (line,) = [line for line in output.stdout.splitlines() if line.startswith(f"Shell command: {shlex.quote(sys.executable)} -m vcpo.evaluation")]
         return shlex.split(line.removeprefix("Shell command: ").split(">")[0])
 
     arguments = eval_arguments("simpletir")

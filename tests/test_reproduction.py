@@ -327,7 +327,7 @@ def test_the_base_row_evaluates_the_model_the_runs_start_from(tmp_path):
                'launch={"args": ["actor_rollout_ref.model.path=/models/my base"]}', "--", str(tmp_path / "runs/math/base/eval/summary.json")]  # fmt: skip
     output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert output.returncode == 0, output.stdout + output.stderr
-    (line,) = [line for line in output.stdout.splitlines() if line.startswith("Shell command: python -m vcpo.evaluation")]
+    (line,) = [line for line in output.stdout.splitlines() if line.startswith(f"Shell command: {shlex.quote(sys.executable)} -m vcpo.evaluation")]
     arguments = shlex.split(line.removeprefix("Shell command: ").split(">")[0])
     assert arguments[arguments.index("--model") + 1] == "/models/my base"
     assert arguments[arguments.index("--benchmarks") + 1] == "math500"  # workflows/config/paper.yaml, task math
