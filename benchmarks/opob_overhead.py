@@ -17,7 +17,7 @@ ESS-scaled AdamW step (`scaled_learning_rate` + `ess_step_scale`), identical in 
 Timing: the variants run round-robin (each repeat runs all of them), so background load slows them
 alike; the median over repeats is reported, for the whole step and for forward + backward alone.
 ``--count-ops`` also counts the ATen operators one step of each variant dispatches (a GPU launches about one
-kernel per operator, so where a step is launch-bound this is its cost); ``--cuda-blocks`` gives the engine CUDA's
+kernel per operator that computes, so where a step is launch-bound this is its cost); ``--cuda-blocks`` gives the engine CUDA's
 block size and cost model on any device, so that a CPU counts what a GPU would launch.
 Peak memory beyond the model and its optimizer state: on CUDA torch.cuda.max_memory_allocated; on CPU
 the resident-set high-water mark (VmHWM) of a fresh subprocess per variant, reset after a warm-up
@@ -33,6 +33,7 @@ step and malloc_trim (torch allocates CPU memory with malloc, so RSS tracks live
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import json
 import re
@@ -47,7 +48,7 @@ import torch
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
 from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
-from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
+from vcpo.core.per_sequence_grads.reductions import COMBINATIONS, DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
 
 VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
 DEFAULT_VARIANTS = VARIANTS[:5]  # the parts of two_pass (norms_pass, input_grads) on request
@@ -111,6 +112,7 @@ def build_batch(args: argparse.Namespace, vocab_size: int) -> dict:
         coef_r=(tis * rewards / batch).to(**to),
         coef_s=(tis / batch).to(**to),
         group_mean=group_mean.to(**to),
+        groups=groups.to(**to) if args.grouped else None,
     )
 
 
@@ -144,12 +146,13 @@ class Engines(NamedTuple):
 
 def opob_norms_and_buffers(engine, model, batch: dict, args: argparse.Namespace) -> None:
     for rows in micro_batches(args, batch):
-        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows]):
+        groups = None if batch["groups"] is None else batch["groups"][rows]
+        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=groups):
             sequence_scores(model, batch["input_ids"][rows], batch["mask"][rows]).sum().backward()
 
 
 def baseline_from(norms: torch.Tensor, batch: dict) -> torch.Tensor:
-    return opob_baseline(batch["rewards"], norms, batch["seq_log_weights"])
+    return opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], batch["groups"])
 
 
 def step_plain(model, engines, batch, args):
@@ -195,10 +198,11 @@ def step_input_grads(model, engines, batch, args):
 
 
 def step_per_sequence(model, engines, batch, args):
-    """One unpadded trajectory per micro-batch: g_i = p.grad, folded into G_R and G_S one at a time."""
+    """One unpadded trajectory per micro-batch: g_i = p.grad, folded into G_R and its group's G_S one at a time."""
     params = [p for p in model.parameters() if p.requires_grad]
+    groups = [0] * len(batch["lengths"]) if batch["groups"] is None else batch["groups"].tolist()
     reward_sum = [torch.zeros_like(p) for p in params]
-    score_sum = [torch.zeros_like(p) for p in params]
+    score_sums = {group: [torch.zeros_like(p) for p in params] for group in dict.fromkeys(groups)}
     norms = []
     for i, length in enumerate(batch["lengths"]):
         ids = batch["input_ids"][i : i + 1, :length]
@@ -206,10 +210,11 @@ def step_per_sequence(model, engines, batch, args):
         grads = [p.grad for p in params]
         norms.append(torch.stack(torch._foreach_norm(grads)).double().square().sum())
         torch._foreach_add_(reward_sum, grads, alpha=float(batch["coef_r"][i]))
-        torch._foreach_add_(score_sum, grads, alpha=float(batch["coef_s"][i]))
+        torch._foreach_add_(score_sums[groups[i]], grads, alpha=float(batch["coef_s"][i]))
         model.zero_grad(set_to_none=True)
-    b = float(baseline_from(torch.stack(norms), batch)[0])
-    torch._foreach_add_(reward_sum, score_sum, alpha=-b)
+    baselines = baseline_from(torch.stack(norms), batch).tolist()
+    for group, score_sum in score_sums.items():
+        torch._foreach_add_(reward_sum, score_sum, alpha=-baselines[groups.index(group)])
     for p, g in zip(params, reward_sum, strict=True):
         p.grad = g
 
@@ -256,7 +261,8 @@ def setup(args: argparse.Namespace):
     settings = dict(mode=args.mode)
     if args.cuda_blocks:
         settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"])
-    engine = Engines(PerSequenceGradients(model, **settings), PerSequenceGradients(model, combination=NORMS_ONLY, **settings))
+    engine = Engines(PerSequenceGradients(model, combination=args.combination, **settings),
+                     PerSequenceGradients(model, combination=NORMS_ONLY, **settings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     batch = build_batch(args, model.config.vocab_size)
     return model, engine, optimizer, batch
@@ -369,29 +375,48 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     return (per_sequence_s - plain_s) / plain_s * 2 * tokens
 
 
-def count_ops(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+# Operators that launch no kernel on a GPU besides views: a view without autograd's bookkeeping, and allocations of
+# uninitialised memory (the caching allocator hands out a block).
+NO_KERNEL = ("_unsafe_view", "empty", "empty_like", "new_empty", "empty_strided")
+
+
+def count_ops(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], dict[str, collections.Counter]]:
     """ATen operators dispatched by one step (forward, backward, combination; not the optimizer) of each variant,
-    after a warm-up step: all of them, and those that compute (not a view, which a GPU runs without a kernel)."""
+    after a warm-up step: all of them, and those that compute (about one kernel each on a GPU: not a view, not
+    `NO_KERNEL`), also by operator."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
-        dispatched = computing = 0
+        dispatched = 0
+        by_operator: collections.Counter
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Counter.dispatched += 1
-            Counter.computing += not func.is_view
+            if not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL:
+                Counter.by_operator[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
     model, engine, optimizer, batch = setup(args)
-    counts = {"dispatched": {}, "computing": {}}
+    counts, by_operator = {"dispatched": {}, "computing": {}}, {}
     for variant in args.variants:
         timed_step(variant, model, engine, optimizer, batch, args)
-        Counter.dispatched = Counter.computing = 0
+        Counter.dispatched, Counter.by_operator = 0, collections.Counter()
         with Counter():
             run_step(variant, model, engine, batch, args)
-        counts["dispatched"][variant], counts["computing"][variant] = Counter.dispatched, Counter.computing
+        counts["dispatched"][variant], counts["computing"][variant] = Counter.dispatched, Counter.by_operator.total()
+        by_operator[variant] = Counter.by_operator
         model.zero_grad(set_to_none=True)
-    return counts
+    return counts, by_operator
+
+
+def print_extra_operators(by_operator: dict[str, collections.Counter], rows: int = 8) -> None:
+    """Each variant's computing operators beyond the plain step's, the largest differences first."""
+    plain = by_operator["plain"]
+    for variant, counts in by_operator.items():
+        if variant == "plain":
+            continue
+        extra = sorted(((counts[name] - plain[name], name) for name in counts.keys() | plain.keys()), reverse=True)
+        print(f"  {variant} beyond plain: " + ", ".join(f"{name} {n:+d}" for n, name in extra[:rows] if n))
 
 
 def profile_step(args: argparse.Namespace, variant: str, rows: int = 25) -> None:
@@ -466,6 +491,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--mode", choices=("auto", "materialize", "ghost"), default="auto")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--combination", choices=COMBINATIONS, default="buffers",
+                        help="the single backward's combination (the verl engine runs split)")
+    parser.add_argument("--grouped", action="store_true",
+                        help="one baseline per prompt group (scope group, as the VCPO preset), not one per batch")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument(
         "--calibrate",
@@ -517,10 +546,11 @@ def main(argv=None) -> None:
                 memory[variant] = memory_in_subprocess(args, variant)
     print_table(args, timing, memory)
     if args.count_ops:
-        timing["aten_ops"] = count_ops(args)
+        timing["aten_ops"], by_operator = count_ops(args)
         for kind, ops in timing["aten_ops"].items():
             print(f"ATen ops per step, {kind}" + (" (CUDA's blocks and cost model)" if args.cuda_blocks else "") + ": "
                   + ", ".join(f"{v} {n} ({n / ops['plain']:.2f}x plain)" for v, n in ops.items()))
+        print_extra_operators(by_operator)
     if args.json:
         write_json(args.json, args, timing, memory)
 

@@ -115,7 +115,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     check_cu_seqlens,
     wide_dtype,
 )
-from vcpo.core.per_sequence_grads.sites import _check_same_forward, _MicroBatch, _Site
+from vcpo.core.per_sequence_grads.sites import Target, _check_same_forward, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
 
 
@@ -189,11 +189,14 @@ class PerSequenceGradients:
             raise RuntimeError(f"module {name!r} ran its per-sequence forward or backward outside `micro_batch`")
         return self._active
 
-    def score_buffer(self, key, param: torch.Tensor) -> torch.Tensor:
+    def score_buffer(self, key, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The buffer of ``key`` for ``param``, and whether this call made it (uninitialised: its first gradient part
+        assigns every element; a failed micro-batch discards it)."""
         buffers = self._score_buffers.setdefault(key, {})
-        if id(param) not in buffers:
-            buffers[id(param)] = (param, torch.zeros_like(param, dtype=wide_dtype(param.dtype)))
-        return buffers[id(param)][1]
+        if id(param) in buffers:
+            return buffers[id(param)][1], False
+        buffers[id(param)] = (param, torch.empty_like(param, dtype=wide_dtype(param.dtype)))
+        return buffers[id(param)][1], True
 
     def reward_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """Where G_R accumulates: p.grad itself, or for a float16 / bfloat16 parameter a float32 buffer
@@ -206,15 +209,25 @@ class PerSequenceGradients:
             param.grad = torch.zeros_like(param)
         return param.grad
 
-    def _add_to_reward_buffer(self, param: torch.Tensor, buffer: torch.Tensor, alpha: float) -> None:
-        """G_R += alpha · buffer, where G_R not made yet (split: nothing reached it during the backward) becomes
-        the buffer itself, scaled: no zeros written and added to."""
-        if param.dtype in LOW_PRECISION and id(param) not in self._reward_buffers:
-            self._reward_buffers[id(param)] = (param, buffer.mul_(alpha))
-        elif param.dtype not in LOW_PRECISION and param.grad is None:
-            param.grad = buffer.mul_(alpha)
-        else:
-            self.reward_buffer(param).add_(buffer, alpha=alpha)
+    def _add_to_reward_buffers(self, buffers, alpha: float) -> None:
+        """G_R += alpha · buffer for every (parameter, buffer) of ``buffers``, as two foreach operations over all
+        parameters (on a GPU a few kernels, not one per parameter); a G_R not made yet (split: nothing reached it
+        during the backward) becomes the buffer itself, scaled: no zeros written and added to."""
+        def made(param: torch.Tensor) -> bool:
+            return id(param) in self._reward_buffers if param.dtype in LOW_PRECISION else param.grad is not None
+
+        adopted = [(param, buffer) for param, buffer in buffers if not made(param)]
+        added = [(param, buffer) for param, buffer in buffers if made(param)]
+        if adopted:
+            torch._foreach_mul_([buffer for _, buffer in adopted], alpha)
+            for param, buffer in adopted:
+                if param.dtype in LOW_PRECISION:
+                    self._reward_buffers[id(param)] = (param, buffer)
+                else:
+                    param.grad = buffer
+        if added:
+            torch._foreach_add_([self.reward_buffer(param) for param, _ in added], [buffer for _, buffer in added],
+                                alpha=alpha)
 
     @property
     def sq_norms(self) -> torch.Tensor:
@@ -285,6 +298,7 @@ class PerSequenceGradients:
         try:
             yield
             micro_batch.check_complete()
+            micro_batch.fold_block_norms()
         except BaseException:
             self.discard()
             raise
@@ -368,10 +382,9 @@ class PerSequenceGradients:
             for micro_batch in self._open_micro_batches:
                 coefficients_as = micro_batch.deferred_coefficients(per_label)
                 for param, combine_into in micro_batch.pending:
-                    combine_into(coefficients_as, [self.reward_buffer(param).view(-1)])
+                    combine_into(coefficients_as, [Target(self.reward_buffer(param).view(-1), False)])
         for (label, v), buffers in self._score_buffers.items():
-            for param, buffer in buffers.values():
-                self._add_to_reward_buffer(param, buffer, v - per_label[label])
+            self._add_to_reward_buffers(list(buffers.values()), v - per_label[label])
         for param, combined in self._reward_buffers.values():
             param.grad = combined.to(param.dtype) if param.grad is None else param.grad.add_(combined)
         self.discard()

@@ -45,10 +45,16 @@ def widened(values: torch.Tensor) -> torch.Tensor:
     return values.to(wide_dtype(values.dtype))
 
 
-def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """target += a @ b: the product in a's dtype (a bf16 matmul under autocast), the sum in target's."""
+def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, assign: bool = False) -> None:
+    """target += a @ b (``assign``: target = a @ b, its old values unread): the product in a's dtype (a bf16
+    matmul under autocast), the sum in target's."""
     if target.dtype == a.dtype:
-        target.addmm_(a, b)
+        if assign:
+            torch.mm(a, b, out=target)
+        else:
+            target.addmm_(a, b)
+    elif assign:
+        target.copy_(a @ b)
     else:
         target.add_(a @ b)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class Engine(Protocol):
     def active_micro_batch(self, name: str) -> _MicroBatch: ...
     def block_bytes(self, like: torch.Tensor) -> int: ...
     def pass_cost(self, like: torch.Tensor) -> float: ...
-    def score_buffer(self, key, param: torch.Tensor) -> torch.Tensor: ...
+    def score_buffer(self, key, param: torch.Tensor) -> tuple[torch.Tensor, bool]: ...
     def reward_buffer(self, param: torch.Tensor) -> torch.Tensor: ...
 
 @dataclass(eq=False)
@@ -282,6 +282,8 @@ class _MicroBatch:
     # deferred: the last layer input (its identity, the tensor) and its Gram matrices by chunk, for the next weight
     input_grams: tuple | None = None
     _cast: dict = field(default_factory=dict)
+    # (ordered, dtype) -> the norms ||P_i|| of every materialised block (not "buffers"), for `fold_block_norms`
+    block_norms: dict = field(default_factory=dict)
     # "split": the sequences each row holds (its nonzero coefficients), which alone its combination reads, and an
     # order of all sequences in which each row's are consecutive, at positions spans[j] = (start, stop)
     members: list | None = None
@@ -344,17 +346,17 @@ class _MicroBatch:
         combined = self.coefficients[0] - baselines.to(self.coefficients.device) @ self.coefficients[1:]
         return _CoefficientRow(combined.unsqueeze(0))
 
-    def _combination(self, param: torch.Tensor, combine_into, ordered: bool = False) -> None:
+    def _combination(self, param: torch.Tensor, combine_into, ordered: bool = False, targets: list | None = None) -> None:
         """A gradient part's combination ``combine_into(coefficients_as, targets)``, which adds
-        Σ_i coefficients[j, i] P_i to targets[j]: now into the buffers of the rows (combinations "buffers",
-        "split"; ``ordered``: P in `order`), or kept for `combine`, which applies it once with c^R − b c^S into
-        G_R ("deferred"), or dropped (norms only)."""
+        Σ_i coefficients[j, i] P_i to targets[j] (a `Target`): now into the buffers of the rows (combinations
+        "buffers", "split"; ``ordered``: P in `order`; ``targets``: those of the part's first block), or kept for
+        `combine`, which applies it once with c^R − b c^S into G_R ("deferred"), or dropped (norms only)."""
         if self.engine.combination == NORMS_ONLY:
             return
         if self.engine.combination == "deferred":
             self.pending.append((param, combine_into))
         else:
-            combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, self._targets(param))
+            combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, targets or self.targets(param))
 
     def rows(self, values: torch.Tensor) -> _Rows:
         """A Linear/Conv1D input or output gradient as `_Rows` (views of the packed row, if packed)."""
@@ -393,13 +395,15 @@ class _MicroBatch:
             )
         self.received.add(key)
 
-    def _targets(self, param: torch.Tensor) -> list[torch.Tensor]:
-        """Flat views of the buffer of each coefficient row: the G_R accumulator (p.grad, or a float32 buffer
-        for a low-precision parameter) and the score buffers (G_S^γ; split: G_1^γ, G_0^γ)."""
-        buffers = [
-            self.engine.reward_buffer(param) if key is None else self.engine.score_buffer(key, param) for key in self.keys
-        ]
-        return [buffer.view(-1) for buffer in buffers]
+    def targets(self, param: torch.Tensor) -> list[Target]:
+        """The buffer of each coefficient row: the G_R accumulator (p.grad, or a float32 buffer for a
+        low-precision parameter) and the score buffers (G_S^γ; split: G_1^γ, G_0^γ). Once per gradient part:
+        a score buffer it makes is new for all of that part's blocks."""
+        targets = []
+        for key in self.keys:
+            buffer, new = (self.engine.reward_buffer(param), False) if key is None else self.engine.score_buffer(key, param)
+            targets.append(Target(buffer.view(-1), new))
+        return targets
 
     def _add_sq_norms(self, values: torch.Tensor, ordered: bool = False) -> None:
         """sq_norms += values, one per sequence (``ordered``: the sequences in `order`)."""
@@ -412,23 +416,32 @@ class _MicroBatch:
     def _add_per_sample_sq_norms(self, per_sample: torch.Tensor, ordered: bool = False) -> torch.Tensor:
         """sq_norms += ||per_sample_i||² of per-sequence gradients (B, ...); returns them widened, as (B, n).
 
-        "buffers" keeps the archived runs' arithmetic (vecdot); the others use the norm kernel, one
-        vectorised pass (vecdot multiplies into a temporary first)."""
+        "buffers" keeps the archived runs' arithmetic (vecdot, added block by block); the others take the norm
+        kernel (one vectorised pass; vecdot multiplies into a temporary first) and keep each block's norms for
+        `fold_block_norms`, which squares and adds all of them at once: one kernel per block, not four."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
         if self.engine.combination == "buffers":
             self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
         else:
-            self._add_sq_norms(torch.linalg.vector_norm(per_sample, dim=1).square(), ordered)
+            self.block_norms.setdefault((ordered, per_sample.dtype), []).append(torch.linalg.vector_norm(per_sample, dim=1))
         return per_sample
 
-    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, ordered: bool = False) -> None:
+    def fold_block_norms(self) -> None:
+        """sq_norms += the squares of the kept block norms (each squared in its own dtype, summed in float64)."""
+        for (ordered, _), norms in self.block_norms.items():
+            self._add_sq_norms(torch.stack(norms).square().sum(0, dtype=torch.float64), ordered)
+        self.block_norms.clear()
+
+    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, ordered: bool = False,
+                    targets: list | None = None) -> None:
         """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n);
         ``ordered``: their rows in `order`, each coefficient row's sequences consecutive (split), so that each
         combination reads its own sequences' rows only."""
         per_sample = self._add_per_sample_sq_norms(per_sample, ordered)
         spans = self.spans if ordered else None
         self._combination(
-            param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset, spans=spans), ordered
+            param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset, spans=spans), ordered,
+            targets,
         )
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
@@ -466,12 +479,13 @@ class _MicroBatch:
         # split, packed: each block's sequences in `order`, free (one matmul per sequence view either way); one row
         # per sequence, a reordered copy of the inputs cost more than the combinations read less (measured)
         ordered = self.order is not None and rows.offsets is not None
+        targets = None if deferred or self.engine.combination == NORMS_ONLY else self.targets(param)
         for start in range(0, num_rows, block_rows):
             block = rows.outer(cols, start, min(start + block_rows, num_rows), self.order if ordered else None)
             if deferred:
                 self._add_per_sample_sq_norms(block)
             else:
-                self._accumulate(param, block, start * num_cols, ordered=ordered)
+                self._accumulate(param, block, start * num_cols, ordered=ordered, targets=targets)
         if deferred:
             self._combination(param, weighted_products)
 
@@ -483,7 +497,9 @@ class _MicroBatch:
 
         def combine_into(coefficients_as, targets):
             coefficients, flat_ids = coefficients_as(rows), ids.flatten()
-            for row, target in enumerate(targets):
+            for row, (target, new) in enumerate(targets):
+                if new:  # a scatter adds to what is there
+                    target.zero_()
                 weighted_rows = (coefficients[row].view(-1, 1, 1) * rows).reshape(-1, rows.shape[-1])
                 target.view(param.shape).index_add_(0, flat_ids, weighted_rows.to(target.dtype))
 
@@ -535,6 +551,14 @@ def _cast_once(cache: dict, coefficients: torch.Tensor, like: torch.Tensor) -> t
     return cache[key]
 
 
+class Target(NamedTuple):
+    """One coefficient row's buffer, flat, and whether it is new: made uninitialised for this gradient part, which
+    assigns each element once instead of adding to zeros (one kernel where a fill and an addition took two)."""
+
+    values: torch.Tensor
+    new: bool
+
+
 @dataclass
 class _CoefficientRow:
     """The combined coefficients (1, B) of a deferred micro-batch, cast once per dtype and device."""
@@ -551,9 +575,10 @@ def _add_combinations(coefficients_as, targets: list[torch.Tensor], per_sample: 
     """targets[j][offset : offset + n] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n); with
     ``spans``, row j's sequences are per_sample[start:stop] alone (the others' coefficients are 0, unread)."""
     coefficients, n = coefficients_as(per_sample), per_sample.shape[1]
-    for row, target in enumerate(targets):
+    for row, (target, new) in enumerate(targets):
         start, stop = (0, per_sample.shape[0]) if spans is None else spans[row]
-        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1, start:stop], per_sample[start:stop])
+        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1, start:stop], per_sample[start:stop],
+                    assign=new)
 
 
 def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _Rows, cols: _Rows,
@@ -563,15 +588,17 @@ def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _
     # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
     # autograd's weight gradient of the same micro-batch would.
     coefficients = coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
-    for row, target in enumerate(targets):
+    for row, (target, new) in enumerate(targets):
         row_rows, row_cols, row_coefficients = rows, cols, coefficients[row]
         if members is not None and len(members[row]) < rows.batch_size:
             row_rows, row_cols = rows.select(members[row]), cols.select(members[row])
             row_coefficients = row_coefficients[members[row]]
         if cols.width < rows.width:
-            add_product(target.view(rows.width, -1), row_rows.tokens().t(), row_cols.weighted_tokens(row_coefficients))
+            add_product(target.view(rows.width, -1), row_rows.tokens().t(), row_cols.weighted_tokens(row_coefficients),
+                        assign=new)
         else:
-            add_product(target.view(rows.width, -1), row_rows.weighted_tokens(row_coefficients).t(), row_cols.tokens())
+            add_product(target.view(rows.width, -1), row_rows.weighted_tokens(row_coefficients).t(), row_cols.tokens(),
+                        assign=new)
 
 
 def _kind_forward(site: _Site, x: torch.Tensor) -> torch.Tensor:
