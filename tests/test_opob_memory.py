@@ -292,3 +292,24 @@ def test_the_docs_two_pass_floor_is_the_logs():
     assert f"(`input_grads`, no weight gradient, no norm) {ratio['input_grads']:.2f}" in doc
     assert f"at least 1 + {ratio['input_grads']:.2f} = {1 + ratio['input_grads']:.2f} plain steps" in doc
     assert f"here they cost {ratio['norms_pass'] - ratio['input_grads']:.2f} of a plain step beyond that floor" in doc
+
+
+def test_the_docs_operator_counts_are_the_logs():
+    """docs/per_sequence_gradients.md's table of operators per step is the log's computing counts, per combination,
+    and the engine's combination is within the 1.5x aim the text says it meets."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    log = (repo / "tables/opob_engine/aten_ops_50m.log").read_text()
+    doc = " ".join((repo / "docs/per_sequence_gradients.md").read_text().split())
+    counts = {}
+    for command, body in re.findall(r"^# (python benchmarks/opob_overhead\.py.*)\n((?:[^#].*\n)+)", log, re.MULTILINE):
+        combination = re.search(r"--combination (\w+)", command)[1]
+        line = re.search(r"^ATen ops per step, computing.*$", body, re.MULTILINE)[0]
+        counts[combination] = {v: int(n) for v, n in re.findall(r"(\w+) (\d+) \(", line)}
+    assert set(counts) == {"split", "buffers"}
+    for combination, ops in counts.items():
+        cells = " | ".join([f"{ops['plain']:,}", *(f"{ops[v]:,} ({ops[v] / ops['plain']:.2f}×)" for v in ("opob", "two_pass"))])
+        assert f"| {cells} |" in doc, (combination, cells)
+    assert counts["split"]["opob"] <= 1.5 * counts["split"]["plain"]
