@@ -4,7 +4,8 @@
 
 Three parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json:
   overhead    benchmarks/opob_overhead.py on a 0.5B Qwen2 (Qwen2-0.5B shapes, random weights) in bf16 at
-              T = 2048: step time, peak memory and ATen operators dispatched of the single-backward OPOB step,
+              T = 2048: step time, peak memory and ATen operators dispatched of the single-backward OPOB step
+              (the engine's: split combination, a baseline per group),
               of the memory-safe two-pass step (norms only, then a plain backward), of one trajectory per
               micro-batch (the authors' release) and of the naive two-backward step, each against a plain
               backward (target: OPOB <= 1.10x plain; the paper's Megatron implementation measured 1.19x);
@@ -69,7 +70,7 @@ def overhead(args: argparse.Namespace, out: Path) -> dict:
     result_file = out / "overhead.json"
     command = [sys.executable, "benchmarks/opob_overhead.py", "--model", args.model, "--device", args.device,
                "--dtype", "bfloat16", "--seq-len", str(args.seq_len), "--repeats", str(args.repeats),
-               "--count-ops", "--json", str(result_file)]  # fmt: skip
+               "--count-ops", "--combination", "split", "--grouped", "--json", str(result_file)]  # the engine's step; fmt: skip
     part = run_part("overhead", command, out, args.part_timeout)
     if result_file.exists():
         measured = json.loads(result_file.read_text())
