@@ -4,7 +4,7 @@ Each point runs in a fresh process: a random Qwen2 in verl 0.9.1's engine (``vcp
 FSDP2 over one gloo rank, float32), one warm-up step of plain seq-TIS (so that Adam's moments exist), then the
 measured step: plain seq-TIS, or VCPO with OPOB in mode single or two_pass, over ``--batch`` packed sequences in G
 prompt groups. The measured number is the step's peak resident memory (VmHWM, reset just before the step through
-/proc/self/clear_refs) minus the resident memory before it, with glibc's mmap threshold fixed
+/proc/self/clear_refs) minus the resident memory before it, the warm-up's gradient freed (as the step frees it), with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the resident set at once. The projection is
 `vcpo.core.per_sequence_grads.memory.step_memory(...).step(kind)` for the same model, layout, largest micro-batch
 and the split buffers the batch's rewards open.
@@ -93,6 +93,10 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     engine.train_batch(td, loss("plain"))  # Adam's moments
     td, raw = cpu.actor_batch(*shape, dtype=torch.float32, min_response=args.min_response, behaviour_log_probs=behaviour,
                            min_prompt=args.prompt)
+    # verl's step frees the last step's gradient before its forward (`optimizer_zero_grad`) and makes a new one:
+    # freed here, so that the baseline holds what stays between steps (parameters, Adam's moments) and the
+    # measured step holds its gradient, as the model's step does
+    engine.optimizer_zero_grad()
     Path("/proc/self/clear_refs").write_text("5")
     before = rss_bytes("VmRSS")
     started = time.perf_counter()

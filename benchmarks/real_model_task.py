@@ -196,8 +196,9 @@ def arm_summary(lines: list[dict], steps: int) -> dict:
     }
 
 
-def report(work: Path, tables: Path = TABLES) -> dict:
-    """tables/real_model/training.{json,md,png} from the registered arms' runs under ``work``."""
+def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None = None) -> dict:
+    """tables/real_model/training.{json,md,png} from the registered arms' runs under ``work``; ``other_work``: what
+    else ran on the machine during a run, by run name (kept from the last report unless given: it slows a step)."""
     from vcpo.reporting.runs import read_metrics
 
     plan = read_yaml(recipes_dir() / "real_model.yaml")["training"]
@@ -205,7 +206,10 @@ def report(work: Path, tables: Path = TABLES) -> dict:
     arms = {name: arm_summary(read_metrics(folder), plan["steps"]) for name, folder in runs.items()
             if (folder / "metrics.jsonl").exists()}
     choice = json.loads((tables / "task_choice.json").read_text())
+    earlier = tables / "training.json"
+    other_work = {**(json.loads(earlier.read_text()).get("other_work", {}) if earlier.exists() else {}), **(other_work or {})}
     result = {"plan": plan, "task": choice["chosen"], "answer_format": choice["answer_format"], "arms": arms,
+              "other_work": {name: text for name, text in other_work.items() if name in arms},
               "provenance": {**code_state(), "written": utc_now(), "cpu": cpu_name()}}
     (tables / "training.json").write_text(json.dumps(result, indent=1) + "\n")
     (tables / "training.md").write_text(training_markdown(result))
@@ -252,6 +256,9 @@ def training_markdown(result: dict) -> str:
         f"One seed per arm, so the only spread shown is the step-to-step spread of the training reward (95% t interval "
         f"over the {WINDOW} steps of each window), not the run-to-run spread.",
         "", *(f"- {verdict}." for verdict in verdicts), "",
+        *(f"Other work on the machine during {name} (its seconds per step are slower for it): {text}." for name, text
+          in result.get("other_work", {}).items()),
+        *([""] if result.get("other_work") else []),
         f"`python benchmarks/real_model_task.py report`; commit {result['provenance']['commit'][:12]}, "
         f"{result['provenance']['written']}, {result['provenance']['cpu']}.", "",
     ])
@@ -302,9 +309,14 @@ def main(argv=None) -> int:
     command = commands.add_parser("report", help="the table and figure of the training runs")
     command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "training")
     command.add_argument("--tables", type=Path, default=TABLES)
+    command.add_argument("--other-work", action="append", default=[], metavar="RUN=TEXT",
+                         help="what else ran on the machine during RUN (e.g. sync_s0), recorded beside its step times")
     args = parser.parse_args(argv)
     if args.command == "report":
-        report(args.work, args.tables)
+        if any("=" not in note for note in args.other_work):
+            parser.error("--other-work takes RUN=TEXT, e.g. sync_s0='the project's tests'")
+        notes = dict(note.split("=", 1) for note in args.other_work)
+        report(args.work, args.tables, notes)
         return 0
     if args.command == "choose":
         choose(args.work, args.tables)

@@ -242,6 +242,8 @@ def test_the_training_report_compares_the_first_and_last_steps_against_their_spr
               "task": "sums", "answer_format": "lenient", "arms": {"sync_s0": arm},
               "provenance": {"commit": "0" * 40, "written": "now", "cpu": "cpu"}}
     assert "sync_s0: the training reward rose from 14.0% to 64.0%, beyond the step-to-step spread" in module.training_markdown(result)
+    assert "Other work on the machine during sync_s0 (its seconds per step are slower for it): pytest." in (
+        module.training_markdown({**result, "other_work": {"sync_s0": "pytest"}}))
     flat = module.arm_summary([{"step": i, "critic/score/mean": 0.3 + 0.01 * (i % 2)} for i in range(10)], 10)
     assert "x: the training reward moved from 30.4% to 30.6%, within the step-to-step spread" in module.training_markdown(
         {**result, "arms": {"x": flat}})

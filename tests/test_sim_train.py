@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vcpo.local_models import save_random_model
-from vcpo.methods import filed_lag, list_methods
+from vcpo.methods import list_methods, run_lag
 from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
@@ -54,7 +54,7 @@ def numbers(metrics: dict):
 
 @pytest.mark.parametrize("method", [m.name for m in list_methods()])
 def test_every_preset_runs(base, tmp_path, method):
-    changes = {"method": method, "lag": filed_lag(method, SMALL["lag"])}
+    changes = {"method": method, "lag": run_lag(method, default=SMALL["lag"])}
     if method == "fp16":
         changes["rollout_dtype"] = "preset"
     if method == "p3o_two_anchor":

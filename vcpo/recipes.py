@@ -146,6 +146,11 @@ class TaskRecipe:
         return {key: entry["value"] for key, entry in self.spec["chosen"].items()}
 
     @property
+    def paper_lag(self) -> int:
+        """The paper's policy lag k of the task (``paper.max_lag``: Tables 3-5, Table 1's async row)."""
+        return int(self.paper["max_lag"])
+
+    @property
     def multi_turn(self) -> bool:
         return "max_turns" in self.paper
 

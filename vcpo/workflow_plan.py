@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vcpo.recipes import load_tasks, run_path
+from vcpo.sim.tasks import SIM_TASKS
+
 
 class WorkflowConfigError(ValueError):
     """A workflow config that cannot run; the message starts with the config key at fault."""
@@ -37,8 +40,6 @@ class PlannedRun:
     @property
     def path(self) -> str:
         """The run folder below ``<results>/runs`` (the layout of vcpo.sim sweeps and vcpo.launch)."""
-        from vcpo.recipes import run_path
-
         return str(run_path(self.task, self.method, self.lag, self.seed))
 
 
@@ -98,15 +99,14 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
         unknown = sorted(set(named) - known_tasks)
         if unknown:
             raise WorkflowConfigError(f"{key}: {unknown} are not tasks of the {config['backend']} backend; known: {sorted(known_tasks)}")
-    from vcpo.methods import get_method
-    from vcpo.recipes import load_tasks
+    from vcpo.methods import get_method  # imports torch: Snakemake reads this module for every command
 
     paper_tasks = set(load_tasks())
     unknown = sorted(set(config["tasks"]) - paper_tasks)
     if unknown:
         raise WorkflowConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
     paper_lags = {str(spec["lag"]) for spec in specs.values() if spec.get("lag") is not None}
-    paper_lags |= {str(task.paper["max_lag"]) for task in load_tasks().values()}
+    paper_lags |= {str(task.paper_lag) for task in load_tasks().values()}
     unknown = sorted(set(config.get("lags", {})) - paper_lags, key=str)
     if unknown:
         raise WorkflowConfigError(f"lags: {unknown} are not lags of the paper's figures or tasks; known: {sorted(paper_lags, key=int)}")
@@ -122,7 +122,7 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
 def _check_sim_entries(config: dict[str, Any]) -> None:
     """Every ``sim_tasks`` / ``sim_sync`` / ``sim_async`` / ``sim_methods`` entry has known keys with readable values, whether or
     not a planned run uses it, and none picks the SFT base (one per task: ``sim`` sets it for all runs)."""
-    from vcpo.sim.config import apply_overrides
+    from vcpo.sim.config import apply_overrides  # imports torch (the simulator's modules)
 
     entries = [(f"{key}.{name}", settings) for key in ("sim_tasks", "sim_methods") for name, settings in (config.get(key) or {}).items()]
     entries += [(key, config[key]) for key in ("sim_sync", "sim_async") if config.get(key)]
@@ -137,13 +137,7 @@ def _check_sim_entries(config: dict[str, Any]) -> None:
 
 
 def _backend_tasks(backend: str) -> set[str]:
-    if backend == "sim":
-        from vcpo.sim.tasks import SIM_TASKS
-
-        return set(SIM_TASKS)
-    from vcpo.recipes import load_tasks
-
-    return set(load_tasks())
+    return set(SIM_TASKS) if backend == "sim" else set(load_tasks())
 
 
 def steps_of(config: dict[str, Any], run: PlannedRun) -> int:
@@ -175,7 +169,7 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
 
 def sim_start(config: dict[str, Any]):
     """The ``vcpo.sim`` configuration every run starts from: the ``sim_config`` file, else the defaults."""
-    from vcpo.sim.config import start_config
+    from vcpo.sim.config import start_config  # imports torch (the simulator's modules)
 
     return start_config(config.get("sim_config"))
 
@@ -207,7 +201,7 @@ def sim_settings(config: dict[str, Any], task: str, method: str, lag: int) -> di
 def sim_run_config(config: dict[str, Any], task: str, method: str, lag: int, given: dict[str, Any] | None = None):
     """The ``vcpo.sim`` configuration a run trains with: the one every run starts from, then ``given`` (the run's
     own task, method, ... as its command line passes them), then its settings."""
-    from vcpo.sim.config import apply_overrides
+    from vcpo.sim.config import apply_overrides  # imports torch (the simulator's modules)
 
     settings = {key: str(value) for key, value in sim_settings(config, task, method, lag).items()}
     return apply_overrides(apply_overrides(sim_start(config), given or {}), settings)
@@ -246,7 +240,7 @@ def schema_problem(config: dict[str, Any], schema_path: Path) -> str | None:
 
 def plan(config: dict[str, Any]) -> Plan:
     """Every figure's runs, merged; Table 1's runs; checked against the methods and the backend."""
-    from vcpo.reporting import figure_specs, runs_needed
+    from vcpo.reporting import figure_specs, runs_needed  # imports torch and matplotlib
 
     specs = figure_specs()
     _check_known(config, specs)
@@ -267,14 +261,12 @@ def plan(config: dict[str, Any]) -> Plan:
             core, full = wanted.get(key, (False, False))
             wanted[key] = (core or name in core_figures, full or name in full_length_figures)
         figures[name] = [spec["kind"], tasks, lag, needed]
-    from vcpo.launch import paper_lag
-
     table1 = []
     for paper_task in config.get("table1_tasks", []):
         if paper_task not in config["tasks"]:
             raise WorkflowConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
         task = config["tasks"][paper_task]
-        high_lag = _scale_lag(config, paper_lag(paper_task))
+        high_lag = _scale_lag(config, load_tasks()[paper_task].paper_lag)
         for key in ((task, "sync", 0), (task, "vcpo", high_lag)):
             wanted[key] = (True, True)  # Table 1 compares final accuracies: the core seeds and steps
             table1.append(key)

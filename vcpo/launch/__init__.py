@@ -76,11 +76,6 @@ def get_task_recipe(name: str) -> TaskRecipe:
     return tasks[name]
 
 
-def paper_lag(task: str) -> int:
-    """The paper's policy lag k of a task (its recipe's ``paper.max_lag``: Tables 3-5, Table 1's async row)."""
-    return int(get_task_recipe(task).paper["max_lag"])
-
-
 @dataclass(frozen=True)
 class Run:
     """One training run: what `overrides` composes."""
@@ -129,7 +124,7 @@ def make_run(
     except ValueError as error:
         raise LaunchError(f"{error} (--method)") from None
     try:
-        default = task_recipe.paper["max_lag"] if default_lag is None else default_lag
+        default = task_recipe.paper_lag if default_lag is None else default_lag
         resolved_lag = run_lag(method, lag, default, task_recipe.paper["training_steps"])
     except ValueError as error:
         raise LaunchError(f"--lag: {error} (task {task!r})") from None

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.list:
         for task in load_tasks().values():
-            print(f"{task.name:<10} {task.spec['table']:<14} k={task.paper['max_lag']:<3} {task.spec['title']}")
+            print(f"{task.name:<10} {task.spec['table']:<14} k={task.paper_lag:<3} {task.spec['title']}")
         return 0
     if not (args.task and args.method):
         print("error: --task and --method are required (or --list)", file=sys.stderr)

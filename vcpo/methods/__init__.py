@@ -166,23 +166,18 @@ def fixed_lag(method: str) -> int | None:
     return get_method(method).spec.get("max_lag")
 
 
-def filed_lag(method: str, lag: int) -> int:
-    """The policy lag a run of ``method`` has and is filed under: the one its preset fixes, else ``lag``."""
-    fixed = fixed_lag(method)
-    return lag if fixed is None else fixed
-
-
-def run_lag(method: str, asked: int | None, default: int, steps: int) -> int:
-    """The policy lag of a run of ``method`` (every backend's rule): the lag its preset fixes, which refuses
-    any other lag asked for explicitly; else ``asked``; else ``default`` (a config file's, a task's).
-    Raises ValueError for a lag below 0 or above ``steps``, which a run of that length cannot reach."""
+def run_lag(method: str, asked: int | None = None, default: int = 0, steps: int | None = None) -> int:
+    """The policy lag a run of ``method`` has and is filed under (every backend's rule): the lag its preset fixes,
+    which refuses any other lag asked for explicitly; else ``asked``; else ``default`` (a config file's, a
+    task's, a study's). Raises ValueError for a lag below 0, or above ``steps`` (when given), which a run of that
+    length cannot reach."""
     fixed = fixed_lag(method)
     if fixed is not None and asked is not None and asked != fixed:
         raise ValueError(f"method {method!r} fixes the policy lag to {fixed} (max_lag in its preset), got {asked}")
     lag = fixed if fixed is not None else (default if asked is None else asked)
     if lag < 0:
         raise ValueError(f"the policy lag must be >= 0, got {lag}")
-    if lag > steps:
+    if steps is not None and lag > steps:
         raise ValueError(f"a lag of {lag} cannot be reached in a run of {steps} steps (the bound: lag <= steps)")
     return lag
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.methods import filed_lag
+from vcpo.methods import run_lag
 from vcpo.recipes import run_path
 from vcpo.runs import FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY, metric_records
 
@@ -58,7 +58,7 @@ def _warn_once(message: str) -> None:
 def run_dirs(root: Path, task: str, method: str, lag: int) -> list[Path]:
     """The seed folders holding metrics of one (task, method, lag); a preset that fixes its lag (sync: 0)
     is read at that lag whatever ``lag``."""
-    lag = filed_lag(method, lag)
+    lag = run_lag(method, default=lag)
     return sorted(p.parent for p in Path(root).glob(f"{run_path(task, method, lag, '*')}/{METRICS_FILE}"))
 
 
@@ -148,7 +148,7 @@ def summary_rows(root: Path, task: str, lag: int, methods: list[str]) -> list[di
         rows.append(
             {
                 "method": method,
-                "lag": filed_lag(method, lag),
+                "lag": run_lag(method, default=lag),
                 "seeds": len(runs),
                 "steps": max(int(series(lines, "critic/score/mean")[0].max(initial=-1)) + 1 for lines in runs),
                 "acc_start": float(np.mean([a[0] for a in accuracy])) if accuracy else float("nan"),

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from vcpo.methods import filed_lag
+from vcpo.methods import run_lag
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("curves", "lag_sweep", "overhead", "grad_norm_proxy")
@@ -105,7 +105,7 @@ def runs_needed(
     for name in spec_tasks(spec, task):
         for k in spec_lags(spec, lag):
             for method in spec["methods"]:
-                run = (name, "sync", 0) if k == 0 else (name, method, filed_lag(method, k))
+                run = (name, "sync", 0) if k == 0 else (name, method, run_lag(method, default=k))
                 if run not in needed:
                     needed.append(run)
     return needed

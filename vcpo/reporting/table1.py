@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from vcpo.recipes import base_path
+from vcpo.recipes import base_path, load_tasks
 from vcpo.reporting.figures import SCALES
 from vcpo.reporting.runs import (
     evaluated_accuracy,
@@ -102,8 +102,6 @@ def table1_data(
     name); ``lag`` replaces each task's published async lag, ``lag_map`` maps published lags to this
     scale's (the smoke workflow's ``lags``: 10 -> 48 for Countdown, SimpleTIR's 2 kept).
     """
-    from vcpo.launch import paper_lag  # the lag lives in the task recipes (the launcher imports this package)
-
     published = paper_results()["table1"]
     tasks = tasks or {name: name for name in published["tasks"]}
     unknown = sorted(set(tasks) - set(published["tasks"]))
@@ -118,7 +116,8 @@ def table1_data(
     }
     for paper_task, run_task in tasks.items():
         paper = published["tasks"][paper_task]
-        k = (lag_map or {}).get(paper_lag(paper_task), paper_lag(paper_task)) if lag is None else lag
+        paper_lag = load_tasks()[paper_task].paper_lag
+        k = (lag_map or {}).get(paper_lag, paper_lag) if lag is None else lag
         sync = row_numbers(root, run_task, "sync", 0, scale, paper["benchmark"])
         target = None if sync["accuracy"] is None else sync["accuracy"]["mean"]
         if target is not None:
@@ -127,7 +126,7 @@ def table1_data(
             "label": paper["label"],
             "run_task": run_task,
             "paper": paper,
-            "paper_lag": paper_lag(paper_task),
+            "paper_lag": paper_lag,
             "base": base_accuracy(root, run_task, paper["benchmark"]) or sync["base"],
             "target": target,
             "sync": sync,

@@ -31,7 +31,7 @@ from vcpo.sim.config import (
     SimConfig,
     apply_overrides,
     as_override_text,
-    preset_lag,
+    default_lag,
     start_config,
     validate,
 )
@@ -45,7 +45,7 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     lag_given = "lag" in given or any(item.split("=", 1)[0] == "lag" for item in overrides)
     # a config file's lag is for the lagged methods; a preset that fixes its lag (sync) keeps its own,
     # and a lag asked for on the command line that it cannot honour is refused by validate
-    return validate(config if lag_given else dataclasses.replace(config, lag=preset_lag(config.method, config.lag)))
+    return validate(config if lag_given else dataclasses.replace(config, lag=default_lag(config.method, config.lag)))
 
 
 def run_dir(root: Path, config: SimConfig) -> Path:
@@ -60,7 +60,7 @@ def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimCon
     base = apply_overrides(start_config(args.config), overrides)
     configs = []
     for method in args.methods:
-        for lag in dict.fromkeys(preset_lag(method, lag) for lag in args.lags):  # sync: once, at lag 0
+        for lag in dict.fromkeys(default_lag(method, lag) for lag in args.lags):  # sync: once, at lag 0
             for seed in args.seeds:
                 changes = {"method": method, "lag": lag, "seed": seed}
                 changes |= {key: getattr(args, key) for key in ("task", "lag_model", "steps") if getattr(args, key) is not None}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.core.per_sequence_grads import COMBINATIONS
-from vcpo.methods import PRECISION_DTYPES, Method, filed_lag, get_method, run_lag, run_rho_on, step_rule
+from vcpo.methods import PRECISION_DTYPES, Method, get_method, run_lag, run_rho_on, step_rule
 from vcpo.recipes import optimizer_table
 from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
 from vcpo.sim.base import MODEL_SIZES
@@ -216,11 +216,11 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
     return dataclasses.replace(config, **changes)
 
 
-def preset_lag(method: str, lag: int) -> int:
-    """The lag a run of ``method`` takes when none is asked for explicitly (``vcpo.methods.filed_lag``: its
-    preset's fixed lag, sync's 0, over a config file's); an unknown method is a configuration error."""
+def default_lag(method: str, lag: int) -> int:
+    """The lag a run of ``method`` takes when none is asked for explicitly (`vcpo.methods.run_lag`: its preset's
+    fixed lag, sync's 0, over ``lag``, a config file's); an unknown method is a configuration error."""
     try:
-        return filed_lag(method, lag)
+        return run_lag(method, default=lag)
     except ValueError as error:
         raise ConfigError(f"config key 'method': {error}") from None
 
