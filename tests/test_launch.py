@@ -329,9 +329,10 @@ def test_a_composition_is_read_back_from_the_cache_equal_and_keyed_by_overrides_
     import shutil
 
     import vcpo.launch as launch
+    import vcpo.launch.composition
 
     monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(launch, "verl_config_dir", lambda: tmp_path / "verl")
+    monkeypatch.setattr(vcpo.launch.composition, "verl_config_dir", lambda: tmp_path / "verl")
     shutil.copytree(_verl_configs(), tmp_path / "verl")
     run = launch.make_run("countdown", "vcpo", 10, 0, "/data", "/out")
     composed = launch.compose(run)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+from vcpo.core.per_sequence_grads.memory import GB, OPOB_MODES
 from vcpo.launch import (
     LaunchError,
     check,
@@ -27,7 +28,6 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
-from vcpo.core.per_sequence_grads.memory import GB, OPOB_MODES
 from vcpo.launch.memory import DEFAULT_GPU_MEMORY_GB, gpu_memory_gb, projection
 
 
