@@ -107,7 +107,7 @@ def spread(values: list[float]) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Asynchrony on two cores: measured by `python benchmarks/async_speed.py`", "",
+    lines = ["# Asynchrony on two cores: measured by `python benchmarks/async_speed.py`", "",
              f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; torch {report['machine']['torch']}; "
              f"{report['date']}. One process per run, from the task's seed-0 SFT base, `eval_every=0`; OPOB combines "
              f"`{report['opob_combination']}` (the simulator's default).", ""]  # fmt: skip

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from vcpo.core.per_sequence_grads import COMBINATIONS
-from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.core.per_sequence_grads.memory import OPOB_MODES
+from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.verl_shared import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}

@@ -68,8 +68,8 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (registers the losses)
-    from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES
     from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers, step_memory
+    from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES
     from vcpo.verl_plugin.cpu import standalone as cpu
 
     workdir = tempfile.mkdtemp(prefix="opob_memory_")

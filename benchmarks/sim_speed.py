@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vcpo.runs import METRICS_FILE
 from vcpo.sim import rollout
 from vcpo.sim.config import apply_overrides, start_config
 from vcpo.sim.rollout import RolloutSampler, left_padded, sampling_log_probs
-from vcpo.runs import METRICS_FILE
 from vcpo.sim.train import Trainer
 
 PARTS = (

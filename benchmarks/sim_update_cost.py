@@ -32,9 +32,10 @@ import torch
 from tqdm.auto import tqdm
 
 from vcpo.provenance import cpu_name
-from vcpo.sim.config import apply_overrides, load_config_file, validate
+from vcpo.sim.config import apply_overrides, load_config_file
 from vcpo.sim.learner import Learner, collate, warmup_stable_decay
 from vcpo.sim.train import Trainer
+from vcpo.sim.validation import validate
 
 METHODS = ("seq_tis_c8", "vcpo")
 # what is timed: (label, method, PerSequenceGradients settings over the learner's own: mode "auto", the

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.sim.config import apply_overrides, start_config
 from vcpo.runs import METRICS_FILE
+from vcpo.sim.config import apply_overrides, start_config
 from vcpo.sim.train import Trainer
 
 

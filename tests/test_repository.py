@@ -1,6 +1,8 @@
 """The README keeps exactly two fresh-machine commands, and CI runs the test one verbatim."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,11 +131,12 @@ def test_the_first_level_modules_import_only_the_layers_below_them():
     assert wrong == []
 
 
-# A simulator run is set up in one direction: the sampler and the tasks, then the base built on them, then the
-# settings resolved against those registries (vcpo.sim.config.validate fills in the task's defaults once), then
-# the learner and the trainer that composes them.
+# A simulator run is set up in one direction: its settings (vcpo.sim.config, a leaf), the sampler and the tasks,
+# then the base built on them, then the settings checked against those registries (vcpo.sim.validation fills in the
+# task's defaults once), then the learner and the trainer that composes them.
 SIM_ORDER = [
-    "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.evaluate", "vcpo.sim.base", "vcpo.sim.config", "vcpo.sim.learner",
+    "vcpo.sim.config", "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.evaluate", "vcpo.sim.base", "vcpo.sim.validation",
+    "vcpo.sim.learner",
     "vcpo.sim.concurrent", "vcpo.sim.train", "vcpo.sim.__main__",
     # the pre-registered commands' aliases of moved studies (they run vcpo.studies.* by name, importing nothing)
     "vcpo.sim.evidence", "vcpo.sim.across_lags", "vcpo.sim.stability",
@@ -208,3 +211,14 @@ def test_no_script_or_module_edits_the_import_path():
         if ("sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text())
     ]
     assert editors == ["vcpo/tools/_sandbox_child.py"]
+
+
+def test_the_simulators_config_is_a_leaf_that_reads_no_file_when_imported():
+    """vcpo.sim.config imports none of the trainer's modules and reads no recipe until a config is made."""
+    code = ("import sys; opened = []; "
+            "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None); "
+            "import vcpo.sim.config; "
+            "print([path for path in opened if '/recipes/' in path]); "
+            "print(sorted(m for m in sys.modules if m.startswith('vcpo.sim.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.split("\n")[:2] == ["[]", "['vcpo.sim.config']"]

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted 
 
 from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
 from vcpo.reporting.runs import read_metrics
-from vcpo.sim.__main__ import main as sim_main
 from vcpo.runs import METRICS_FILE
+from vcpo.sim.__main__ import main as sim_main
 
 
 def command(base_dir, out):
@@ -309,8 +308,9 @@ def stopped_run(base, out, monkeypatch, lines: int):
     """The RESUME run in ``out``, stopped (as by a crash) after ``lines`` metrics lines."""
     from test_sim_concurrent import run_stopped_after
 
-    from vcpo.sim.config import SimConfig, apply_overrides, validate
+    from vcpo.sim.config import SimConfig, apply_overrides
     from vcpo.sim.train import Trainer
+    from vcpo.sim.validation import validate
 
     config = validate(apply_overrides(SimConfig(), {**RESUME, "base": str(base), "out": str(out), "threads": "1", "progress": "false"}))
     run_stopped_after(Trainer(config), lines, monkeypatch)

@@ -14,8 +14,9 @@ import torch
 
 from vcpo.local_models import save_random_model
 from vcpo.runs import METRICS_FILE
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
+from vcpo.sim.validation import validate
 
 SMALL = {
     "steps": 9,

@@ -14,8 +14,9 @@ from test_sim_train import small_config
 from vcpo.local_models import save_random_model
 from vcpo.recipes import recipes_dir
 from vcpo.runs import METRICS_FILE
-from vcpo.sim.config import ConfigError, SimConfig, settings_changed, validate
+from vcpo.sim.config import ConfigError, SimConfig, settings_changed
 from vcpo.sim.train import Trainer
+from vcpo.sim.validation import validate
 from vcpo.studies.design import Arm, Design, run_folder, run_settings
 from vcpo.studies.evidence import compare, ess_predictor, last_quarter_mean, predictor_report
 from vcpo.studies.statistics import (

@@ -11,7 +11,7 @@ from scripted import END, ScriptedModel
 
 from vcpo.local_models import build_tokenizer
 from vcpo.sim.base import solution_tokens, task_tokenizer
-from vcpo.sim.config import SimConfig, validate
+from vcpo.sim.config import SimConfig
 from vcpo.sim.rollout import (
     TOOL_CALL,
     TOOL_OUTPUT,
@@ -26,6 +26,7 @@ from vcpo.sim.rollout import (
 )
 from vcpo.sim.tasks import UNCLOSED_PARENTHESIS, get_sim_task
 from vcpo.sim.train import tool_metrics
+from vcpo.sim.validation import validate
 
 TIR = get_sim_task("tir")
 

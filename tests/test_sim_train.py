@@ -17,8 +17,9 @@ from vcpo.methods import list_methods, run_lag
 from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, validate
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
+from vcpo.sim.validation import check_inputs, check_settings, validate
 
 SMALL = {
     "steps": 2,
@@ -277,3 +278,19 @@ def test_a_finished_run_started_again_keeps_its_end_and_lists_the_attempt(base, 
     again = json.loads((out / "config.json").read_text())
     assert first["finished"] and again["finished"] == first["finished"] and again["started"] == first["started"]
     assert [attempt["step"] for attempt in again["attempts"]] == [0, 2]
+
+
+def test_the_settings_are_checked_apart_from_the_files_they_name(tmp_path):
+    """check_settings reads no file (a missing base and replayed run pass it); check_inputs and validate refuse them."""
+    config = apply_overrides(SimConfig(), {"method": "seq_tis_c8", "base": str(tmp_path / "no_base"),
+                                           "lr_scale_from": str(tmp_path / "no_run")})
+    checked = check_settings(config)
+    assert checked.max_response_tokens is not None  # the task's defaults filled in
+    with pytest.raises(ConfigError, match="'base': no SFT base model"):
+        check_inputs(checked)
+    with pytest.raises(ConfigError, match="'base': no SFT base model"):
+        validate(config)
+    (tmp_path / "no_base").mkdir()
+    (tmp_path / "no_base" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="'lr_scale_from': no .*metrics.jsonl"):
+        validate(config)

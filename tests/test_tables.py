@@ -283,9 +283,9 @@ def test_fig14_exact_norms_are_per_sequence_autograd_norms(fig14):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vcpo.core import logit_energy_proxy
-    from vcpo.studies.grad_norms import sample_responses
     from vcpo.sim.learner import response_log_probs
     from vcpo.sim.tasks import get_sim_task
+    from vcpo.studies.grad_norms import sample_responses
 
     run, _, result = fig14
     model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float64)

@@ -154,7 +154,7 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
         where = f"run {run.path}"
         try:
             if config["backend"] == "sim":
-                from vcpo.sim.config import validate
+                from vcpo.sim.validation import validate
 
                 given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed, "steps": steps_of(config, run)}
                 validate(sim_run_config(config, run.task, run.method, run.lag, given))

@@ -1,6 +1,6 @@
 """The CPU training path: an in-process RL trainer with simulated asynchrony (PipelineRL-k).
 
-- ``config``: the run configuration (``SimConfig``), validated before any work starts
+- ``config``: the run configuration (``SimConfig``), a leaf; ``validation``: its checks before any work starts
 - ``rollout``: generation under the three lag models, per-token behaviour log-probs and versions,
   the multi-turn tool loop
 - ``learner``: one optimizer step (verl's loss registry and estimators, vcpo.core's OPOB and ESS rule)

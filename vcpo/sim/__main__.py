@@ -26,15 +26,8 @@ from vcpo.cli import output_folder_problem
 from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.recipes import run_path
 from vcpo.runs import is_finished
-from vcpo.sim.config import (
-    ConfigError,
-    SimConfig,
-    apply_overrides,
-    as_override_text,
-    default_lag,
-    start_config,
-    validate,
-)
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, start_config
+from vcpo.sim.validation import default_lag, validate
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 

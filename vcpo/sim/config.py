@@ -10,20 +10,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vcpo.core.per_sequence_grads import COMBINATIONS
-from vcpo.methods import PRECISION_DTYPES, Method, get_method, run_lag, run_rho_on, step_rule
+from vcpo.methods import PRECISION_DTYPES, Method, get_method
 from vcpo.recipes import optimizer_table
-from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
-from vcpo.sim.base import MODEL_SIZES
-from vcpo.sim.rollout import KV_CACHE_MODES, LAG_MODELS, OVERLAPPING_LAG_MODELS, SIM_TOOL_TIMEOUT_S
-from vcpo.sim.tasks import SIM_TASKS, get_sim_task
 
 EXECUTIONS = ("serial", "concurrent")
+LAG_MODELS = ("pipeline", "pipeline_overlap", "fixed", "minibatch")  # vcpo.sim.rollout
+OVERLAPPING_LAG_MODELS = ("pipeline_overlap", "fixed")  # generation can run while the learner updates
+KV_CACHE_MODES = ("recompute", "keep")  # vcpo.sim.rollout's module docstring
+# The simulator's tool calls are one-line programs of a tiny policy that finish in ~40 ms; 5 s bounds
+# what a stuck program costs a step at half the paper-scale tool's 10 s (recipes/tools/python_sandbox.yaml,
+# written for a 7B model's longer programs).
+SIM_TOOL_TIMEOUT_S = 5.0
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ROLLOUT_DTYPES = (*DTYPES, "preset")
 # The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
@@ -31,7 +32,9 @@ ROLLOUT_DTYPES = (*DTYPES, "preset")
 PAPER_REFERENCE_LR = 1.0e-6
 
 
-TABLE_2 = optimizer_table()
+def table_2(key: str):
+    """A default of VCPO Table 2 (recipes/optimizer.yaml), read when a config is made, not at import."""
+    return lambda: (tuple if key == "betas" else float)(optimizer_table()[key])
 
 
 class ConfigError(ValueError):
@@ -66,10 +69,10 @@ class SimConfig:
     tool_workers: int = 4  # tool calls of one generation round run at once (docs/simulator.md: calls/s and latency)
     # optimizer: AdamW with VCPO Table 2's settings (recipes/optimizer.yaml, as the verl launcher uses them)
     lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, docs/simulator.md); presets scale it by lr / 1e-6
-    weight_decay: float = TABLE_2["weight_decay"]
-    betas: tuple[float, float] = tuple(TABLE_2["betas"])
-    eps: float = TABLE_2["eps"]
-    grad_clip: float = TABLE_2["grad_clip"]
+    weight_decay: float = field(default_factory=table_2("weight_decay"))
+    betas: tuple[float, float] = field(default_factory=table_2("betas"))
+    eps: float = field(default_factory=table_2("eps"))
+    grad_clip: float = field(default_factory=table_2("grad_clip"))
     warmup_steps: int = 5  # warmup-stable-decay (VCPO Table 3)
     decay_steps: int = 0
     micro_batch_size: int = 64  # sequences per learner forward/backward (whole groups)
@@ -153,27 +156,6 @@ def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
             if key not in RESUMABLE_CHANGES and was[key] != value]
 
 
-def replayed_lr_scales(run: str | Path, steps: int) -> list[float]:
-    """``actor/lr_scale`` of steps 0 .. steps-1 of the run folder ``run`` (its ``metrics.jsonl``); a
-    missing, repeated or unreadable step is an error naming the run, never a guess."""
-    if not (Path(run) / METRICS_FILE).is_file():
-        raise ConfigError(f"config key 'lr_scale_from': no {Path(run) / METRICS_FILE}")
-
-    def refuse(problem: str) -> None:
-        raise ConfigError(f"config key 'lr_scale_from': {problem}")
-
-    try:
-        records = metric_records(run, report=refuse)
-    except MetricsProblem as error:
-        refuse(str(error))
-    scales = {int(record["step"]): float(record[LR_SCALE]) for _, record in records if LR_SCALE in record}  # not the final evaluation's line
-    missing = [step for step in range(steps) if step not in scales]
-    if missing:
-        refuse(f"{Path(run) / METRICS_FILE} has no {LR_SCALE} for steps {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-               f"of the {steps} this run takes")
-    return [scales[step] for step in range(steps)]
-
-
 def _parse_value(key: str, text: str) -> Any:
     kind = FIELD_TYPES[key]
     try:
@@ -214,15 +196,6 @@ def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) ->
             raise ConfigError(f"unknown config key {key!r}{hint}; keys: {', '.join(sorted(FIELD_TYPES))}")
         changes[key] = _parse_value(key, value) if isinstance(value, str) else value
     return dataclasses.replace(config, **changes)
-
-
-def default_lag(method: str, lag: int) -> int:
-    """The lag a run of ``method`` takes when none is asked for explicitly (`vcpo.methods.run_lag`: its preset's
-    fixed lag, sync's 0, over ``lag``, a config file's); an unknown method is a configuration error."""
-    try:
-        return run_lag(method, default=lag)
-    except ValueError as error:
-        raise ConfigError(f"config key 'method': {error}") from None
 
 
 def start_config(path: str | Path | None) -> SimConfig:
@@ -266,104 +239,3 @@ def _split(item: str) -> tuple[str, str]:
         raise ConfigError(f"override {item!r} must be key=value")
     key, value = item.split("=", 1)
     return key.strip().replace("-", "_"), value.strip()
-
-
-def validate(config: SimConfig) -> SimConfig:
-    """The run's settings resolved once: raise ConfigError naming the key of the first problem, else return
-    ``config`` with the task's defaults filled in (``max_response_tokens``, ``max_turns``, and ``rho_on`` where
-    the task has a paper value), so that nothing downstream consults the task for a setting again.
-    Idempotent; a copy changed afterwards (``dataclasses.replace``) must be validated again."""
-
-    def fail(key: str, message: str) -> None:
-        raise ConfigError(f"config key {key!r}: {message}")
-
-    if config.task not in SIM_TASKS:
-        fail("task", f"unknown task {config.task!r}; known: {sorted(SIM_TASKS)}")
-    try:
-        method = config.method_preset
-    except ValueError as error:
-        fail("method", str(error))
-    if config.opob_combination not in COMBINATIONS:
-        fail("opob_combination", f"must be one of {COMBINATIONS}, got {config.opob_combination!r}")
-    if config.kv_cache not in KV_CACHE_MODES:
-        fail("kv_cache", f"must be one of {KV_CACHE_MODES}, got {config.kv_cache!r}")
-    if config.lag_model not in LAG_MODELS:
-        fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
-    if config.execution not in EXECUTIONS:
-        fail("execution", f"must be one of {EXECUTIONS}, got {config.execution!r}")
-    if config.execution == "concurrent" and not (config.lag >= 1 and config.lag_model in OVERLAPPING_LAG_MODELS):
-        fail("execution", f"'concurrent' needs a lag model whose generation can overlap the update ({', '.join(OVERLAPPING_LAG_MODELS)} "
-             f"at lag >= 1); lag_model={config.lag_model!r} at lag {config.lag} generates every batch with the weights "
-             "of the step that trains on it (use execution=serial, or threads=2 to give one run both cores)")
-    if config.execution == "concurrent" and config.threads != 1:
-        # the generator is forked from the learner, and OpenMP's thread pool does not survive a fork: the generator
-        # would wait forever in its first parallel region
-        fail("threads", f"execution=concurrent runs each side on one thread (the generator is a forked process, and "
-             f"a fork cannot carry OpenMP's threads), got threads={config.threads}; use threads=1, or execution=serial")
-    if config.max_response_tokens is not None and config.max_response_tokens < 1:
-        fail("max_response_tokens", f"must be >= 1, got {config.max_response_tokens}")
-    for key in ("steps", "prompts_per_step", "responses_per_prompt", "update_tokens"):
-        if getattr(config, key) < 1:
-            fail(key, f"must be >= 1, got {getattr(config, key)}")
-    for key in ("warmup_steps", "decay_steps", "eval_every", "eval_problems", "test_problems", "threads"):
-        if getattr(config, key) < 0:
-            fail(key, f"must be >= 0, got {getattr(config, key)}")
-    if config.max_turns is not None and config.max_turns < 0:
-        fail("max_turns", f"must be >= 0, got {config.max_turns}")
-    if config.tool_workers < 1:
-        fail("tool_workers", f"must be >= 1, got {config.tool_workers}")
-    for key in ("checkpoint_every", "eval_samples", "test_samples"):
-        if getattr(config, key) < 1:
-            fail(key, f"must be >= 1, got {getattr(config, key)}")
-    task = get_sim_task(config.task)
-    if config.test_problems > (available := task.test_size):
-        fail("test_problems", f"task {config.task!r} has {available} test problems, got {config.test_problems}")
-    if config.lr_scale_from is not None:
-        if step_rule(method).ess:
-            fail("lr_scale_from", f"method {method.name!r} sets its own step size by the ESS rule; replaying another "
-                 "run's scale would make it another method (use a preset without the ESS step size)")
-        replayed_lr_scales(config.lr_scale_from, config.steps)
-    if config.warmup_steps + config.decay_steps > config.steps:
-        fail("warmup_steps", f"warmup_steps + decay_steps ({config.warmup_steps + config.decay_steps}) exceed steps ({config.steps})")
-    if config.responses_per_prompt < 2:
-        fail("responses_per_prompt", "group baselines need at least 2 responses per prompt")
-    if config.micro_batch_size < config.responses_per_prompt or config.micro_batch_size % config.responses_per_prompt:
-        fail("micro_batch_size", f"must hold whole groups: a multiple of responses_per_prompt ({config.responses_per_prompt})")
-    for key in ("lr", "temperature", "eval_temperature", "eps", "grad_clip", "tool_timeout_s"):
-        value = getattr(config, key)
-        if not (math.isfinite(value) and value > 0):
-            fail(key, f"must be a positive finite number, got {value}")
-    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
-        fail("weight_decay", f"must be a finite number >= 0, got {config.weight_decay}")
-    if len(config.betas) != 2 or not all(0 <= beta < 1 for beta in config.betas):
-        fail("betas", f"must be two numbers in [0, 1) (AdamW's beta1, beta2), got {list(config.betas)}")
-    if config.learner_dtype not in DTYPES:
-        fail("learner_dtype", f"must be one of {DTYPES}")
-    if config.rollout_dtype not in ROLLOUT_DTYPES:
-        fail("rollout_dtype", f"must be one of {ROLLOUT_DTYPES}")
-    if config.learner_dtype in ("bfloat16", "float16"):
-        fail("learner_dtype", "the learner keeps float32 or float64 master weights; set rollout_dtype for low precision")
-    if method.spec["precision"] == "fp16" and config.resolved_rollout_dtype != "float16":
-        fail(
-            "rollout_dtype",
-            f"method {method.name!r} differs from its parent only by fp16 precision; run it with rollout_dtype=preset "
-            "(fp16 rollouts against the learner), otherwise it would silently be a different method",
-        )
-    try:
-        run_lag(method.name, config.lag, config.lag, config.steps)
-    except ValueError as error:
-        fail("lag", str(error))
-    if config.base is not None and not (Path(config.base) / "config.json").is_file():
-        fail("base", f"no SFT base model at {config.base!r} (expected a save_pretrained folder with config.json)")
-    if config.base is None and config.model_size not in MODEL_SIZES:
-        fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
-    try:
-        step_rule(method.name).with_rho_on(config.rho_on)
-    except ValueError as error:
-        fail("rho_on", str(error))
-    return dataclasses.replace(
-        config,
-        max_response_tokens=task.max_response_tokens if config.max_response_tokens is None else config.max_response_tokens,
-        max_turns=task.max_turns if config.max_turns is None else config.max_turns,
-        rho_on=run_rho_on(config.rho_on, task.paper_settings),
-    )

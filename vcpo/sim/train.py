@@ -41,7 +41,7 @@ from vcpo.runs import (
     metric_records,
 )
 from vcpo.sim.concurrent import ConcurrentEngine, Produced
-from vcpo.sim.config import ConfigError, SimConfig, replayed_lr_scales, settings_changed, validate
+from vcpo.sim.config import ConfigError, SimConfig, settings_changed
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
     Rollouts,
@@ -52,6 +52,7 @@ from vcpo.sim.rollout import (
     sandbox_tool,
     use_grouped_query_sdpa,
 )
+from vcpo.sim.validation import replayed_lr_scales, validate
 
 # Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run,
 # and between a serial and a concurrent one.

@@ -42,7 +42,8 @@ from vcpo.runs import (
     is_finished,
     read_json,
 )
-from vcpo.sim.config import SimConfig, validate
+from vcpo.sim.config import SimConfig
+from vcpo.sim.validation import validate
 from vcpo.studies.design import (
     Arm,
     Design,

@@ -104,15 +104,15 @@ from vcpo.verl_plugin.engine.batch import all_reduce_gradients
 from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    active_rule,
     choose_opob_mode,
     micro_batch_tokens,
-    second_pass,
-    active_rule,
     opob_baseline_over_ranks,
     opob_micro_batch,
     prepare_opob,
     recording_loss,
     scaled_optimizer_step,
+    second_pass,
 )
 from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
