@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def run(task: str, method: str, lag: int, steps: int, out: Path, **settings) -> 
     command = [sys.executable, "-m", "vcpo.sim", "train", "--task", task, "--method", method, "--lag", str(lag),
                "--steps", str(steps), "--seed", "0", "--out", str(out), *[f"{k}={v}" for k, v in overrides.items()]]  # fmt: skip
     started = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)}\nfailed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     wall = time.perf_counter() - started
     lines = [line for line in read_metrics(out) if "timing_s/step" in line]
     total = {name: sum(line.get(name, 0.0) for line in lines) for name in
@@ -75,14 +78,16 @@ def overlap_part(root: Path) -> dict:
             "serial_over_concurrent": serial["wall_s"] / concurrent["wall_s"]}  # fmt: skip
 
 
-def task_part(root: Path, task: str, steps: int, methods: list[str], lags: list[int], repeats: int = 1) -> dict:
-    """Sync on one thread and on two, then each method at each lag, concurrent; ``repeats`` rounds of all of them
-    in turn (round-robin, so a drift of the machine's speed reaches every arm alike). A configuration's result is
-    its run of median wall time, with every round's wall time beside it."""
-    configs = [("sync", 0, {"threads": threads}) for threads in (1, 2)]
-    configs += [(method, lag, {"execution": "concurrent"}) for method in methods for lag in lags]
-    rounds = [[run(task, method, lag, steps, root / f"{task}-{method}-k{lag}-{'-'.join(map(str, settings.values()))}-r{r}", **settings)
-               for method, lag, settings in configs] for r in range(repeats)]  # fmt: skip
+def task_part(root: Path, task: str, steps: int, methods: list[str], lags: list[int], repeats: int = 1,
+              sync_threads: tuple[int, ...] = (1, 2), settings: dict | None = None) -> dict:
+    """Sync on each of ``sync_threads``, then each method at each lag, concurrent, every run with ``settings`` too;
+    ``repeats`` rounds of all of them in turn (round-robin, so a drift of the machine's speed reaches every arm
+    alike). A configuration's result is its run of median wall time, with every round's wall time beside it."""
+    common = settings or {}
+    configs = [("sync", 0, common | {"threads": threads}) for threads in sync_threads]
+    configs += [(method, lag, common | {"execution": "concurrent"}) for method in methods for lag in lags]
+    rounds = [[run(task, method, lag, steps, root / f"{task}-{method}-k{lag}-{'-'.join(map(str, config.values()))}-r{r}", **config)
+               for method, lag, config in configs] for r in range(repeats)]  # fmt: skip
     results = []
     for runs in zip(*rounds, strict=True):
         median = sorted(runs, key=lambda result: result["wall_s"])[(len(runs) - 1) // 2]
@@ -109,8 +114,10 @@ def spread(values: list[float]) -> str:
 def markdown(report: dict) -> str:
     lines = ["# Asynchrony on two cores: measured by `python benchmarks/async_speed.py`", "",
              f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; torch {report['machine']['torch']}; "
-             f"{report['date']}. One process per run, from the task's seed-0 SFT base, `eval_every=0`; OPOB combines "
-             f"`{report['opob_combination']}` (the simulator's default).", ""]  # fmt: skip
+             f"{report['date']}. One process per run, from the task's seed-0 SFT base, `eval_every=0` and `lag_model=fixed` "
+             f"unless the settings below say otherwise; OPOB combines `{report['opob_combination']}` (the simulator's default)."
+             + (f" Settings of every run: {', '.join(f'`{k}={v}`' for k, v in report['settings'].items())}." if report.get("settings") else ""),
+             ""]  # fmt: skip
     if "overlap" in report:
         o = report["overlap"]
         lines += ["## Serial against concurrent execution of one run", "",
@@ -151,7 +158,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help=f"steps of every run (default per task: {STEPS})")
     parser.add_argument("--skip-overlap", action="store_true", help="leave out the serial-against-concurrent pair")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every sync and async run, in turn (median shown)")
+    parser.add_argument("--sync-threads", default="1,2", help="the thread counts sync runs with (the faster is compared with)")
+    parser.add_argument("--settings", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="vcpo.sim settings of every run (e.g. lr=2e-4, eval_every=10): one difference at a time")
     args = parser.parse_args(argv)
+    args.sync_threads = [int(threads) for threads in args.sync_threads.split(",")]
+    if any("=" not in item for item in args.settings):
+        parser.error("--settings takes KEY=VALUE items")
+    args.settings = dict(item.split("=", 1) for item in args.settings)
     args.tasks, args.methods = args.tasks.split(","), args.methods.split(",")
     args.lags = [int(lag) for lag in args.lags.split(",")]
     return args
@@ -159,18 +173,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = {"machine": {"cpu": cpu_name(), "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
+    load_at_start = os.getloadavg()
+    report = {"machine": {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                           "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": sys.argv,
-              "opob_combination": SimConfig().opob_combination, **code_state(), "started": utc_now(), "tasks": {}}  # fmt: skip
+              "opob_combination": SimConfig().opob_combination, "settings": args.settings, **code_state(), "started": utc_now(),
+              "tasks": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-speed-") as scratch:
         root = Path(scratch)
         if not args.skip_overlap:
             report["overlap"] = overlap_part(root)
         for task in args.tasks:
             steps = args.steps or STEPS[task]
-            report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps], args.repeats)
+            report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps], args.repeats,
+                                              tuple(args.sync_threads), args.settings)
     report["finished"] = utc_now()
+    report["load_average"] = {"started": load_at_start, "finished": os.getloadavg()}  # other work on the machine shows here
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "async_speed.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "async_speed.md").write_text(markdown(report))
