@@ -19,7 +19,7 @@ from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
-from vcpo.sim.validation import check_inputs, check_settings, validate
+from vcpo.sim.validation import check_inputs, check_settings, default_lag, validate
 
 SMALL = {
     "steps": 2,
@@ -294,3 +294,11 @@ def test_the_settings_are_checked_apart_from_the_files_they_name(tmp_path):
     (tmp_path / "no_base" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="'lr_scale_from': no .*metrics.jsonl"):
         validate(config)
+
+
+def test_the_default_lag_names_the_key_at_fault():
+    assert default_lag("sync", 12) == 0 and default_lag("vcpo", 12) == 12  # a preset that fixes its lag keeps it
+    with pytest.raises(ConfigError, match="config key 'lag'"):
+        default_lag("vcpo", -1)
+    with pytest.raises(ConfigError, match="config key 'method'"):
+        default_lag("nonesuch", 1)

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from vcpo.core.per_sequence_grads import COMBINATIONS
-from vcpo.methods import run_lag, run_rho_on, step_rule
+from vcpo.methods import get_method, run_lag, run_rho_on, step_rule
 from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
 from vcpo.sim.base import MODEL_SIZES
 from vcpo.sim.config import (
@@ -140,11 +140,16 @@ def check_settings(config: SimConfig) -> SimConfig:
 
 def default_lag(method: str, lag: int) -> int:
     """The lag a run of ``method`` takes when none is asked for explicitly (`vcpo.methods.run_lag`: its preset's
-    fixed lag, sync's 0, over ``lag``, a config file's); an unknown method is a configuration error."""
+    fixed lag, sync's 0, over ``lag``, a config file's); an unknown method or a lag below 0 is a configuration error
+    naming its key."""
+    try:
+        get_method(method)
+    except ValueError as error:
+        raise ConfigError(f"config key 'method': {error}") from None
     try:
         return run_lag(method, default=lag)
     except ValueError as error:
-        raise ConfigError(f"config key 'method': {error}") from None
+        raise ConfigError(f"config key 'lag': {error}") from None
 
 
 def replayed_lr_scales(run: str | Path, steps: int) -> list[float]:

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'chosen: ' + json.dumps(outcome['chosen']) if outcome['chosen'] else 'no cell qualifies'} -> {args.out}")
     else:
         from vcpo.studies.across_lags_report import replace_block, results_markdown, write_report
-        from vcpo.studies.readme_results import committed_statistics
+        from vcpo.studies.readme_results import ACROSS_LAGS, committed_statistics
         from vcpo.studies.readme_results import results_markdown as readme_results
 
         problem = analysis_commit_problem(REGISTRATION, analysis_code_commit())
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(stats, rows, args.out)
         if args.table == TABLE:  # the committed study: its prose in the docs and the README is generated here
             replace_block(Path("docs/studies.md"), "across_lags_results", results_markdown(stats))
-            replace_block(Path("README.md"), "results", readme_results(committed_statistics()))
+            replace_block(Path("README.md"), "results", readme_results(committed_statistics() | {ACROSS_LAGS: stats}))
             print("wrote the across-lags block of docs/studies.md and the results block of README.md")
             if "analysis_commit" not in REGISTRATION:
                 print("note: this study's registration predates naming its analysis commit; the analysis code is at "
