@@ -230,30 +230,36 @@ def test_the_docs_sentences_on_the_measurement_are_its_numbers():
 
     repo = Path(__file__).resolve().parents[1]
     rows = json.loads((repo / "tables/opob_memory/results.json").read_text())["rows"]
-    doc = (repo / "docs/per_sequence_gradients.md").read_text()
+    doc = " ".join((repo / "docs/per_sequence_gradients.md").read_text().split())
 
-    def deviation(kind, model=None):
-        return max(abs(r["projected_bytes"] / r["measured_bytes"] - 1) for r in rows
-                   if r["kind"] == kind and model in (None, r["model"]))
+    def deviation(kind, model):
+        return max(abs(r["projected_bytes"] / r["measured_bytes"] - 1) for r in rows if r["kind"] == kind and r["model"] == model)
 
     def spread(model):
         values = [r["measured_bytes"] / r["copy_bytes"] for r in rows if r["model"] == model and r["kind"] == "two_pass"]
         return max(values) - min(values)
 
-    single_32 = next(r for r in rows if r["model"] == "50m" and r["kind"] == "single" and r["groups"] == 32)
-    plain_50m = next(r for r in rows if r["model"] == "50m" and r["kind"] == "plain")
-    assert f"within {deviation('single'):.1%} of the measured peak" in doc
-    assert sum(deviation("single", m) > 0.15 for m in ("small", "50m")) == 1  # "at every point but one"
-    assert sum(abs(r["projected_bytes"] / r["measured_bytes"] - 1) > 0.15 for r in rows if r["kind"] == "single") == 1
+    kinds = ("plain", "single", "two_pass")
+    assert f"on 50M every projection is within {max(deviation(k, '50m') for k in kinds):.1%} of the measured peak" in doc
+    assert (f"(plain and two_pass within {max(deviation('plain', '50m'), deviation('two_pass', '50m')):.1%}, a little high; "
+            f"single within {deviation('single', '50m'):.1%}, low)") in doc
+    large = [r for r in rows if r["model"] == "50m"]
+    assert all((r["projected_bytes"] > r["measured_bytes"]) == (r["kind"] != "single") for r in large)
+    small = [r for r in rows if r["model"] == "small"]
+    gap = [(r["measured_bytes"] - r["projected_bytes"]) / 1e6 for r in small]
+    ratios = [r["projected_bytes"] / r["measured_bytes"] for r in small]
+    outside = sum(abs(ratio - 1) > 0.15 for ratio in ratios)
+    assert (f"by a near-constant {min(gap):.0f}-{max(gap):.0f} MB in every kind and at every G, so its ratios are "
+            f"{min(ratios):.2f}-{max(ratios):.2f} and {outside} of its {len(small)} points lie outside 15%") in doc
+    assert min(gap) > 0 and max(gap) < 2 * min(gap)  # measured above projected everywhere, by a near-constant amount
+    single_32 = next(r for r in large if r["kind"] == "single" and r["groups"] == 32)
+    plain_50m = next(r for r in large if r["kind"] == "plain")
     extra = (single_32["measured_bytes"] - plain_50m["measured_bytes"]) / single_32["copy_bytes"]
     projected_extra = (single_32["projected_bytes"] - plain_50m["projected_bytes"]) / single_32["copy_bytes"]
     assert f"({extra:.2f} C measured at 32 buffers on 50M, {projected_extra:.2f} C projected)" in doc
-    assert f"at most {spread('small'):.2f} C between G = 1 and G = 32 (small; {spread('50m'):.3f} C on 50M)" in doc
-    assert spread("small") <= 0.1 and spread("50m") <= 0.1
-    small = max(deviation("plain", "small"), deviation("two_pass", "small"))
-    large = max(deviation("plain", "50m"), deviation("two_pass", "50m"))
-    assert f"within {small:.1%} on the small model but {large:.1%} too" in doc
-    assert all(r["projected_bytes"] > r["measured_bytes"] for r in rows if r["model"] == "50m" and r["kind"] != "single")
+    assert (f"at most {spread('small'):.2f} C between G = 1 and G = 32 (small; {spread('50m'):.3f} C on 50M), "
+            f"{spread('small') / 31:.3f} C per group at most") in doc
+    assert spread("small") / 31 <= 0.1 and spread("50m") / 31 <= 0.1  # the aim: at most 0.1 C per group
 
 
 def test_the_docs_mode_timings_are_the_logs():
