@@ -321,3 +321,27 @@ def test_the_command_line_says_in_one_line_that_the_generator_died_and_how_to_re
     assert process.returncode == 1
     assert stderr.strip().splitlines()[-1].startswith("error: the generator process ended (exit code -9) before step")
     assert stderr.strip().splitlines()[-1].endswith("the same command resumes it")
+
+
+def test_the_tir_gap_sentences_are_the_committed_one_difference_benchmarks():
+    """docs/studies.md's and the README's account of the `tir` speed gap: one setting of Table 1's runs at a time, five
+    rounds each (tables/async_speed/gap_tir_*), none alone reaching the table's gain."""
+    root = Path(__file__).resolve().parents[1]
+    studies = " ".join((root / "docs/studies.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    table1 = json.loads((root / "tables/tir/table1_smoke.json").read_text())["tasks"]["simpletir"]
+    table_gain = table1["sync"]["wall_hours"]["mean"] / table1["async"]["wall_hours"]["mean"]
+    gains = {}
+    for name, label, setting in (("evals", "the table's evaluations alone give", {"eval_every": "10", "eval_problems": "50"}),
+                                 ("lr", "its learning rate alone", {"lr": "2e-4"}),
+                                 ("lag_model", "its lag model (`pipeline_overlap`) alone", {"lag_model": "pipeline_overlap"})):
+        report = json.loads((root / f"tables/async_speed/gap_tir_{name}/async_speed.json").read_text())
+        part = report["tasks"]["tir"]
+        assert report["settings"] == setting and part["repeats"] == 5 and part["best_sync_threads"] == 2
+        (arm,) = part["arms"]
+        rounds = arm["speedup_rounds"]
+        assert f"{label} {arm['speedup_over_sync']:.2f}× ({min(rounds):.2f}-{max(rounds):.2f})" in studies
+        gains[name] = arm["speedup_over_sync"]
+    assert f"accounts for the table's {1 / table_gain:.2f} ({table_gain:.2f}×)" in studies
+    assert max(gains.values()) < table_gain and max(gains, key=gains.get) == "lr"
+    assert f"the learning rate moves it most, to {gains['lr']:.2f}× sync's speed" in readme
