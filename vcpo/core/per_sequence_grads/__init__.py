@@ -216,8 +216,9 @@ class PerSequenceGradients:
         def made(param: torch.Tensor) -> bool:
             return id(param) in self._reward_buffers if param.dtype in LOW_PRECISION else param.grad is not None
 
-        adopted = [(param, buffer) for param, buffer in buffers if not made(param)]
-        added = [(param, buffer) for param, buffer in buffers if made(param)]
+        adopted, added = [], []
+        for param, buffer in buffers:
+            (added if made(param) else adopted).append((param, buffer))
         if adopted:
             torch._foreach_mul_([buffer for _, buffer in adopted], alpha)
             for param, buffer in adopted:

@@ -356,7 +356,7 @@ class _MicroBatch:
         if self.engine.combination == "deferred":
             self.pending.append((param, combine_into))
         else:
-            combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, targets or self.targets(param))
+            combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, self.targets(param) if targets is None else targets)
 
     def rows(self, values: torch.Tensor) -> _Rows:
         """A Linear/Conv1D input or output gradient as `_Rows` (views of the packed row, if packed)."""
