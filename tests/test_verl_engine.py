@@ -415,12 +415,14 @@ def test_the_launchers_overrides_give_the_engine_its_rule(model_dir, task, rho_o
 def test_opob_refuses_losses_it_would_drop():
     import dataclasses
 
+    from vcpo.verl_plugin.engine.rule import check_opob_loss
+
     config = dataclasses.replace(cpu.actor_config("vcpo", B, GROUP, MICRO), use_kl_loss=True)
     with pytest.raises(NotImplementedError, match="use_kl_loss"):
-        vcpo_engine.check_opob_loss(functools.partial(ppo_loss, config=config))
+        check_opob_loss(functools.partial(ppo_loss, config=config))
     with pytest.raises(NotImplementedError, match="replaces verl's ppo_loss"):
-        vcpo_engine.check_opob_loss(lambda **kwargs: None)
-    vcpo_engine.check_opob_loss(ppo_loss_for("vcpo"))
+        check_opob_loss(lambda **kwargs: None)
+    check_opob_loss(ppo_loss_for("vcpo"))
 
 
 def test_the_megatron_strategy_selects_the_vcpo_megatron_engine():

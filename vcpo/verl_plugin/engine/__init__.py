@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -98,18 +97,17 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads import NORMS_ONLY
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers, step_memory
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers
 from vcpo.methods import StepRule
 from vcpo.verl_plugin.engine.batch import all_reduce_gradients
-from vcpo.verl_plugin.engine.rule import check_opob_loss, rule_from_loss_function
+from vcpo.verl_plugin.engine.rule import rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
     active_rule,
-    choose_opob_mode,
     micro_batch_tokens,
+    open_step,
     opob_baseline_over_ranks,
     opob_micro_batch,
-    prepare_opob,
     recording_loss,
     scaled_optimizer_step,
     second_pass,
@@ -140,13 +138,7 @@ class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if rule is None:
             return super().train_batch(data, loss_function)
         group = self.get_data_parallel_group()
-        state = StepState(rule=rule, opob=rule.opob)
-        if rule.opob:
-            check_opob_loss(loss_function)
-            self._check_opob_setting(rule)
-            prepare_opob(data, state, group)
-            choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
-        self.optimizer_zero_grad()
+        state = open_step(self, rule, data, loss_function, group, check_setting=self._check_opob_setting)
         self._step = state
         try:
             if state.opob_mode == "two_pass" and rule.opob:

@@ -52,17 +52,15 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute, step_memory
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute
 from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
-from vcpo.verl_plugin.engine.rule import check_opob_loss
 from vcpo.verl_plugin.engine.step import (
     StepState,
     active_rule,
-    choose_opob_mode,
     micro_batch_tokens,
+    open_step,
     opob_baseline_over_ranks,
     opob_micro_batch,
-    prepare_opob,
     recording_loss,
     scaled_optimizer_step,
     second_pass,
@@ -91,12 +89,7 @@ class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         if rule is None:
             return super().train_batch(data, loss_function)
         group = self.get_data_parallel_group()
-        state = StepState(rule=rule, opob=rule.opob)
-        if rule.opob:
-            check_opob_loss(loss_function)
-            prepare_opob(data, state, group)
-            choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
-        self.optimizer_zero_grad()
+        state = open_step(self, rule, data, loss_function, group)
         self._step = state
         try:
             with self._opob_step(state, data):

@@ -24,11 +24,11 @@ from vcpo.core import (
     scaled_learning_rate,
 )
 from vcpo.core.collectives import gather_objects
-from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode
+from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode, step_memory
 from vcpo.methods import StepRule
 from vcpo.runs import SEQ_ESS_RATIO
 from vcpo.verl_plugin.engine.batch import padded, response_log_probs, reward_key, sequence_labels, sequence_log_weights
-from vcpo.verl_plugin.engine.rule import opob_mode_from_loss_function
+from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function
 from vcpo.verl_shared import metrics_to_floats
 
 logger = logging.getLogger(__name__)
@@ -250,6 +250,21 @@ def active_rule(data: TensorDict, loss_function) -> StepRule | None:
         raise NotImplementedError("the vcpo engine's ESS/OPOB step does not support top-K distillation")
     maybe_fix_3d_position_ids(data)
     return rule
+
+
+def open_step(engine, rule: StepRule, data: TensorDict, loss_function, group, check_setting=None) -> StepState:
+    """The step's record for ``rule``, whatever the backend: with OPOB, the loss and the engine's setting checked
+    (``check_setting(rule)``, the backend's own refusals), the batch prepared and the mode chosen by the memory model
+    (``engine._memory_inputs(data)``); then the engine's gradients zeroed."""
+    state = StepState(rule=rule, opob=rule.opob)
+    if rule.opob:
+        check_opob_loss(loss_function)
+        if check_setting is not None:
+            check_setting(rule)
+        prepare_opob(data, state, group)
+        choose_opob_mode(state, loss_function, step_memory(*engine._memory_inputs(data)), engine._opob_mode_logged)
+    engine.optimizer_zero_grad()
+    return state
 
 
 def scaled_optimizer_step(engine, state: StepState, ratio: float, outputs: dict) -> dict:
