@@ -13,6 +13,7 @@ Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +43,15 @@ class RunFileProblem(ValueError):
 
 class MetricsProblem(RunFileProblem):
     """What a metrics file holds that cannot be one run's record of each step once."""
+
+
+def exit_with(main) -> None:
+    """``sys.exit(main())`` for a command that reads runs' files: a damaged archive or table ends it with one line
+    naming the file, not a traceback."""
+    try:
+        sys.exit(main())
+    except RunFileProblem as problem:
+        sys.exit(f"error: {problem}")
 
 
 def read_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:

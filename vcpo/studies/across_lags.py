@@ -25,7 +25,7 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.reporting.runs import read_metrics
-from vcpo.runs import VAL_ACCURACY, RunFileProblem, is_finished
+from vcpo.runs import VAL_ACCURACY, exit_with, is_finished
 from vcpo.sim.config import load_config_file
 from vcpo.studies.design import (
     Design,
@@ -348,7 +348,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunFileProblem as problem:  # a damaged archive or table: one line naming the file
-        sys.exit(f"error: {problem}")
+    exit_with(main)

@@ -38,6 +38,7 @@ from vcpo.runs import (
     TEST_ACCURACY,
     VAL_ACCURACY,
     RunFileProblem,
+    exit_with,
     final_eval,
     is_finished,
     read_json,
@@ -428,7 +429,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunFileProblem as problem:  # a damaged archive or table: one line naming the file
-        sys.exit(f"error: {problem}")
+    exit_with(main)
