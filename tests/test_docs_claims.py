@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+from vcpo.studies.statistics import by_pair
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,7 +34,7 @@ def test_every_quoted_number_is_its_files():
 
     evidence = load("tables/evidence/stats.json")["tasks"]["countdown"]
     across = load("tables/across_lags/stats.json")
-    arms, compared = evidence["arms"], {(c["a"], c["b"]): c for c in evidence["comparisons"]}
+    arms, compared = evidence["arms"], by_pair(evidence["comparisons"])
     confirm = across["tir_confirm"]
     row = claims()
     assert set(row) == set(range(1, 9))

@@ -21,6 +21,7 @@ from vcpo.studies.design import Arm, Design, run_folder, run_settings
 from vcpo.studies.evidence import compare, ess_predictor, last_quarter_mean, predictor_report
 from vcpo.studies.statistics import (
     base_bootstrap_auc_interval,
+    by_pair,
     detectable_difference,
     holm,
     mean_interval,
@@ -324,7 +325,7 @@ def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
 
     stats = committed_stats()
     countdown = stats["tasks"]["countdown"]
-    comparisons = {(c["a"], c["b"]): c for c in countdown["comparisons"] + countdown["learning_rate"]["comparisons"]}
+    comparisons = by_pair(countdown["comparisons"] + countdown["learning_rate"]["comparisons"])
 
     def quote(a, b):
         c = comparisons[(a, b)]
@@ -349,8 +350,8 @@ def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
     rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
     rows = [row for row in rows if row["task"] == "tir"]
     arms, prose = tir["arms"], evidence_prose("docs/studies.md")
-    pick = {(c["a"], c["b"]): c for c in tir["comparisons"]}
-    secondary = {(c["a"], c["b"]): c for c in tir["comparisons_last_quarter"]}
+    pick = by_pair(tir["comparisons"])
+    secondary = by_pair(tir["comparisons_last_quarter"])
 
     def quote(c):
         return f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}"
@@ -431,7 +432,7 @@ def test_the_evidence_corrections_quote_the_committed_power_framing_and_predicto
     from vcpo.studies.evidence_report import interval, p_value, signed_points
 
     countdown = committed_stats()["tasks"]["countdown"]
-    pairs = {(c["a"], c["b"]): c for c in countdown["comparisons"]}
+    pairs = by_pair(countdown["comparisons"])
     studies = evidence_prose("docs/studies.md")
 
     def sd(pair):

@@ -17,6 +17,7 @@ from vcpo.studies.across_lags_report import (
     typographic,
 )
 from vcpo.studies.evidence_report import interval, points, signed_points
+from vcpo.studies.statistics import by_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE, ACROSS_LAGS = "tables/evidence/stats.json", "tables/across_lags/stats.json"
@@ -45,7 +46,7 @@ def end_with_collapses(arm: dict) -> str:
 
 def setting_row(label: str, part: dict, arms: tuple[str, str, str]) -> str:
     sync, seq_tis, vcpo = arms
-    pairs = {(c["a"], c["b"]): c for c in part["comparisons"]}
+    pairs = by_pair(part["comparisons"])
     ends = " | ".join(end_with_collapses(part["arms"][arm]) for arm in arms)
     return f"| {label} | {ends} | {difference_cell(pairs[vcpo, seq_tis])} | {difference_cell(pairs[vcpo, sync])} |"
 
@@ -53,8 +54,8 @@ def setting_row(label: str, part: dict, arms: tuple[str, str, str]) -> str:
 def results_markdown(statistics: dict[str, dict]) -> str:
     """The README's results block, from {file: its stats.json}."""
     evidence = statistics[EVIDENCE]["tasks"]["countdown"]
-    ablation = {(c["a"], c["b"]): c for c in evidence["comparisons"]}["vcpo", "tis_ess"]
-    tuned = {(c["a"], c["b"]): c for c in evidence["learning_rate"]["tuned_against_tuned"]}
+    ablation = by_pair(evidence["comparisons"])["vcpo", "tis_ess"]
+    tuned = by_pair(evidence["learning_rate"]["tuned_against_tuned"])
     best = tuned["vcpo_lr1e-4", "seq_tis_lr5e-5"]
     across = statistics[ACROSS_LAGS]
     rates = across["countdown"]["vcpo_rates"]

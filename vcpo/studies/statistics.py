@@ -75,6 +75,11 @@ def sign_test(differences) -> dict:
     return {"sign_positive": positive, "sign_n": nonzero, "sign_p": p}
 
 
+def by_pair(comparisons: list[dict]) -> dict[tuple[str, str], dict]:
+    """A report's comparisons (each with arms ``a`` and ``b``) by their (a, b) pair."""
+    return {(comparison["a"], comparison["b"]): comparison for comparison in comparisons}
+
+
 def holm(p_values: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values (family-wise error), in the given order."""
     order = sorted(range(len(p_values)), key=lambda i: p_values[i])
