@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.evaluation.metrics import per_problem_means
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
@@ -39,11 +40,8 @@ def subset_size(problems: int, samples: int, plan: dict) -> int:
 
 def per_problem(samples_file: Path, answer_format: str) -> list[float]:
     """Each problem's mean score over its samples, under ``answer_format``."""
-    scores: dict[int, list[float]] = {}
-    for line in samples_file.read_text().splitlines():
-        row = json.loads(line)
-        scores.setdefault(row["problem_id"], []).append(float(row["by_answer_format"][answer_format]["acc"]))
-    return [sum(values) / len(values) for _, values in sorted(scores.items())]
+    records = map(json.loads, samples_file.read_text().splitlines())
+    return per_problem_means(records, lambda record: record["by_answer_format"][answer_format]["acc"])
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,7 @@ def evaluate_candidate(name: str, rule: dict, answer_format: str, seed: int, mod
     from vcpo.data import load_rows
     from vcpo.evaluation.generation import HFGenerator, SamplingParams
     from vcpo.evaluation.harness import evaluate_rows
+    from vcpo.evaluation.metrics import per_problem_means
 
     summary_file = out / "summary.json"
     if summary_file.exists():
@@ -53,10 +54,7 @@ def evaluate_candidate(name: str, rule: dict, answer_format: str, seed: int, mod
     generator = HFGenerator.load(model, batch_size=rule["batch_size"])
     sampling = SamplingParams(**rule["sampling"], seed=seed)
     records, measured = evaluate_rows(generator, rows, sampling, answer_format, name)
-    scores: dict[int, list[float]] = {}
-    for record in records:
-        scores.setdefault(record["problem_id"], []).append(float(record["score"]))
-    per_problem = [sum(values) / len(values) for _, values in sorted(scores.items())]
+    per_problem = per_problem_means(records, lambda record: record["score"])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "samples.jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

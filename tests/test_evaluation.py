@@ -70,6 +70,17 @@ def test_mean_at_n_and_benchmark_pass_at_k():
         mean_at_n([])
 
 
+def test_per_problem_means_group_samples_by_problem_in_problem_order():
+    from vcpo.evaluation.metrics import per_problem_means
+
+    records = [{"problem_id": 2, "acc": 1}, {"problem_id": 0, "acc": 0}, {"problem_id": 2, "acc": 0},
+               {"problem_id": 0, "acc": 1}, {"problem_id": 0, "acc": 1}, {"problem_id": 1, "acc": 0}]
+    assert per_problem_means(records, lambda record: record["acc"]) == [2 / 3, 0.0, 0.5]
+    # mean@n is their mean when every problem has the same n
+    assert per_problem_means([{"problem_id": i // 3, "acc": a} for i, a in enumerate([1, 0, 0, 1, 1, 1])],
+                             lambda record: record["acc"]) == [1 / 3, 1.0]
+
+
 def test_default_ks_are_powers_of_two_and_n():
     assert default_ks(1) == [1]
     assert default_ks(3) == [1, 2, 3]

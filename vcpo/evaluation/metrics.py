@@ -8,7 +8,7 @@ on Code"): pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -54,3 +54,12 @@ def benchmark_pass_at_k(correct: Sequence[Sequence[bool]], ks: Sequence[int]) ->
     return {
         k: sum(pass_at_k(len(problem), sum(map(bool, problem)), k) for problem in correct) / len(correct) for k in ks
     }
+
+
+def per_problem_means(records: Iterable[dict], value: Callable[[dict], float]) -> list[float]:
+    """Each problem's mean of ``value(record)`` over its samples (records carry ``problem_id``), in problem order:
+    the per-problem scores a bootstrap over problems resamples."""
+    values: dict = {}
+    for record in records:
+        values.setdefault(record["problem_id"], []).append(float(value(record)))
+    return [sum(scores) / len(scores) for _, scores in sorted(values.items())]
