@@ -1,5 +1,7 @@
-"""The numbers a study's prose quotes, checked against the study's committed statistics: each 'X% [a, b]' must be
-an arm's end or last-quarter mean with its interval, and each '+X points [a, b], Holm p = P' a registered
+"""Checks of the numbers the README and docs quote against the files they come from, whatever the sentence around
+them: ``section`` cuts a document's part, ``assert_quoted`` finds each expected number in it as a number (not as
+part of a longer one), and ``assert_quotes_are_the_statistics`` checks that each 'X% [a, b]' a study's prose quotes
+is an arm's end or last-quarter mean with its interval, and each '+X points [a, b], Holm p = P' a registered
 comparison, with its adjusted (and, where quoted, unadjusted) p-value."""
 
 from __future__ import annotations
@@ -17,6 +19,27 @@ COMPARISON_QUOTE = re.compile(r"([+-]\d+\.\d points \[[+-]\d+\.\d, [+-]\d+\.\d\]
 def normalised(text: str) -> str:
     """Whitespace-joined, typographic minus signs as '-'."""
     return " ".join(text.replace("\u2212", "-").split())
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def section(path: str, start: str | None = None, stop: str | None = None) -> str:
+    """The part of ``path`` (relative to the repository) from the first ``start`` to the next ``stop`` after it (the
+    whole file without them), `normalised`."""
+    text = (ROOT / path).read_text()
+    begin = text.index(start) if start else 0
+    end = text.index(stop, begin) if stop else len(text)
+    return normalised(text[begin:end])
+
+
+def assert_quoted(text: str, *numbers: str) -> None:
+    """Each of ``numbers`` (as formatted, e.g. "1.44", "+3.0", "72.5%") stands in ``text`` as a whole number: not
+    preceded by a digit or a point, not followed by a digit or a decimal part. '−' counts as '-'."""
+    text = normalised(text)
+    missing = [number for number in numbers
+               if not re.search(rf"(?<![\d.]){re.escape(normalised(number))}(?!\d|\.\d)", text)]
+    assert not missing, f"not quoted: {missing}"
 
 
 def study_prose(root: Path, path: str, studies_span: tuple[str, str], readme_marker: str) -> str:
