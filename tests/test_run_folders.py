@@ -457,9 +457,9 @@ def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
         pytest.fail("the training child outlived its runner")
 
 
-def test_the_runner_plans_again_when_snakemake_ends_without_error_and_runs_left(tmp_path, monkeypatch, capsys):
-    """Once seen after a killed runner: Snakemake ran only the interrupted jobs and ended without error. The runner
-    plans again while a plan ends that way and archives runs, and stops when one archives nothing."""
+def test_runs_snakemake_left_are_named_once_with_how_to_resume(tmp_path, monkeypatch, capsys):
+    """A Snakemake that ends without error with runs unarchived (one run archived of three): the runner plans once,
+    returns the count left and names each with the command that resumes it; it does not plan again by itself."""
     import subprocess
 
     from vcpo.runs import FINAL_EVAL
@@ -471,16 +471,17 @@ def test_the_runner_plans_again_when_snakemake_ends_without_error_and_runs_left(
                     arms=[arm])
     archive, calls = tmp_path / "archive", []
 
-    def one_run_per_plan(command, **kwargs):  # a Snakemake that archives one run per invocation, then none
+    def one_run(command, **kwargs):  # a Snakemake that archives seed 0 only and ends without error
         calls.append(command)
-        if len(calls) <= 2:
-            folder = run_folder(archive, arm, len(calls) - 1)
-            (folder / FINAL_EVAL).parent.mkdir(parents=True, exist_ok=True)
-            (folder / FINAL_EVAL).write_text("{}")
+        folder = run_folder(archive, arm, 0)
+        (folder / FINAL_EVAL).parent.mkdir(parents=True, exist_ok=True)
+        (folder / FINAL_EVAL).write_text("{}")
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(runner.subprocess, "run", one_run_per_plan)
-    assert runner.run_all(design, tmp_path / "runs", 1, None, archive=archive) == 1
-    assert len(calls) == 3  # the third plan archived nothing: no fourth
-    out, err = capsys.readouterr()
-    assert out.count("planning again") == 2 and "not run: countdown/sync seed 2" in err
+    monkeypatch.setattr(runner.subprocess, "run", one_run)
+    assert runner.run_all(design, tmp_path / "runs", 1, None, archive=archive) == 2
+    assert len(calls) == 1
+    _, err = capsys.readouterr()
+    left = [line for line in err.splitlines() if line.startswith("not run: ")]
+    assert [line.split(" (")[0] for line in left] == ["not run: countdown/sync seed 1", "not run: countdown/sync seed 2"]
+    assert all("the same command resumes" in line for line in left)

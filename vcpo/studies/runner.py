@@ -86,9 +86,6 @@ def design_from_plan(plan: dict) -> Design:
     return Design(**{**fields, "arms": [Arm(**arm) for arm in fields["arms"]]})
 
 
-MAX_PLANS = 3  # Snakemake invocations per runner start while each one ends without error and archives runs
-
-
 def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, archive: Path) -> int:
     """Every unarchived run of ``phases`` (all: None) through Snakemake, under the study folder's lock.
     Returns the number of runs left unarchived (failed, or waiting for runs that failed)."""
@@ -111,19 +108,10 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
             command = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--configfile", str(root / PLAN_FILE),
                        "--cores", str(jobs), "--nolock", "--keep-going", "--rerun-incomplete", "--rerun-triggers", "mtime",
                        "--quiet", "rules"]
-            left = planned
-            for _ in range(MAX_PLANS):
-                before = len(left)
-                finished = subprocess.run(command, env={**os.environ, DIE_WITH_ENV: str(os.getpid())},
-                                          preexec_fn=lambda: die_with_parent(signal.SIGKILL))
-                left = [(arm, seed) for arm, seed in planned if not is_finished(run_folder(archive, arm, seed))]
-                # Seen once after a runner was killed mid-step: Snakemake planned only the two interrupted base
-                # jobs, ran them and ended without error, its runs left; planning again ran them all
-                if finished.returncode != 0 or not left or len(left) == before:
-                    break
-                print(f"study: Snakemake ended without an error with {len(left)} runs left: planning again", flush=True)
+            subprocess.run(command, env={**os.environ, DIE_WITH_ENV: str(os.getpid())}, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         left = [(arm, seed) for arm, seed in pending if not is_finished(run_folder(archive, arm, seed))]
         for arm, seed in left:
-            print(f"not run: {arm.task}/{arm.name} seed {seed} (its config, its training or the runs it reads failed)", file=sys.stderr)
+            print(f"not run: {arm.task}/{arm.name} seed {seed} (its config, its training or the runs it reads failed; the same "
+                  "command resumes what is left)", file=sys.stderr)
         return len(unreadable) + len(left)
 
