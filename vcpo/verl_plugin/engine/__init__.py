@@ -103,6 +103,7 @@ from vcpo.verl_plugin.engine.batch import all_reduce_gradients
 from vcpo.verl_plugin.engine.rule import rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    VcpoEngine,
     active_rule,
     micro_batch_tokens,
     open_step,
@@ -118,19 +119,15 @@ MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
 
 
-class VcpoFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):
     """verl's FSDP LM engine plus the ESS step size and the single-backward OPOB update (module doc)."""
 
     def __init__(self, model_config, *args, **kwargs):
-        # Selected by model_type; build and run as verl's language model.
-        model_config.model_type = "language_model"
         super().__init__(model_config, *args, **kwargs)
-        self._step: StepState | None = None
         self._per_sequence: PerSequenceGradients | None = None
         # Each sequence's gradient added to one buffer (binary rewards) during the backward: the micro-batches
         # are many and long, so nothing waits for the baseline (benchmarks/opob_engine.py times the others)
         self.opob_combination = "split"
-        self._opob_mode_logged: list = [None]  # the last (mode, reason) logged
 
     # -- the optimizer step ------------------------------------------------------------------------
     def train_batch(self, data: TensorDict, loss_function) -> Any:

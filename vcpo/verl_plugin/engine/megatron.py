@@ -56,6 +56,7 @@ from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, m
 from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
 from vcpo.verl_plugin.engine.step import (
     StepState,
+    VcpoEngine,
     active_rule,
     micro_batch_tokens,
     open_step,
@@ -71,17 +72,13 @@ from vcpo.verl_shared import MegatronSetup, megatron_opob_refusals, step_rule_ap
 honour_transformer_impl()  # before any engine of this process builds its model through mbridge
 
 
-class VcpoMegatronEngineWithLMHead(MegatronEngineWithLMHead):
+class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
     """verl's Megatron LM engine plus the ESS step size and the single-backward OPOB update (module doc)."""
 
     def __init__(self, model_config, *args, **kwargs):
-        # Selected by model_type; build and run as verl's language model.
-        model_config.model_type = "language_model"
         super().__init__(model_config, *args, **kwargs)
-        self._step: StepState | None = None
         self._norms: MegatronSequenceNorms | None = None
         self._ids_for_tied_head = False  # the last stage of embeddings tied across stages needs the input ids
-        self._opob_mode_logged: list = [None]  # the last (mode, reason) logged
         self._two_pass_baseline: torch.Tensor | None = None
 
     def train_batch(self, data: TensorDict, loss_function) -> Any:

@@ -252,6 +252,18 @@ def active_rule(data: TensorDict, loss_function) -> StepRule | None:
     return rule
 
 
+class VcpoEngine:
+    """What both vcpo engines (FSDP, Megatron) add to verl's LM engine, placed before it in their bases: they are
+    selected by their model type, then built and run as verl's language model; the current step's record; the last
+    (mode, reason) of OPOB logged."""
+
+    def __init__(self, model_config, *args, **kwargs):
+        model_config.model_type = "language_model"
+        super().__init__(model_config, *args, **kwargs)
+        self._step: StepState | None = None
+        self._opob_mode_logged: list = [None]
+
+
 def open_step(engine, rule: StepRule, data: TensorDict, loss_function, group, check_setting=None) -> StepState:
     """The step's record for ``rule``, whatever the backend: with OPOB, the loss and the engine's setting checked
     (``check_setting(rule)``, the backend's own refusals), the batch prepared and the mode chosen by the memory model
