@@ -1,4 +1,8 @@
-"""The README keeps exactly two fresh-machine commands, and CI runs the test one verbatim."""
+"""The repository's shape: the README's two fresh-machine commands (CI runs the test one verbatim); the package's
+import structure (no cycles, each first-level module and each simulator module importing only those below it,
+vcpo.core without a framework, the verl user's modules without the `repro` extra, vcpo.sim.config a leaf that reads
+no file on import, no sys.path edits); docs/ALGORITHMS.md holding every section the code cites and nothing
+pointing at shared/; every benchmark script importing; and `python -m vcpo.evaluation` running from the wheel."""
 
 import re
 import subprocess

@@ -172,76 +172,6 @@ def test_the_tool_use_task_runs_concurrently_with_the_serial_metrics(tmp_path, m
     assert all(line["tool/calls_per_response"] > 0 for line in results(out) if "tool/calls_per_response" in line)
 
 
-def test_the_documented_speed_ups_are_the_committed_benchmarks():
-    """docs/simulator.md's numbers on what concurrency saves come from tables/async_speed/async_speed.json."""
-    root = Path(__file__).resolve().parents[1]
-    report = json.loads((root / "tables/async_speed/async_speed.json").read_text())
-    doc = (root / "docs/simulator.md").read_text()
-    doc = doc[doc.index("### What it saves on two cores"):doc.index("## Rollouts")]
-    serial, concurrent = report["overlap"]["serial"], report["overlap"]["concurrent"]
-    quoted = [
-        f"{serial['wall_s']:.1f} s serial, {concurrent['wall_s']:.1f} s\n  concurrent ({report['overlap']['serial_over_concurrent']:.2f}× faster)",
-        f"overlap bound of {serial['overlap_bound_s']:.1f} s (the serial run's {serial['outside_steps_s']:.1f} s outside",
-        f"{report['overlap']['concurrent_over_bound']:.2f} of the bound",
-        f"({concurrent['sums_s']['timing_s/update_actor']:.1f} s against {serial['sums_s']['timing_s/update_actor']:.1f} s",
-    ]
-    for task in ("countdown", "tir"):
-        sync = report["tasks"][task]["sync"]
-        assert report["tasks"][task]["best_sync_threads"] == 2
-        quoted.append(f"{sync['1']['wall_s']:.1f} → {sync['2']['wall_s']:.1f} s")
-        quoted.append(f"{sync['1']['generation_share']:.0%} of sync's one-thread")
-        for method, name in (("seq_tis_c8", "seq-TIS"), ("vcpo", "VCPO")):
-            speedups = [arm["speedup_over_sync"] for arm in report["tasks"][task]["arms"] if arm["method"] == method]
-            assert len(speedups) == 5
-            quoted.append(f"async {name} is {min(speedups):.2f}-{max(speedups):.2f}×" if task == "countdown" or method != "vcpo"
-                          else f"async VCPO {min(speedups):.2f}-{max(speedups):.2f}×")
-        bound = {arm["bound_by"] for arm in report["tasks"][task]["arms"]}
-        assert bound == {"learner" if task == "countdown" else "generator"}
-    learner = {method: [arm["learner_busy_s"] for arm in report["tasks"]["countdown"]["arms"] if arm["method"] == method]
-               for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
-    quoted.append(f"the learner's side {min(learner['vcpo']):.0f}-{max(learner['vcpo']):.0f} s against seq-TIS's "
-                  f"{min(learner['seq_tis_c8']):.0f}-{max(learner['seq_tis_c8']):.0f} s")
-    generator = {method: [arm["generator_busy_s"] for arm in report["tasks"]["tir"]["arms"] if arm["method"] == method]
-                 for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
-    quoted.append(f"VCPO's generator side is the longer ({min(generator['vcpo']):.0f}-{max(generator['vcpo']):.0f} s against "
-                  f"seq-TIS's {min(generator['seq_tis_c8']):.0f}-{max(generator['seq_tis_c8']):.0f} s)")
-    tir_sync = report["tasks"]["tir"]["sync"]
-    quoted.append(f"Sync gains {tir_sync['1']['wall_s'] / tir_sync['2']['wall_s']:.2f}× from a second thread")
-    assert report["opob_combination"] == "deferred" and "OPOB combines deferred, the simulator's default" in doc
-    missing = [text for text in quoted if " ".join(text.split()) not in " ".join(doc.split())]
-    assert missing == []
-    studies = " ".join((root / "docs/studies.md").read_text().split())
-    countdown = {method: [arm["speedup_over_sync"] for arm in report["tasks"]["countdown"]["arms"] if arm["method"] == method]
-                 for method in ("seq_tis_c8", "vcpo")}  # fmt: skip
-    assert (f"One run per lag (k = 1-48) put them at {min(countdown['seq_tis_c8']):.2f}-{max(countdown['seq_tis_c8']):.2f}× "
-            f"and {min(countdown['vcpo']):.2f}-{max(countdown['vcpo']):.2f}×") in studies
-
-
-def test_the_documented_rounds_are_the_committed_benchmarks():
-    """docs/simulator.md's five-round table and its counts of rounds come from tables/async_speed/rounds_*."""
-    root = Path(__file__).resolve().parents[1]
-    doc = " ".join((root / "docs/simulator.md").read_text().split())
-    gains = {}
-    for task, label in (("countdown", "Countdown, k = 48"), ("tir", "`tir`, k = 2")):
-        part = json.loads((root / f"tables/async_speed/rounds_{task}/async_speed.json").read_text())["tasks"][task]
-        assert part["repeats"] == 5 and part["best_sync_threads"] == 2
-        cells = {arm["method"]: f"{arm['speedup_over_sync']:.2f} ({min(arm['speedup_rounds']):.2f}-{max(arm['speedup_rounds']):.2f})"
-                 for arm in part["arms"]}  # fmt: skip
-        walls = part["sync"]["2"]["wall_s_rounds"]
-        assert f"| {label} | {cells['seq_tis_c8']} | {cells['vcpo']} | {min(walls):.1f}-{max(walls):.1f} |" in doc
-        gains[task] = {arm["method"]: sum(ratio > 1 for ratio in arm["speedup_rounds"]) for arm in part["arms"]}
-    assert gains["countdown"]["vcpo"] == 0 and "makes VCPO slower in every round" in doc
-    studies = " ".join((root / "docs/studies.md").read_text().split())
-    for task, quoted in (("countdown", "async seq-TIS is level with sync on Countdown ({seq_tis_c8}× sync's speed, per round {seq_tis_c8_range}) "
-                                       "and async VCPO is slower ({vcpo}×, {vcpo_range})"),
-                         ("tir", "async VCPO is {vcpo}× sync's speed ({vcpo_range})")):
-        arms = json.loads((root / f"tables/async_speed/rounds_{task}/async_speed.json").read_text())["tasks"][task]["arms"]
-        values = {}
-        for arm in arms:
-            values[arm["method"]] = f"{arm['speedup_over_sync']:.2f}"
-            values[arm["method"] + "_range"] = f"{min(arm['speedup_rounds']):.2f}-{max(arm['speedup_rounds']):.2f}"
-        assert quoted.format(**values) in studies
-    assert f"seq-TIS in {gains['tir']['seq_tis_c8']} rounds of 5, VCPO in {gains['tir']['vcpo']})" in doc
 
 
 def test_more_than_one_thread_per_side_is_refused_naming_the_key(base, tmp_path):
@@ -321,27 +251,3 @@ def test_the_command_line_says_in_one_line_that_the_generator_died_and_how_to_re
     assert process.returncode == 1
     assert stderr.strip().splitlines()[-1].startswith("error: the generator process ended (exit code -9) before step")
     assert stderr.strip().splitlines()[-1].endswith("the same command resumes it")
-
-
-def test_the_tir_gap_sentences_are_the_committed_one_difference_benchmarks():
-    """docs/studies.md's and the README's account of the `tir` speed gap: one setting of Table 1's runs at a time, five
-    rounds each (tables/async_speed/gap_tir_*), none alone reaching the table's gain."""
-    root = Path(__file__).resolve().parents[1]
-    studies = " ".join((root / "docs/studies.md").read_text().split())
-    readme = " ".join((root / "README.md").read_text().split())
-    table1 = json.loads((root / "tables/tir/table1_smoke.json").read_text())["tasks"]["simpletir"]
-    table_gain = table1["sync"]["wall_hours"]["mean"] / table1["async"]["wall_hours"]["mean"]
-    gains = {}
-    for name, label, setting in (("evals", "the table's evaluations alone give", {"eval_every": "10", "eval_problems": "50"}),
-                                 ("lr", "its learning rate alone", {"lr": "2e-4"}),
-                                 ("lag_model", "its lag model (`pipeline_overlap`) alone", {"lag_model": "pipeline_overlap"})):
-        report = json.loads((root / f"tables/async_speed/gap_tir_{name}/async_speed.json").read_text())
-        part = report["tasks"]["tir"]
-        assert report["settings"] == setting and part["repeats"] == 5 and part["best_sync_threads"] == 2
-        (arm,) = part["arms"]
-        rounds = arm["speedup_rounds"]
-        assert f"{label} {arm['speedup_over_sync']:.2f}× ({min(rounds):.2f}-{max(rounds):.2f})" in studies
-        gains[name] = arm["speedup_over_sync"]
-    assert f"accounts for the table's {1 / table_gain:.2f} ({table_gain:.2f}×)" in studies
-    assert max(gains.values()) < table_gain and max(gains, key=gains.get) == "lr"
-    assert f"the learning rate moves it most, to {gains['lr']:.2f}× sync's speed" in readme

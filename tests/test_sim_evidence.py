@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prose_quotes import assert_quotes_are_the_statistics, study_prose
 from test_sim_train import small_config
 
 from vcpo.local_models import save_random_model
@@ -21,7 +20,6 @@ from vcpo.studies.design import Arm, Design, run_folder, run_settings
 from vcpo.studies.evidence import compare, ess_predictor, last_quarter_mean, predictor_report
 from vcpo.studies.statistics import (
     base_bootstrap_auc_interval,
-    by_pair,
     detectable_difference,
     holm,
     mean_interval,
@@ -191,27 +189,6 @@ def test_a_run_recorded_before_opob_combination_existed_resumes_only_with_the_bu
     assert settings_changed(recorded, default) == ["opob_combination: 'buffers' -> 'deferred'"]
 
 
-def test_the_readme_quotes_the_regime_studys_paired_differences_as_computed_from_its_table():
-    """The 3-seed comparisons the regime study's write-up (docs/studies.md) states are recomputed from the
-    committed outcomes."""
-
-    runs = json.loads((ROOT / "tables/regime_study/outcomes.json").read_text())["runs"]
-
-    def ends(method):
-        return {r["seed"]: r["end"] for r in runs if r["method"] == method and (r["lag"] == 48 or method == "sync")}
-
-    doc = " ".join((ROOT / "docs" / "studies.md").read_text().split())
-    for a, b, label in [("vcpo", "seq_tis_c8", "VCPO - seq-TIS is"), ("vcpo", "sync", "VCPO - sync"),
-                        ("vcpo", "tis_ess", "VCPO - ESS step only (0.278)"), ("vcpo", "tis_opob", "VCPO - OPOB only (0.137)"),
-                        ("tis_ess", "seq_tis_c8", "ESS step only - seq-TIS"), ("tis_opob", "seq_tis_c8", "OPOB only - seq-TIS")]:
-        first, second = ends(a), ends(b)
-        seeds = sorted(first.keys() & second.keys())
-        result = paired_difference([first[s] for s in seeds], [second[s] for s in seeds])
-        quoted = (f"{label} {100 * result['mean']:+.1f}{' points' if label.endswith('is') else ''} "
-                  f"[{100 * result['low']:.1f}, {100 * result['high']:.1f}], p = {result['p']:.2g}")
-        assert quoted in doc, quoted
-
-
 def test_the_report_quotes_its_statistics_and_lists_missing_runs(tmp_path):
     from vcpo.studies.design import load_design
     from vcpo.studies.evidence import DESIGN, report
@@ -273,121 +250,6 @@ def test_an_archived_run_gives_the_same_row_as_the_run_itself(tmp_path):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def committed_stats() -> dict:
-    """The evidence study's committed statistics (tables/evidence/stats.json), which the prose quotes."""
-    return json.loads((ROOT / "tables/evidence/stats.json").read_text())
-
-
-def evidence_prose(path):
-    """The evidence study's section of a document, whitespace-joined, with typographic minus signs as '-'."""
-    return study_prose(ROOT, path, ("## The evidence study", "## The across-lags study"), "evidence")
-
-
-def test_every_interval_the_prose_quotes_is_in_the_committed_statistics():
-    """Every interval and comparison the evidence study's prose quotes is in its committed stats.json."""
-    stats = committed_stats()
-    arms = [arm for entry in stats["tasks"].values() for arm in entry["arms"].values()]
-    comparisons = []
-    for entry in stats["tasks"].values():
-        learning_rate = entry.get("learning_rate", {})
-        comparisons += (entry["comparisons"] + entry["comparisons_last_quarter"] + learning_rate.get("comparisons", [])
-                        + learning_rate.get("tuned_against_tuned", []))
-    assert_quotes_are_the_statistics(evidence_prose("docs/studies.md"), arms, comparisons)
-
-
-def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed_ones():
-
-    stats = committed_stats()
-    countdown = stats["tasks"]["countdown"]
-    arms, predictor = countdown["arms"], countdown["predictor"]
-    prose = evidence_prose("docs/studies.md")
-    low, high = predictor["auc_interval"]
-    assert (f"ROC AUC {predictor['auc']:.2f} (95% bootstrap {low:.2f}-{high:.2f}), hits {predictor['hits']} of "
-            f"{predictor['collapsed']} collapses, false alarms in {predictor['false_alarms']} of the "
-            f"{predictor['runs'] - predictor['collapsed']} runs") in prose
-    assert f"lead times of {min(predictor['lead_steps'])}-{max(predictor['lead_steps'])} steps" in prose
-    assert f"on the {predictor['runs']} new runs" in prose
-    for name, label in [("seq_tis", "seq-TIS 13.8% [8.5, 19.1]"), ("tis_opob", "12.2% [9.6, 14.7]")]:
-        assert f"{label} ({arms[name]['collapses']} of {arms[name]['n']} collapse" in prose
-    assert f"{arms['vcpo']['mean_lr_scale']:.2f}× the nominal rate" in prose
-    assert f"as a constant ({arms['seq_tis_vcpo_mean_lr']['lr']:.3g})".replace("0.000112", "1.12e-4") in prose
-    assert (f"{100 * arms['sync']['end_sd']:.1f} points for sync, {100 * arms['vcpo']['end_sd']:.1f} for VCPO, "
-            f"{100 * arms['seq_tis']['end_sd']:.1f} for seq-TIS") in prose
-    vcpo_rates = [arm for arm in arms.values() if arm["method"] == "vcpo"]
-    assert f"none of its {sum(a['n'] for a in vcpo_rates)} runs" in prose and not any(a["collapses"] for a in vcpo_rates)
-    assert [arms[a]["collapses"] for a in ("seq_tis_lr5e-5", "seq_tis_lr1e-4", "seq_tis_lr1.5e-4", "seq_tis")] == [0, 1, 0, 3]
-
-
-def test_each_difference_the_prose_quotes_is_signed_as_its_label_says():
-    """'A - B +X' must be the comparison a - b (not b - a, nor another pair that happens to share the interval)."""
-
-    from vcpo.studies.evidence_report import interval, signed_points
-
-    stats = committed_stats()
-    countdown = stats["tasks"]["countdown"]
-    comparisons = by_pair(countdown["comparisons"] + countdown["learning_rate"]["comparisons"])
-
-    def quote(a, b):
-        c = comparisons[(a, b)]
-        return f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}"
-
-    studies = evidence_prose("docs/studies.md")
-    for prose, label, pair in [
-        (studies, "VCPO - seq-TIS", ("vcpo", "seq_tis")), (studies, "ESS step alone - seq-TIS", ("tis_ess", "seq_tis")),
-        (studies, "VCPO - ESS step alone is", ("vcpo", "tis_ess")), (studies, "OPOB alone - seq-TIS", ("tis_opob", "seq_tis")),
-        (studies, "VCPO against sync:", ("vcpo", "sync")), (studies, "against tuned seq-TIS:", ("vcpo", "seq_tis_lr5e-5")),
-        (studies, "against sync at 1e-4:", ("vcpo", "sync_lr1e-4")), (studies, "(1.12e-4) VCPO is", ("vcpo", "seq_tis_vcpo_mean_lr")),
-        (studies, "per-step factor", ("vcpo", "seq_tis_vcpo_replay")),
-    ]:
-        assert f"{label} {quote(*pair)}" in prose, (label, quote(*pair))
-
-
-def test_the_tool_use_paragraph_quotes_the_committed_tir_statistics():
-
-    from vcpo.studies.evidence_report import interval, signed_points
-
-    tir = committed_stats()["tasks"]["tir"]
-    rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
-    rows = [row for row in rows if row["task"] == "tir"]
-    arms, prose = tir["arms"], evidence_prose("docs/studies.md")
-    pick = by_pair(tir["comparisons"])
-    secondary = by_pair(tir["comparisons_last_quarter"])
-
-    def quote(c):
-        return f"{signed_points(c['mean'])} points {interval(c['low'], c['high'], signed=True)}"
-
-    for label, c in [("VCPO - seq-TIS", pick[("vcpo", "seq_tis")]), ("VCPO - sync", pick[("vcpo", "sync")]),
-                     ("VCPO - OPOB at k = 0", pick[("vcpo", "tis_opob_sync")]), ("OPOB at k = 0 - sync", pick[("tis_opob_sync", "sync")]),
-                     ("VCPO - seq-TIS", secondary[("vcpo", "seq_tis")]), ("VCPO - sync", secondary[("vcpo", "sync")])]:
-        assert f"{label} {quote(c)}" in prose, (label, quote(c))
-    assert all(c["verdict"] == "no detectable difference" for c in tir["comparisons"])
-    assert not any(arm["collapses"] for arm in arms.values()) and "no run collapses" in prose
-    sds = sorted(100 * arm["end_sd"] for name, arm in arms.items() if name != "sync")
-    assert f"an SD of {100 * arms['sync']['end_sd']:.1f} points (sync; {sds[0]:.1f}-{sds[-1]:.1f} for the others)" in prose
-    assert f"the ten bases score {100 * min(r['base'] for r in rows):.0f}-{100 * max(r['base'] for r in rows):.0f}% at step 0" in prose
-    by_seed = {}
-    for row in rows:
-        by_seed.setdefault(row["seed"], []).append(row["end"])
-    assert f"end within {100 * max(max(v) - min(v) for v in by_seed.values()):.1f} points of each other" in prose
-    assert f"(mean step factor {arms['vcpo']['mean_lr_scale']:.3f} at" in prose
-    assert (f"lowest ESS ratio is {arms['seq_tis']['ess_min']:.3f} on average against VCPO's {arms['vcpo']['ess_min']:.3f}, its "
-            f"largest gradient norm {arms['seq_tis']['grad_norm_max']:.2f} against {arms['vcpo']['grad_norm_max']:.2f} "
-            f"(sync {arms['sync']['grad_norm_max']:.2f})") in prose
-    first = sorted(arm["tool_calls_first"] for arm in arms.values())
-    last = sorted(arm["tool_calls_last"] for arm in arms.values())
-    assert f"from {first[0]:.2f}-{first[-1]:.2f} in the first step's batch to {last[0]:.2f}-{last[-1]:.2f} in the last" in prose
-    errors = {name: f"{100 * arm['tool_error_last']:.1f}%" for name, arm in arms.items()}
-    assert (f"{errors['sync']} for sync and {errors['seq_tis']} for seq-TIS against {errors['vcpo']} for VCPO and "
-            f"{errors['tis_opob_sync']} for OPOB at k = 0") in prose
-    predictor = tir["predictor"]
-    assert predictor["collapsed"] == 0 and f"the alarm fired in {predictor['false_alarms']} of {predictor['runs']}" in prose
-    table1_section = " ".join((ROOT / "docs/studies.md").read_text().split())
-    countdown = committed_stats()["tasks"]["countdown"]["arms"]
-    assert (f"an arm's end has an SD of {100 * arms['sync']['end_sd']:.1f} points across bases "
-            f"({100 * countdown['sync']['end_sd']:.1f}-{100 * countdown['vcpo']['end_sd']:.1f} on Countdown for sync and VCPO, "
-            f"{100 * countdown['seq_tis']['end_sd']:.1f} for seq-TIS") in table1_section
-
-
 def test_detectable_difference_matches_the_textbook_power_of_a_paired_t_test():
     # Cohen's tables: n = 10 pairs, two-sided 0.05, 80% power needs d = 1.00; 90% needs 1.15
     assert detectable_difference(1.0, 10, 0.05, 0.8) == pytest.approx(0.997, abs=0.005)
@@ -395,66 +257,6 @@ def test_detectable_difference_matches_the_textbook_power_of_a_paired_t_test():
     # a larger sample detects less; the difference scales with the SD
     assert detectable_difference(1.0, 40) < detectable_difference(1.0, 10)
     assert detectable_difference(3.0, 10) == pytest.approx(3 * detectable_difference(1.0, 10))
-
-
-def test_the_across_lags_registration_quotes_the_power_of_the_realised_sds():
-    """recipes/sim/across_lags.md: the paired SDs it names are the evidence table's, and the detectable
-    differences it quotes are detectable_difference's of them."""
-    text = " ".join((ROOT / "recipes/sim/across_lags.md").read_text().split())
-    rows = [json.loads(line) for line in (ROOT / "tables/evidence/runs.jsonl").read_text().splitlines()]
-    end = {(row["arm"], row["seed"]): row["end"] for row in rows if row["task"] == "countdown"}
-
-    def paired_sd(a: str, b: str) -> float:
-        return float(np.std([end[(a, s)] - end[(b, s)] for s in range(10)], ddof=1)) * 100
-
-    primary, collapsing = paired_sd("vcpo", "seq_tis_lr5e-5"), paired_sd("vcpo", "seq_tis")
-    assert f"SD {primary:.2f} points" in text and f"SD was {collapsing:.1f}" in text
-    for power, quoted in ((0.9, "is {} / {} points at SD {} (level 0.05 / 0.0125, the first Holm step of four) and {} / {} points at SD {}"),
-                          (0.8, "at 80% power {} / {} and {} / {}")):
-        values = [f"{detectable_difference(sd, 10, alpha, power):.1f}" for sd in (primary, collapsing) for alpha in (0.05, 0.0125)]
-        expected = quoted.format(values[0], values[1], f"{primary:.2f}", values[2], values[3], f"{collapsing:.1f}") if power == 0.9 \
-            else quoted.format(*values)
-        assert expected in text, expected
-
-
-def test_the_across_lags_registration_quotes_the_kernel_measurement():
-    table = json.loads((ROOT / "tables/kernel_pinning/kernel_pinning.json").read_text())["settings"]
-    text = " ".join((ROOT / "recipes/sim/across_lags.md").read_text().split())
-    assert (f"COMPATIBLE could, at {table['compatible']['time_vs_native']:.2f}x the native run time (AVX2 pinning: "
-            f"{table['avx2']['time_vs_native']:.2f}x)") in text
-    prints = [json.dumps(setting["fingerprint"]) for setting in table.values()]
-    assert len(set(prints)) == len(prints) and all(setting["repeats_identical"] for setting in table.values())
-
-
-def test_the_evidence_corrections_quote_the_committed_power_framing_and_predictor():
-    """Issue 36's corrections: the detectable differences of the realised SDs, the tuned-against-tuned framing and
-    the predictor without sync runs with a bootstrap over bases, each as stats.json has it."""
-    from vcpo.studies.evidence_report import interval, p_value, signed_points
-
-    countdown = committed_stats()["tasks"]["countdown"]
-    pairs = by_pair(countdown["comparisons"])
-    studies = evidence_prose("docs/studies.md")
-
-    def sd(pair):
-        return f"{100 * pairs[pair]['sd']:.1f}"
-
-    def detectable(pair):
-        return f"{100 * pairs[pair]['detectable_90']:.1f}"
-
-    ess, opob, core = ("vcpo", "tis_ess"), ("tis_opob", "seq_tis"), ("vcpo", "seq_tis")
-    assert (f"the realised SDs are {sd(ess)} points for VCPO - ESS step alone and {sd(opob)} for OPOB alone - seq-TIS, so "
-            f"only differences of {detectable(ess)} and {detectable(opob)} points would have been found with 90% power "
-            f"({detectable(core)} for VCPO - seq-TIS, whose SD is {sd(core)})") in studies
-    tuned = countdown["learning_rate"]["tuned_against_tuned"][0]
-    assert (tuned["a"], tuned["b"]) == ("vcpo_lr1e-4", "seq_tis_lr5e-5")
-    quote = f"{signed_points(tuned['mean'])} points {interval(tuned['low'], tuned['high'], signed=True)}, p = {p_value(tuned['p'])}"
-    assert f"VCPO at 1e-4 - seq-TIS at 5e-5 is {quote}" in studies
-    assert set(countdown["learning_rate"]["best_at_grid_edge"].values()) == {"lowest"}
-    assert "every method's best rate is the lowest of its grid" in studies
-    predictor = countdown["predictor"]
-    low, high = predictor["lagged_auc_base_interval"]
-    assert (f"on the {predictor['lagged_runs']} lagged runs the AUC is {predictor['lagged_auc']:.2f} with a 95% bootstrap over "
-            f"SFT bases of {low:.2f}-{high:.2f}, which includes chance") in studies and low < 0.5 < high
 
 
 def test_the_runner_trains_every_committed_row_with_the_command_the_row_records(tmp_path, monkeypatch):
