@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from vcpo.provenance import code_state, cpu_name, utc_now
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.sim.config import SimConfig
 
 STEPS = {"countdown": 100, "tir": 50}

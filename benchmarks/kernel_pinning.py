@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from vcpo.provenance import cpu_name, library_versions
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import TEST_ACCURACY, final_eval
 
 SETTINGS = {

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.core.per_sequence_grads.memory import OPOB_MODES
 from vcpo.provenance import code_state, cpu_name, utc_now
-from vcpo.verl_shared import select_cpu_platform
+from vcpo.verl_contract import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
 # Qwen2 shapes (random init, tied embeddings); "50m" is benchmarks/opob_overhead.py's 50m model.

@@ -61,7 +61,7 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     import torch
     import torch.distributed as dist
 
-    from vcpo.verl_shared import select_cpu_platform
+    from vcpo.verl_contract import select_cpu_platform
 
     torch.set_num_threads(1)
     select_cpu_platform()

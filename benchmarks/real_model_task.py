@@ -197,7 +197,7 @@ def arm_summary(lines: list[dict], steps: int) -> dict:
 def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None = None) -> dict:
     """tables/real_model/training.{json,md,png} from the registered arms' runs under ``work``; ``other_work``: what
     else ran on the machine during a run, by run name (kept from the last report unless given: it slows a step)."""
-    from vcpo.reporting.runs import read_metrics
+    from vcpo.reporting.run_data import read_metrics
 
     plan = read_yaml(recipes_dir() / "real_model.yaml")["training"]
     runs = {f"{arm}_s{seed}": work / f"{arm}_s{seed}" for arm in plan["arms"] for seed in plan["seeds"]}

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from vcpo.provenance import cpu_name
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.verl_plugin.cpu.recipe import write_data
 
 STALENESS = "training/off_policy/trajectory_staleness/max"  # the lag of the step's data, as verl logs it

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vcpo.verl_shared import select_cpu_platform
+from vcpo.verl_contract import select_cpu_platform
 
 FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
 

@@ -301,7 +301,7 @@ def test_a_run_twice_in_a_table_is_refused_by_every_reader(tmp_path):
 
 
 def test_a_partial_last_line_is_reported_once_however_often_the_file_is_read(archived_copy, caplog):
-    from vcpo.reporting.runs import read_metrics
+    from vcpo.reporting.run_data import read_metrics
 
     with open(archived_copy / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 80, "actor/lr')

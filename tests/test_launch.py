@@ -369,7 +369,7 @@ def test_opob_on_megatron_composes_megatrons_local_layers_over_the_authors_paral
     the backward, one sequence per micro-batch; nothing the engine refuses; the dry run says what it costs."""
     from vcpo.launch import megatron_setup
     from vcpo.recipes import read_yaml
-    from vcpo.verl_shared import megatron_opob_refusals
+    from vcpo.verl_contract import megatron_opob_refusals
 
     layout = read_yaml(REPO / "recipes/megatron.yaml")["tasks"][task]["layout"]
     run = make_run(task, "vcpo", strategy="megatron")
@@ -413,7 +413,7 @@ def test_a_megatron_layout_that_cannot_fit_is_refused_at_dry_run(overrides, name
         assert named in capsys.readouterr().err
 
 
-# every setting OPOB on Megatron cannot run with (vcpo.verl_shared.megatron_opob_refusals), the override that asks for
+# every setting OPOB on Megatron cannot run with (vcpo.verl_contract.megatron_opob_refusals), the override that asks for
 # it, and the key the one-line refusal names with what to set instead
 OPOB_MEGATRON_REFUSALS = [
     (["actor_rollout_ref.model.use_remove_padding=true"], "actor_rollout_ref.model.use_remove_padding=false"),
@@ -449,7 +449,7 @@ def test_what_opob_on_megatron_cannot_run_is_refused_at_dry_run_by_its_key(overr
 def test_the_refusals_are_the_engines_own():
     """The launcher's dry run and the engine's first OPOB step judge one MegatronSetup by one function; every rule of
     it is walked above."""
-    from vcpo.verl_shared import MegatronSetup, megatron_opob_refusals
+    from vcpo.verl_contract import MegatronSetup, megatron_opob_refusals
 
     runs = MegatronSetup(packed=False, fused_kernels=False, transformer_impl="local", vanilla_mbridge=True, sequence_parallel=False,
                          virtual_pipeline=None, context_parallel=1, pipeline_parallel=2, per_token_loss=False,

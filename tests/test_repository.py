@@ -62,7 +62,7 @@ def test_the_product_points_at_its_own_docs_not_at_the_developers_shared_folder(
 # The package's layers, lowest first: a first-level module imports only modules before it (docs/DESIGN.md).
 LAYERS = [
     "vcpo", "vcpo.core", "vcpo.cli", "vcpo.locks", "vcpo.lifetimes", "vcpo.provenance", "vcpo.runs", "vcpo.recipes", "vcpo.local_models", "vcpo.methods", "vcpo.rewards", "vcpo.tools",
-    "vcpo.verl_shared", "vcpo.data", "vcpo.evaluation", "vcpo.verl_plugin", "vcpo.launch", "vcpo.sim", "vcpo.reporting",
+    "vcpo.verl_contract", "vcpo.data", "vcpo.evaluation", "vcpo.verl_plugin", "vcpo.launch", "vcpo.sim", "vcpo.reporting",
     "vcpo.studies", "vcpo.workflow_plan",
 ]  # fmt: skip
 
@@ -139,7 +139,7 @@ def test_the_first_level_modules_import_only_the_layers_below_them():
 # then the base built on them, then the settings checked against those registries (vcpo.sim.validation fills in the
 # task's defaults once), then the learner and the trainer that composes them.
 SIM_ORDER = [
-    "vcpo.sim.config", "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.evaluate", "vcpo.sim.base", "vcpo.sim.validation",
+    "vcpo.sim.config", "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.heldout", "vcpo.sim.base", "vcpo.sim.validation",
     "vcpo.sim.learner",
     "vcpo.sim.concurrent", "vcpo.sim.train", "vcpo.sim.__main__",
     # the pre-registered commands' aliases of moved studies (they run vcpo.studies.* by name, importing nothing)

@@ -200,7 +200,7 @@ def test_a_run_the_workflow_plans_is_where_the_sweep_writes_and_the_reports_read
     """One layout for the workflow's plan, the simulator's sweep and the readers: a folder the sweep would
     write for (task, method, lag, seed) is the planned run's, and the reports find it there (a sync run at
     lag 0 whatever lag is asked)."""
-    from vcpo.reporting.runs import run_dirs
+    from vcpo.reporting.run_data import run_dirs
     from vcpo.sim.__main__ import run_dir
     from vcpo.sim.config import SimConfig
 

@@ -16,7 +16,7 @@ import torch
 from test_sim_train import RESUME, _metrics_without_timing, base, uninterrupted  # noqa: F401 (fixtures)
 
 from vcpo.locks import LOCK_FILE, FolderInUse, cache_entry_lock, run_folder_lock, write_atomic
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
 

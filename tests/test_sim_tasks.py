@@ -11,7 +11,7 @@ from vcpo.local_models import IM_END
 from vcpo.rewards import score_batch
 from vcpo.rewards.countdown import parse_ground_truth
 from vcpo.sim import base, tasks
-from vcpo.sim.evaluate import heldout_accuracy
+from vcpo.sim.heldout import heldout_accuracy
 from vcpo.sim.tasks import SIM_TASKS, get_sim_task, render_prompt
 
 

@@ -194,7 +194,7 @@ def test_a_policys_bad_program_costs_bounded_time_counts_as_an_error_and_leaves_
 
 def test_multi_turn_evaluation_runs_the_tool_and_scores_the_answer():
     from vcpo.evaluation import SamplingParams, evaluate_rows
-    from vcpo.sim.evaluate import ToolUseGenerator
+    from vcpo.sim.heldout import ToolUseGenerator
 
     tokenizer = build_tokenizer()
     calls = []

@@ -312,7 +312,7 @@ def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path
 
     import vcpo.methods as methods
     from vcpo.reporting.figures import method_label
-    from vcpo.reporting.runs import run_dirs
+    from vcpo.reporting.run_data import run_dirs
 
     presets = dict(methods._methods())
     presets["oracle"] = dataclasses.replace(presets["sync"], name="oracle")

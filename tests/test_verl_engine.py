@@ -468,7 +468,7 @@ def test_opob_two_data_parallel_ranks(model_dir, tmp_path):
     gathered norms and baseline, one all-reduce, the same gradient as one process on the whole batch."""
     from transformers import Qwen2ForCausalLM
 
-    from vcpo.verl_shared import CPU_PLATFORM_ENV
+    from vcpo.verl_contract import CPU_PLATFORM_ENV
 
     with pytest.MonkeyPatch.context() as patch:  # the spawned ranks import verl on the CPU platform
         for name, value in CPU_PLATFORM_ENV.items():

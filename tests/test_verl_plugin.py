@@ -206,7 +206,7 @@ def test_config_errors_name_the_key():
 def test_a_method_needing_the_engine_refuses_to_train_without_it(method, needs):
     """The loss of an ESS/OPOB preset called outside the vcpo engine (a hand-written command, a dropped
     model_type, the legacy trainer) would train plain seq-TIS: it raises at its first call instead."""
-    from vcpo.verl_shared import step_rule_applied
+    from vcpo.verl_contract import step_rule_applied
 
     batch = ref.random_batch(seed=21, scale=0.5)
     config = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=seq_tis", f"+actor_rollout_ref.actor.policy_loss.method={method}")

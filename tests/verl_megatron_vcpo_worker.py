@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from vcpo.verl_shared import select_cpu_platform
+from vcpo.verl_contract import select_cpu_platform
 
 # the test's batch: 8 sequences in prompt groups of 4, micro-batches of 2
 B, GROUP, PROMPT, RESPONSE, VOCAB, MICRO = 8, 4, 6, 6, 96, 2

@@ -20,7 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from vcpo.verl_shared import select_cpu_platform
+from vcpo.verl_contract import select_cpu_platform
 
 select_cpu_platform()
 

@@ -41,7 +41,7 @@ from vcpo.launch.verl_overrides import (
     shell_command,
 )
 from vcpo.recipes import load_tasks
-from vcpo.verl_shared import EXTERNAL_MODULES
+from vcpo.verl_contract import EXTERNAL_MODULES
 
 __all__ = [
     "EXTERNAL_MODULES", "STRATEGIES", "LaunchError", "Run", "actor_strategy", "asynchrony_overrides", "check", "command",

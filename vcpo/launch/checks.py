@@ -12,7 +12,7 @@ from pathlib import Path
 from vcpo.launch.memory import check_memory, gpu_memory_gb, megatron_sequence_parallel, model_shape, projection
 from vcpo.launch.run import LaunchError, Run
 from vcpo.methods import step_rule
-from vcpo.verl_shared import (
+from vcpo.verl_contract import (
     ENGINE_MODEL_TYPE,
     MegatronSetup,
     megatron_opob_refusals,

@@ -11,7 +11,7 @@ from vcpo.recipes import (
     load_tasks,
     run_path,
 )
-from vcpo.verl_shared import (
+from vcpo.verl_contract import (
     last_override,
 )
 

@@ -18,7 +18,7 @@ from vcpo.recipes import (
     recipes_dir,
 )
 from vcpo.runs import METRICS_FILE
-from vcpo.verl_shared import (
+from vcpo.verl_contract import (
     ENGINE_MODEL_TYPE,
     ENGINE_MODULE,
     EXTERNAL_MODULES,

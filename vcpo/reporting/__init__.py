@@ -4,7 +4,7 @@
 published numbers. The workflow imports ``figure_specs``, ``runs_needed`` and ``read_metrics``.
 """
 
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.reporting.specs import figure_specs, paper_results, runs_needed
 
 __all__ = ["figure_specs", "paper_results", "read_metrics", "runs_needed"]

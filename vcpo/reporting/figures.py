@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from vcpo.methods import is_synchronous
-from vcpo.reporting.runs import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
+from vcpo.reporting.run_data import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
 from vcpo.reporting.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
 from vcpo.runs import CONFIG_FILE, EFFECTIVE_LR, SEQ_ESS_RATIO
 

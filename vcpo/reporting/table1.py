@@ -6,7 +6,7 @@ Each number is the mean and min-max over seeds, beside the paper's published val
 the simulator's evaluations, the base row being its step-0 evaluation of the SFT base (verl's own
 step-0 validation samples at other settings, so a verl run has no base row without the base evaluation).
 
-Time (``vcpo.reporting.runs.line_seconds``): wall-clock hours = the logged step times (each with the evaluation at
+Time (``vcpo.reporting.run_data.line_seconds``): wall-clock hours = the logged step times (each with the evaluation at
 its start) and the final evaluation, start-up not included. Compute = wall-clock hours x what the run held:
 a simulator run its CPU cores (``cores`` of its ``config.json``: 2 for a concurrent run on one thread per
 process), a verl run its GPUs (its ``launch.json``; on CPU, the worker slots that stand for them). Time to sync's accuracy: the wall-clock hours until
@@ -25,7 +25,7 @@ import numpy as np
 
 from vcpo.recipes import base_path, load_tasks
 from vcpo.reporting.figures import SCALES
-from vcpo.reporting.runs import (
+from vcpo.reporting.run_data import (
     evaluated_accuracy,
     final_accuracy,
     hours_to_accuracy,

@@ -230,7 +230,7 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     """``(model, tokenizer, info)``: a fresh tokenizer and model of ``size``, fine-tuned on the train split."""
     from tqdm.auto import tqdm
 
-    from vcpo.sim.evaluate import heldout_accuracy
+    from vcpo.sim.heldout import heldout_accuracy
 
     # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout; made first, so that a
     # machine that cannot run the sandbox is told so before the fine-tuning, not after it

@@ -41,8 +41,8 @@ from vcpo.core.registry import POLICY_LOSSES
 from vcpo.methods import VERL_POLICY_LOSSES, Method, step_rule
 from vcpo.runs import EFFECTIVE_LR, LR_SCALE
 from vcpo.sim.rollout import TOOL_TOKEN, Trajectory
+from vcpo.verl_contract import step_rule_applied
 from vcpo.verl_plugin import VcpoPolicyLossConfig
-from vcpo.verl_shared import step_rule_applied
 
 
 @dataclass

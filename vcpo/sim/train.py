@@ -299,7 +299,7 @@ class Trainer:
     def evaluate(self, split: str = "validation") -> dict[str, float]:
         """Held-out metrics under verl's validation names; ``split="test"``: the final evaluation's test
         problems, under ``test/...`` names."""
-        from vcpo.sim.evaluate import heldout_accuracy, validation_metrics
+        from vcpo.sim.heldout import heldout_accuracy, validation_metrics
 
         problems, samples = (self.eval_problems, self.config.eval_samples) if split == "validation" else (
             self.test_problems, self.config.test_samples)

@@ -24,7 +24,7 @@ import numpy as np
 
 from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, utc_now
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import VAL_ACCURACY, exit_with, is_finished
 from vcpo.sim.config import load_config_file
 from vcpo.studies.design import (

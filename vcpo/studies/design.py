@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.locks import write_atomic
-from vcpo.reporting.runs import read_metrics
+from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import (
     CONFIG_FILE,
     EFFECTIVE_LR,

@@ -97,7 +97,7 @@ def evaluation_noise(task_name: str, problems: int, samples: int, seeds: int, sp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vcpo.sim.base import sft_base
-    from vcpo.sim.evaluate import heldout_accuracy
+    from vcpo.sim.heldout import heldout_accuracy
     from vcpo.sim.rollout import sandbox_tool
     from vcpo.sim.tasks import get_sim_task
 

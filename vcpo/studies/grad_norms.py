@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vcpo.reporting.runs import run_dirs, seed_of
+from vcpo.reporting.run_data import run_dirs, seed_of
 
 
 def sample_responses(model, tokenizer, problems, max_response_tokens: int, temperature: float, seed: int):

@@ -23,7 +23,7 @@ from vcpo.reporting.figures import (
     save,
     style_panel,
 )
-from vcpo.reporting.runs import read_metrics, run_dirs, seed_band, series, smooth, summary_rows
+from vcpo.reporting.run_data import read_metrics, run_dirs, seed_band, series, smooth, summary_rows
 from vcpo.runs import EFFECTIVE_LR, SEQ_ESS_RATIO, VAL_ACCURACY
 
 # The shared readers and drawing live in vcpo.reporting; they are re-exported here for this CLI's users.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vcpo.recipes import run_path
 from vcpo.reporting.figures import draw_curves, draw_lag_sweep
-from vcpo.reporting.runs import read_metrics, series, summary_rows
+from vcpo.reporting.run_data import read_metrics, series, summary_rows
 from vcpo.runs import LR_SCALE, SEQ_ESS_RATIO, VAL_ACCURACY
 from vcpo.sim.config import load_config_file
 from vcpo.studies.plots import summary_markdown

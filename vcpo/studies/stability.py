@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vcpo.methods import is_synchronous
-from vcpo.reporting.runs import ACCURACY, read_metrics, series
+from vcpo.reporting.run_data import ACCURACY, read_metrics, series
 from vcpo.runs import CONFIG_FILE, FINAL_EVAL, SEQ_ESS_RATIO
 
 SYNC_MIN_GAIN = 0.05

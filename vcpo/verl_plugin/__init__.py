@@ -41,7 +41,7 @@ from verl.workers.config import PolicyLossConfig
 
 from vcpo.core.registry import POLICY_LOSSES, PolicyLoss
 from vcpo.methods import check_loss_mode, default_method, get_method
-from vcpo.verl_shared import check_step_rule_applied, metrics_to_floats
+from vcpo.verl_contract import check_step_rule_applied, metrics_to_floats
 
 
 @dataclass

@@ -6,7 +6,7 @@ Why it exists: verl's ``MegatronEngineWithLMHead`` (backend ``megatron``) builds
 pipeline schedules. All of these assume CUDA and Transformer Engine somewhere; nothing in site-packages
 is edited here. :func:`enable_megatron_on_cpu` (idempotent) applies every shim below, each with the
 CUDA/TE assumption it answers. It is meant for processes on the CPU platform (``VERL_PLATFORM=cpu``),
-after ``vcpo.verl_shared.select_cpu_platform``; it changes a few ``torch.cuda`` entry points
+after ``vcpo.verl_contract.select_cpu_platform``; it changes a few ``torch.cuda`` entry points
 process-wide, so call it only in a process that never uses a GPU.
 
 What the engine still needs from its config (``vcpo.verl_plugin.cpu.standalone.build_megatron_engine``

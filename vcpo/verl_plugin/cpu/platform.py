@@ -36,7 +36,7 @@ import psutil
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from vcpo.verl_shared import CPU_PLATFORM_NAME as PLATFORM_NAME
+from vcpo.verl_contract import CPU_PLATFORM_NAME as PLATFORM_NAME
 
 
 class _CpuDeviceModule(types.ModuleType):

@@ -30,7 +30,7 @@ from typing import Any
 
 from vcpo.recipes import hydra_value, megatron_local_layer_overrides
 from vcpo.runs import METRICS_FILE
-from vcpo.verl_shared import (
+from vcpo.verl_contract import (
     CPU_PLATFORM_ENV,
     EXTERNAL_MODULES,
     FP32_MIXED_PRECISION_HYDRA,

@@ -2,7 +2,7 @@
 trainer: the engine verl's registry builds for the vcpo model type, and actor mini-batches as the trainer
 hands them over (the engine tests and benchmarks/opob_engine.py).
 
-Select the platform before anything imports verl (`vcpo.verl_shared.select_cpu_platform`); then
+Select the platform before anything imports verl (`vcpo.verl_contract.select_cpu_platform`); then
 `build_engine` runs verl's own ``initialize()`` (HF load, FSDP2 wrapping on gloo, optimizer) and
 ``train_batch(data, ppo_loss)`` is verl's step with the vcpo loss and engine.
 
@@ -27,9 +27,9 @@ from verl.workers.engine import EngineRegistry
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from vcpo.local_models import random_qwen2
+from vcpo.verl_contract import FP32_MIXED_PRECISION
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
-from vcpo.verl_shared import FP32_MIXED_PRECISION
 
 
 def save_random_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **shape) -> Path:

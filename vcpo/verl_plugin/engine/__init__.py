@@ -99,6 +99,7 @@ from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads import NORMS_ONLY
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers
 from vcpo.methods import StepRule
+from vcpo.verl_contract import ENGINE_MODEL_TYPE, step_rule_applied
 from vcpo.verl_plugin.engine.batch import all_reduce_gradients
 from vcpo.verl_plugin.engine.rule import rule_from_loss_function
 from vcpo.verl_plugin.engine.step import (
@@ -113,7 +114,6 @@ from vcpo.verl_plugin.engine.step import (
     scaled_optimizer_step,
     second_pass,
 )
-from vcpo.verl_shared import ENGINE_MODEL_TYPE, step_rule_applied
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]

@@ -53,6 +53,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute
+from vcpo.verl_contract import MegatronSetup, megatron_opob_refusals, step_rule_applied
 from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
 from vcpo.verl_plugin.engine.step import (
     StepState,
@@ -67,7 +68,6 @@ from vcpo.verl_plugin.engine.step import (
     second_pass,
     sequence_lengths,
 )
-from vcpo.verl_shared import MegatronSetup, megatron_opob_refusals, step_rule_applied
 
 honour_transformer_impl()  # before any engine of this process builds its model through mbridge
 

@@ -27,9 +27,9 @@ from vcpo.core.collectives import gather_objects
 from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode, step_memory
 from vcpo.methods import StepRule
 from vcpo.runs import SEQ_ESS_RATIO
+from vcpo.verl_contract import metrics_to_floats
 from vcpo.verl_plugin.engine.batch import padded, response_log_probs, reward_key, sequence_labels, sequence_log_weights
 from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function
-from vcpo.verl_shared import metrics_to_floats
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""What verl_plugin's modules and the launcher share, importable without importing verl.
+"""The contract between the launcher and the verl plugin (the engine's model type, the step-rule check, the Megatron
+settings OPOB refuses, the CPU platform), importable without importing verl.
 
 The launcher reads these before any verl import, and the engine imports them while ``import verl`` is
 still loading its external modules (where ``vcpo.verl_plugin`` may be half imported), so this module
