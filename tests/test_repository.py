@@ -226,3 +226,24 @@ def test_the_simulators_config_is_a_leaf_that_reads_no_file_when_imported():
             "print(sorted(m for m in sys.modules if m.startswith('vcpo.sim.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stdout.split("\n")[:2] == ["[]", "['vcpo.sim.config']"]
+
+
+def test_every_function_level_import_of_a_vcpo_module_says_why():
+    """An import of a vcpo module inside a function (an optional dependency, an import cost) carries its reason: a
+    comment on its line or the line before its group; everything else is imported at the top of its module."""
+    import ast
+
+    unexplained = []
+    for path in sorted((ROOT / "vcpo").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vcpo"):
+                    above = node.lineno - 2
+                    while above >= 0 and lines[above].lstrip().startswith(("from vcpo", "import ")):
+                        above -= 1  # the rest of its group
+                    if "#" not in lines[node.lineno - 1] and not lines[above].lstrip().startswith("#"):
+                        unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert unexplained == []

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vcpo.methods import step_rule
+
 # The engine extension (ESS step size, OPOB): its module, and the model type it is registered under.
 ENGINE_MODULE = "vcpo.verl_plugin.engine"
 ENGINE_MODEL_TYPE = "vcpo_language_model"
@@ -68,8 +70,6 @@ def check_step_rule_applied(method_name: str | None) -> None:
     would silently train another method (plain sequence TIS)."""
     if not method_name or _STEP_RULE_APPLIED.get():
         return
-    from vcpo.methods import step_rule
-
     rule = step_rule(method_name)
     if rule.active:
         raise RuntimeError(

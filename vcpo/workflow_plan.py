@@ -154,11 +154,13 @@ def _check_runs(config: dict[str, Any], runs: list[PlannedRun]) -> None:
         where = f"run {run.path}"
         try:
             if config["backend"] == "sim":
+                # each backend's validation only for its runs: Snakemake imports this module for every command
                 from vcpo.sim.validation import validate
 
                 given = {"task": run.task, "method": run.method, "lag": run.lag, "seed": run.seed, "steps": steps_of(config, run)}
                 validate(sim_run_config(config, run.task, run.method, run.lag, given))
             else:
+                # the launcher (Hydra, verl's config tree) only for the verl backend
                 from vcpo.launch import make_run, strategy_of
 
                 make_run(run.task, run.method, run.lag, run.seed, strategy=strategy_of(config.get("launch", {}).get("args", [])))

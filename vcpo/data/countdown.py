@@ -20,6 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vcpo.locks import cache_dir, write_atomic
+from vcpo.recipes import load_tasks
 
 VALIDATION_FRACTION = 0.1
 # Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
@@ -31,8 +32,6 @@ _CHUNK = 500
 
 def default_size() -> int:
     """The puzzles of the Countdown task's recipe (``data.size`` in recipes/tasks/countdown.yaml)."""
-    from vcpo.recipes import load_tasks
-
     return int(load_tasks()["countdown"].spec["data"]["size"])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vcpo.data.tasks import DatasetSpec
+from vcpo.data.tasks import DatasetSpec, get_dataset
 from vcpo.rewards.countdown import countdown_ground_truth
 
 DRAWS = 2000
@@ -33,8 +33,6 @@ def generated_gold(spec: DatasetSpec, entry: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=8)
 def _train_and_validation(task: str, size: int, seed: int) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
     import reasoning_gym
-
-    from vcpo.data.tasks import get_dataset
 
     spec = get_dataset(task)
     if size < 2:

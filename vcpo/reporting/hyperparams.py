@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vcpo.methods import get_method
 from vcpo.recipes import load_folder, read_yaml, recipes_dir
 
 # Row label of each task ``paper:`` key, in the paper's order.
@@ -66,8 +67,6 @@ def markdown(title: str, header: list[str], rows: list[list[str]], source: str) 
 
 def table2() -> str:
     """VCPO Table 2: the optimiser settings every experiment shares."""
-    from vcpo.methods import get_method
-
     spec = read_yaml(recipes_dir() / "optimizer.yaml")
     rows = [
         [

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from vcpo.methods import run_lag
+from vcpo.methods import list_methods, run_lag
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("curves", "lag_sweep", "overhead", "grad_norm_proxy")
@@ -33,8 +33,6 @@ def _read(name: str) -> dict[str, Any]:
 
 def validate_spec(figure_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Check one figure's keys and method names against ``vcpo.methods``; return it with its id."""
-    from vcpo.methods import list_methods
-
     missing = [key for key in ("title", "paper", "kind") if key not in spec]
     if missing:
         raise ValueError(f"figure {figure_id}: missing {missing}")

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{field.name:24s} {getattr(SimConfig(), field.name)!r}")
             return 0
         if args.command == "train":
+            # the trainer (transformers, the generator process) only for a run: keys and sweep start at once
             from vcpo.sim.concurrent import GeneratorDied
             from vcpo.sim.train import Trainer
 

@@ -36,6 +36,7 @@ from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.local_models import IM_END, IM_START, build_random_model, build_tokenizer
 from vcpo.locks import cache_dir as default_cache_dir
 from vcpo.locks import cache_entry_lock
+from vcpo.sim.heldout import heldout_accuracy
 from vcpo.sim.rollout import SIM_TOOL_TIMEOUT_S, TOOL_OUTPUT, sandbox_tool, tool_output_ids
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task, render_prompt
 from vcpo.tools.sandbox import SandboxUnavailableError
@@ -229,8 +230,6 @@ def task_tokenizer(sim_task: SimTask, vocab_size: int, *, seed: int = 0):
 def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: bool = True, device: str = "cpu"):
     """``(model, tokenizer, info)``: a fresh tokenizer and model of ``size``, fine-tuned on the train split."""
     from tqdm.auto import tqdm
-
-    from vcpo.sim.heldout import heldout_accuracy
 
     # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout; made first, so that a
     # machine that cannot run the sandbox is told so before the fine-tuning, not after it

@@ -390,6 +390,7 @@ def sandbox_tool(timeout_s: float) -> Callable[[str], ToolResult]:
     """The tool of multi-turn rollouts: run the program in vcpo.tools' sandbox; the policy reads stdout,
     the exception's last line, or the limit that stopped the program (``Error: timeout``, ...). Refuses at once
     (RuntimeError) where the sandbox cannot run, before any training relies on it."""
+    # the sandbox (seccomp, its supervisor) only for a tool-use task
     from vcpo.tools.sandbox import SandboxStatus, check_sandbox, run_python
 
     check_sandbox()

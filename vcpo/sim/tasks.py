@@ -73,6 +73,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vcpo.locks import cache_dir, cache_entry_lock, write_atomic
+from vcpo.recipes import load_tasks
 from vcpo.rewards import REWARD_BY_DATA_SOURCE, countdown_ground_truth
 
 SPLITS = ("train", "validation", "test")
@@ -140,8 +141,6 @@ class SimTask:
     @property
     def paper_settings(self) -> dict[str, Any]:
         """The ``paper`` block of the recipe of ``paper_task`` (empty without one)."""
-        from vcpo.recipes import load_tasks
-
         return load_tasks()[self.paper_task].paper if self.paper_task else {}
 
     @property

@@ -28,6 +28,7 @@ from vcpo.cli import output_folder_problem
 from vcpo.evaluation.generation import end_token_ids
 from vcpo.locks import FolderInUse, run_folder_lock, write_atomic
 from vcpo.provenance import code_state, library_versions, machine_state, utc_now
+from vcpo.rewards import score_batch
 from vcpo.runs import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -40,8 +41,10 @@ from vcpo.runs import (
     is_finished,
     metric_records,
 )
+from vcpo.sim.base import sft_base
 from vcpo.sim.concurrent import ConcurrentEngine, Produced
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed
+from vcpo.sim.heldout import heldout_accuracy, validation_metrics
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
 from vcpo.sim.rollout import (
     Rollouts,
@@ -52,6 +55,7 @@ from vcpo.sim.rollout import (
     sandbox_tool,
     use_grouped_query_sdpa,
 )
+from vcpo.sim.tasks import get_sim_task, render_prompt
 from vcpo.sim.validation import replayed_lr_scales, validate
 
 # Metrics that measure the machine, not the run: they differ between a resumed and an uninterrupted run,
@@ -80,8 +84,6 @@ def tool_metrics(trajectories: list[Trajectory], log: ToolLog, step_seconds: flo
 
 
 def load_base(config: SimConfig) -> Path:
-    from vcpo.sim.base import sft_base
-
     if config.base is not None:
         return Path(config.base)
     return sft_base(config.task, config.model_size, seed=config.base_seed, progress=config.progress)
@@ -110,8 +112,6 @@ class Trainer:
 
     def _build(self, config: SimConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from vcpo.sim.tasks import get_sim_task, render_prompt
 
         self._check_resumable(Path(config.out))
         if config.threads:
@@ -299,8 +299,6 @@ class Trainer:
     def evaluate(self, split: str = "validation") -> dict[str, float]:
         """Held-out metrics under verl's validation names; ``split="test"``: the final evaluation's test
         problems, under ``test/...`` names."""
-        from vcpo.sim.heldout import heldout_accuracy, validation_metrics
-
         problems, samples = (self.eval_problems, self.config.eval_samples) if split == "validation" else (
             self.test_problems, self.config.test_samples)
         if not problems:
@@ -382,8 +380,6 @@ class Trainer:
         return metrics
 
     def _score(self, trajectories) -> list[dict]:
-        from vcpo.rewards import score_batch
-
         texts = [self.tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajectories]
         truths = [self.train_problems[t.problem].ground_truth for t in trajectories]
         return score_batch([self.task.data_source] * len(texts), texts, truths)

@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "timing":
         run_timing(design, args.out, args.table)
     elif args.command == "search":
+        # the report's modules (matplotlib) only for the commands that write it
         from vcpo.studies.across_lags_report import search_markdown
 
         outcome = search_report([row for row in read_rows(args.table) if row["counts"] and row["study_task"] == "tir_search"])
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.out, search_markdown(outcome))
         print(f"{'chosen: ' + json.dumps(outcome['chosen']) if outcome['chosen'] else 'no cell qualifies'} -> {args.out}")
     else:
+        # the report's modules (matplotlib) only for the commands that write it
         from vcpo.studies.across_lags_report import replace_block, results_markdown, write_report
         from vcpo.studies.readme_results import ACROSS_LAGS, committed_statistics
         from vcpo.studies.readme_results import results_markdown as readme_results

@@ -43,7 +43,11 @@ from vcpo.runs import (
     is_finished,
     read_json,
 )
+from vcpo.sim.base import sft_base
 from vcpo.sim.config import SimConfig
+from vcpo.sim.heldout import heldout_accuracy
+from vcpo.sim.rollout import sandbox_tool
+from vcpo.sim.tasks import get_sim_task
 from vcpo.sim.validation import validate
 from vcpo.studies.design import (
     Arm,
@@ -56,7 +60,9 @@ from vcpo.studies.design import (
     run_settings,
     sim_task,
 )
+from vcpo.studies.evidence_report import write_report
 from vcpo.studies.runner import pending_runs, run_all
+from vcpo.studies.stability import ESS, SYNC_MIN_GAIN, outcome
 from vcpo.studies.statistics import (
     ALPHA,
     base_bootstrap_auc_interval,
@@ -96,11 +102,6 @@ def evaluation_noise(task_name: str, problems: int, samples: int, seeds: int, sp
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vcpo.sim.base import sft_base
-    from vcpo.sim.heldout import heldout_accuracy
-    from vcpo.sim.rollout import sandbox_tool
-    from vcpo.sim.tasks import get_sim_task
-
     torch.set_num_threads(1)
     config = validate(SimConfig(task=task_name))
     task = get_sim_task(task_name)
@@ -131,8 +132,6 @@ def last_quarter_mean(lines: list[dict], steps: int) -> float:
 def ess_predictor(lines: list[dict], fall_step: int | None) -> float:
     """evidence.md's early warning: the lowest sequence-ESS ratio over the first PREDICTOR_STEPS steps,
     counting only steps before the accuracy's fall (a run that falls earlier is judged on what came before)."""
-    from vcpo.studies.stability import ESS
-
     horizon = PREDICTOR_STEPS if fall_step is None else min(PREDICTOR_STEPS, fall_step)
     values = [line[ESS] for line in lines if ESS in line and line["step"] < horizon]
     return float(min(values)) if values else float("nan")
@@ -154,8 +153,6 @@ RECORDED_KEYS = ("task", "lag", "lr", "base_seed", "steps", "test_problems", "te
 def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] | None = None) -> dict:
     """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json).
     ``lines``: its metrics, when the caller has read them already."""
-    from vcpo.studies.stability import outcome
-
     folder = run_folder(root, arm, seed)
     recorded = read_json(folder / CONFIG_FILE, RECORDED_KEYS)
     final = final_eval(folder)
@@ -335,8 +332,6 @@ def learning_rate_report(by_arm: dict[str, dict[int, dict]], arms: dict[str, dic
     """Item 4: each method's best fixed rate (highest mean end among its arms), VCPO at 2e-4 against the
     best fixed-rate seq-TIS, sync at its best rate and the two controls (paired, Holm over the four), and
     each method's stable range (rates where no seed collapsed and the mean end is >= its base + 0.05)."""
-    from vcpo.studies.stability import SYNC_MIN_GAIN
-
     def arms_of(method: str, controls: bool = False) -> list[str]:
         names = [a.name for a in design.arms if a.task == "countdown" and a.method == method and a.name in arms]
         return [n for n in names if controls == bool(design.arm("countdown", n).lr_scale_from or design.arm("countdown", n).lr_from_mean_scale_of)]
@@ -422,8 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "rows":
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
         return 0
-    from vcpo.studies.evidence_report import write_report
-
     write_report(report(read_rows(args.table), design), args.out)
     return 0
 

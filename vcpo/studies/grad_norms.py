@@ -14,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
+from vcpo.core import PerSequenceGradients, logit_energy_proxy
 from vcpo.reporting.run_data import run_dirs, seed_of
+from vcpo.sim.learner import collate, response_log_probs
+from vcpo.sim.rollout import RolloutSampler, Sampling, Trajectory
+from vcpo.sim.tasks import get_sim_task, render_prompt
 
 
 def sample_responses(model, tokenizer, problems, max_response_tokens: int, temperature: float, seed: int):
     """One response per problem, sampled with the simulator's rollout code, as a learner ``Batch``."""
     import torch
-
-    from vcpo.sim.learner import collate
-    from vcpo.sim.rollout import RolloutSampler, Sampling, Trajectory
-    from vcpo.sim.tasks import render_prompt
 
     eos = model.generation_config.eos_token_id
     eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
@@ -40,9 +40,6 @@ def exact_and_proxy(model, batch, temperature: float) -> tuple[np.ndarray, np.nd
     """Per sequence: ||∇_θ Σ_t log π(y_t)||² over all trainable parameters (`PerSequenceGradients`, one
     backward) and OTB's `logit_energy_proxy` from the same forward's logits, both float64 (B,)."""
     import torch
-
-    from vcpo.core import PerSequenceGradients, logit_energy_proxy
-    from vcpo.sim.learner import response_log_probs
 
     logits = []
 
@@ -92,8 +89,6 @@ def measure(run: Path, sequences: int = 32) -> dict:
     the run's temperature with the run's seed."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from vcpo.sim.tasks import get_sim_task
 
     config = json.loads((run / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=getattr(torch, config["learner_dtype"]))

@@ -172,6 +172,7 @@ def map_cells(rows: list[dict], method: str, seed: int = 0) -> dict[tuple[float,
 
 def draw_map(rows: list[dict], method: str, out: Path, title: str, mark: tuple[float, int] | None = None) -> Path:
     """Heat map of the final held-out accuracy over learning rate (x) and lag (y), one seed per cell."""
+    # matplotlib only for the figure
     from vcpo.reporting.figures import pyplot, save
 
     cells = map_cells(rows, method)

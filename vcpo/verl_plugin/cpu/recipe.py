@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.recipes import hydra_value, megatron_local_layer_overrides
+from vcpo.rewards import compute_score
 from vcpo.runs import METRICS_FILE
 from vcpo.verl_contract import (
     CPU_PLATFORM_ENV,
@@ -50,8 +51,6 @@ ENV = {
 
 def shaped_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any):
     """``vcpo.rewards.compute_score`` + 0.1 x (digit fraction of the response); keeps its extra keys."""
-    from vcpo.rewards import compute_score
-
     result = dict(compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs))
     digits = sum(ch.isdigit() for ch in solution_str)
     result["dense"] = digits / max(1, len(solution_str))
@@ -117,6 +116,7 @@ def megatron_engine_overrides() -> list[str]:
     The parallel layout (TP/PP from ``recipes/megatron.yaml`` or the user's overrides) is kept; megatron's local
     layers are what OPOB trains with on GPUs (``local_layers``: the local layer spec, the padded path, no sequence
     parallelism), and the rest is what the CPU shims need (the module doc of :mod:`vcpo.verl_plugin.cpu.megatron`)."""
+    # megatron-core (optional) only for a Megatron run
     from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG
 
     megatron = "actor_rollout_ref.actor.megatron"

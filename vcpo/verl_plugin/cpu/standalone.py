@@ -27,6 +27,7 @@ from verl.workers.engine import EngineRegistry
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from vcpo.local_models import random_qwen2
+from vcpo.recipes import megatron_local_layers
 from vcpo.verl_contract import FP32_MIXED_PRECISION
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
@@ -113,7 +114,7 @@ def build_megatron_engine(
     Applies `vcpo.verl_plugin.cpu.megatron.enable_megatron_on_cpu` first."""
     from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 
-    from vcpo.recipes import megatron_local_layers
+    # megatron-core (optional) only for a Megatron engine
     from vcpo.verl_plugin.cpu.megatron import CPU_TRANSFORMER_CONFIG, enable_megatron_on_cpu
 
     enable_megatron_on_cpu()

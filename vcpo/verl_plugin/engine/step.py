@@ -26,10 +26,10 @@ from vcpo.core import (
 from vcpo.core.collectives import gather_objects
 from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode, step_memory
 from vcpo.methods import StepRule
-from vcpo.runs import SEQ_ESS_RATIO
+from vcpo.runs import EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
 from vcpo.verl_contract import metrics_to_floats
 from vcpo.verl_plugin.engine.batch import padded, response_log_probs, reward_key, sequence_labels, sequence_log_weights
-from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function
+from vcpo.verl_plugin.engine.rule import check_opob_loss, opob_mode_from_loss_function, rule_from_loss_function
 
 logger = logging.getLogger(__name__)
 
@@ -241,8 +241,6 @@ def recording_loss(loss_function, state: StepState, opob_loss):
 def active_rule(data: TensorDict, loss_function) -> StepRule | None:
     """The preset's rule for this optimizer step, or None where verl's own step is the method's; refuses what the
     vcpo step does not support."""
-    from vcpo.verl_plugin.engine.rule import rule_from_loss_function
-
     rule = rule_from_loss_function(loss_function)
     if rule is None or not rule.active:
         return None
@@ -294,8 +292,6 @@ def scaled_optimizer_step(engine, state: StepState, ratio: float, outputs: dict)
 def step_metrics(outputs: dict, rule: StepRule, ratio: float, scale: float, lr: float, grad_norm, extra: dict[str, float]) -> None:
     """The step's metrics into verl's outputs (on the rank that reports them): one entry per step, as a list
     like verl's per-micro-batch metrics (the worker flattens lists)."""
-    from vcpo.runs import EFFECTIVE_LR, LR_SCALE
-
     metrics = outputs["metrics"]
     assert "grad_norm" not in metrics
     metrics["grad_norm"] = grad_norm
