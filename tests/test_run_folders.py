@@ -485,3 +485,22 @@ def test_runs_snakemake_left_are_named_once_with_how_to_resume(tmp_path, monkeyp
     left = [line for line in err.splitlines() if line.startswith("not run: ")]
     assert [line.split(" (")[0] for line in left] == ["not run: countdown/sync seed 1", "not run: countdown/sync seed 2"]
     assert all("the same command resumes" in line for line in left)
+
+
+def test_one_layout_for_the_workflows_runs_and_the_studies_arms(tmp_path):
+    """recipes.run_path is the layout of both: <task>/<method>/lag<k>/seed<s>, and a study's arm in place of the
+    method and its lag; the committed across-lags archive is laid out so (its Countdown rows: the tool-use rows' task
+    key names the search or the confirmation)."""
+    import json
+
+    from vcpo.recipes import run_path
+    from vcpo.studies.design import Arm, run_folder
+
+    assert run_path("tir", "vcpo", 2, 0) == Path("tir/vcpo/lag2/seed0")
+    assert run_path("*", "*", "*", "{seed}") == Path("*/*/lag*/seed{seed}")
+    assert run_folder(tmp_path, Arm("countdown", "vcpo_lr1e-4_k12", "vcpo", 1), 3) == tmp_path / "countdown/vcpo_lr1e-4_k12/seed3"
+    archive = Path(__file__).resolve().parents[1] / "tables" / "across_lags"
+    rows = [json.loads(line) for line in (archive / "runs.jsonl").read_text().splitlines()]
+    countdown = [row for row in rows if row["task"] == "countdown"]
+    assert len(countdown) == 200
+    assert all((archive / "runs" / run_path(row["task"], row["arm"], None, row["seed"])).is_dir() for row in countdown)

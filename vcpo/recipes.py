@@ -161,10 +161,12 @@ def load_tasks() -> dict[str, TaskRecipe]:
     return {name: TaskRecipe(name, path, spec) for name, (path, spec) in load_folder(recipes_dir() / "tasks").items()}
 
 
-def run_path(task: str, method: str, lag: int | str, seed: int | str) -> Path:
-    """A run's folder below a runs root: the one layout of vcpo.sim sweeps, vcpo.launch and the workflow
-    (string arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard)."""
-    return Path(task) / method / f"lag{lag}" / f"seed{seed}"
+def run_path(task: str, method: str, lag: int | str | None, seed: int | str) -> Path:
+    """A run's folder below a runs root, the one layout of every runner: ``<task>/<method>/lag<k>/seed<s>`` for
+    vcpo.sim sweeps, vcpo.launch and the workflow; a study's arm (a method with settings of its own, such as a rate
+    and a lag, named for them) stands in place of the method and its lag: ``<task>/<arm>/seed<s>`` (``lag=None``).
+    String arguments make patterns: ``"*"`` a glob, ``"{seed}"`` a Snakemake wildcard."""
+    return Path(task) / method / (f"lag{lag}" if lag is not None else "") / f"seed{seed}"
 
 
 def base_path(task: str) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.locks import write_atomic
+from vcpo.recipes import run_path
 from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import (
     CONFIG_FILE,
@@ -90,7 +91,7 @@ def load_design(path: str | Path) -> Design:
 
 
 def run_folder(root: Path, arm: Arm, seed: int) -> Path:
-    return Path(root) / arm.task / arm.name / f"seed{seed}"
+    return Path(root) / run_path(arm.task, arm.name, None, seed)
 
 
 def archive_run(folder: Path, target: Path) -> None:
