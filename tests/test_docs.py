@@ -404,6 +404,8 @@ GAP_TIR = [
     ("gap_tir_lag_model", {"lag_model": "pipeline_overlap"}),
 ]
 GAP_TIR_MOVES_MOST = "gap_tir_lr"  # the folder whose setting alone brings async VCPO nearest the table's gain
+# all of them together at the table's step count: (folder, settings, steps)
+GAP_TIR_ALL = ("gap_tir_all", {key: value for _, setting in GAP_TIR for key, value in setting.items()}, 40)
 
 SAVES = ("docs/simulator.md", "### What it saves on two cores", "## Rollouts")
 # docs/studies.md on Table 1 at smoke scale: the table, its time breakdown and the timed rounds; then the tir gap
@@ -544,6 +546,16 @@ def test_the_tir_gap_numbers_are_the_committed_one_difference_benchmarks():
     assert_single(gap, f"{1 / table_gain:.2f}", f"{table_gain:.2f}")
     assert max(gains.values()) < table_gain and max(gains, key=gains.get) == GAP_TIR_MOVES_MOST
     assert_single(readme, f"{gains[GAP_TIR_MOVES_MOST]:.2f}")
+    folder, settings, steps = GAP_TIR_ALL
+    report = load_json(f"tables/async_speed/{folder}/async_speed.json")
+    part = report["tasks"]["tir"]
+    assert report["settings"] == settings and part["steps"] == steps == table1["async"]["steps"]["mean"]
+    assert part["repeats"] == 5 and part["best_sync_threads"] == 2
+    (arm,) = part["arms"]
+    assert arm["speedup_over_sync"] < table_gain  # together they do not reach it either
+    assert_single(gap, f"{arm['speedup_over_sync']:.2f}")
+    assert_quoted(gap, span(arm["speedup_rounds"], 2), str(steps))
+    assert_single(readme, f"{arm['speedup_over_sync']:.2f}")
 
 
 def test_the_readme_table_is_the_committed_smoke_table1():
@@ -829,13 +841,20 @@ def test_the_documented_verl_asynchrony_timings_are_the_committed_benchmark():
 
 
 def test_the_readmes_real_model_scores_are_the_committed_table():
-    """The README's evaluation row quotes tables/real_model/base_eval.json (benchmarks/real_model_eval.py wrote it)."""
+    """The README's evaluation row quotes every benchmark of tables/real_model/base_eval.json (benchmarks/
+    real_model_eval.py wrote it): mean@n under both formats, the interval where it is not [0.0, 0.0], the subset size;
+    docs/data_rewards_evaluation.md quotes the same."""
     rows = json.loads((ROOT / "tables" / "real_model" / "base_eval.json").read_text())["rows"]
-    row = section("README.md", "| `vcpo/evaluation/`", "\n")
-    gsm8k = rows["gsm8k"]
-    assert_quoted(row, f"mean@{gsm8k['n']}", str(gsm8k["problems"]),
-                  *(f"{100 * gsm8k[f][key]:.1f}" + ("%" if key == "mean_at_n" else "")
-                    for f in ("strict", "lenient") for key in ("mean_at_n", "low", "high")))
+    assert {"gsm8k", "math500", "aime24"} <= set(rows)
+    for text, samples in ((section("README.md", "| `vcpo/evaluation/`", "\n"), "mean@{}"),
+                          (section("docs/data_rewards_evaluation.md", "The table holds", "The subset rule"), "{}")):
+        for row in rows.values():
+            assert_quoted(text, samples.format(row["n"]), str(row["problems"]))
+            for answer_format in ("strict", "lenient"):
+                score = row[answer_format]
+                assert_quoted(text, f"{100 * score['mean_at_n']:.1f}%")
+                if score["high"] > 0:
+                    assert_quoted(text, f"[{100 * score['low']:.1f}, {100 * score['high']:.1f}]")
 
 
 def test_the_docs_task_choice_is_the_committed_table():
