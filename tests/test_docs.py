@@ -556,6 +556,14 @@ def test_the_tir_gap_numbers_are_the_committed_one_difference_benchmarks():
     assert_single(gap, f"{arm['speedup_over_sync']:.2f}")
     assert_quoted(gap, span(arm["speedup_rounds"], 2), str(steps))
     assert_single(readme, f"{arm['speedup_over_sync']:.2f}")
+    control = load_json("tables/async_speed/gap_tir_none/async_speed.json")  # the rounds' own setting on the same machine
+    part = control["tasks"]["tir"]
+    assert control["settings"] == {} and part["repeats"] == 5 and part["steps"] == 50
+    (arm,) = part["arms"]
+    assert_single(gap, f"{arm['speedup_over_sync']:.2f}")
+    assert_quoted(gap, span(arm["speedup_rounds"], 2))
+    rounds = load_json("tables/async_speed/rounds_tir/async_speed.json")["tasks"]["tir"]["arms"]
+    assert_single(gap, f"{next(a for a in rounds if a['method'] == 'vcpo')['speedup_over_sync']:.2f}")
 
 
 def test_the_readme_table_is_the_committed_smoke_table1():
