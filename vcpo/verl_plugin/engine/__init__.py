@@ -107,7 +107,6 @@ from vcpo.verl_plugin.engine.step import (
     VcpoEngine,
     active_rule,
     micro_batch_tokens,
-    open_step,
     opob_baseline_over_ranks,
     opob_micro_batch,
     recording_loss,
@@ -135,8 +134,7 @@ class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):
         if rule is None:
             return super().train_batch(data, loss_function)
         group = self.get_data_parallel_group()
-        state = open_step(self, rule, data, loss_function, group, check_setting=self._check_opob_setting)
-        self._step = state
+        state = self._open_step(rule, data, loss_function, group, check_setting=self._check_opob_setting)
         try:
             if state.opob_mode == "two_pass" and rule.opob:
                 outputs, ratio = self._two_pass_step(data, loss_function, state, group)

@@ -60,7 +60,6 @@ from vcpo.verl_plugin.engine.step import (
     VcpoEngine,
     active_rule,
     micro_batch_tokens,
-    open_step,
     opob_baseline_over_ranks,
     opob_micro_batch,
     recording_loss,
@@ -86,8 +85,7 @@ class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
         if rule is None:
             return super().train_batch(data, loss_function)
         group = self.get_data_parallel_group()
-        state = open_step(self, rule, data, loss_function, group)
-        self._step = state
+        state = self._open_step(rule, data, loss_function, group)
         try:
             with self._opob_step(state, data):
                 loss = recording_loss(loss_function, state, self._opob_loss)

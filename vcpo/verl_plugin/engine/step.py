@@ -252,8 +252,8 @@ def active_rule(data: TensorDict, loss_function) -> StepRule | None:
 
 class VcpoEngine:
     """What both vcpo engines (FSDP, Megatron) add to verl's LM engine, placed before it in their bases: they are
-    selected by their model type, then built and run as verl's language model; the current step's record; the last
-    (mode, reason) of OPOB logged."""
+    selected by their model type, then built and run as verl's language model; the current step's record, opened
+    alike whatever the backend; the last (mode, reason) of OPOB logged."""
 
     def __init__(self, model_config, *args, **kwargs):
         model_config.model_type = "language_model"
@@ -261,20 +261,20 @@ class VcpoEngine:
         self._step: StepState | None = None
         self._opob_mode_logged: list = [None]
 
-
-def open_step(engine, rule: StepRule, data: TensorDict, loss_function, group, check_setting=None) -> StepState:
-    """The step's record for ``rule``, whatever the backend: with OPOB, the loss and the engine's setting checked
-    (``check_setting(rule)``, the backend's own refusals), the batch prepared and the mode chosen by the memory model
-    (``engine._memory_inputs(data)``); then the engine's gradients zeroed."""
-    state = StepState(rule=rule, opob=rule.opob)
-    if rule.opob:
-        check_opob_loss(loss_function)
-        if check_setting is not None:
-            check_setting(rule)
-        prepare_opob(data, state, group)
-        choose_opob_mode(state, loss_function, step_memory(*engine._memory_inputs(data)), engine._opob_mode_logged)
-    engine.optimizer_zero_grad()
-    return state
+    def _open_step(self, rule: StepRule, data: TensorDict, loss_function, group, check_setting=None) -> StepState:
+        """The step's record for ``rule``, kept as the current step: with OPOB, the loss and the engine's setting
+        checked (``check_setting(rule)``, the backend's own refusals), the batch prepared and the mode chosen by the
+        memory model (the backend's ``_memory_inputs(data)``); then the gradients zeroed."""
+        state = StepState(rule=rule, opob=rule.opob)
+        if rule.opob:
+            check_opob_loss(loss_function)
+            if check_setting is not None:
+                check_setting(rule)
+            prepare_opob(data, state, group)
+            choose_opob_mode(state, loss_function, step_memory(*self._memory_inputs(data)), self._opob_mode_logged)
+        self.optimizer_zero_grad()
+        self._step = state
+        return state
 
 
 def scaled_optimizer_step(engine, state: StepState, ratio: float, outputs: dict) -> dict:
