@@ -534,7 +534,7 @@ def test_the_tir_gap_numbers_are_the_committed_one_difference_benchmarks():
     gap, readme = section(*GAP), section(*README_TIME)
     table1 = load_json("tables/tir/table1_smoke.json")["tasks"]["simpletir"]
     table_gain = table1["sync"]["wall_hours"]["mean"] / table1["async"]["wall_hours"]["mean"]
-    gains = {}
+    gains, spans = {}, {}
     for folder, setting in GAP_TIR:
         report = load_json(f"tables/async_speed/{folder}/async_speed.json")
         part = report["tasks"]["tir"]
@@ -542,10 +542,11 @@ def test_the_tir_gap_numbers_are_the_committed_one_difference_benchmarks():
         (arm,) = part["arms"]
         assert_single(gap, f"{arm['speedup_over_sync']:.2f}")
         assert_quoted(gap, span(arm["speedup_rounds"], 2))
-        gains[folder] = arm["speedup_over_sync"]
+        gains[folder], spans[folder] = arm["speedup_over_sync"], span(arm["speedup_rounds"], 2)
     assert_single(gap, f"{1 / table_gain:.2f}", f"{table_gain:.2f}")
     assert max(gains.values()) < table_gain and max(gains, key=gains.get) == GAP_TIR_MOVES_MOST
     assert_single(readme, f"{gains[GAP_TIR_MOVES_MOST]:.2f}")
+    assert_quoted(readme, spans[GAP_TIR_MOVES_MOST])
     folder, settings, steps = GAP_TIR_ALL
     report = load_json(f"tables/async_speed/{folder}/async_speed.json")
     part = report["tasks"]["tir"]
@@ -556,6 +557,7 @@ def test_the_tir_gap_numbers_are_the_committed_one_difference_benchmarks():
     assert_single(gap, f"{arm['speedup_over_sync']:.2f}")
     assert_quoted(gap, span(arm["speedup_rounds"], 2), str(steps))
     assert_single(readme, f"{arm['speedup_over_sync']:.2f}")
+    assert_quoted(readme, span(arm["speedup_rounds"], 2))
     control = load_json("tables/async_speed/gap_tir_none/async_speed.json")  # the rounds' own setting on the same machine
     part = control["tasks"]["tir"]
     assert control["settings"] == {} and part["repeats"] == 5 and part["steps"] == 50
@@ -848,21 +850,26 @@ def test_the_documented_verl_asynchrony_timings_are_the_committed_benchmark():
 # ---------------------------------------------------------------------------------------------
 
 
+REAL_MODEL_BENCHMARKS = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime24": "AIME 2024", "aime25": "AIME 2025"}
+
+
 def test_the_readmes_real_model_scores_are_the_committed_table():
     """The README's evaluation row quotes every benchmark of tables/real_model/base_eval.json (benchmarks/
-    real_model_eval.py wrote it): mean@n under both formats, the interval where it is not [0.0, 0.0], the subset size;
-    docs/data_rewards_evaluation.md quotes the same."""
+    real_model_eval.py wrote it), each in its own stretch (from its name to the next benchmark's): mean@n under both
+    formats with its interval, strict first, the subset size; docs/data_rewards_evaluation.md's table quotes the same."""
     rows = json.loads((ROOT / "tables" / "real_model" / "base_eval.json").read_text())["rows"]
     assert {"gsm8k", "math500", "aime24"} <= set(rows)
     for text, samples in ((section("README.md", "| `vcpo/evaluation/`", "\n"), "mean@{}"),
                           (section("docs/data_rewards_evaluation.md", "The table holds", "The subset rule"), "{}")):
-        for row in rows.values():
-            assert_quoted(text, samples.format(row["n"]), str(row["problems"]))
-            for answer_format in ("strict", "lenient"):
+        starts = sorted((text.index(REAL_MODEL_BENCHMARKS[name]), name) for name in rows)
+        for (start, name), (end, _) in zip(starts, starts[1:] + [(len(text), None)], strict=True):
+            row, part = rows[name], text[start:end]
+            assert_quoted(part, samples.format(row["n"]), str(row["problems"]))
+            for answer_format in ("strict", "lenient"):  # in this order: strict, then lenient after it
                 score = row[answer_format]
-                assert_quoted(text, f"{100 * score['mean_at_n']:.1f}%")
-                if score["high"] > 0:
-                    assert_quoted(text, f"[{100 * score['low']:.1f}, {100 * score['high']:.1f}]")
+                quote = f"{100 * score['mean_at_n']:.1f}% [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
+                assert_quoted(part, quote)
+                part = part[part.index(quote) + len(quote):]
 
 
 def test_the_docs_task_choice_is_the_committed_table():
