@@ -4,7 +4,7 @@
     python benchmarks/real_model_task.py train --arm sync|vcpo [--seed 0] [--work results/real_model/training]
     python benchmarks/real_model_task.py report [--work results/real_model/training]
 
-``choose`` evaluates SmolLM2-135M-Instruct on the first problems of each candidate starter task (vcpo.data.tasks)
+``choose`` evaluates SmolLM2-135M-Instruct on the first problems of each candidate starter task (vcpo.data.datasets)
 with the training's sampling and reward, applies the rule and writes tables/real_model/task_choice.{json,md}:
 every candidate's mean reward with its bootstrap interval, and the chosen task (or none). A candidate already
 evaluated in --work is read back, not rerun.
@@ -116,7 +116,7 @@ def choice_markdown(result: dict) -> str:
     return "\n".join([
         *lines, "",
         f"SmolLM2-135M-Instruct before training, hf backend on CPU: the first {rule['problems']} {rule['split']} problems of "
-        f"each starter task (vcpo.data.tasks), n = {sampling['n']}, temperature {sampling['temperature']}, top-p "
+        f"each starter task (vcpo.data.datasets), n = {sampling['n']}, temperature {sampling['temperature']}, top-p "
         f"{sampling['top_p']}, {sampling['max_new_tokens']} new tokens, the task's reward in the round's answer format; "
         f"95% percentile bootstrap over problems. Rule (recipes/real_model.yaml, registered before each round ran): the "
         f"candidate whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
@@ -131,7 +131,7 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
     chosen task's parquet files are written under ``work``)."""
     import pandas as pd
 
-    from vcpo.data import TASKS, load_rows
+    from vcpo.data import DATASETS, load_rows
 
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     training, rule = plan["training"], plan["task_choice"]
@@ -157,7 +157,7 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
         # a Ray instance of its own: two arms at once would otherwise share one, and its memory monitor kills either's workers
         "+ray_kwargs.ray_init.address=local",
     ]
-    launch_task = "countdown" if TASKS[task].data_source == "countdown" else "gsm8k"
+    launch_task = "countdown" if DATASETS[task].data_source == "countdown" else "gsm8k"
     command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), "--task", launch_task, "--method", spec["method"],
                "--lag", str(spec["lag"]), "--seed", str(seed), "--steps", str(training["steps"]), "--model", plan["model"],
                "--train", str(files["train"]), "--val", str(files["val"]), "--", *overrides]

@@ -11,7 +11,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from vcpo.data import TASKS, HubUnavailableError, build, countdown, load_rows
+from vcpo.data import DATASETS, HubUnavailableError, build, countdown, load_rows
 from vcpo.data.__main__ import main as cli_main
 from vcpo.data.countdown import countdown_split, puzzle_key
 from vcpo.rewards import REWARD_BY_DATA_SOURCE
@@ -31,7 +31,7 @@ def write_jsonl(path, records):
 def test_benchmark_rows_have_verl_schema_and_exact_counts(benchmark, benchmark_data):
     rows = load_rows(benchmark, "test", source=benchmark_data.file(benchmark))
     assert len(rows) == (FULL_ROW_COUNTS[benchmark] if benchmark_data.real else FIXTURE_ROWS)
-    task = TASKS[benchmark]
+    task = DATASETS[benchmark]
     for index, row in enumerate(rows):
         assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
         assert row["data_source"] == benchmark and row["ability"] == "math"
@@ -264,7 +264,7 @@ def test_unreachable_hub_fails_fast_without_offline_mode(monkeypatch):
 
 
 def test_bad_arguments_are_named(tmp_path):
-    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+    with pytest.raises(ValueError, match="unknown dataset 'gsm9k'"):
         load_rows("gsm9k", "test")
     with pytest.raises(ValueError, match="no split 'validation'.*train, test"):
         load_rows("gsm8k", "validation")
@@ -286,9 +286,9 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_every_task_has_a_reward():
-    assert set(TASKS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown",
+    assert set(DATASETS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown",
                           "sums", "chain_sums", "word_problems", "countdown3"}
-    assert {task.data_source for task in TASKS.values()} <= set(REWARD_BY_DATA_SOURCE)
+    assert {task.data_source for task in DATASETS.values()} <= set(REWARD_BY_DATA_SOURCE)
 
 
 def test_cli_builds_and_reports(tmp_path, capsys, benchmark_data):
@@ -349,7 +349,7 @@ def test_a_source_named_after_another_split_warns_and_is_recorded(tmp_path, benc
     assert "warning" not in capsys.readouterr().err
 
 
-STARTER_TASKS = [name for name, spec in TASKS.items() if spec.generator is not None]
+STARTER_TASKS = [name for name, spec in DATASETS.items() if spec.generator is not None]
 
 
 @pytest.mark.parametrize("task", STARTER_TASKS)

@@ -897,3 +897,12 @@ def test_the_readmes_real_model_training_is_the_committed_table():
         assert arm["steps"] == arm["planned_steps"] == 30 and last_low > first_high  # it rose beyond the steps' spread
         assert_quoted(text, str(arm["steps"]), quote(first, first_low, first_high), quote(last, last_low, last_high),
                       percent(validation[0]), percent(validation[-1]))
+
+
+def test_the_docs_table_of_tasks_is_the_one_the_recipes_render():
+    from vcpo.reporting.hyperparams import tasks_table
+
+    rendered = [line for line in tasks_table().splitlines() if line.startswith("|")]
+    text = (ROOT / "docs" / "data_rewards_evaluation.md").read_text()
+    documented = [line for line in text[text.index("## Tasks"):text.index("## Data")].splitlines() if line.startswith("|")]
+    assert documented == rendered

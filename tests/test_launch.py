@@ -22,7 +22,7 @@ from vcpo.launch import (
 )
 from vcpo.launch.__main__ import main
 from vcpo.methods import get_method, list_methods, step_rule
-from vcpo.recipes import recipes_dir
+from vcpo.recipes import read_yaml, recipes_dir
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 REPO = recipes_dir().parent
@@ -88,6 +88,22 @@ def test_countdown_inherits_table_4_from_math_and_changes_only_the_data():
     tasks = load_tasks()
     assert tasks["countdown"].paper == tasks["math"].paper
     assert tasks["countdown"].spec["data"]["train"] == ["countdown/train"]
+
+
+def test_each_tasks_benchmarks_and_stand_ins_name_real_ones_and_a_cpu_stand_in_builds_offline():
+    from vcpo.data import DATASETS
+    from vcpo.sim.tasks import SIM_TASKS
+
+    benchmarks = read_yaml(REPO / "recipes" / "benchmarks.yaml")["benchmarks"]
+    tasks = load_tasks()
+    for name, task in tasks.items():
+        assert set(task.benchmarks) <= set(benchmarks), name
+        assert task.stand_in("sim") in SIM_TASKS, name
+        if "verl_cpu" in task.spec["stand_in"]:
+            cpu = tasks[task.stand_in("verl_cpu")]
+            assert all(DATASETS[split.split("/")[0]].hub_id is None for split in cpu.spec["data"]["train"]), name
+    with pytest.raises(ValueError, match="task 'simpletir' has no verl_cpu stand-in"):
+        tasks["simpletir"].stand_in("verl_cpu")
 
 
 def test_sync_is_the_colocated_synchronous_trainer_on_all_gpus():
@@ -342,8 +358,6 @@ def test_the_megatron_strategy_composes_verls_megatron_trainer_with_the_authors_
     """`-- actor_rollout_ref.actor.strategy=megatron`: verl's Megatron trainer config, the task's layout from
     recipes/megatron.yaml (the authors' scripts) for actor and reference, Table 2's Adam constants where
     verl's Megatron optimizer takes them, bf16 on the Megatron engine (tis_ess: the vcpo engine without OPOB)."""
-    from vcpo.recipes import read_yaml
-
     assert main(["--task", task, "--method", "tis_ess", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
     printed = capsys.readouterr().out
     assert "python -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer" in printed

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import default_method, get_method, load_methods, recipes_dir
-from vcpo.recipes import base_path
+from vcpo.methods import default_method, get_method, load_methods
+from vcpo.recipes import base_path, recipes_dir
 
 # The method rows the foundation issue asks for: sync; seq/token/geo x TIS/MIS x c in {2, 8};
 # DeepSeek-V3.2; M2PO; GSPO; OTB; OPOB-only; fp16; low LR; KL-in-reward; TIS+ESS; TIS+OPOB; VCPO;

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from vcpo.methods import list_methods
-from vcpo.workflow_plan import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings
+from vcpo.workflow_plan import PlannedRun, WorkflowConfigError, plan, provenance, sim_cores, sim_settings, trained_task
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
@@ -92,6 +92,18 @@ def test_paper_lists_every_training_run_of_the_paper():
     assert len(paper.runs) == 45 and {run.task for run in paper.runs} == {"gsm8k", "math", "countdown", "simpletir"}
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("smoke", {"gsm8k": "countdown", "math": "countdown", "countdown": "countdown", "simpletir": "tir"}),
+        ("verl-cpu", {"countdown": "countdown", "math": "countdown"}),
+        ("paper", {"gsm8k": "gsm8k", "math": "math", "countdown": "countdown", "simpletir": "simpletir"}),
+    ],
+)
+def test_a_paper_task_trains_as_its_recipes_stand_in_on_cpu_and_as_itself_on_gpus(name, expected):
+    assert {task: trained_task(config(name), task) for task in config(name)["tasks"]} == expected
+
+
 def broken(name: str, **changes) -> dict:
     broken_config = copy.deepcopy(config(name))
     broken_config.update(changes)
@@ -102,8 +114,8 @@ def broken(name: str, **changes) -> dict:
     ("name", "changes", "message"),
     [
         ("ci", {"figures": ["fig5", "fig99"]}, "figures: unknown figure(s) ['fig99']"),
-        ("ci", {"tasks": {"math": "calculus", "countdown": "countdown"}}, "tasks.math: 'calculus' is not a task"),
-        ("ci", {"table1_tasks": ["gsm8k"]}, "table1_tasks: 'gsm8k' is not mapped"),
+        ("verl-cpu", {"tasks": ["countdown", "math", "simpletir"]}, "tasks: task 'simpletir' has no verl_cpu stand-in"),
+        ("ci", {"table1_tasks": ["gsm8k"]}, "table1_tasks: 'gsm8k' is not in tasks"),
         ("ci", {"core_figures": ["fig1"]}, "core_figures: ['fig1'] are not in figures"),
         ("ci", {"sim": {"thread": 1}}, "sim: run countdown/seq_tis_c8/lag4/seed0: unknown config key 'thread'"),
         ("ci", {"sim_methods": {}}, None),  # fp16 is not in the CI runs: nothing to complain about
@@ -112,11 +124,10 @@ def broken(name: str, **changes) -> dict:
         ("ci", {"sim_tasks": {"countdown": {"model_size": "small"}}}, "sim_tasks.countdown: ['model_size'] pick the SFT base"),
         ("smoke", {"sim_methods": {}}, "sim: run countdown/fp16/lag48/seed0: config key 'rollout_dtype'"),
         ("paper", {"data": {"dir": "data", "source_dir": "/no/such/folder"}}, "data.source_dir: '/no/such/folder'"),
-        ("paper", {"tasks": {"gsm8k": "gsm8k", "math": "countdown_v2"}}, "tasks.math: 'countdown_v2' is not a task"),
         ("ci", {"lags": {"1O": 4}}, "lags: ['1O'] are not lags of the paper's figures or tasks; known: ['0', '2',"),
         ("smoke", {"sim_methods": {"vcpoo": {"rollout_dtype": "preset"}, "fp16": {"rollout_dtype": "preset"}}},
          "sim_methods: unknown method 'vcpoo'"),
-        ("ci", {"tasks": {"mathh": "countdown", "countdown": "countdown"}}, "tasks: ['mathh'] are not paper tasks"),
+        ("ci", {"tasks": ["mathh", "countdown"]}, "tasks: ['mathh'] are not paper tasks"),
         ("ci", {"lags": {"10": 100000}}, "sim: run countdown/seq_tis_c8/lag100000/seed0: config key 'lag': a lag of 100000 cannot"),
         ("paper", {"lags": {"10": 100000}}, "lags: run countdown/seq_tis_c8/lag100000/seed0: --lag: a lag of 100000 cannot be reached in a run of 400 steps"),
         ("paper", {"launch": {"args": ["actor_rollout_ref.actor.strategy=megatron"]}}, None),  # the Megatron engine runs every method
@@ -201,8 +212,8 @@ def test_a_run_the_workflow_plans_is_where_the_sweep_writes_and_the_reports_read
     write for (task, method, lag, seed) is the planned run's, and the reports find it there (a sync run at
     lag 0 whatever lag is asked)."""
     from vcpo.reporting.run_data import run_dirs
-    from vcpo.sim.__main__ import run_dir
     from vcpo.sim.config import SimConfig
+    from vcpo.sim.sweep import run_dir
 
     for task, method, lag, seed in (("countdown", "vcpo", 12, 2), ("tir", "sync", 0, 0)):
         folder = run_dir(tmp_path, SimConfig(task=task, method=method, lag=lag, seed=seed))

@@ -457,6 +457,34 @@ def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
         pytest.fail("the training child outlived its runner")
 
 
+def test_a_killed_sweep_takes_its_training_child_with_it(base, tmp_path):
+    """python -m vcpo.sim sweep runs its trainings under Snakemake: killing the sweep ends Snakemake and every
+    training below it (as a study's runner does)."""
+    from vcpo.locks import run_folder_lock
+
+    out = tmp_path / "sweep"
+    settings = study_design(base, tmp_path, 400).settings["countdown"]
+    sweep = subprocess.Popen([sys.executable, "-m", "vcpo.sim", "sweep", "--config", str(tmp_path / "study.yaml"), "--methods", "sync",
+                              "--lags", "0", "--out", str(out), *(f"{key}={value}" for key, value in settings.items())],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "countdown" / "sync" / "lag0" / "seed0" / METRICS_FILE
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), "the training child never started"
+    sweep.kill()
+    sweep.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with run_folder_lock(metrics.parent):  # free: the child is gone
+                break
+        except Exception:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the training child outlived its sweep")
+
+
 def test_runs_snakemake_left_are_named_once_with_how_to_resume(tmp_path, monkeypatch, capsys):
     """A Snakemake that ends without error with runs unarchived (one run archived of three): the runner plans once,
     returns the count left and names each with the command that resumes it; it does not plan again by itself."""

@@ -310,7 +310,7 @@ def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path
     """A copy of the sync preset under another name is read at lag 0 and labelled k = 0, like sync."""
     import dataclasses
 
-    import vcpo.methods as methods
+    import vcpo.methods.presets as methods
     from vcpo.reporting.figures import method_label
     from vcpo.reporting.run_data import run_dirs
 

@@ -154,6 +154,20 @@ class TaskRecipe:
     def multi_turn(self) -> bool:
         return "max_turns" in self.paper
 
+    @property
+    def benchmarks(self) -> list[str]:
+        """The benchmarks (``recipes/benchmarks.yaml``) the paper scores the task's final checkpoints on."""
+        return list(self.spec["benchmarks"])
+
+    def stand_in(self, where: str) -> str:
+        """The task that trains in this one's place ``where``: ``sim`` (a ``vcpo.sim`` task) or ``verl_cpu`` (a task
+        recipe whose data builds offline, for verl's trainer on CPU)."""
+        try:
+            return self.spec["stand_in"][where]
+        except KeyError:
+            known = ", ".join(f"{key}: {value}" for key, value in self.spec["stand_in"].items())
+            raise ValueError(f"task {self.name!r} has no {where} stand-in ({self.path.name} stand_in: {known})") from None
+
 
 @functools.cache
 def load_tasks() -> dict[str, TaskRecipe]:

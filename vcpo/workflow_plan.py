@@ -5,9 +5,9 @@ run list is unit-tested and so that a broken config (an unknown figure, method o
 schema refuses, a missing data folder) fails when the DAG is built, with a message naming the
 config key, not hours into a run.
 
-A figure of ``vcpo/reporting/figures.yaml`` names paper tasks and lags. The config maps each paper task to
-the task this scale trains on (``tasks``; smoke: a ``vcpo.sim`` task, paper: the ``recipes/tasks``
-name) and each paper lag to this scale's (``lags``). Runs are keyed by (task, method, lag, seed); a run
+A figure of ``vcpo/reporting/figures.yaml`` names paper tasks and lags. The config lists the paper tasks
+this scale trains (``tasks``); each trains as its recipe's stand-in where the paper's cannot run
+(``trained_task``) and each paper lag as this scale's (``lags``). Runs are keyed by (task, method, lag, seed); a run
 that a ``core_figures`` figure needs gets the core seeds and step count, a run of a
 ``full_length_figures`` figure the core step count, every other run the default ones (smoke: "every
 method briefly, the core study fully").
@@ -75,9 +75,19 @@ def _scale_lag(config: dict[str, Any], lag: int | None) -> int | None:
     return int(config.get("lags", {}).get(str(lag), lag))
 
 
+def trained_task(config: dict[str, Any], paper_task: str) -> str:
+    """The task ``paper_task`` trains as at this scale: its recipe's ``stand_in.sim`` on the simulator, its
+    ``stand_in.verl_cpu`` on verl's trainer on CPU (``launch.cpu_steps``), else itself."""
+    recipe = load_tasks()[paper_task]
+    if config["backend"] == "sim":
+        return recipe.stand_in("sim")
+    if config.get("launch", {}).get("cpu_steps"):
+        return recipe.stand_in("verl_cpu")
+    return paper_task
+
+
 def _scale_tasks(config: dict[str, Any], paper_tasks: list[str]) -> tuple[str, ...]:
-    mapped = [config["tasks"][task] for task in paper_tasks if task in config["tasks"]]
-    return tuple(dict.fromkeys(mapped))
+    return tuple(dict.fromkeys(trained_task(config, task) for task in paper_tasks if task in config["tasks"]))
 
 
 def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
@@ -89,11 +99,19 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
         unknown = sorted(set(config.get(key, [])) - set(config["figures"]))
         if unknown:
             raise WorkflowConfigError(f"{key}: {unknown} are not in figures")
+    paper_tasks = set(load_tasks())
+    unknown = sorted(set(config["tasks"]) - paper_tasks)
+    if unknown:
+        raise WorkflowConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
     known_tasks = _backend_tasks(config["backend"])
-    for paper_task, task in config["tasks"].items():
+    for paper_task in config["tasks"]:
+        try:
+            task = trained_task(config, paper_task)
+        except ValueError as error:
+            raise WorkflowConfigError(f"tasks: {error}") from None
         if task not in known_tasks:
             raise WorkflowConfigError(
-                f"tasks.{paper_task}: {task!r} is not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
+                f"tasks: {paper_task} trains as {task!r}, not a task of the {config['backend']} backend; known: {sorted(known_tasks)}"
             )
     for key, named in (("sim_tasks", config.get("sim_tasks") or {}), ("steps.tasks", config["steps"].get("tasks") or {})):
         unknown = sorted(set(named) - known_tasks)
@@ -101,10 +119,6 @@ def _check_known(config: dict[str, Any], specs: dict[str, dict]) -> None:
             raise WorkflowConfigError(f"{key}: {unknown} are not tasks of the {config['backend']} backend; known: {sorted(known_tasks)}")
     from vcpo.methods import get_method  # imports torch: Snakemake reads this module for every command
 
-    paper_tasks = set(load_tasks())
-    unknown = sorted(set(config["tasks"]) - paper_tasks)
-    if unknown:
-        raise WorkflowConfigError(f"tasks: {unknown} are not paper tasks; known: {sorted(paper_tasks)}")
     paper_lags = {str(spec["lag"]) for spec in specs.values() if spec.get("lag") is not None}
     paper_lags |= {str(task.paper_lag) for task in load_tasks().values()}
     unknown = sorted(set(config.get("lags", {})) - paper_lags, key=str)
@@ -266,8 +280,8 @@ def plan(config: dict[str, Any]) -> Plan:
     table1 = []
     for paper_task in config.get("table1_tasks", []):
         if paper_task not in config["tasks"]:
-            raise WorkflowConfigError(f"table1_tasks: {paper_task!r} is not mapped in tasks")
-        task = config["tasks"][paper_task]
+            raise WorkflowConfigError(f"table1_tasks: {paper_task!r} is not in tasks")
+        task = trained_task(config, paper_task)
         high_lag = _scale_lag(config, load_tasks()[paper_task].paper_lag)
         for key in ((task, "sync", 0), (task, "vcpo", high_lag)):
             wanted[key] = (True, True)  # Table 1 compares final accuracies: the core seeds and steps

@@ -9,7 +9,7 @@ or parquet file; Countdown is generated offline with Reasoning Gym.
 """
 
 from vcpo.data.build import build, load_rows
+from vcpo.data.datasets import DATASETS, DatasetSpec
 from vcpo.data.sources import HubUnavailableError
-from vcpo.data.tasks import TASKS, DatasetSpec
 
-__all__ = ["TASKS", "HubUnavailableError", "DatasetSpec", "build", "load_rows"]
+__all__ = ["DATASETS", "HubUnavailableError", "DatasetSpec", "build", "load_rows"]

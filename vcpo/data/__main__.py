@@ -9,8 +9,8 @@ from pathlib import Path
 
 from vcpo.cli import output_folder_problem
 from vcpo.data.build import build, splits_for_source
+from vcpo.data.datasets import DATASETS, get_dataset
 from vcpo.data.sources import HubUnavailableError
-from vcpo.data.tasks import TASKS, get_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vcpo.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("build", help="write <out>/<task>/<split>.parquet and a manifest beside it")
-    command.add_argument("task", choices=list(TASKS))
+    command.add_argument("task", choices=list(DATASETS))
     command.add_argument("--out", required=True, help="output folder")
     command.add_argument("--source", help="local json/jsonl/parquet copy instead of the Hugging Face hub")
     command.add_argument("--split", help="one split only (default: every split of the task)")

@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 
 from vcpo import __version__
 from vcpo.data.countdown import countdown_split, default_size
+from vcpo.data.datasets import DatasetSpec, check_split, get_dataset
 from vcpo.data.fields import gold_of, original_answer_of, question_of
 from vcpo.data.generated import DRAWS, generated_gold, generated_split
 from vcpo.data.sources import read_hub, read_local
-from vcpo.data.tasks import DatasetSpec, check_split, get_dataset
 from vcpo.rewards.countdown import countdown_ground_truth
 
 _PROGRESS_FROM_RECORDS = 10_000

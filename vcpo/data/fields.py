@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from vcpo.data.tasks import GOLD_AFTER_HASHES, DatasetSpec
+from vcpo.data.datasets import GOLD_AFTER_HASHES, DatasetSpec
 from vcpo.rewards.extract import last_boxed
 
 _QUESTION_KEYS = ("problem", "question", "prompt")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vcpo.data.tasks import DatasetSpec, get_dataset
+from vcpo.data.datasets import DatasetSpec, get_dataset
 from vcpo.rewards.countdown import countdown_ground_truth
 
 DRAWS = 2000

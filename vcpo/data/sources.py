@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from vcpo.data.tasks import DatasetSpec
+from vcpo.data.datasets import DatasetSpec
 
 HUB_PROBE_TIMEOUT_S = 3.0
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")

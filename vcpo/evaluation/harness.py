@@ -102,8 +102,8 @@ def load_benchmarks(
                 f"{path}: benchmark {name!r} needs 'task' and 'split' and only 'answer_format' and sampling "
                 f"keys {sorted(_SAMPLING_KEYS)}; unexpected: {sorted(definition)}"
             )
-        if task not in data.TASKS:
-            raise EvaluationInputError(f"{path}: benchmark {name!r}: unknown task {task!r}; tasks: {sorted(data.TASKS)}")
+        if task not in data.DATASETS:
+            raise EvaluationInputError(f"{path}: benchmark {name!r}: unknown task {task!r}; tasks: {sorted(data.DATASETS)}")
         try:
             sampling = SamplingParams(**settings)
         except TypeError as error:
@@ -215,7 +215,7 @@ def evaluate_rows(
 
 def local_benchmark_file(benchmark: Benchmark, source_dir: str | Path) -> Path | None:
     """The file of ``benchmark`` under ``source_dir``; None for tasks generated offline (Countdown)."""
-    task = data.TASKS[benchmark.task]
+    task = data.DATASETS[benchmark.task]
     if task.hub_id is None:
         return None
     relative = task.shared_files.get(benchmark.split)

@@ -1,4 +1,5 @@
-"""VCPO Tables 2-5 (App. F) regenerated from the recipes the runs are launched with, never retyped.
+"""VCPO Tables 2-5 (App. F) and the table of tasks regenerated from the recipes the runs are launched with,
+never retyped.
 
 Table 2 is ``recipes/optimizer.yaml`` plus the learning rate of the method presets; Tables 3-5 are the
 ``paper:`` sections of ``recipes/tasks/*.yaml``, one column per task that names the table (MATH and
@@ -11,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vcpo.data.datasets import get_dataset
 from vcpo.methods import get_method
-from vcpo.recipes import load_folder, read_yaml, recipes_dir
+from vcpo.recipes import load_folder, load_tasks, read_yaml, recipes_dir
+from vcpo.rewards import reward_kind
 
 # Row label of each task ``paper:`` key, in the paper's order.
 TASK_ROWS = {
@@ -105,6 +108,22 @@ def task_tables() -> dict[str, str]:
             f"{table}: training hyper-parameters ({', '.join(s['title'] for _, s in tasks)})", header, rows, sources
         )
     return tables
+
+
+def tasks_table() -> str:
+    """Each paper task (``recipes/tasks``) with its data, reward, evaluation benchmarks and the tasks that
+    train in its place on CPU: the simulator's and verl's trainer's (``-``: none)."""
+    rows = []
+    for name, recipe in load_tasks().items():
+        data = recipe.spec["data"]
+        rewards = sorted({reward_kind(get_dataset(split.split("/")[0]).data_source) for split in data["train"]})
+        rows.append([
+            f"`{name}`", recipe.spec["title"], ", ".join(data["train"]), ", ".join(data["val"]), ", ".join(rewards),
+            ", ".join(recipe.benchmarks), *(recipe.spec["stand_in"].get(where, "-") for where in ("sim", "verl_cpu")),
+        ])
+    header = ["task", "paper setting", "training data", "validation data", "reward", "benchmarks", "sim stand-in",
+              "verl CPU stand-in"]
+    return markdown("The paper's tasks", header, rows, "recipes/tasks/*.yaml")
 
 
 def write_hyperparams(out_dir: Path) -> list[Path]:

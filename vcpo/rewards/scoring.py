@@ -3,7 +3,7 @@
 Both take ``answer_format``, one of ``ANSWER_FORMATS`` (``vcpo.rewards.extract``): where the answer is.
 
 - ``strict`` (the default, for training and evaluation): only the format the task's prompt asks for
-  (vcpo.data.tasks). math: the last complete ``\\boxed{}``, re-boxed alone and given to math-verify;
+  (vcpo.data.datasets). math: the last complete ``\\boxed{}``, re-boxed alone and given to math-verify;
   gsm8k: the number after the last ``####``; countdown: the last ``<answer>`` tag or ``\\boxed{}``.
   Unformatted text scores 0 with reason ``no_answer``.
 - ``lenient``: also a right value written without the format, as many published evaluations accept.

@@ -9,24 +9,21 @@ Trailing ``key=value`` arguments set any field of ``vcpo.sim.config.SimConfig`` 
 ``max_turns=3``, ``rollout_dtype=preset``, ...). ``--config FILE`` reads a YAML mapping of the same keys
 first; flags and ``key=value`` arguments override it, and the run's ``config.json`` records the file
 (``config_file``). Every configuration is checked before any work starts.
-A sweep writes each run to ``OUT/<task>/<method>/lag<k>/seed<s>/`` and skips runs that finished.
+A sweep (``vcpo.sim.sweep``) writes each run to ``OUT/<task>/<method>/lag<k>/seed<s>/``, skips runs that
+finished, and has Snakemake run the others, ``--jobs`` at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
 from vcpo.lifetimes import die_with_the_named_runner
-from vcpo.recipes import run_path
-from vcpo.runs import is_finished
-from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, as_override_text, start_config
+from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, start_config
+from vcpo.sim.sweep import run_sweep, sweep_configs
 from vcpo.sim.validation import default_lag, validate
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
@@ -41,36 +38,8 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     return validate(config if lag_given else dataclasses.replace(config, lag=default_lag(config.method, config.lag)))
 
 
-def run_dir(root: Path, config: SimConfig) -> Path:
-    return Path(root) / run_path(config.task, config.method, config.lag, config.seed)
-
-
 def _csv(kind):
     return lambda text: [kind(item) for item in text.split(",") if item]
-
-
-def sweep_configs(args: argparse.Namespace, overrides: list[str]) -> list[SimConfig]:
-    base = apply_overrides(start_config(args.config), overrides)
-    configs = []
-    for method in args.methods:
-        for lag in dict.fromkeys(default_lag(method, lag) for lag in args.lags):  # sync: once, at lag 0
-            for seed in args.seeds:
-                changes = {"method": method, "lag": lag, "seed": seed}
-                changes |= {key: getattr(args, key) for key in ("task", "lag_model", "steps") if getattr(args, key) is not None}
-                config = dataclasses.replace(base, **changes)
-                config = dataclasses.replace(config, out=str(run_dir(args.out, config)))
-                configs.append(validate(config))
-    return configs
-
-
-def _run_subprocess(config: SimConfig) -> int:
-    overrides = [f"{field.name}={as_override_text(getattr(config, field.name))}" for field in dataclasses.fields(config)
-                 if field.name not in ("extra",) and getattr(config, field.name) != getattr(SimConfig(), field.name)]
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "vcpo.sim", "train", *overrides, "progress=false"]
-    with open(out / "train.log", "a") as log:
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,15 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--jobs {args.jobs}: must be >= 1")
         if problem := output_folder_problem(args.out):
             raise ConfigError(f"--out {args.out}: {problem}")
-        configs = sweep_configs(args, overrides)
+        configs = sweep_configs(args.config, overrides, args.methods, args.lags, args.seeds, args.out,
+                                task=args.task, lag_model=args.lag_model, steps=args.steps)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    todo = [config for config in configs if not is_finished(Path(config.out))]
-    print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {args.jobs} at a time")
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        codes = list(pool.map(_run_subprocess, todo))
-    failed = [config.out for config, code in zip(todo, codes, strict=True) if code != 0]
+    failed = run_sweep(configs, args.out, args.jobs)
     for out in failed:
         print(f"failed: {out} (see {out}/train.log)", file=sys.stderr)
     return 1 if failed else 0

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from vcpo.lifetimes import DIE_WITH_ENV, die_with_parent
+from vcpo.lifetimes import run_jobs_with_snakemake
 from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock, write_atomic
 from vcpo.runs import FINAL_EVAL, is_finished
 from vcpo.sim.config import load_config_file
@@ -105,10 +103,7 @@ def run_all(design: Design, root: Path, jobs: int, phases: list[int] | None, arc
             plan = {"design": dataclasses.asdict(design), "runs": str(root), "archive": str(archive),
                     "pending": [[arm.task, arm.name, seed] for arm, seed in planned]}
             write_atomic(root / PLAN_FILE, json.dumps(plan))
-            command = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--configfile", str(root / PLAN_FILE),
-                       "--cores", str(jobs), "--nolock", "--keep-going", "--rerun-incomplete", "--rerun-triggers", "mtime",
-                       "--quiet", "rules"]
-            subprocess.run(command, env={**os.environ, DIE_WITH_ENV: str(os.getpid())}, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+            run_jobs_with_snakemake(SNAKEFILE, root / PLAN_FILE, jobs)
         left = [(arm, seed) for arm, seed in pending if not is_finished(run_folder(archive, arm, seed))]
         for arm, seed in left:
             print(f"not run: {arm.task}/{arm.name} seed {seed} (its config, its training or the runs it reads failed; the same "

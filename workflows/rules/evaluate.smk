@@ -2,7 +2,7 @@
 # at the end (final/eval.json, written by the train rule) through vcpo.evaluation, the harness behind
 # python -m vcpo.evaluation; python -m vcpo.evaluation itself would ask the simulator's tiny models prompts in another format.
 # Paper scale: python -m vcpo.evaluation, with the paper's sampling settings (recipes/benchmarks.yaml) and the
-# benchmarks the config lists per task, on the Hugging Face weights of each run's final checkpoint and
+# benchmarks the task recipe lists, on the Hugging Face weights of each run's final checkpoint and
 # on the base model the runs start from (Table 1's base row). Accuracy against step comes from verl's
 # own validation (trainer.test_freq), so intermediate checkpoints are not evaluated.
 
@@ -11,10 +11,7 @@ if config["backend"] == "verl":
 
     from vcpo.evaluation.tool_use import tool_use_options
     from vcpo.launch.__main__ import composed_config
-    from vcpo.recipes import base_path
-
-    def paper_task(scale_task):
-        return next(paper for paper, task in config["tasks"].items() if task == scale_task)
+    from vcpo.recipes import base_path, load_tasks
 
     def eval_params(wildcards):
         """python -m vcpo.evaluation options shared by the run and base evaluations: the task's benchmarks, and its
@@ -22,10 +19,10 @@ if config["backend"] == "verl":
         source = config["data"].get("source_dir")
         return " ".join(
             [
-                "--benchmarks " + ",".join(config["evaluation"]["benchmarks"][paper_task(wildcards.task)]),
+                "--benchmarks " + ",".join(load_tasks()[wildcards.task].benchmarks),
                 f"--source-dir {shlex.quote(source)}" if source else "",
                 *(shlex.quote(arg) for arg in tool_use_options(task_config(wildcards.task).actor_rollout_ref.rollout.multi_turn)),
-                *(shlex.quote(arg) for arg in config["evaluation"].get("args", [])),
+                *(shlex.quote(arg) for arg in config.get("evaluation", {}).get("args", [])),
             ]
         )
 

@@ -72,7 +72,7 @@ rule overhead_benchmark:
 def table1_args():
     """Each paper task beside the task it trains on here, and the config's lag mapping (the async row is
     VCPO at the task's published lag as this scale maps it)."""
-    args = [f"--task {paper}={config['tasks'][paper]}" for paper in config.get("table1_tasks", [])]
+    args = [f"--task {paper}={trained_task(config, paper)}" for paper in config.get("table1_tasks", [])]
     args += [f"--lag-map {paper}={scaled}" for paper, scaled in config.get("lags", {}).items()]
     return " ".join(args)
 

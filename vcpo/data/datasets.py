@@ -1,4 +1,6 @@
-"""The one table of tasks: where each comes from, its splits, prompt template and gold-answer rule.
+"""The datasets: where each comes from, its splits, prompt template and gold-answer rule.
+
+A paper task (``recipes/tasks/*.yaml``, the one table of tasks) names its training and validation data here.
 
 Prompt templates follow verl's example preprocessors: GSM8K asks for the answer after ``####``, the
 math sets ask for it in ``\\boxed{}``; Countdown keeps the Reasoning Gym question and asks for the
@@ -66,7 +68,7 @@ def _starter_task(name: str, generator: str, config: dict, *, template: str = ST
                        generator=generator, generator_config=config, reward_source=reward_source)
 
 
-TASKS: dict[str, DatasetSpec] = {
+DATASETS: dict[str, DatasetSpec] = {
     task.name: task
     for task in [
         DatasetSpec(
@@ -118,9 +120,9 @@ TASKS: dict[str, DatasetSpec] = {
 
 def get_dataset(name: str) -> DatasetSpec:
     try:
-        return TASKS[name]
+        return DATASETS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}") from None
 
 
 def check_split(task: DatasetSpec, split: str) -> None:
