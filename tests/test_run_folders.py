@@ -425,10 +425,29 @@ def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp
 
 
 @pytest.mark.slow
+def assert_killing_it_ends_the_training(metrics: Path, runner: subprocess.Popen) -> None:
+    """Once the training that writes ``metrics`` has logged two steps, killing ``runner`` frees its folder within 10 s."""
+    from vcpo.locks import run_folder_lock
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), "the training child never started"
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with run_folder_lock(metrics.parent):  # free: the child is gone
+                return
+        except Exception:
+            time.sleep(0.2)
+    pytest.fail("the training child outlived its runner")
+
+
 def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
     import yaml
 
-    from vcpo.locks import run_folder_lock
     from vcpo.studies.design import run_folder
 
     design = study_design(base, tmp_path, 400)
@@ -440,49 +459,19 @@ def test_a_killed_runner_takes_its_training_child_with_it(base, tmp_path):
                                "--out", str(runs), "--archive", str(tmp_path / "archive"), "--jobs", "1"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_folder(runs, design.arms[0], 0) / METRICS_FILE
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.2)
-    assert metrics.exists(), "the training child never started"
-    runner.kill()
-    runner.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with run_folder_lock(metrics.parent):  # free: the child is gone
-                break
-        except Exception:
-            time.sleep(0.2)
-    else:
-        pytest.fail("the training child outlived its runner")
+    assert_killing_it_ends_the_training(metrics, runner)
 
 
 def test_a_killed_sweep_takes_its_training_child_with_it(base, tmp_path):
     """python -m vcpo.sim sweep runs its trainings under Snakemake: killing the sweep ends Snakemake and every
     training below it (as a study's runner does)."""
-    from vcpo.locks import run_folder_lock
-
     out = tmp_path / "sweep"
     settings = study_design(base, tmp_path, 400).settings["countdown"]
     sweep = subprocess.Popen([sys.executable, "-m", "vcpo.sim", "sweep", "--config", str(tmp_path / "study.yaml"), "--methods", "sync",
                               "--lags", "0", "--out", str(out), *(f"{key}={value}" for key, value in settings.items())],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = out / "countdown" / "sync" / "lag0" / "seed0" / METRICS_FILE
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.2)
-    assert metrics.exists(), "the training child never started"
-    sweep.kill()
-    sweep.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with run_folder_lock(metrics.parent):  # free: the child is gone
-                break
-        except Exception:
-            time.sleep(0.2)
-    else:
-        pytest.fail("the training child outlived its sweep")
+    assert_killing_it_ends_the_training(metrics, sweep)
 
 
 def test_runs_snakemake_left_are_named_once_with_how_to_resume(tmp_path, monkeypatch, capsys):
