@@ -691,6 +691,27 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
     assert spread("small") / 31 <= 0.1 and spread("50m") / 31 <= 0.1  # the issue's aim: at most 0.1 C per group
 
 
+def test_the_docs_small_model_gap_is_the_masked_attention_logs():
+    """The paragraph on the small model's gap quotes its two logs: the plain step's gap at three micro-batch sizes
+    (opob_memory.py --micro), the masked CPU attention's excess per layer at 896 tokens beside T² float32, and the
+    split of each gap into the four layers' masks and the rest."""
+    text = section(PER_SEQUENCE, "The gap is constant in the groups", "The extra over the plain step")
+    rows = json.loads((ROOT / "tables/opob_memory/results.json").read_text())["rows"]
+    copy = next(r["copy_bytes"] for r in rows if r["model"] == "small")
+    layers = 4  # benchmarks/opob_memory.py's small model
+    by_micro = (ROOT / "tables/opob_memory/small_plain_by_micro_batch.log").read_text()
+    points = [(float(m), float(p)) for m, p in re.findall(r"measured\s+([\d.]+) C\s+projected\s+([\d.]+) C", by_micro)]
+    assert len(points) == 3
+    for tokens, (measured, projected) in zip((448, 896, 1792), points, strict=True):
+        gap, masks = (measured - projected) * copy / 1e6, layers * tokens**2 * 4 / 1e6
+        assert_quoted(text, f"{gap:.1f}", f"{masks:.1f}", f"{gap - masks:.1f}")
+    attention = (ROOT / "tables/opob_memory/masked_attention.log").read_text()
+    excess = [float(m[1]) for m in re.finditer(r"^\s+896\s+\d+\s+\d+ \|.*\| +([\d.]+) +[\d.]+ \| +[\d.]+$", attention, re.MULTILINE)]
+    assert len(excess) == 5
+    assert_quoted(text, f"{min(excess):.2f}-{max(excess):.2f}", f"{896**2 * 4 / 1e6:.2f}")
+    assert all(abs(value / (896**2 * 4 / 1e6) - 1) < 0.1 for value in excess)  # one T² float32 per layer, any heads
+
+
 def test_the_docs_two_pass_floor_is_the_logs():
     """docs/per_sequence_gradients.md's costs of two_pass, its first pass and the input-gradient floor are the log's
     step/plain column, and the floor's arithmetic (1 + input_grads) and the norms' cost beyond it are quoted."""
