@@ -110,7 +110,9 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     before_last = split_buffers(raw.rewards[: args.batch - args.micro], raw.groups[: args.batch - args.micro])
     parameters = sum(p.numel() for p in engine.module.parameters())
     model_shape = ModelShape.from_config(engine.model_config.hf_config)
-    layout = Layout(strategy="fsdp2", data_parallel=1, param_bytes=4, compute_bytes=4, gradient_checkpointing=False)
+    # packed sequences through HF's sdpa on CPU: a (T, T) mask, which the CPU kernel keeps per layer
+    layout = Layout(strategy="fsdp2", data_parallel=1, param_bytes=4, compute_bytes=4, gradient_checkpointing=False,
+                    attention="masked")
     memory = step_memory(model_shape, layout, StepShape(tokens_per_micro_batch=tokens, buffers=buffers, block_bytes=DEFAULT_BLOCK_BYTES["cpu"],
                                                          buffers_before_last=before_last))
     two_pass = out["metrics"].get("actor/opob_two_pass")

@@ -122,6 +122,19 @@ def test_megatron_without_sequence_parallelism_keeps_the_norm_widths_whole_and_l
         Layout(attention="flash")
 
 
+def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
+    """Hand counts, two layers: packed (one row of 896 tokens) keeps 2 x 896² x 4 bytes whatever the heads; padded
+    (sequences of 100 tokens) one (100, 100) mask per sequence and layer; under gradient checkpointing one layer's."""
+    from vcpo.core.per_sequence_grads.memory import activation_bytes
+
+    key = "masked attention (a T² float32 per layer)"
+    masked = Layout(gradient_checkpointing=False, attention="masked")
+    assert activation_bytes(SHAPE, masked, 896)[key] == 2 * 896**2 * 4
+    assert activation_bytes(SHAPE, masked, 200, 100)[key] == 2 * 2 * 100**2 * 4
+    assert activation_bytes(SHAPE, Layout(gradient_checkpointing=True, attention="masked"), 896)[key] == 896**2 * 4
+    assert key not in activation_bytes(SHAPE, Layout(gradient_checkpointing=False), 896)
+
+
 @pytest.mark.parametrize("impl, granularity, modules, expected", [
     ("local", "selective", ["core_attn"], (False, "local_recomputed")),
     ("local", "selective", None, (False, "local_recomputed")),  # megatron's default module list is core_attn

@@ -43,9 +43,13 @@ SEQUENCE_PARALLEL_WIDTH = 4
 # its backward (the float32 softmax output and its bf16 copy), and what its backward adds (the float32 score gradient)
 LOCAL_ATTENTION_KEPT_BYTES = 6
 LOCAL_ATTENTION_BACKWARD_BYTES = 4
-# how attention is computed: fused kernels keep no score matrix (flash, SDPA, Transformer Engine); megatron's local
-# attention keeps one per layer, or (selective recompute of core_attn) recomputes it in the backward, one layer at a time
-ATTENTION_KINDS = ("fused", "local", "local_recomputed")
+# PyTorch's CPU SDPA given a (T, T) mask (HF's sdpa with packed sequences, as verl runs on CPU) keeps one T² float32
+# tensor per layer for its backward, whatever the heads (benchmarks/masked_attention_memory.py)
+MASKED_ATTENTION_KEPT_BYTES = 4
+# how attention is computed: fused kernels keep no score matrix (flash, SDPA without a mask, Transformer Engine);
+# megatron's local attention keeps one per layer, or (selective recompute of core_attn) recomputes it in the backward,
+# one layer at a time; masked SDPA on CPU keeps a mask-sized tensor per layer
+ATTENTION_KINDS = ("fused", "local", "local_recomputed", "masked")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,8 @@ def megatron_recompute(transformer_impl: str | None, recompute_granularity: str 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequence_length: int | None = None) -> dict[str, float]:
     """What one micro-batch of ``tokens`` (sequences of ``sequence_length``, padded) keeps for its backward, per rank:
     tensor parallelism splits the layers' widths (sequence parallelism the rest, `SEQUENCE_PARALLEL_WIDTH`), pipeline
-    parallelism the layers; the logits around its log-softmax; local attention's score matrices (``layout.attention``)."""
+    parallelism the layers; the logits around its log-softmax; local attention's score matrices or masked SDPA's
+    masks (``layout.attention``)."""
     whole = 0 if layout.sequence_parallel or layout.tensor_parallel == 1 else SEQUENCE_PARALLEL_WIDTH
     per_token_layer = ((ACTIVATION_WIDTHS["hidden"] - whole) * shape.hidden + ACTIVATION_WIDTHS["intermediate"] * shape.intermediate
                        + ACTIVATION_WIDTHS["kv"] * shape.kv_width) * layout.compute_bytes / layout.tensor_parallel
@@ -187,8 +192,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequence_le
                 "activations: one recomputed layer": tokens * per_token_layer}
     else:
         kept = {"activations": tokens * per_token_layer * layers}
-    if layout.attention != "fused":
-        length = sequence_length or tokens
+    length = sequence_length or tokens
+    if layout.attention == "masked":
+        kept["masked attention (a T² float32 per layer)"] = (max(1, tokens // length) * length**2 * MASKED_ATTENTION_KEPT_BYTES
+                                                             * (1 if layout.gradient_checkpointing else layers))
+    elif layout.attention != "fused":
         scores = max(1, tokens // length) * shape.heads / layout.tensor_parallel * length**2  # per layer
         one_layer = layout.attention == "local_recomputed" or layout.gradient_checkpointing
         kept["local attention scores" + (" (one layer, recomputed)" if one_layer else "")] = scores * (
