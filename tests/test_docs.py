@@ -670,6 +670,8 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
         return max(values) - min(values)
 
     kinds = ("plain", "single", "two_pass")
+    assert_quoted(text, f"{max(deviation(k, m) for k in kinds for m in ('50m', 'small')):.1%}", "15%")
+    assert max(deviation(k, m) for k in kinds for m in ("50m", "small")) <= 0.15  # the issue's criterion
     assert_quoted(text, f"{max(deviation(k, '50m') for k in kinds):.1%}",
                   f"{max(deviation('plain', '50m'), deviation('two_pass', '50m')):.1%}", f"{deviation('single', '50m'):.1%}")
     large = [r for r in rows if r["model"] == "50m"]
@@ -681,7 +683,7 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
     outside = sum(abs(ratio - 1) > 0.15 for ratio in ratios)
     assert_quoted(text, f"{min(gap):.0f}", f"{max(gap):.0f}", f"{min(ratios):.2f}", f"{max(ratios):.2f}", str(outside),
                   str(len(small)), "15%")
-    assert min(gap) > 0 and max(gap) < 2 * min(gap)  # measured above projected everywhere, by a near-constant amount
+    assert min(gap) > 0  # measured above projected everywhere
     single_32 = next(r for r in large if r["kind"] == "single" and r["groups"] == 32)
     plain_50m = next(r for r in large if r["kind"] == "plain")
     extra = (single_32["measured_bytes"] - plain_50m["measured_bytes"]) / single_32["copy_bytes"]
@@ -693,9 +695,9 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
 
 def test_the_docs_small_model_gap_is_the_masked_attention_logs():
     """The paragraph on the small model's gap quotes its two logs: the plain step's gap at three micro-batch sizes
-    (opob_memory.py --micro), the masked CPU attention's excess per layer at 896 tokens beside T² float32, and the
-    split of each gap into the four layers' masks and the rest."""
-    text = section(PER_SEQUENCE, "The gap is constant in the groups", "The extra over the plain step")
+    (opob_memory.py --micro, projected with fused attention), the masked CPU attention's excess per layer at 896
+    tokens beside T² float32, and the split of each gap into the four layers' masks and the rest."""
+    text = section(PER_SEQUENCE, "The projection counts what attention keeps on CPU", "The extra over the plain step")
     rows = json.loads((ROOT / "tables/opob_memory/results.json").read_text())["rows"]
     copy = next(r["copy_bytes"] for r in rows if r["model"] == "small")
     layers = 4  # benchmarks/opob_memory.py's small model
