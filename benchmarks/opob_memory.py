@@ -68,7 +68,14 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (registers the losses)
-    from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers, step_memory
+    from vcpo.core.per_sequence_grads.memory import (
+        Layout,
+        ModelShape,
+        StepShape,
+        hf_attention,
+        split_buffers,
+        step_memory,
+    )
     from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES
     from vcpo.verl_plugin.cpu import standalone as cpu
 
@@ -110,9 +117,8 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     before_last = split_buffers(raw.rewards[: args.batch - args.micro], raw.groups[: args.batch - args.micro])
     parameters = sum(p.numel() for p in engine.module.parameters())
     model_shape = ModelShape.from_config(engine.model_config.hf_config)
-    # packed sequences through HF's sdpa on CPU: a (T, T) mask, which the CPU kernel keeps per layer
     layout = Layout(strategy="fsdp2", data_parallel=1, param_bytes=4, compute_bytes=4, gradient_checkpointing=False,
-                    attention="masked")
+                    attention=hf_attention("cpu", engine.module.config._attn_implementation, packed=True))
     memory = step_memory(model_shape, layout, StepShape(tokens_per_micro_batch=tokens, buffers=buffers, block_bytes=DEFAULT_BLOCK_BYTES["cpu"],
                                                          buffers_before_last=before_last))
     two_pass = out["metrics"].get("actor/opob_two_pass")

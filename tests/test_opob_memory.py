@@ -17,6 +17,7 @@ from vcpo.core.per_sequence_grads.memory import (
     ModelShape,
     StepShape,
     choose_mode,
+    hf_attention,
     split_buffers,
     step_memory,
 )
@@ -133,6 +134,8 @@ def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
     assert activation_bytes(SHAPE, masked, 200, 100)[key] == 2 * 2 * 100**2 * 4
     assert activation_bytes(SHAPE, Layout(gradient_checkpointing=True, attention="masked"), 896)[key] == 896**2 * 4
     assert key not in activation_bytes(SHAPE, Layout(gradient_checkpointing=False), 896)
+    assert hf_attention("cpu", "sdpa", packed=True) == "masked"
+    assert {hf_attention("cuda", "sdpa", True), hf_attention("cpu", "sdpa", False), hf_attention("cuda", "flash_attention_2", True)} == {"fused"}
 
 
 @pytest.mark.parametrize("impl, granularity, modules, expected", [

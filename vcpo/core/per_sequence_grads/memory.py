@@ -52,6 +52,12 @@ MASKED_ATTENTION_KEPT_BYTES = 4
 ATTENTION_KINDS = ("fused", "local", "local_recomputed", "masked")
 
 
+def hf_attention(device_type: str, attn_implementation: str | None, packed: bool) -> str:
+    """The ``ATTENTION_KINDS`` entry of an HF model's attention: ``sdpa`` on CPU over packed sequences (one row, a (T, T)
+    mask) is masked; flash attention's varlen kernels, and SDPA on a GPU, keep no (T, T) tensor (fused)."""
+    return "masked" if device_type == "cpu" and attn_implementation == "sdpa" and packed else "fused"
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Qwen2 / Llama-style decoder: what its memory depends on."""

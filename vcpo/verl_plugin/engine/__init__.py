@@ -97,7 +97,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads import NORMS_ONLY
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, split_buffers
+from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
 from vcpo.methods import StepRule
 from vcpo.verl_contract import ENGINE_MODEL_TYPE, step_rule_applied
 from vcpo.verl_plugin.engine.batch import all_reduce_gradients
@@ -203,7 +203,9 @@ class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):
         compute = PrecisionType.to_dtype(precision.get("param_dtype", "bf16")) if self._fsdp2_modules() else first.dtype
         layout = Layout(strategy="fsdp2", data_parallel=self.get_data_parallel_size(), param_bytes=first.element_size(),
                         compute_bytes=torch.empty(0, dtype=compute).element_size(),
-                        gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False)))
+                        gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False)),
+                        attention=hf_attention(first.device.type, getattr(self.module.config, "_attn_implementation", None),
+                                               bool(self.use_remove_padding)))
         buffers = split_buffers(data["vcpo_reward"].cpu(), data["vcpo_group"].cpu())
         return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=buffers)
 
