@@ -118,7 +118,8 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     parameters = sum(p.numel() for p in engine.module.parameters())
     model_shape = ModelShape.from_config(engine.model_config.hf_config)
     layout = Layout(strategy="fsdp2", data_parallel=1, param_bytes=4, compute_bytes=4, gradient_checkpointing=False,
-                    attention=hf_attention("cpu", engine.module.config._attn_implementation, packed=True))
+                    attention=hf_attention(next(engine.module.parameters()).device.type, engine.module.config._attn_implementation,
+                                           packed=engine.use_remove_padding))
     memory = step_memory(model_shape, layout, StepShape(tokens_per_micro_batch=tokens, buffers=buffers, block_bytes=DEFAULT_BLOCK_BYTES["cpu"],
                                                          buffers_before_last=before_last))
     two_pass = out["metrics"].get("actor/opob_two_pass")

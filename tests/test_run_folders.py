@@ -495,7 +495,7 @@ def test_runs_snakemake_left_are_named_once_with_how_to_resume(tmp_path, monkeyp
         (folder / FINAL_EVAL).write_text("{}")
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(runner.subprocess, "run", one_run)
+    monkeypatch.setattr(subprocess, "run", one_run)  # the module the runner starts Snakemake with
     assert runner.run_all(design, tmp_path / "runs", 1, None, archive=archive) == 2
     assert len(calls) == 1
     _, err = capsys.readouterr()

@@ -262,13 +262,15 @@ def test_detectable_difference_matches_the_textbook_power_of_a_paired_t_test():
 def test_the_runner_trains_every_committed_row_with_the_command_the_row_records(tmp_path, monkeypatch):
     """Snakemake's train job (vcpo.studies.runner.train) runs exactly each row's recorded command, the runs
     it reads (the controls' lr_scale_from and lr_from_mean_scale_of) taken from the committed archive."""
+    import subprocess
+
     from vcpo.studies import runner
     from vcpo.studies.design import load_design
     from vcpo.studies.evidence import ARCHIVE, DESIGN, TABLE, read_rows
 
     design, ran = load_design(recipes_dir() / DESIGN), []
     monkeypatch.setattr(runner, "wait_for_an_earlier_writer", lambda folder: None)
-    monkeypatch.setattr(runner.subprocess, "run", lambda command, **kwargs: ran.append(command))
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: ran.append(command))  # vcpo.runs.train_logged runs it
     rows = read_rows(ROOT / TABLE)
     for row in rows:
         runner.train(design, design.arm(row["task"], row["arm"]), row["seed"], tmp_path / "RUNS", ROOT / ARCHIVE)

@@ -13,6 +13,7 @@ Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +26,20 @@ CHECKPOINT_FILE = "checkpoint.pt"
 PREVIOUS_CHECKPOINT_FILE = "checkpoint.prev.pt"  # the one before: a damaged latest one resumes from it
 FINAL_DIR = "final"
 FINAL_EVAL = f"{FINAL_DIR}/eval.json"
+TRAIN_LOG = "train.log"  # a runner's record of the training's output, beside its files
 
 # metric names read by more than the module that logs them (verl's names; SEQ_ESS_RATIO is vcpo.core's)
 VAL_ACCURACY = "val/accuracy"
 TEST_ACCURACY = "test/accuracy"
 LR_SCALE = "actor/lr_scale"
 EFFECTIVE_LR = "actor/effective_lr"
+
+
+def train_logged(command: list[str], run: str | Path) -> None:
+    """``command`` (a training of ``run``) with its output appended to the run's ``TRAIN_LOG``; CalledProcessError
+    when it fails."""
+    with open(Path(run) / TRAIN_LOG, "a") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 def is_finished(run: str | Path) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from vcpo.cli import output_folder_problem
 from vcpo.lifetimes import die_with_the_named_runner
+from vcpo.runs import TRAIN_LOG
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, start_config
 from vcpo.sim.sweep import run_sweep, sweep_configs
 from vcpo.sim.validation import default_lag, validate
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = run_sweep(configs, args.out, args.jobs)
     for out in failed:
-        print(f"failed: {out} (see {out}/train.log)", file=sys.stderr)
+        print(f"failed: {out} (see {out / TRAIN_LOG})", file=sys.stderr)
     return 1 if failed else 0
 
 

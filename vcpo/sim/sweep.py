@@ -3,21 +3,20 @@ as the reproduction's and the studies' runs are.
 
 Every configuration is checked before any work starts; runs that finished are skipped. Each run is
 ``python -m vcpo.sim train`` with its settings, in ``OUT/<task>/<method>/lag<k>/seed<s>/`` with its log there
-(``train.log``); ``--jobs`` runs at a time, and every one of them dies with the sweep.
+(``vcpo.runs.TRAIN_LOG``); ``--jobs`` runs at a time, and every one of them dies with the sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from vcpo.lifetimes import run_jobs_with_snakemake
 from vcpo.locks import write_atomic
 from vcpo.recipes import run_path
-from vcpo.runs import is_finished
+from vcpo.runs import is_finished, train_logged
 from vcpo.sim.config import SimConfig, apply_overrides, as_override_text, start_config
 from vcpo.sim.validation import default_lag, validate
 
@@ -55,19 +54,16 @@ def train_arguments(config: SimConfig) -> list[str]:
 def train(out: Path, arguments: list[str]) -> None:
     """One run (the Snakemake job): its training, its output appended to ``out/train.log``."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train.log", "a") as log:
-        subprocess.run([sys.executable, "-m", "vcpo.sim", "train", *arguments, "progress=false"], stdout=log,
-                       stderr=subprocess.STDOUT, check=True)
+    train_logged([sys.executable, "-m", "vcpo.sim", "train", *arguments, "progress=false"], out)
 
 
 def run_sweep(configs: list[SimConfig], out: Path, jobs: int) -> list[Path]:
     """The runs of ``configs`` not finished yet, ``jobs`` at a time; returns the folders of those that did not finish."""
-    todo = [Path(config.out).resolve() for config in configs if not is_finished(Path(config.out))]
+    todo = {str(Path(config.out).resolve()): train_arguments(config) for config in configs if not is_finished(Path(config.out))}
     print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {jobs} at a time")
     if todo:
-        arguments = {str(Path(config.out).resolve()): train_arguments(config) for config in configs}
         plan = Path(out) / PLAN_FILE
         plan.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(plan, json.dumps({"runs": {str(folder): arguments[str(folder)] for folder in todo}}))
+        write_atomic(plan, json.dumps({"runs": todo}))
         run_jobs_with_snakemake(SNAKEFILE, plan, jobs)
-    return [folder for folder in todo if not is_finished(folder)]
+    return [Path(folder) for folder in todo if not is_finished(folder)]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from vcpo.lifetimes import run_jobs_with_snakemake
 from vcpo.locks import LOCK_FILE, FolderInUse, exclusive, run_folder_lock, write_atomic
-from vcpo.runs import FINAL_EVAL, is_finished
+from vcpo.runs import FINAL_EVAL, is_finished, train_logged
 from vcpo.sim.config import load_config_file
 from vcpo.studies.design import Arm, Design, command_line, run_folder, run_settings, sim_task
 
@@ -74,8 +73,7 @@ def train(design: Design, arm: Arm, seed: int, root: Path, archive: Path) -> Non
     out.mkdir(parents=True, exist_ok=True)
     wait_for_an_earlier_writer(out)
     started = time.time()
-    with open(out / "train.log", "a") as log:
-        subprocess.run(command_line(design, arm, settings, str(out)), stdout=log, stderr=subprocess.STDOUT, check=True)
+    train_logged(command_line(design, arm, settings, str(out)), out)
     print(f"done: {arm.task}/{arm.name} seed {seed} in {time.time() - started:.0f} s", flush=True)
 
 

@@ -199,11 +199,12 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequence_le
     else:
         kept = {"activations": tokens * per_token_layer * layers}
     length = sequence_length or tokens
+    squares = max(1, tokens // length) * length**2  # (T, T) entries of one layer over the micro-batch's rows
     if layout.attention == "masked":
-        kept["masked attention (a T² float32 per layer)"] = (max(1, tokens // length) * length**2 * MASKED_ATTENTION_KEPT_BYTES
-                                                             * (1 if layout.gradient_checkpointing else layers))
+        kept["masked attention (a T² float32 per layer)"] = squares * MASKED_ATTENTION_KEPT_BYTES * (
+            1 if layout.gradient_checkpointing else layers)
     elif layout.attention != "fused":
-        scores = max(1, tokens // length) * shape.heads / layout.tensor_parallel * length**2  # per layer
+        scores = squares * shape.heads / layout.tensor_parallel  # per layer
         one_layer = layout.attention == "local_recomputed" or layout.gradient_checkpointing
         kept["local attention scores" + (" (one layer, recomputed)" if one_layer else "")] = scores * (
             LOCAL_ATTENTION_KEPT_BYTES * (1 if one_layer else layers) + LOCAL_ATTENTION_BACKWARD_BYTES)
