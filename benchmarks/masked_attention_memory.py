@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
         tokens, heads, layers, masked = args.point
         print(json.dumps(measure(tokens, heads, layers, bool(masked))))
         return
+    from vcpo.provenance import code_state, cpu_name, utc_now
+
+    state, started = code_state(), utc_now()
+    print(f"# python benchmarks/masked_attention_memory.py --points {args.points}")
+    print(f"# commit {state['commit']} (dirty: {state['dirty']}), {cpu_name()}, started {started}")
     megabyte = 1e6
     print("tokens heads layers | kept MB: mask causal | peak MB: mask causal | excess per layer MB: kept peak | T² float32 MB")
     for point in args.points.split(","):
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{tokens:6d} {heads:5d} {layers:6d} | {masked['kept'] / megabyte:7.1f} {causal['kept'] / megabyte:6.1f} | "
               f"{masked['peak'] / megabyte:7.1f} {causal['peak'] / megabyte:6.1f} | {excess[0]:6.2f} {excess[1]:5.2f} | "
               f"{tokens * tokens * 4 / megabyte:6.2f}", flush=True)
+    print(f"# finished {utc_now()}")
 
 
 if __name__ == "__main__":
