@@ -694,19 +694,22 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
 
 
 def test_the_docs_small_model_gap_is_the_masked_attention_logs():
-    """The paragraph on the small model's gap quotes its two logs: the plain step's gap at three micro-batch sizes
-    (opob_memory.py --micro, projected with fused attention), the masked CPU attention's excess per layer at 896
-    tokens beside T² float32, and the split of each gap into the four layers' masks and the rest."""
+    """The paragraph on the small model's gap quotes its measurements: the masked CPU attention's excess per layer at
+    896 tokens beside T² float32, the four layers' masks and what is left of the plain step's gap at three
+    micro-batch sizes (opob_memory.py --micro, projected with the masks), and how far two measurements of one point
+    differ."""
     text = section(PER_SEQUENCE, "The projection counts what attention keeps on CPU", "The extra over the plain step")
-    rows = json.loads((ROOT / "tables/opob_memory/results.json").read_text())["rows"]
-    copy = next(r["copy_bytes"] for r in rows if r["model"] == "small")
     layers = 4  # benchmarks/opob_memory.py's small model
-    by_micro = (ROOT / "tables/opob_memory/small_plain_by_micro_batch.log").read_text()
-    points = [(float(m), float(p)) for m, p in re.findall(r"measured\s+([\d.]+) C\s+projected\s+([\d.]+) C", by_micro)]
-    assert len(points) == 3
-    for tokens, (measured, projected) in zip((448, 896, 1792), points, strict=True):
-        gap, masks = (measured - projected) * copy / 1e6, layers * tokens**2 * 4 / 1e6
-        assert_quoted(text, f"{gap:.1f}", f"{masks:.1f}", f"{gap - masks:.1f}")
+    rows = {tokens: json.loads((ROOT / f"tables/opob_memory/small_plain_micro{micro}/results.json").read_text())["rows"][0]
+            for micro, tokens in ((2, 448), (4, 896), (8, 1792))}
+    for tokens, row in rows.items():
+        assert row["tokens_per_micro_batch"] == tokens
+        masks = layers * tokens**2 * 4
+        assert row["projected_terms"]["masked attention (a T² float32 per layer)"] == masks
+        assert_quoted(text, f"{masks / 1e6:.1f}", f"{(row['measured_bytes'] - row['projected_bytes']) / 1e6:.1f}")
+    table = json.loads((ROOT / "tables/opob_memory/results.json").read_text())["rows"]
+    same = next(r for r in table if r["model"] == "small" and r["kind"] == "plain")
+    assert_quoted(text, f"{abs(same['measured_bytes'] - rows[896]['measured_bytes']) / same['copy_bytes']:.2f}")
     attention = (ROOT / "tables/opob_memory/masked_attention.log").read_text()
     excess = [float(m[1]) for m in re.finditer(r"^\s+896\s+\d+\s+\d+ \|.*\| +([\d.]+) +[\d.]+ \| +[\d.]+$", attention, re.MULTILINE)]
     assert len(excess) == 5
