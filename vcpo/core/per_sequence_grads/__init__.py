@@ -383,7 +383,7 @@ class PerSequenceGradients:
             for micro_batch in self._open_micro_batches:
                 coefficients_as = micro_batch.deferred_coefficients(per_label)
                 for param, combine_into in micro_batch.pending:
-                    combine_into(coefficients_as, [Target(self.reward_buffer(param).view(-1), False)])
+                    combine_into(coefficients_as, [Target(self.reward_buffer(param).view(1, -1), False)])
         for (label, v), buffers in self._score_buffers.items():
             self._add_to_reward_buffers(list(buffers.values()), v - per_label[label])
         for param, combined in self._reward_buffers.values():

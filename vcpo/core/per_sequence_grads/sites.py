@@ -189,16 +189,24 @@ class _Rows:
         """Packed: the (T_i, w) view of every sequence."""
         return self._views
 
-    def outer(self, cols: _Rows, start: int, stop: int, order: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [start, stop) of every sequence's selfᵢᵀ colsᵢ, shape (B, stop − start, C); packed, with ``order``,
-        the sequences in that order."""
+    def outer_blocks(self, cols: _Rows, block_rows: int, order: torch.Tensor | None = None):
+        """Every sequence's selfᵢᵀ colsᵢ in blocks of ``block_rows`` rows, each (B, rows, C); packed, with ``order``,
+        the sequences in that order. Each block costs one matmul per block (padded) or per sequence (packed), with
+        the slicing done once per call: on a GPU every dispatched operator is a launch."""
         if self.offsets is None:
-            return per_sample_outer(self.values[..., start:stop], cols.values)
-        rows, columns = self.sequences(), cols.sequences()
-        out = self.values.new_empty((self.batch_size, stop - start, cols.width))
-        for j, i in enumerate(range(self.batch_size) if order is None else order.tolist()):
-            torch.mm(rows[i][:, start:stop].t(), columns[i], out=out[j])
-        return out
+            parts = (self.values,) if block_rows >= self.width else self.values.split(block_rows, -1)
+            for part in parts:
+                yield per_sample_outer(part, cols.values)
+            return
+        sequences = [sequence.t() for sequence in self.sequences()]
+        columns = cols.sequences()
+        for start in range(0, self.width, block_rows):
+            stop = min(start + block_rows, self.width)
+            out = self.values.new_empty((self.batch_size, stop - start, cols.width))
+            for j, i in enumerate(range(self.batch_size) if order is None else order.tolist()):
+                rows = sequences[i] if (start, stop) == (0, self.width) else sequences[i][start:stop]
+                torch.mm(rows, columns[i], out=out[j])
+            yield out
 
     def ghost_sq_norms(self, cols: _Rows, block_bytes: int, grams) -> torch.Tensor:
         """||selfᵢᵀ colsᵢ||² per sequence, the Gram matrices of at most ``block_bytes`` at a time, each
@@ -313,15 +321,16 @@ class _MicroBatch:
     def batch_size(self) -> int:
         return self.coefficients.shape[1]
 
-    def coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
+    def coefficients_as(self, like: torch.Tensor) -> Coefficients:
         """The (k, B) coefficients in like's dtype and device."""
         return _cast_once(self._cast, self.coefficients, like)
 
-    def ordered_coefficients_as(self, like: torch.Tensor) -> torch.Tensor:
-        """`coefficients_as` with the sequences in `order`."""
+    def ordered_coefficients_as(self, like: torch.Tensor) -> Coefficients:
+        """`coefficients_as` with the sequences in `order`, each row over its span alone."""
         key = ("ordered", like.dtype, like.device)
         if key not in self._cast:
-            self._cast[key] = self.coefficients[:, self.order].to(device=like.device, dtype=like.dtype)
+            self._cast[key] = Coefficients.of(self.coefficients[:, self.order].to(device=like.device, dtype=like.dtype),
+                                              self.spans)
         return self._cast[key]
 
     def input_gram(self, values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -402,7 +411,7 @@ class _MicroBatch:
         targets = []
         for key in self.keys:
             buffer, new = (self.engine.reward_buffer(param), False) if key is None else self.engine.score_buffer(key, param)
-            targets.append(Target(buffer.view(-1), new))
+            targets.append(Target(buffer.view(1, -1), new))
         return targets
 
     def _add_sq_norms(self, values: torch.Tensor, ordered: bool = False) -> None:
@@ -432,22 +441,21 @@ class _MicroBatch:
             self._add_sq_norms(torch.stack(norms).square().sum(0, dtype=torch.float64), ordered)
         self.block_norms.clear()
 
-    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, offset: int, ordered: bool = False,
+    def _accumulate(self, param: torch.Tensor, per_sample: torch.Tensor, ordered: bool = False,
                     targets: list | None = None) -> None:
-        """Norms and the combinations of per-sequence gradients (B, n) of the flat slice [offset, offset + n);
-        ``ordered``: their rows in `order`, each coefficient row's sequences consecutive (split), so that each
-        combination reads its own sequences' rows only."""
+        """Norms and the combinations of per-sequence gradients (B, n), n the size of each target (the parameter,
+        or the block of it that ``targets`` are views of); ``ordered``: their rows in `order`, each coefficient
+        row's sequences consecutive (split), so that each combination reads its own sequences' rows only."""
         per_sample = self._add_per_sample_sq_norms(per_sample, ordered)
         spans = self.spans if ordered else None
         self._combination(
-            param, functools.partial(_add_combinations, per_sample=per_sample, offset=offset, spans=spans), ordered,
-            targets,
+            param, functools.partial(_add_combinations, per_sample=per_sample, spans=spans), ordered, targets,
         )
 
     def add_dense(self, name: str, param: torch.Tensor, per_sample: torch.Tensor) -> None:
         """Per-sequence gradients of a whole parameter, shape (B, *param.shape)."""
         self._receive(name, param)
-        self._accumulate(param, per_sample, 0)
+        self._accumulate(param, per_sample)
 
     def add_outer_products(self, name: str, param: torch.Tensor, rows: _Rows, cols: _Rows, shared: _Rows) -> None:
         """Per-sequence gradients P_i = rows_iᵀ cols_i of an (R, C) weight, by the cheaper route; ``shared``
@@ -480,12 +488,19 @@ class _MicroBatch:
         # per sequence, a reordered copy of the inputs cost more than the combinations read less (measured)
         ordered = self.order is not None and rows.offsets is not None
         targets = None if deferred or self.engine.combination == NORMS_ONLY else self.targets(param)
-        for start in range(0, num_rows, block_rows):
-            block = rows.outer(cols, start, min(start + block_rows, num_rows), self.order if ordered else None)
+        # each target split into its blocks once (a view per block, not a slice per block and target)
+        target_blocks = [] if targets is None else [
+            (target.values,) if block_rows >= num_rows else target.values.split(block_rows * num_cols, 1)
+            for target in targets
+        ]
+        for index, block in enumerate(rows.outer_blocks(cols, block_rows, self.order if ordered else None)):
             if deferred:
                 self._add_per_sample_sq_norms(block)
             else:
-                self._accumulate(param, block, start * num_cols, ordered=ordered, targets=targets)
+                block_targets = None if targets is None else [
+                    Target(blocks[index], target.new) for blocks, target in zip(target_blocks, targets, strict=True)
+                ]
+                self._accumulate(param, block, ordered=ordered, targets=block_targets)
         if deferred:
             self._combination(param, weighted_products)
 
@@ -496,7 +511,7 @@ class _MicroBatch:
         rows = widened(rows)
 
         def combine_into(coefficients_as, targets):
-            coefficients, flat_ids = coefficients_as(rows), ids.flatten()
+            coefficients, flat_ids = coefficients_as(rows).matrix, ids.flatten()
             for row, (target, new) in enumerate(targets):
                 if new:  # a scatter adds to what is there
                     target.zero_()
@@ -544,16 +559,32 @@ def _consecutive_order(members: list, labels: list, batch_size: int) -> list[int
     return order + [i for i in range(batch_size) if i not in placed]
 
 
-def _cast_once(cache: dict, coefficients: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+class Coefficients(NamedTuple):
+    """A micro-batch's (k, B) coefficients in one dtype and device, and each row as a (1, ·) view of the sequences
+    its combination reads (its span of `order`, or all): sliced once per micro-batch, not once per block of every
+    weight (on a GPU each slice is a dispatch of the launch-bound step)."""
+
+    matrix: torch.Tensor
+    rows: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, matrix: torch.Tensor, spans: list | None = None) -> Coefficients:
+        if spans is None:
+            return cls(matrix, list(matrix.split(1)))
+        return cls(matrix, [matrix[j : j + 1, start:stop] for j, (start, stop) in enumerate(spans)])
+
+
+def _cast_once(cache: dict, coefficients: torch.Tensor, like: torch.Tensor) -> Coefficients:
     key = (like.dtype, like.device)
     if key not in cache:
-        cache[key] = coefficients.to(device=like.device, dtype=like.dtype)
+        cache[key] = Coefficients.of(coefficients.to(device=like.device, dtype=like.dtype))
     return cache[key]
 
 
 class Target(NamedTuple):
-    """One coefficient row's buffer, flat, and whether it is new: made uninitialised for this gradient part, which
-    assigns each element once instead of adding to zeros (one kernel where a fill and an addition took two)."""
+    """One coefficient row's buffer as one row (1, numel), and whether it is new: made uninitialised for this gradient
+    part, which assigns each element once instead of adding to zeros (one kernel where a fill and an addition took
+    two)."""
 
     values: torch.Tensor
     new: bool
@@ -570,15 +601,14 @@ class _CoefficientRow:
         return _cast_once(self._cast, self.row, like)
 
 
-def _add_combinations(coefficients_as, targets: list[torch.Tensor], per_sample: torch.Tensor, offset: int,
-                      spans: list | None = None) -> None:
-    """targets[j][offset : offset + n] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n); with
-    ``spans``, row j's sequences are per_sample[start:stop] alone (the others' coefficients are 0, unread)."""
-    coefficients, n = coefficients_as(per_sample), per_sample.shape[1]
-    for row, (target, new) in enumerate(targets):
-        start, stop = (0, per_sample.shape[0]) if spans is None else spans[row]
-        add_product(target[offset : offset + n].view(1, n), coefficients[row : row + 1, start:stop], per_sample[start:stop],
-                    assign=new)
+def _add_combinations(coefficients_as, targets: list[Target], per_sample: torch.Tensor, spans: list | None = None) -> None:
+    """targets[j] += Σ_i coefficients[j, i] per_sample[i], for per_sample (B, n) and targets (1, n); with ``spans``,
+    row j's sequences are per_sample[start:stop] alone (the others' coefficients are 0, unread)."""
+    batch = per_sample.shape[0]
+    for row, (coefficient_row, (target, new)) in enumerate(zip(coefficients_as(per_sample).rows, targets, strict=True)):
+        start, stop = (0, batch) if spans is None else spans[row]
+        samples = per_sample if (start, stop) == (0, batch) else per_sample[start:stop]
+        add_product(target, coefficient_row, samples, assign=new)
 
 
 def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _Rows, cols: _Rows,
@@ -587,7 +617,7 @@ def _add_weighted_products(coefficients_as, targets: list[torch.Tensor], rows: _
     narrower side scaled by the coefficients; with ``members``, over the tokens of members[j] only."""
     # Coefficients scale in float32 (or wider), then the product runs in the rows' dtype, as
     # autograd's weight gradient of the same micro-batch would.
-    coefficients = coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype)))
+    coefficients = coefficients_as(rows.values.new_empty(0, dtype=wide_dtype(rows.dtype))).matrix
     for row, (target, new) in enumerate(targets):
         row_rows, row_cols, row_coefficients = rows, cols, coefficients[row]
         if members is not None and len(members[row]) < rows.batch_size:
