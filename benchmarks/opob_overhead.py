@@ -48,7 +48,12 @@ import torch
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
 from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
-from vcpo.core.per_sequence_grads.reductions import COMBINATIONS, DEFAULT_BLOCK_BYTES, DEFAULT_PASS_COST
+from vcpo.core.per_sequence_grads.reductions import (
+    COMBINATIONS,
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_BLOCK_ROW_MULTIPLE,
+    DEFAULT_PASS_COST,
+)
 
 VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
 DEFAULT_VARIANTS = VARIANTS[:5]  # the parts of two_pass (norms_pass, input_grads) on request
@@ -256,11 +261,21 @@ def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, f
     return backward_done - start, time.perf_counter() - start
 
 
-def setup(args: argparse.Namespace):
-    model = build_model(args)
+def setup_engine_settings(args: argparse.Namespace) -> dict:
+    """The engines' settings: the route, CUDA's block settings and cost model with ``--cuda-blocks``, the block size
+    with ``--block-mb``; the device's defaults otherwise."""
     settings = dict(mode=args.mode)
     if args.cuda_blocks:
-        settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"])
+        settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"],
+                         block_row_multiple=DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
+    if args.block_mb is not None:
+        settings["block_bytes"] = int(args.block_mb * (1 << 20))
+    return settings
+
+
+def setup(args: argparse.Namespace):
+    model = build_model(args)
+    settings = setup_engine_settings(args)
     engine = Engines(PerSequenceGradients(model, combination=args.combination, **settings),
                      PerSequenceGradients(model, combination=NORMS_ONLY, **settings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
@@ -298,8 +313,11 @@ def time_variants(args: argparse.Namespace) -> dict:
             if repeat >= args.warmup:
                 times[variant][0].append(backward_seconds)
                 times[variant][1].append(step_seconds)
+    weight = next(model.parameters())
     return {
         "params": sum(p.numel() for p in model.parameters()),
+        "block_bytes": engine.opob.block_bytes(weight),
+        "block_row_multiple": engine.opob.block_row_multiple(weight),
         "agreement": agreement,
         "fwd_bwd_s": {v: statistics.median(t[0]) for v, t in times.items()},
         "step_s": {v: statistics.median(t[1]) for v, t in times.items()},
@@ -442,7 +460,8 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
         f"autocast {args.autocast or 'off'}, "
         f"batch {args.batch_size} x {args.seq_len} tokens (lengths >= {args.min_length_fraction:g}·T), "
         f"micro-batch {args.micro_batch_size}, "
-        f"threads {torch.get_num_threads()}, repeats {args.repeats}, mode {args.mode}"
+        f"threads {torch.get_num_threads()}, repeats {args.repeats}, mode {args.mode}, "
+        f"blocks of {timing['block_bytes'] / 2**20:g} MiB, rows a multiple of {timing['block_row_multiple']}"
     )
     header = f"{'variant':<14}{'step s':>9}{'step/plain':>12}{'fwd+bwd/plain':>15}{'peak MiB':>10}{'peak/plain':>12}"
     print(header)
@@ -504,6 +523,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--count-ops", action="store_true", help="also count each variant's dispatched ATen ops per step")
     parser.add_argument("--cuda-blocks", action="store_true",
                         help="the engine's CUDA block size and cost model on any device (what a GPU would run)")
+    parser.add_argument("--block-mb", type=float, default=None,
+                        help="MiB per block of per-sequence gradients (default: the device's, DEFAULT_BLOCK_BYTES)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results and ratios to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)

@@ -22,6 +22,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     per_sample_outer,
     prefers_ghost,
     rows_at_ids,
+    rows_per_block,
     sparse_rows_sq_norms,
 )
 from vcpo.local_models import random_qwen2
@@ -216,6 +217,32 @@ def test_many_small_blocks(kind):
     norms, grads = run_engine(model, batch, mode="materialize", block_bytes=1)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_blocks_of_a_row_multiple(combination):
+    """Blocks of a multiple of 32 rows (block_bytes=1 alone gives MIN_BLOCK_ROWS = 16): the 48-row MLP weights in a
+    block of 32 rows and one of 16, as CUDA's row multiple splits them; groups spread over two micro-batches."""
+    model = tiny_model("qwen2_tied")
+    batch = make_batch(seed=5)
+    groups = torch.tensor([0, 1, 0, 1, 1])
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 2), slice(2, 5)), groups=groups,
+                              mode="materialize", combination=combination, block_bytes=1, block_row_multiple=32)
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
+def test_rows_per_block():
+    # The GPU check's tied output layer (151,936 x 896, 4 sequences, float32 blocks of 128 MiB): 9,362 rows fit,
+    # 9,344 = 146 x 64 are taken, so that every block starts at a multiple of 64 rows.
+    assert rows_per_block(151936, 4, 896, 4, 128 << 20, 64) == 9344
+    assert rows_per_block(151936, 4, 896, 4, 128 << 20, 1) == 9362
+    assert rows_per_block(4864, 4, 896, 4, 128 << 20, 64) == 4864  # the whole weight in one block
+    # at least MIN_BLOCK_ROWS (16), and never fewer than one multiple
+    assert rows_per_block(1000, 4, 896, 4, 1, 1) == 16
+    assert rows_per_block(1000, 4, 896, 4, 1, 64) == 64
+    assert rows_per_block(40, 4, 896, 4, 1, 64) == 40
 
 
 def test_padding_idx_rows_get_no_gradient():

@@ -107,6 +107,7 @@ from vcpo.core.per_sequence_grads.functions import (
 from vcpo.core.per_sequence_grads.reductions import (
     COMBINATIONS,
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_BLOCK_ROW_MULTIPLE,
     DEFAULT_PASS_COST,
     LOW_PRECISION,
     MODES,
@@ -130,6 +131,8 @@ class PerSequenceGradients:
         block_bytes: size of one block of materialised per-sequence gradients; default per device
             type (``DEFAULT_BLOCK_BYTES``).
         pass_cost: the machine balance of `prefers_ghost`; default per device type (``DEFAULT_PASS_COST``).
+        block_row_multiple: rows per block are a multiple of this (aligned GEMM operands on a GPU); default
+            per device type (``DEFAULT_BLOCK_ROW_MULTIPLE``).
         combination: "buffers" accumulates G_R and one score buffer G_S^γ per open group during the
             backward (k = 1 + #groups combinations of every per-sequence gradient; memory: the buffers,
             any number of micro-batches). "deferred" keeps every part's inputs and output gradients
@@ -152,7 +155,7 @@ class PerSequenceGradients:
 
     def __init__(
         self, model: nn.Module, mode: str = "auto", block_bytes: int | None = None, pass_cost: float | None = None,
-        combination: str = "buffers",
+        combination: str = "buffers", block_row_multiple: int | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -160,12 +163,15 @@ class PerSequenceGradients:
             raise ValueError(f"combination must be one of {(*COMBINATIONS, NORMS_ONLY)}, got {combination!r}")
         if block_bytes is not None and not block_bytes > 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        if block_row_multiple is not None and not block_row_multiple > 0:
+            raise ValueError(f"block_row_multiple must be positive, got {block_row_multiple}")
         if pass_cost is not None and not (math.isfinite(pass_cost) and pass_cost > 0):
             raise ValueError(f"pass_cost must be a positive finite number, got {pass_cost}")
         self.mode = mode
         self.combination = combination
         self._block_bytes = block_bytes
         self._pass_cost = pass_cost
+        self._block_row_multiple = block_row_multiple
         self.sites, self.tied_params = _collect_sites(self, model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._active: _MicroBatch | None = None
@@ -180,6 +186,9 @@ class PerSequenceGradients:
 
     def block_bytes(self, like: torch.Tensor) -> int:
         return self._block_bytes or DEFAULT_BLOCK_BYTES.get(like.device.type, DEFAULT_BLOCK_BYTES["cuda"])
+
+    def block_row_multiple(self, like: torch.Tensor) -> int:
+        return self._block_row_multiple or DEFAULT_BLOCK_ROW_MULTIPLE.get(like.device.type, DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
 
     def pass_cost(self, like: torch.Tensor) -> float:
         return self._pass_cost or DEFAULT_PASS_COST.get(like.device.type, DEFAULT_PASS_COST["cuda"])

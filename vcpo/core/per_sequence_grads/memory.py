@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES
+
 GB = 1e9
 OPOB_MODES = ("single", "two_pass")
 # auto picks single only when its peak is at most this times the plain step's (and fits the GPU)
@@ -143,7 +145,7 @@ class StepShape:
 
     tokens_per_micro_batch: int
     buffers: int
-    block_bytes: int = 16 << 20
+    block_bytes: int = DEFAULT_BLOCK_BYTES["cuda"]
     # buffers already open when the last micro-batch's backward starts (its activations at their largest); at most
     # ``buffers``, which is what a step whose first micro-batches touch every group has
     buffers_before_last: int | None = None

@@ -22,11 +22,20 @@ NORMS_IN_BACKWARD = ("deferred", NORMS_ONLY)
 # float32 before they are squared, summed over sequences or scaled by coefficients.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# Per-sequence gradients are formed in blocks of weight rows of about this many bytes, so that the
-# reductions that follow read them from cache (CPU: about the L2; GPU: a third of an H100's L2).
-# Unblocked, the reductions over a (B, 32000, 512) lm_head gradient ran at DRAM speed, 1.5x slower.
-DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
+# Per-sequence gradients are formed in blocks of weight rows of about this many bytes. CPU: about the L2, so that
+# the reductions that follow read them from cache (unblocked, the reductions over a (B, 32000, 512) lm_head gradient
+# ran at DRAM speed, 1.5x slower). CUDA: few blocks, because every block dispatches about seven operators and the
+# H200 step was bound by dispatching them (tables/gpu_check/profile_opob.txt: 0.64 s of CPU against 0.44 s of GPU at
+# 16 MB blocks); at 128 MB the GPU check's step dispatches 1.39x a plain step's operators, at 16 MB 1.88x
+# (tables/opob_engine/aten_ops_0.5b.log). Such a block is larger than an H100's or H200's L2 (50 MB), so its passes
+# run at HBM speed: `benchmarks/gpu_check.py` times both sizes (part `blocks`).
+DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 128 << 20}
 MIN_BLOCK_ROWS = 16
+# Rows per block are a multiple of this (but for a weight's last block), so that each block's slice of the output
+# gradient starts aligned for the GPU's tensor-core GEMMs: on the H200 the 834 blocks that started at an odd row
+# (1,170 rows of 896 bf16 values) ran in CUTLASS kernels at 127-236 us each, 836 such calls in
+# tables/gpu_check/profile_opob.txt. CPU: 1, which keeps the archived runs' blocks and arithmetic.
+DEFAULT_BLOCK_ROW_MULTIPLE = {"cpu": 1, "cuda": 64}
 
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
 # a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
@@ -83,6 +92,13 @@ def ghost_sq_norms(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 def gram_sq_norms(row_gram: torch.Tensor, col_gram: torch.Tensor) -> torch.Tensor:
     """`ghost_sq_norms` from the two sides' Gram matrices (B, T, T): Σ_{t,s} of their product."""
     return torch.linalg.vecdot(row_gram.flatten(1), col_gram.flatten(1))
+
+
+def rows_per_block(num_rows: int, batch: int, num_cols: int, itemsize: int, block_bytes: int, multiple: int) -> int:
+    """Rows of an (R, C) weight per block of per-sequence gradients (B, rows, C) of ``itemsize`` bytes: at most
+    ``block_bytes`` (at least MIN_BLOCK_ROWS rows), a multiple of ``multiple``; all R where they fit."""
+    rows = max(MIN_BLOCK_ROWS, block_bytes // (batch * num_cols * itemsize))
+    return min(num_rows, max(multiple, rows // multiple * multiple))
 
 
 def prefers_ghost(lengths: list[int], rows: int, cols: int, num_combinations: int, pass_cost: float,

@@ -13,7 +13,6 @@ from torch import nn
 
 from vcpo.core.per_sequence_grads.functions import _AffineFunction, _EmbeddingFunction, _OuterProductFunction
 from vcpo.core.per_sequence_grads.reductions import (
-    MIN_BLOCK_ROWS,
     NORMS_IN_BACKWARD,
     NORMS_ONLY,
     PackedSegments,
@@ -25,6 +24,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     prefers_ghost,
     rms_normalize,
     rows_at_ids,
+    rows_per_block,
     segment_sums,
     sparse_rows_sq_norms,
     wide_dtype,
@@ -42,6 +42,7 @@ class Engine(Protocol):
 
     def active_micro_batch(self, name: str) -> _MicroBatch: ...
     def block_bytes(self, like: torch.Tensor) -> int: ...
+    def block_row_multiple(self, like: torch.Tensor) -> int: ...
     def pass_cost(self, like: torch.Tensor) -> float: ...
     def score_buffer(self, key, param: torch.Tensor) -> tuple[torch.Tensor, bool]: ...
     def reward_buffer(self, param: torch.Tensor) -> torch.Tensor: ...
@@ -482,8 +483,8 @@ class _MicroBatch:
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
         # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
         num_rows, num_cols = rows.width, cols.width
-        block_rows = self.engine.block_bytes(param) // (rows.batch_size * num_cols * wide_dtype(rows.dtype).itemsize)
-        block_rows = min(num_rows, max(MIN_BLOCK_ROWS, block_rows))
+        block_rows = rows_per_block(num_rows, rows.batch_size, num_cols, wide_dtype(rows.dtype).itemsize,
+                                    self.engine.block_bytes(param), self.engine.block_row_multiple(param))
         # split, packed: each block's sequences in `order`, free (one matmul per sequence view either way); one row
         # per sequence, a reordered copy of the inputs cost more than the combinations read less (measured)
         ordered = self.order is not None and rows.offsets is not None
