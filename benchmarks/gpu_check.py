@@ -9,6 +9,8 @@ Three parts, each in its own process, each logged under OUT and summarised in OU
               of the memory-safe two-pass step (norms only, then a plain backward), of one trajectory per
               micro-batch (the authors' release) and of the naive two-backward step, each against a plain
               backward (target: OPOB <= 1.10x plain; the paper's Megatron implementation measured 1.19x);
+  blocks      the same OPOB step at the former CUDA block settings (16 MiB, any row count) against the overhead part's
+              at the default (128 MiB, rows a multiple of 64), and one profiled step at the default (OUT/profile.log);
   calibrate   the cost model's machine balance on this GPU (opob_overhead.py --calibrate; the engine's
               CUDA default, DEFAULT_PASS_COST["cuda"], is an H200 measurement: tables/gpu_check/);
   exactness   the PerSequenceGradients exactness tests on this device (VCPO_TEST_DEVICE): float64 and
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+FORMER_CUDA_BLOCK_MB = 16  # the CUDA block size until the op counts at these shapes (tables/opob_engine/aten_ops_0.5b.log)
 EXACTNESS_TESTS = [
     "tests/test_per_sequence_grads.py",
     "tests/test_per_sequence_grads_packed.py",
@@ -78,6 +81,24 @@ def overhead(args: argparse.Namespace, out: Path) -> dict:
         part["peak_bytes"], part["agreement"] = measured["peak_bytes"], measured["agreement"]
         part["aten_ops"] = measured.get("aten_ops")
         part["opob_within_target"] = measured["ratios"]["step_time_ratio"]["opob"] <= 1.10
+    return part
+
+
+def blocks(args: argparse.Namespace, out: Path) -> dict:
+    """The engine's step at the former CUDA block settings (16 MiB, any row count), against the overhead part's at
+    the default (DEFAULT_BLOCK_BYTES["cuda"], a multiple of DEFAULT_BLOCK_ROW_MULTIPLE["cuda"] rows); and one
+    profiled step at the default, whose kernel names show whether aligned blocks left the slow GEMM kernels."""
+    result_file = out / "blocks.json"
+    settings = ["--model", args.model, "--device", args.device, "--dtype", "bfloat16", "--seq-len", str(args.seq_len),
+                "--combination", "split", "--grouped"]  # fmt: skip
+    command = [sys.executable, "benchmarks/opob_overhead.py", *settings, "--repeats", str(args.repeats),
+               "--variants", "plain,opob", "--block-mb", str(FORMER_CUDA_BLOCK_MB), "--block-row-multiple", "1",
+               "--json", str(result_file)]  # fmt: skip
+    part = run_part("blocks", command, out, args.part_timeout)
+    if result_file.exists():
+        part["opob_over_plain_at_former_blocks"] = json.loads(result_file.read_text())["ratios"]["step_time_ratio"]["opob"]
+    part["profile"] = run_part("profile", [sys.executable, "benchmarks/opob_overhead.py", *settings, "--profile", "opob"],
+                               out, args.part_timeout)
     return part
 
 
@@ -159,10 +180,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(args.device), "device": args.device}
     result["overhead"] = overhead(args, args.out)
+    result["blocks"] = blocks(args, args.out)
     result["calibrate"] = calibrate(args, args.out)
     result["exactness"] = exactness(args, args.out)
     result["megatron"] = megatron(args, args.out)
-    parts = ("overhead", "calibrate", "exactness", "megatron")
+    parts = ("overhead", "blocks", "calibrate", "exactness", "megatron")
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in parts}, indent=2, default=str))
     return 0 if all(result[part]["exit"] in (0, "skipped") for part in parts) else 1

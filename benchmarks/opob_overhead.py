@@ -263,13 +263,15 @@ def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, f
 
 def setup_engine_settings(args: argparse.Namespace) -> dict:
     """The engines' settings: the route, CUDA's block settings and cost model with ``--cuda-blocks``, the block size
-    with ``--block-mb``; the device's defaults otherwise."""
+    and row multiple with ``--block-mb`` and ``--block-row-multiple``; the device's defaults otherwise."""
     settings = dict(mode=args.mode)
     if args.cuda_blocks:
         settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"],
                          block_row_multiple=DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
     if args.block_mb is not None:
         settings["block_bytes"] = int(args.block_mb * (1 << 20))
+    if args.block_row_multiple is not None:
+        settings["block_row_multiple"] = args.block_row_multiple
     return settings
 
 
@@ -525,6 +527,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the engine's CUDA block size and cost model on any device (what a GPU would run)")
     parser.add_argument("--block-mb", type=float, default=None,
                         help="MiB per block of per-sequence gradients (default: the device's, DEFAULT_BLOCK_BYTES)")
+    parser.add_argument("--block-row-multiple", type=int, default=None,
+                        help="rows per block a multiple of this (default: the device's, DEFAULT_BLOCK_ROW_MULTIPLE)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results and ratios to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)

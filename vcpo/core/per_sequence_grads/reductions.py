@@ -40,7 +40,8 @@ DEFAULT_BLOCK_ROW_MULTIPLE = {"cpu": 1, "cuda": 64}
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of
 # a large matmul (the machine balance of in-cache passes). CPU: `benchmarks/opob_overhead.py
 # --calibrate` measured 43-74 on a 2-core AVX-512 EPYC (512x1536 float32 layer, T = 32-256). CUDA: 1143
-# measured on an H200 (896x4864 bf16 layer, T = 2048; tables/gpu_check/calibrate.log).
+# measured on an H200 (896x4864 bf16 layer, T = 2048; tables/gpu_check/calibrate.log), with 16 MiB blocks, whose passes
+# ran in L2: the GPU check's calibrate part re-measures it at the present blocks.
 DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 1143.0}
 
 
