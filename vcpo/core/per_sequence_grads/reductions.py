@@ -26,15 +26,15 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the reductions that follow read them from cache (unblocked, the reductions over a (B, 32000, 512) lm_head gradient
 # ran at DRAM speed, 1.5x slower). CUDA: few blocks, because every block dispatches about seven operators and the
 # H200 step was bound by dispatching them (tables/gpu_check/profile_opob.txt: 0.64 s of CPU against 0.44 s of GPU at
-# 16 MB blocks); at 128 MB the GPU check's step dispatches 1.39x a plain step's operators, at 16 MB 1.88x
+# 16 MiB blocks); at 128 MiB the GPU check's step dispatches 1.39x a plain step's operators, at 16 MiB 1.88x
 # (tables/opob_engine/aten_ops_0.5b.log). Such a block is larger than an H100's or H200's L2 (50 MB), so its passes
 # run at HBM speed: `benchmarks/gpu_check.py` times both sizes (part `blocks`).
 DEFAULT_BLOCK_BYTES = {"cpu": 2 << 20, "cuda": 128 << 20}
 MIN_BLOCK_ROWS = 16
 # Rows per block are a multiple of this (but for a weight's last block), so that each block's slice of the output
-# gradient starts aligned for the GPU's tensor-core GEMMs: on the H200 the 834 blocks that started at an odd row
-# (1,170 rows of 896 bf16 values) ran in CUTLASS kernels at 127-236 us each, 836 such calls in
-# tables/gpu_check/profile_opob.txt. CPU: 1, which keeps the archived runs' blocks and arithmetic.
+# gradient starts aligned for the GPU's tensor-core GEMMs: the H200 step had 834 blocks starting at a nonzero multiple
+# of 1,170 or 215 bf16 rows (not 16-byte aligned), and tables/gpu_check/profile_opob.txt shows 836 calls of CUTLASS
+# kernels at 127-236 us each (inferred, not isolated). CPU: 1, which keeps the archived runs' blocks and arithmetic.
 DEFAULT_BLOCK_ROW_MULTIPLE = {"cpu": 1, "cuda": 64}
 
 # Cost of the reductions over one materialised per-sequence gradient element, in multiply-adds of

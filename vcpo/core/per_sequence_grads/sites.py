@@ -192,8 +192,8 @@ class _Rows:
 
     def outer_blocks(self, cols: _Rows, block_rows: int, order: torch.Tensor | None = None):
         """Every sequence's selfᵢᵀ colsᵢ in blocks of ``block_rows`` rows, each (B, rows, C); packed, with ``order``,
-        the sequences in that order. Each block costs one matmul per block (padded) or per sequence (packed), with
-        the slicing done once per call: on a GPU every dispatched operator is a launch."""
+        the sequences in that order. A block is one matmul (padded) or one per sequence (packed), the inputs sliced
+        once per call, not per block: on a GPU every dispatched operator costs a launch."""
         if self.offsets is None:
             parts = (self.values,) if block_rows >= self.width else self.values.split(block_rows, -1)
             for part in parts:
