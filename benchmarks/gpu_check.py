@@ -69,11 +69,15 @@ def run_part(name: str, command: list[str], out: Path, timeout_s: int, env: dict
     return {"command": command, "exit": status, "seconds": seconds}
 
 
+def engine_step(args: argparse.Namespace) -> list[str]:
+    """benchmarks/opob_overhead.py on the engine's step (split combination, a baseline per group), bf16."""
+    return [sys.executable, "benchmarks/opob_overhead.py", "--model", args.model, "--device", args.device,
+            "--dtype", "bfloat16", "--seq-len", str(args.seq_len), "--combination", "split", "--grouped"]  # fmt: skip
+
+
 def overhead(args: argparse.Namespace, out: Path) -> dict:
     result_file = out / "overhead.json"
-    command = [sys.executable, "benchmarks/opob_overhead.py", "--model", args.model, "--device", args.device,
-               "--dtype", "bfloat16", "--seq-len", str(args.seq_len), "--repeats", str(args.repeats),
-               "--count-ops", "--combination", "split", "--grouped", "--json", str(result_file)]  # the engine's step; fmt: skip
+    command = [*engine_step(args), "--repeats", str(args.repeats), "--count-ops", "--json", str(result_file)]
     part = run_part("overhead", command, out, args.part_timeout)
     if result_file.exists():
         measured = json.loads(result_file.read_text())
@@ -89,16 +93,12 @@ def blocks(args: argparse.Namespace, out: Path) -> dict:
     the default (DEFAULT_BLOCK_BYTES["cuda"], a multiple of DEFAULT_BLOCK_ROW_MULTIPLE["cuda"] rows); and one
     profiled step at the default, whose kernel names show whether aligned blocks left the slow GEMM kernels."""
     result_file = out / "blocks.json"
-    settings = ["--model", args.model, "--device", args.device, "--dtype", "bfloat16", "--seq-len", str(args.seq_len),
-                "--combination", "split", "--grouped"]  # fmt: skip
-    command = [sys.executable, "benchmarks/opob_overhead.py", *settings, "--repeats", str(args.repeats),
-               "--variants", "plain,opob", "--block-mb", str(FORMER_CUDA_BLOCK_MB), "--block-row-multiple", "1",
-               "--json", str(result_file)]  # fmt: skip
+    command = [*engine_step(args), "--repeats", str(args.repeats), "--variants", "plain,opob",
+               "--block-mb", str(FORMER_CUDA_BLOCK_MB), "--block-row-multiple", "1", "--json", str(result_file)]  # fmt: skip
     part = run_part("blocks", command, out, args.part_timeout)
     if result_file.exists():
         part["opob_over_plain_at_former_blocks"] = json.loads(result_file.read_text())["ratios"]["step_time_ratio"]["opob"]
-    part["profile"] = run_part("profile", [sys.executable, "benchmarks/opob_overhead.py", *settings, "--profile", "opob"],
-                               out, args.part_timeout)
+    part["profile"] = run_part("profile", [*engine_step(args), "--profile", "opob"], out, args.part_timeout)
     return part
 
 

@@ -19,17 +19,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+from vcpo.resident_memory import MEASURING_ENV, reset_peak, status_bytes
 
 DEFAULT_POINTS = "448:4:4,896:4:1,896:4:4,896:4:8,896:2:4,896:8:4,1792:4:4"  # tokens:heads:layers
 HEAD_DIM = 64
-
-
-def resident(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def measure(tokens: int, heads: int, layers: int, masked: bool) -> dict:
@@ -40,19 +34,17 @@ def measure(tokens: int, heads: int, layers: int, masked: bool) -> dict:
     torch.set_num_threads(1)
     inputs = torch.randn(1, heads, tokens, HEAD_DIM, requires_grad=True)
     mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None] if masked else None
-    Path("/proc/self/clear_refs").write_text("5")
-    before = resident("VmRSS")
+    before = reset_peak()
     hidden = inputs
     for _ in range(layers):
         hidden = F.scaled_dot_product_attention(hidden, hidden, hidden, attn_mask=mask, is_causal=not masked)
-    kept = resident("VmHWM") - before
+    kept = status_bytes("VmHWM") - before
     hidden.sum().backward()
-    return {"kept": kept, "peak": resident("VmHWM") - before}
+    return {"kept": kept, "peak": status_bytes("VmHWM") - before}
 
 
 def run_point(tokens: int, heads: int, layers: int, masked: bool) -> dict:
-    # a freed tensor leaves the resident set at once (opob_memory.py's setting)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **MEASURING_ENV}
     done = subprocess.run([sys.executable, __file__, "--point", str(tokens), str(heads), str(layers), str(int(masked))],
                           env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

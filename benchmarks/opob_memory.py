@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vcpo.resident_memory import MEASURING_ENV, reset_peak, status_bytes
+
 MODELS = {  # Qwen2 shapes (random init, tied embeddings), as benchmarks/opob_engine.py's
     "small": dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=4096),
     "50m": dict(hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=2, vocab_size=32000),
@@ -47,13 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write results.json and results.md here")
     parser.add_argument("--point", nargs=3, metavar=("MODEL", "KIND", "GROUPS"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) -> dict:
@@ -104,12 +99,11 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     # freed here, so that the baseline holds what stays between steps (parameters, Adam's moments) and the
     # measured step holds its gradient, as the model's step does
     engine.optimizer_zero_grad()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = rss_bytes("VmRSS")
+    before = reset_peak()
     started = time.perf_counter()
     out = engine.train_batch(td, loss(kind))
     seconds = time.perf_counter() - started
-    peak = rss_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
 
     lengths = raw.attention.sum(-1)
     tokens = max(int(lengths[start : start + args.micro].sum()) for start in range(0, args.batch, args.micro))
@@ -134,7 +128,7 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
 
 
 def run_point(model: str, kind: str, groups: int, argv: list[str]) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **MEASURING_ENV}
     done = subprocess.run([sys.executable, __file__, *argv, "--point", model, kind, str(groups)], env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode:

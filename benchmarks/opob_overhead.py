@@ -36,7 +36,6 @@ import argparse
 import collections
 import ctypes
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     DEFAULT_BLOCK_ROW_MULTIPLE,
     DEFAULT_PASS_COST,
 )
+from vcpo.resident_memory import reset_peak, status_bytes
 
 VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
 DEFAULT_VARIANTS = VARIANTS[:5]  # the parts of two_pass (norms_pass, input_grads) on request
@@ -326,11 +326,6 @@ def time_variants(args: argparse.Namespace) -> dict:
     }
 
 
-def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"^{key}:\s+(\d+)", status.read(), re.MULTILINE).group(1))
-
-
 def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
     """Peak bytes above the model and optimizer state during one step of ``variant``."""
     model, engine, optimizer, batch = setup(args)
@@ -342,11 +337,9 @@ def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
         timed_step(variant, model, engine, optimizer, batch, args)
         return torch.cuda.max_memory_allocated() - resting
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS is the live memory
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset VmHWM to the current RSS
-    resting = _proc_status_kib("VmRSS")
+    resting = reset_peak()
     timed_step(variant, model, engine, optimizer, batch, args)
-    return (_proc_status_kib("VmHWM") - resting) * 1024
+    return status_bytes("VmHWM") - resting
 
 
 def memory_in_subprocess(args: argparse.Namespace, variant: str) -> int:

@@ -185,13 +185,13 @@ class PerSequenceGradients:
         self._grouped: bool | None = None
 
     def block_bytes(self, like: torch.Tensor) -> int:
-        return self._block_bytes or DEFAULT_BLOCK_BYTES.get(like.device.type, DEFAULT_BLOCK_BYTES["cuda"])
+        return self._block_bytes or _device_default(DEFAULT_BLOCK_BYTES, like)
 
     def block_row_multiple(self, like: torch.Tensor) -> int:
-        return self._block_row_multiple or DEFAULT_BLOCK_ROW_MULTIPLE.get(like.device.type, DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
+        return self._block_row_multiple or _device_default(DEFAULT_BLOCK_ROW_MULTIPLE, like)
 
     def pass_cost(self, like: torch.Tensor) -> float:
-        return self._pass_cost or DEFAULT_PASS_COST.get(like.device.type, DEFAULT_PASS_COST["cuda"])
+        return self._pass_cost or _device_default(DEFAULT_PASS_COST, like)
 
     def active_micro_batch(self, name: str) -> _MicroBatch:
         if self._active is None:
@@ -426,6 +426,11 @@ class PerSequenceGradients:
         self._open_labels = []
         self._open_micro_batches = []
         self._grouped = None
+
+
+def _device_default(per_device: dict, like: torch.Tensor):
+    """A per-device-type default for ``like``'s device (a device type without its own entry takes CUDA's)."""
+    return per_device.get(like.device.type, per_device["cuda"])
 
 
 def _unhandled_gradient_guard(grad: torch.Tensor | None) -> None:

@@ -1,0 +1,37 @@
+"""vcpo.resident_memory: the CPU memory benchmarks' peak above the resident memory before a step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import json
+from vcpo.resident_memory import reset_peak, status_bytes
+before = reset_peak()
+block = bytearray(b"\\x01") * 64_000_000  # 64 MB, every page written
+del block
+print(json.dumps({"peak": status_bytes("VmHWM") - before, "after": status_bytes("VmRSS") - before}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_the_peak_above_the_reset_is_what_the_step_held_and_freed_memory_leaves():
+    from vcpo.resident_memory import MEASURING_ENV
+
+    done = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **MEASURING_ENV}, capture_output=True,
+                          text=True, check=True, timeout=120)
+    measured = json.loads(done.stdout)
+    assert 60e6 <= measured["peak"] <= 72e6  # the 64 MB block, and little else
+    assert measured["after"] < 4e6  # freed at once under MEASURING_ENV
+
+
+def test_an_unknown_field_is_an_error_that_names_it():
+    from vcpo.resident_memory import status_bytes
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux's /proc")
+    with pytest.raises(RuntimeError, match="VmNothing"):
+        status_bytes("VmNothing")
