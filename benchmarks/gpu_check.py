@@ -9,7 +9,7 @@ Three parts, each in its own process, each logged under OUT and summarised in OU
               of the memory-safe two-pass step (norms only, then a plain backward), of one trajectory per
               micro-batch (the authors' release) and of the naive two-backward step, each against a plain
               backward (target: OPOB <= 1.10x plain; the paper's Megatron implementation measured 1.19x);
-  blocks      the same OPOB step at the former CUDA block settings (16 MiB, any row count) against the overhead part's
+  blocks      the same OPOB step at L2-sized blocks (16 MiB, any row count) against the overhead part's
               at the default (128 MiB, rows a multiple of 64), and one profiled step at the default (OUT/profile.log);
   calibrate   the cost model's machine balance on this GPU (opob_overhead.py --calibrate; the engine's
               CUDA default, DEFAULT_PASS_COST["cuda"], is an H200 measurement: tables/gpu_check/);
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FORMER_CUDA_BLOCK_MB = 16  # the CUDA block size until the op counts at these shapes (tables/opob_engine/aten_ops_0.5b.log)
+L2_SIZED_BLOCK_MB = 16  # a third of an H100's L2, where a block's passes stay in cache
 EXACTNESS_TESTS = [
     "tests/test_per_sequence_grads.py",
     "tests/test_per_sequence_grads_packed.py",
@@ -89,15 +89,15 @@ def overhead(args: argparse.Namespace, out: Path) -> dict:
 
 
 def blocks(args: argparse.Namespace, out: Path) -> dict:
-    """The engine's step at the former CUDA block settings (16 MiB, any row count), against the overhead part's at
+    """The engine's step at L2-sized blocks (16 MiB, any row count), against the overhead part's at
     the default (DEFAULT_BLOCK_BYTES["cuda"], a multiple of DEFAULT_BLOCK_ROW_MULTIPLE["cuda"] rows); and one
     profiled step at the default, whose kernel names show whether aligned blocks left the slow GEMM kernels."""
     result_file = out / "blocks.json"
     command = [*engine_step(args), "--repeats", str(args.repeats), "--variants", "plain,opob",
-               "--block-mb", str(FORMER_CUDA_BLOCK_MB), "--block-row-multiple", "1", "--json", str(result_file)]  # fmt: skip
+               "--block-mb", str(L2_SIZED_BLOCK_MB), "--block-row-multiple", "1", "--json", str(result_file)]  # fmt: skip
     part = run_part("blocks", command, out, args.part_timeout)
     if result_file.exists():
-        part["opob_over_plain_at_former_blocks"] = json.loads(result_file.read_text())["ratios"]["step_time_ratio"]["opob"]
+        part["opob_over_plain_at_l2_sized_blocks"] = json.loads(result_file.read_text())["ratios"]["step_time_ratio"]["opob"]
     part["profile"] = run_part("profile", [*engine_step(args), "--profile", "opob"], out, args.part_timeout)
     return part
 

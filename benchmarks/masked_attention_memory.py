@@ -24,6 +24,7 @@ from vcpo.resident_memory import MEASURING_ENV, reset_peak, status_bytes
 
 DEFAULT_POINTS = "448:4:4,896:4:1,896:4:4,896:4:8,896:2:4,896:8:4,1792:4:4"  # tokens:heads:layers
 HEAD_DIM = 64
+POINT_TIMEOUT_S = 600  # a point takes seconds; a hung one fails the run by name
 
 
 def measure(tokens: int, heads: int, layers: int, masked: bool) -> dict:
@@ -46,7 +47,7 @@ def measure(tokens: int, heads: int, layers: int, masked: bool) -> dict:
 def run_point(tokens: int, heads: int, layers: int, masked: bool) -> dict:
     env = {**os.environ, **MEASURING_ENV}
     done = subprocess.run([sys.executable, __file__, "--point", str(tokens), str(heads), str(layers), str(int(masked))],
-                          env=env, capture_output=True, text=True, check=True)
+                          env=env, capture_output=True, text=True, check=True, timeout=POINT_TIMEOUT_S)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

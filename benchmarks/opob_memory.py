@@ -33,6 +33,7 @@ MODELS = {  # Qwen2 shapes (random init, tied embeddings), as benchmarks/opob_en
 }
 KINDS = {"plain": ("seq_tis_c8", "auto"), "single": ("vcpo", "single"), "two_pass": ("vcpo", "two_pass")}
 TOLERANCE = 0.15  # the criterion: the projection within 15% of the measured step
+POINT_TIMEOUT_S = 1800  # a point takes minutes; a hung one fails the run by name
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,7 +131,7 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
 def run_point(model: str, kind: str, groups: int, argv: list[str]) -> dict:
     env = {**os.environ, **MEASURING_ENV}
     done = subprocess.run([sys.executable, __file__, *argv, "--point", model, kind, str(groups)], env=env,
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, timeout=POINT_TIMEOUT_S)
     if done.returncode:
         raise SystemExit(f"point {model} {kind} G={groups} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -87,6 +87,7 @@ MODEL_SHAPES = {
     ),
 }
 TIS_CAP = 8.0
+MEMORY_PROBE_TIMEOUT_S = 1800  # one variant's step in a fresh process; a hung one fails the run by name
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -344,7 +345,7 @@ def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
 
 def memory_in_subprocess(args: argparse.Namespace, variant: str) -> int:
     command = [sys.executable, __file__, *sys.argv[1:], "--memory-probe", variant]
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    result = subprocess.run(command, check=True, capture_output=True, text=True, timeout=MEMORY_PROBE_TIMEOUT_S)
     return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 

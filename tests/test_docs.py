@@ -166,8 +166,7 @@ def test_the_claims_table_quotes_its_files_numbers():
     params = re.search(r"\(([\d.]+)M params\)", log)[1]
     assert_quoted(row[7], f"{step['opob']:.2f}", f"{step['two_pass']:.2f}", f"{params}M", f"{gpu_model}B", f"{gpu:.2f}")
     dispatched = operator_counts("aten_ops_0.5b.log")["split", None]["dispatched"]
-    before = operator_counts("aten_ops_0.5b_before.log")["split", None]["dispatched"]
-    assert_quoted(row[7], *(f"{counts['opob'] / counts['plain']:.2f}x" for counts in (dispatched, before)))
+    assert_quoted(row[7], f"{dispatched['opob'] / dispatched['plain']:.2f}x")
 
     gsm8k = load_json("tables/real_model/base_eval.json")["rows"]["gsm8k"]
     assert_quoted(row[8], f"{100 * gsm8k['strict']['mean_at_n']:.1f}%")
@@ -746,32 +745,31 @@ def operator_counts(log_name: str) -> dict:
 
 
 def test_the_docs_operator_counts_are_the_logs():
-    """docs/per_sequence_gradients.md's table of operators per step at the GPU check's shapes is the logs' counts,
-    before and after, at both block sizes; the engine's step at the default blocks is within the 1.5x aim the text
-    says it meets, and the 50M count it compares with is that log's."""
-    now, before = operator_counts("aten_ops_0.5b.log"), operator_counts("aten_ops_0.5b_before.log")
+    """docs/per_sequence_gradients.md's table of operators per step at the GPU check's shapes is the log's counts at
+    both block sizes; the engine's step at CUDA's default blocks is within the 1.5x aim the text says it meets, and the
+    blocks the text counts are the log's batched products."""
+    counts = operator_counts("aten_ops_0.5b.log")
     table = section(PER_SEQUENCE, "| CUDA blocks | plain |", "\n\n")
 
-    def cell(counts: dict, variant: str, kinds: tuple) -> str:
-        plain = counts[kinds[0]]["plain"]
+    def cell(ops: dict, variant: str) -> str:
+        kinds = ("dispatched", "computing")
         if variant == "plain":
-            return " / ".join(f"{counts[kind]['plain']:,}" for kind in kinds)
-        return " / ".join(f"{counts[kind][variant]:,} ({counts[kind][variant] / counts[kind]['plain']:.2f}×)" for kind in kinds) if plain else ""
+            return " / ".join(f"{ops[kind]['plain']:,}" for kind in kinds)
+        return " / ".join(f"{ops[kind][variant]:,} ({ops[kind][variant] / ops[kind]['plain']:.2f}×)" for kind in kinds)
 
-    for label, counts, kinds in (("16 MiB, before (commit 5cdc1c6): dispatched", before["split", None], ("dispatched",)),
-                                 ("16 MiB, now: dispatched / computing", now["split", 16], ("dispatched", "computing")),
-                                 ("128 MiB, rows a multiple of 64 (the CUDA default now): dispatched / computing",
-                                  now["split", None], ("dispatched", "computing"))):
-        row = " | ".join([label, *(cell(counts, v, kinds) for v in ("plain", "opob", "two_pass"))])
+    for label, ops in (("16 MiB (`--block-mb 16`): dispatched / computing", counts["split", 16]),
+                       ("128 MiB, rows a multiple of 64 (CUDA's default): dispatched / computing", counts["split", None])):
+        row = " | ".join([label, *(cell(ops, v) for v in ("plain", "opob", "two_pass"))])
         assert f"| {row} |" in table, row
-    default = now["split", None]
+    default = counts["split", None]
     assert all(default[kind]["opob"] <= 1.5 * default[kind]["plain"] for kind in ("dispatched", "computing"))
     log = (ROOT / "tables/opob_engine/aten_ops_0.5b.log").read_text()
     assert "blocks of 128 MiB, rows a multiple of 64" in log and "blocks of 16 MiB" in log
     from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_ROW_MULTIPLE
     assert (DEFAULT_BLOCK_BYTES["cuda"], DEFAULT_BLOCK_ROW_MULTIPLE["cuda"]) == (128 << 20, 64)
-    small = operator_counts("aten_ops_50m.log")["split", None]["computing"]
-    assert_quoted(section(PER_SEQUENCE, "aten_ops_50m.log", "twice plain's"), f"{small['opob'] / small['plain']:.2f}× computing")
+    batched = [int(n) for n in re.findall(r"^  opob beyond plain: .*?bmm \+(\d+)", log, re.MULTILINE)]  # 128 MiB, 16 MiB
+    text = section(PER_SEQUENCE, "the count follows the number of blocks", "L2 (50 MB)")
+    assert_quoted(text, f"{batched[1] - 4:,}", f"bmm +{batched[1]}", f"{batched[0] - 4}", f"bmm +{batched[0]}")
 
 
 def test_the_simulator_cost_table_quotes_its_measurement():

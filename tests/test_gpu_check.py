@@ -36,9 +36,9 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     assert overhead["ratios"]["step_time_ratio"]["plain"] == 1.0 and overhead["step_s"]["opob"] > 0
     assert overhead["opob_within_target"] == (overhead["ratios"]["step_time_ratio"]["opob"] <= 1.10)
     assert report["calibrate"]["pass_cost"] > 0
-    # the former block size timed against the default, and one profiled step at the default
+    # L2-sized blocks timed against the default, and one profiled step at the default
     blocks = report["blocks"]
-    assert blocks["exit"] == 0 and blocks["opob_over_plain_at_former_blocks"] > 0 and blocks["profile"]["exit"] == 0
+    assert blocks["exit"] == 0 and blocks["opob_over_plain_at_l2_sized_blocks"] > 0 and blocks["profile"]["exit"] == 0
     assert "opob: one step" in (tmp_path / "profile.log").read_text()
     # the device-following exactness tests ran and passed (float64, float32, packed, bf16/fp16)
     assert exactness["tests"] >= 80 and exactness["passed"] == exactness["tests"] and exactness["failures"] == 0
