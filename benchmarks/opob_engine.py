@@ -21,7 +21,10 @@ The variants run round-robin (each repeat runs all of them, after one warm-up ea
 step time of each is printed with its ratio to plain, with the minimum and the median process CPU
 time (with one thread, CPU time does not count the time other jobs on a shared machine take the core), and the
 median over rounds of each round's CPU-time ratio to plain's step in the same round (paired: steadiest). Remove-padding (packed micro-batches, verl's
-default) unless ``--padded``.
+default) unless ``--padded``. ``--caching-allocator`` restarts the benchmark under glibc settings that keep freed
+memory for the next allocation (``vcpo.resident_memory.CACHING_ENV``), as CUDA's caching allocator does; by default
+glibc gives large freed chunks back to the kernel, so each step page-faults its gradients and OPOB's score buffers
+afresh (one float32 copy of the model per buffer, up to two per prompt group).
 
     python benchmarks/opob_engine.py                      # small model, packed, 1 thread
     python benchmarks/opob_engine.py --model 50m --batch 8 --repeats 5
@@ -35,6 +38,7 @@ import argparse
 import functools
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -44,6 +48,7 @@ import torch.distributed as dist
 from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.core.per_sequence_grads.memory import OPOB_MODES
 from vcpo.provenance import code_state, cpu_name, utc_now
+from vcpo.resident_memory import CACHING_ENV
 from vcpo.verl_contract import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
@@ -72,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--combinations", default="buffers",
                         help="other OPOB combinations to time beside the engine's, comma-separated ('' for none)")
     parser.add_argument("--modes", default="two_pass", help="OPOB modes to time beside single, comma-separated ('' for none)")
+    parser.add_argument("--caching-allocator", action="store_true",
+                        help="restart under glibc settings that keep freed memory for reuse, as CUDA's allocator does")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
         setattr(args, name, value)
@@ -96,8 +103,15 @@ def near_policy_log_probs(model_dir, raw, spread: float, seed: int = 0) -> torch
     return response + spread * noise
 
 
+def caching_allocator() -> bool:
+    return all(os.environ.get(key) == value for key, value in CACHING_ENV.items())
+
+
 def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
+    if args.caching_allocator and not caching_allocator():  # glibc reads its settings when the process starts
+        arguments = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *arguments], {**os.environ, **CACHING_ENV})
     torch.set_num_threads(args.threads)
     select_cpu_platform()
     from verl.workers.utils.losses import ppo_loss
@@ -172,7 +186,7 @@ def main(argv=None) -> dict[str, float]:
         f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} in {args.batch // args.group} "
         f"groups, micro={args.micro}, "
         f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, float32{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
-        f"median of {args.repeats}"
+        f"median of {args.repeats}, glibc allocator {'keeping freed memory' if caching_allocator() else 'default'}"
     )
     # each round's step against plain's step of the same round, the median over rounds: drifts in the machine's
     # speed over the run (seen here at +-15% between rounds of an idle VM) cancel out of each ratio
