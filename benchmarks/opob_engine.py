@@ -21,10 +21,16 @@ The variants run round-robin (each repeat runs all of them, after one warm-up ea
 step time of each is printed with its ratio to plain, with the minimum and the median process CPU
 time (with one thread, CPU time does not count the time other jobs on a shared machine take the core), and the
 median over rounds of each round's CPU-time ratio to plain's step in the same round (paired: steadiest). Remove-padding (packed micro-batches, verl's
-default) unless ``--padded``. ``--caching-allocator`` restarts the benchmark under glibc settings that keep freed
-memory for the next allocation (``vcpo.resident_memory.CACHING_ENV``), as CUDA's caching allocator does; by default
-glibc gives large freed chunks back to the kernel, so each step page-faults its gradients and OPOB's score buffers
-afresh (one float32 copy of the model per buffer, up to two per prompt group).
+default) unless ``--padded``.
+
+glibc's allocator settings decide what the times and the memory mean, so ``--allocator`` restarts the benchmark
+under one of them (``vcpo.resident_memory``). ``default``: glibc gives large freed chunks back to the kernel, so each
+step page-faults its gradients and OPOB's score buffers afresh (one float32 copy of the model per buffer, up to two
+per prompt group), and reuses smaller freed memory unseen, so no peak memory is printed. ``caching``: freed memory is
+kept for reuse, as CUDA's caching allocator keeps GPU memory: the times a GPU's allocator would give, no peak memory.
+``measuring``: every freed tensor goes back at once, so the resident set follows the live tensors and each variant's
+peak resident memory above the step's start is printed (as ``benchmarks/opob_memory.py`` measures it); its times
+include a page fault for every page of every allocation.
 
     python benchmarks/opob_engine.py                      # small model, packed, 1 thread
     python benchmarks/opob_engine.py --model 50m --batch 8 --repeats 5
@@ -48,10 +54,11 @@ import torch.distributed as dist
 from vcpo.core.per_sequence_grads import COMBINATIONS
 from vcpo.core.per_sequence_grads.memory import OPOB_MODES
 from vcpo.provenance import code_state, cpu_name, utc_now
-from vcpo.resident_memory import CACHING_ENV
+from vcpo.resident_memory import CACHING_ENV, MEASURING_ENV, reset_peak, status_bytes
 from vcpo.verl_contract import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
+ALLOCATORS = {"default": {}, "caching": CACHING_ENV, "measuring": MEASURING_ENV}
 # Qwen2 shapes (random init, tied embeddings); "50m" is benchmarks/opob_overhead.py's 50m model.
 MODELS = {
     "small": dict(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, vocab=4096),
@@ -77,8 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--combinations", default="buffers",
                         help="other OPOB combinations to time beside the engine's, comma-separated ('' for none)")
     parser.add_argument("--modes", default="two_pass", help="OPOB modes to time beside single, comma-separated ('' for none)")
-    parser.add_argument("--caching-allocator", action="store_true",
-                        help="restart under glibc settings that keep freed memory for reuse, as CUDA's allocator does")
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default",
+                        help="glibc's settings: caching keeps freed memory for reuse (GPU-like times), measuring returns it "
+                             "at once (peak memory printed)")
     args = parser.parse_args(argv)
     for name, value in MODELS[args.model].items():
         setattr(args, name, value)
@@ -103,15 +111,22 @@ def near_policy_log_probs(model_dir, raw, spread: float, seed: int = 0) -> torch
     return response + spread * noise
 
 
-def caching_allocator() -> bool:
-    return all(os.environ.get(key) == value for key, value in CACHING_ENV.items())
+def allocator() -> str:
+    """The allocator settings this process was started with ("custom": none of ALLOCATORS)."""
+    keys = {key for settings in ALLOCATORS.values() for key in settings}
+    for name, settings in ALLOCATORS.items():
+        if all(os.environ.get(key) == value for key, value in settings.items()) and not (keys - set(settings)) & set(os.environ):
+            return name
+    return "custom"
 
 
 def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
-    if args.caching_allocator and not caching_allocator():  # glibc reads its settings when the process starts
+    if allocator() != args.allocator:  # glibc reads its settings when the process starts
         arguments = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *arguments], {**os.environ, **CACHING_ENV})
+        environment = {key: value for key, value in os.environ.items() if key not in (*CACHING_ENV, *MEASURING_ENV)}
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *arguments],
+                  {**environment, **ALLOCATORS[args.allocator]})
     torch.set_num_threads(args.threads)
     select_cpu_platform()
     from verl.workers.utils.losses import ppo_loss
@@ -154,28 +169,31 @@ def main(argv=None) -> dict[str, float]:
     names = list(losses)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, list[int]] = {name: [] for name in names}
     metrics = {}
 
     shape = (args.batch, args.group, args.prompt, args.response, args.vocab, remove_padding, args.micro)
     _, raw = cpu.actor_batch(*shape, min_response=args.min_response)
     behaviour = near_policy_log_probs(model_dir, raw, args.spread)
 
-    def step(name: str) -> tuple[float, float]:
+    def step(name: str) -> tuple[float, float, int]:
         engine.opob_combination = combination_of[name]
         td, _ = cpu.actor_batch(*shape, dtype=torch.float32, min_response=args.min_response, behaviour_log_probs=behaviour)
+        resident = reset_peak()
         started, started_cpu = time.perf_counter(), time.process_time()
         out = engine.train_batch(td, losses[name])
         elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
         metrics[name] = out["metrics"]
-        return elapsed, elapsed_cpu
+        return elapsed, elapsed_cpu, status_bytes("VmHWM") - resident
 
     for name in names:
         step(name)  # warm-up
     for _ in range(args.repeats):
         for name in names:
-            wall, used = step(name)
+            wall, used, peak = step(name)
             times[name].append(wall)
             cpu_times[name].append(used)
+            peaks[name].append(peak)
     tokens = args.batch * (args.prompt + args.response)
     medians = {name: statistics.median(values) for name, values in times.items()}
     minima = {name: min(values) for name, values in times.items()}
@@ -186,7 +204,7 @@ def main(argv=None) -> dict[str, float]:
         f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab}, batch={args.batch} in {args.batch // args.group} "
         f"groups, micro={args.micro}, "
         f"prompt 2-{args.prompt} + response {args.min_response}-{args.response} tokens (<= {tokens} in all), {'packed' if remove_padding else 'padded'}, float32{' autocast ' + args.autocast if args.autocast else ''}, {args.threads} thread(s), "
-        f"median of {args.repeats}, glibc allocator {'keeping freed memory' if caching_allocator() else 'default'}"
+        f"median of {args.repeats}, glibc allocator settings: {allocator()}"
     )
     # each round's step against plain's step of the same round, the median over rounds: drifts in the machine's
     # speed over the run (seen here at +-15% between rounds of an idle VM) cancel out of each ratio
@@ -199,6 +217,10 @@ def main(argv=None) -> dict[str, float]:
             f"   process CPU {cpu_medians[name] * 1e3:8.1f} ms  x{cpu_medians[name] / cpu_medians['plain']:.3f}"
             f"   paired x{paired[name]:.3f}"
         )
+    if allocator() == "measuring":
+        copy = 4 * sum(p.numel() for p in engine.module.parameters())
+        print("  peak resident memory above the step's start, median over rounds, in float32 copies of the model C = "
+              f"{copy / 2**20:.1f} MiB: " + ", ".join(f"{name} {statistics.median(peaks[name]) / copy:.1f} C" for name in names))
     packed = first(metrics["vcpo"].get("actor/opob_packed", 0.0))
     print(
         f"  vcpo/plain = {medians['vcpo'] / medians['plain']:.3f} (median), {minima['vcpo'] / minima['plain']:.3f} (min), "
