@@ -36,6 +36,7 @@ include a page fault for every page of every allocation.
     python benchmarks/opob_engine.py --model 50m --batch 8 --repeats 5
     python benchmarks/opob_engine.py --padded --repeats 7
     python benchmarks/opob_engine.py --autocast bfloat16   # verl's mixed-precision forward (fp32 weights)
+    python benchmarks/opob_engine.py --model 50m --batch 32 --group 4 --modes "" --allocator caching
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from vcpo.verl_contract import select_cpu_platform
 
 VARIANTS = {"plain": "seq_tis_c8", "ess": "tis_ess", "vcpo": "vcpo"}
 ALLOCATORS = {"default": {}, "caching": CACHING_ENV, "measuring": MEASURING_ENV}
+ALLOCATOR_KEYS = {key for settings in ALLOCATORS.values() for key in settings}
 # Qwen2 shapes (random init, tied embeddings); "50m" is benchmarks/opob_overhead.py's 50m model.
 MODELS = {
     "small": dict(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, vocab=4096),
@@ -113,9 +115,8 @@ def near_policy_log_probs(model_dir, raw, spread: float, seed: int = 0) -> torch
 
 def allocator() -> str:
     """The allocator settings this process was started with ("custom": none of ALLOCATORS)."""
-    keys = {key for settings in ALLOCATORS.values() for key in settings}
     for name, settings in ALLOCATORS.items():
-        if all(os.environ.get(key) == value for key, value in settings.items()) and not (keys - set(settings)) & set(os.environ):
+        if all(os.environ.get(key) == value for key, value in settings.items()) and not (ALLOCATOR_KEYS - set(settings)) & set(os.environ):
             return name
     return "custom"
 
@@ -124,7 +125,7 @@ def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     if allocator() != args.allocator:  # glibc reads its settings when the process starts
         arguments = sys.argv[1:] if argv is None else list(argv)
-        environment = {key: value for key, value in os.environ.items() if key not in (*CACHING_ENV, *MEASURING_ENV)}
+        environment = {key: value for key, value in os.environ.items() if key not in ALLOCATOR_KEYS}
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *arguments],
                   {**environment, **ALLOCATORS[args.allocator]})
     torch.set_num_threads(args.threads)

@@ -51,3 +51,26 @@ def test_an_unknown_field_is_an_error_that_names_it():
         pytest.skip("needs Linux's /proc")
     with pytest.raises(RuntimeError, match="VmNothing"):
         status_bytes("VmNothing")
+
+
+def test_the_engine_benchmark_names_the_allocator_settings_it_was_started_with(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from vcpo.resident_memory import CACHING_ENV, MEASURING_ENV
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "opob_engine.py"
+    spec = importlib.util.spec_from_file_location("opob_engine_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    for key in benchmark.ALLOCATOR_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    assert benchmark.allocator() == "default"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one of the measuring settings alone is none of them
+    assert benchmark.allocator() == "custom"
+    for name, settings in (("caching", CACHING_ENV), ("measuring", MEASURING_ENV)):
+        for key in benchmark.ALLOCATOR_KEYS:
+            monkeypatch.delenv(key, raising=False)
+        for key, value in settings.items():
+            monkeypatch.setenv(key, value)
+        assert benchmark.allocator() == name
