@@ -17,52 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.data import load_rows
 from vcpo.local_models import packaged_model
-from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
+from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
+from vcpo.studies.real_model_lag import chosen_task, evaluate_candidate, real_model_run_command
 from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = REPO / "tables" / "real_model"  # where the tables go (--tables)
-
-
-def chosen_task(means: dict[str, float], band: tuple[float, float], target: float) -> str | None:
-    """The registered rule: of the candidates (in their registered order) whose mean lies in ``band``, the one
-    closest to ``target`` (the earlier on a tie); None when none lies in the band."""
-    inside = [name for name, mean in means.items() if band[0] <= mean <= band[1]]
-    return min(inside, key=lambda name: abs(means[name] - target)) if inside else None
-
-
-def evaluate_candidate(name: str, rule: dict, answer_format: str, seed: int, model: Path, out: Path) -> dict:
-    """Generate and score the candidate's problems into ``out`` (or read back an earlier evaluation there)."""
-    from vcpo.data import load_rows
-    from vcpo.evaluation.generation import HFGenerator, SamplingParams
-    from vcpo.evaluation.harness import evaluate_rows
-    from vcpo.evaluation.metrics import per_problem_means
-
-    summary_file = out / "summary.json"
-    if summary_file.exists():
-        return json.loads(summary_file.read_text())
-    rows = load_rows(name, rule["split"])[: rule["problems"]]
-    started = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "threads": os.environ.get("OMP_NUM_THREADS"),
-               "libraries": library_versions()}
-    generator = HFGenerator.load(model, batch_size=rule["batch_size"])
-    sampling = SamplingParams(**rule["sampling"], seed=seed)
-    records, measured = evaluate_rows(generator, rows, sampling, answer_format, name)
-    per_problem = per_problem_means(records, lambda record: record["score"])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "samples.jsonl", "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    summary = {"task": name, "problems": len(rows), "per_problem_reward": per_problem,
-               "mean_reward": sum(per_problem) / len(per_problem), **measured,
-               "provenance": {**started, "end": utc_now()}}
-    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def choose(work: Path, tables: Path = TABLES) -> dict:
@@ -129,39 +96,14 @@ def choice_markdown(result: dict) -> str:
 def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> tuple[list[str], Path]:
     """The ``python -m vcpo.launch.cpu`` command of one arm of the registered training, and its run folder (the
     chosen task's parquet files are written under ``work``)."""
-    import pandas as pd
-
-    from vcpo.data import DATASETS, load_rows
-
     plan = read_yaml(recipes_dir() / "real_model.yaml")
-    training, rule = plan["training"], plan["task_choice"]
+    training, spec = plan["training"], plan["training"]["arms"][arm]
     choice = json.loads((tables / "task_choice.json").read_text())
-    task = choice["chosen"]
-    if task is None:
+    if choice["chosen"] is None:
         raise SystemExit("tables/real_model/task_choice.json chose no task: there is nothing to train on")
-    data = work / "data" / task
-    data.mkdir(parents=True, exist_ok=True)
-    files = {"train": data / "train.parquet", "val": data / "val.parquet"}
-    pd.DataFrame(load_rows(task, "train")).to_parquet(files["train"])
-    pd.DataFrame(load_rows(task, rule["split"])[: training["validation"]["problems"]]).to_parquet(files["val"])
-    spec = training["arms"][arm]
-    out = work / f"{arm}_s{seed}"
-    rollout = "actor_rollout_ref.rollout"
-    overrides = [
-        # the task's own reward (the CPU recipe's default adds a dense term for random models)
-        "reward.custom_reward_function.path=pkg://vcpo.rewards", "reward.custom_reward_function.name=compute_score",
-        f"+reward.custom_reward_function.reward_kwargs.answer_format={choice['answer_format']}",
-        f"data.train_batch_size={training['prompts_per_step']}", f"{rollout}.n={training['responses_per_prompt']}",
-        f"data.max_response_length={training['max_response_length']}", f"data.max_prompt_length={training['max_prompt_length']}",
-        f"trainer.test_freq={training['validation']['every']}", "trainer.val_before_train=true", "trainer.save_freq=-1",
-        # a Ray instance of its own: two arms at once would otherwise share one, and its memory monitor kills either's workers
-        "+ray_kwargs.ray_init.address=local",
-    ]
-    launch_task = "countdown" if DATASETS[task].data_source == "countdown" else "gsm8k"
-    command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), "--task", launch_task, "--method", spec["method"],
-               "--lag", str(spec["lag"]), "--seed", str(seed), "--steps", str(training["steps"]), "--model", plan["model"],
-               "--train", str(files["train"]), "--val", str(files["val"]), "--", *overrides]
-    return command, out
+    val = load_rows(choice["chosen"], plan["task_choice"]["split"])[: training["validation"]["problems"]]
+    return real_model_run_command(spec["method"], spec["lag"], seed, training, choice["chosen"], choice["answer_format"],
+                                  val, work / f"{arm}_s{seed}", work / "data")
 
 
 # verl's metric names: the training reward, the step's time split, and VCPO's own

@@ -287,7 +287,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 def test_every_task_has_a_reward():
     assert set(DATASETS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown",
-                          "sums", "chain_sums", "word_problems", "countdown3"}
+                          "sums", "chain_sums", "word_problems", "sums_2digit", "sums_2to3", "countdown3"}
     assert {task.data_source for task in DATASETS.values()} <= set(REWARD_BY_DATA_SOURCE)
 
 
@@ -375,3 +375,18 @@ def test_the_easiest_starter_task_is_sums_and_differences_of_two_numbers_up_to_t
         assert max(int(a), int(b)) <= 10  # Reasoning Gym's one-digit range reaches 10
         assert int(row["reward_model"]["ground_truth"]) == (int(a) + int(b) if operator == "+" else int(a) - int(b))
     assert len(rows) + len(load_rows("sums", "validation")) <= 11 * 11 * 2  # every distinct problem at most
+
+
+def test_a_starter_tasks_test_split_shares_no_question_with_train_or_validation():
+    """The held-out test split of a generated task comes from a second draw, minus every question train or validation
+    holds; a task whose problems are all used (sums: 200 one-digit sums) has none; the others have 400."""
+    from vcpo.data.generated import TEST_PROBLEMS
+
+    for task in ("sums", "sums_2digit", "sums_2to3", "chain_sums"):
+        train, validation, test = (load_rows(task, split) for split in ("train", "validation", "test"))
+        questions = [row["extra_info"]["question"] for row in test]
+        assert len(set(questions)) == len(questions)
+        assert not set(questions) & {row["extra_info"]["question"] for row in (*train, *validation)}
+        assert len(test) == (0 if task == "sums" else TEST_PROBLEMS), (task, len(test))
+    assert load_rows("sums_2digit", "test")[0]["reward_model"]["ground_truth"] == str(
+        eval(load_rows("sums_2digit", "test")[0]["extra_info"]["question"].removeprefix("Calculate ").rstrip(".")))

@@ -146,11 +146,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 class ScriptedGenerator:
     """Answers problem i correctly in its first ``correct_counts[i]`` samples; the others are wrong or
-    give the right number without the ``####`` format (no answer under strict, correct under lenient),
-    alternately. A completion's token count is its number of characters; the wrong ones are truncated."""
+    give the right number without the ``####`` format (no answer under strict, correct under lenient when it
+    ended), alternately. A completion's token count is its number of characters; the wrong ones are cut at the
+    length limit, and with ``cut_unformatted`` the unformatted ones too (lenient then reads them strictly)."""
 
-    def __init__(self, ground_truths: list[str], correct_counts: list[int]):
+    def __init__(self, ground_truths: list[str], correct_counts: list[int], cut_unformatted: bool = False):
         self.ground_truths, self.correct_counts = ground_truths, correct_counts
+        self.cut_unformatted = cut_unformatted
 
     def generate(self, conversations, sampling, desc):
         assert len(conversations) == len(self.ground_truths)
@@ -163,7 +165,8 @@ class ScriptedGenerator:
             ]
             for truth, correct in zip(self.ground_truths, self.correct_counts, strict=True)
         ]
-        return [[Completion(text, len(text), not text.startswith("Step")) for text in row] for row in texts]
+        cut = ("####", "I am") if self.cut_unformatted else ("####",)
+        return [[Completion(text, len(text), text.startswith(cut)) for text in row] for row in texts]
 
 
 def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
@@ -182,7 +185,7 @@ def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
     assert summary["timeouts"] == 0 and summary["model"] == "m" and summary["num_samples"] == 9
     completions = [completion for row in generator.generate(rows, gsm8k.sampling, "") for completion in row]
     assert summary["mean_response_tokens"] == pytest.approx(sum(len(c.text) for c in completions) / 9)
-    assert summary["truncated"] == pytest.approx(5 / 9)  # the 5 wrong samples
+    assert summary["truncated"] == pytest.approx(2 / 9)  # the 2 "#### -1" samples
     # Lenient also credits the unformatted right numbers: 2, 2 and 3 of 3 correct.
     strict, lenient = summary["by_answer_format"]["strict"], summary["by_answer_format"]["lenient"]
     assert strict == {key: summary[key] for key in ("mean_at_n", "pass_at_k", "timeouts", "no_answer", "reasons")}
@@ -207,6 +210,11 @@ def test_scores_become_the_right_metrics_and_records(benchmark_data, tmp_path):
     )
     assert summary["answer_format"] == "lenient" and summary["mean_at_n"] == pytest.approx(7 / 9)
     assert summary["by_answer_format"]["strict"]["mean_at_n"] == pytest.approx(4 / 9)
+
+    # Cut at the length limit, the unformatted right numbers are no answer under lenient too.
+    cut = ScriptedGenerator([row["reward_model"]["ground_truth"] for row in rows], [0, 1, 3], cut_unformatted=True)
+    summary = evaluate_benchmark(cut, gsm8k_lenient, tmp_path / "cut", limit=3, source_dir=benchmark_data.root)
+    assert summary["mean_at_n"] == pytest.approx(4 / 9) and summary["truncated"] == pytest.approx(5 / 9)
     records = read_jsonl(tmp_path / "lenient" / "gsm8k" / "samples.jsonl")
     assert [r["acc"] for r in records] == [r["by_answer_format"]["lenient"]["acc"] for r in records]
 

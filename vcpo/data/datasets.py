@@ -64,7 +64,7 @@ def _math_task(name: str, hub_id: str, splits: tuple[str, ...], **details) -> Da
 
 def _starter_task(name: str, generator: str, config: dict, *, template: str = STARTER_TEMPLATE,
                   reward_source: str = "gsm8k") -> DatasetSpec:
-    return DatasetSpec(name=name, ability="arithmetic", template=template, splits=("train", "validation"),
+    return DatasetSpec(name=name, ability="arithmetic", template=template, splits=("train", "validation", "test"),
                        generator=generator, generator_config=config, reward_source=reward_source)
 
 
@@ -111,6 +111,13 @@ DATASETS: dict[str, DatasetSpec] = {
                        "allow_parentheses": False, "allow_negation": False}),
         _starter_task("chain_sums", "chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
         _starter_task("word_problems", "gsm_symbolic", {}),
+        # candidates with room for a held-out test split of 400 (recipes/real_model_lag.md), registered in this order
+        _starter_task("sums_2digit", "basic_arithmetic",
+                      {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+                       "allow_parentheses": False, "allow_negation": False}),
+        _starter_task("sums_2to3", "basic_arithmetic",
+                      {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+                       "allow_parentheses": False, "allow_negation": False}),
         _starter_task("countdown3", "countdown", {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 10,
                                                   "min_target": 1, "max_target": 30}, template=COUNTDOWN_TEMPLATE,
                       reward_source="countdown"),

@@ -256,7 +256,8 @@ def _score(
             [row["data_source"] for row in sample_rows],
             [sample.text for sample in samples],
             ground_truths,
-            [row.get("extra_info") or {} for row in sample_rows],
+            [{**(row.get("extra_info") or {}), rewards.RESPONSE_ENDED: not sample.truncated}
+             for row, sample in zip(sample_rows, samples, strict=True)],
             answer_format=answer_format,
             progress=progress,
         )

@@ -58,7 +58,7 @@ def build(args: argparse.Namespace, extra: list[str]):
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
         train, val = args.train, args.val
-    env = environment(out, run_environment(run))
+    env = environment(out, run_environment(run), pretrained=pretrained)
     strategy = actor_strategy(run)
     # Megatron: the task's layout (recipes/megatron.yaml) unless the user's overrides change it; it sets the trainer's slots
     layout = megatron_layout([*megatron_overrides(run), *extra]) if strategy == "megatron" else None

@@ -9,7 +9,11 @@ Both take ``answer_format``, one of ``ANSWER_FORMATS`` (``vcpo.rewards.extract``
 - ``lenient``: also a right value written without the format, as many published evaluations accept.
   math: math-verify's own extraction over the whole text (a box first, else the last number or LaTeX
   expression); gsm8k: the ``####`` number, else the last number in the text; countdown: the tag or
-  box, else the last line that is plain arithmetic.
+  box, else the last line that is plain arithmetic. A response the length limit cut off (``extra_info``'s
+  ``response_ended`` False: the caller knows it did not end with its end-of-sequence token) has no answer
+  unless it wrote one in the format: the last number of a cut text is wherever the cut fell, not an answer
+  (a cut "...4 bolts.\n3. Now, we know that half" would score the list number 3). Callers that do not say
+  (``response_ended`` absent) are read as before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ DEFAULT_TIMEOUT_S = 5.0
 # Final answers sit at the end of a response; the tail bounds the parsing cost of megabyte outputs
 # and still holds several thousand tokens of a normal response.
 MAX_SOLUTION_CHARS = 8_000
+# extra_info's key for whether the response ended with its end-of-sequence token (False: cut at the length limit)
+RESPONSE_ENDED = "response_ended"
 
 # vcpo.data writes the task name as data_source; each names the rule that verifies its answers.
 REWARD_BY_DATA_SOURCE = {
@@ -71,7 +77,13 @@ def compute_score(
     ``custom_reward_function.reward_kwargs``; an unknown ``answer_format`` is a ValueError.
     """
     check_answer_format(answer_format)
-    return _score_one(reward_kind(data_source), solution_str, ground_truth, timeout_s, answer_format)
+    return _score_one(reward_kind(data_source), solution_str, ground_truth, timeout_s, format_for(answer_format, extra_info))
+
+
+def format_for(answer_format: str, extra_info: dict | None) -> str:
+    """The format a response is read in: ``strict`` for a ``lenient`` response cut at the length limit."""
+    cut = isinstance(extra_info, dict) and extra_info.get(RESPONSE_ENDED) is False
+    return "strict" if answer_format == "lenient" and cut else answer_format
 
 
 def score_batch(
@@ -87,8 +99,8 @@ def score_batch(
 ) -> list[dict[str, Any]]:
     """:func:`compute_score` for many answers at once, math answers on ``workers`` processes in parallel.
 
-    Results come back in input order. ``extra_infos`` is accepted for symmetry with verl and unused.
-    Every answer is read under the one ``answer_format``.
+    Results come back in input order. Every answer is read under the one ``answer_format``, except that
+    ``extra_infos``' ``response_ended`` False reads a ``lenient`` answer as ``strict`` (:func:`format_for`).
     """
     check_answer_format(answer_format)
     columns = {"solutions": solutions, "ground_truths": ground_truths}
@@ -103,7 +115,8 @@ def score_batch(
         thread_count = _math_pool(workers).size
 
     def score(index: int) -> dict[str, Any]:
-        return _score_one(kinds[index], solutions[index], ground_truths[index], timeout_s, answer_format)
+        info = extra_infos[index] if extra_infos is not None else None
+        return _score_one(kinds[index], solutions[index], ground_truths[index], timeout_s, format_for(answer_format, info))
 
     with ThreadPoolExecutor(max_workers=thread_count) as executor:
         results = list(

@@ -37,6 +37,7 @@ import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
 from vcpo.verl_contract import CPU_PLATFORM_NAME as PLATFORM_NAME
+from vcpo.verl_contract import TRAINER_THREADS_ENV
 
 
 class _CpuDeviceModule(types.ModuleType):
@@ -234,11 +235,16 @@ def _stack_depth() -> int:
 
 
 def init_gloo_process_group() -> None:
-    """Create torch's default process group with gloo from verl's worker environment (RANK, WORLD_SIZE, ...)."""
+    """Create torch's default process group with gloo from verl's worker environment (RANK, WORLD_SIZE, ...).
+
+    Only the trainer's workers build verl's process group, so this is where a trainer process takes the BLAS threads
+    ``TRAINER_THREADS_ENV`` gives it (the rollout server and the reward workers keep ``OMP_NUM_THREADS``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
+    if os.environ.get(TRAINER_THREADS_ENV):
+        torch.set_num_threads(int(os.environ[TRAINER_THREADS_ENV]))
     dist.init_process_group(
         backend="gloo",
         rank=int(os.environ.get("RANK", "0")),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from vcpo.recipes import hydra_value, megatron_local_layer_overrides
+from vcpo.resident_memory import CACHING_ENV
 from vcpo.rewards import compute_score
 from vcpo.runs import METRICS_FILE
 from vcpo.verl_contract import (
@@ -36,6 +37,7 @@ from vcpo.verl_contract import (
     EXTERNAL_MODULES,
     FP32_MIXED_PRECISION_HYDRA,
     MIXED_PRECISION_KEY,
+    TRAINER_THREADS_ENV,
     last_override,
 )
 
@@ -205,7 +207,9 @@ def cpu_overrides(
         # slot per worker
         f"ray_kwargs.ray_init.num_cpus={16 + 3 * (trainer_slots - 1)}",
         f"+ray_kwargs.ray_init.num_gpus={trainer_slots + (1 if separate else 0)}",
-        "+ray_kwargs.ray_init.object_store_memory=536870912",
+        # a weight sync puts the model in the store twice (the checkpoint engine's round, then the server's update):
+        # 2 x 538 MB for a pretrained 135M model in float32, which a 512 MiB store would spill to disk every sync
+        f"+ray_kwargs.ray_init.object_store_memory={(2048 if pretrained else 512) << 20}",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
@@ -215,9 +219,15 @@ def cpu_overrides(
     return overrides
 
 
-def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[str, str] | None = None, *,
+                pretrained: bool = False) -> dict[str, str]:
     """The process environment of a CPU run: ``base`` (this process's), the run's (``vcpo.launch.run_environment``),
-    :data:`ENV`, with the modules of ``VERL_USE_EXTERNAL_MODULES`` joined and metrics under ``out_dir``."""
+    :data:`ENV`, with the modules of ``VERL_USE_EXTERNAL_MODULES`` joined and metrics under ``out_dir``.
+
+    ``pretrained``: a pretrained model's run, whose update dominates the step (benchmarks/real_model_step.py): the
+    trainer takes every core (the rollout server's batch of decoding, a few seconds a step, shares one of them), and
+    glibc keeps freed memory for reuse (``vcpo.resident_memory.CACHING_ENV``, as CUDA's caching allocator does)
+    rather than page-faulting the gradients and OPOB's buffers afresh every step."""
     env = dict(os.environ if base is None else base)
     modules: list[str] = []
     for source in (ENV, env, run_env):  # the CPU platform first: the engine module asks verl for the device
@@ -226,4 +236,7 @@ def environment(out_dir: str | os.PathLike, run_env: dict[str, str], base: dict[
     env.update(ENV)
     env[EXTERNAL_MODULES] = ",".join(modules)
     env["VERL_FILE_LOGGER_PATH"] = str(Path(out_dir) / METRICS_FILE)
+    if pretrained:
+        env.update(CACHING_ENV)
+        env[TRAINER_THREADS_ENV] = str(os.cpu_count() or 1)
     return env

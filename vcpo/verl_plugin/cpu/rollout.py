@@ -30,7 +30,9 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Generator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -69,43 +71,75 @@ def _token_ids(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list | tuple) else {int(value)}
 
 
-def sample_next_token(
+def sample_next_tokens(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None = None
-) -> tuple[int, float]:
-    """Sample one token from a ``[vocab]`` logit row; returns (token, log-prob under logits / temperature).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``[rows, vocab]`` logits; returns (tokens, their log-probs under logits / temperature).
 
     ``temperature <= 0`` is greedy. The log-prob is taken before top-k / top-p truncation, like vLLM's
     ``processed_logprobs``, which is what the trainer recomputes (it scales logits by the same temperature).
     """
     logits = logits.float()
     if temperature is None or temperature <= 0:
-        log_probs = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(log_probs[token])
-    scaled = logits / temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled.clone()
-    if top_k is not None and 0 < top_k < filtered.numel():
-        kth = torch.topk(filtered, top_k).values[-1]
-        filtered[filtered < kth] = float("-inf")
+        tokens = torch.argmax(logits, dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    log_probs = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    probs = log_probs.exp()
+    if top_k is not None and 0 < top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
     if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(filtered, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        remove = cumulative > top_p
-        remove[1:] = remove[:-1].clone()
-        remove[0] = False
-        filtered[sorted_idx[remove]] = float("-inf")
-    probs = torch.softmax(filtered, dim=-1)
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(log_probs[token])
+        sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
+        # a token is dropped when the tokens ranked above it already hold more than top_p (the first one always stays)
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        probs = probs.scatter(-1, sorted_idx, sorted_probs.masked_fill(above > top_p * sorted_probs.sum(-1, keepdim=True), 0.0))
+    # inverse-CDF sampling: one uniform per row (torch.multinomial draws one exponential per vocabulary entry)
+    cdf = probs.double().cumsum(dim=-1)
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a request samples with; requests with equal settings decode in one batch."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> Sampling:
+        def value(key: str, default: Any) -> Any:
+            return default if params.get(key) is None else params[key]
+
+        return cls(float(value("temperature", 1.0)), int(value("top_k", -1)), float(value("top_p", 1.0)),
+                   bool(value("ignore_eos", False)))
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    epoch: int  # the abort epoch it was admitted in: a later abort stops it
+    result: asyncio.Future
 
 
 class HFRolloutServer:
     """Token-in-token-out sampler over a ``transformers`` causal LM, with verl's rollout-server methods.
 
-    One request at a time runs on the model (a lock; the CPU has few cores anyway); requests queue on the
-    actor's event loop. Each request decodes with the KV cache, one token per forward.
+    Requests queue on the actor's event loop and decode in batches: the requests that arrive together (the
+    agent loop submits a step's prompts x responses at once; a batch waits `ADMISSION_WAIT_S` after the last
+    arrival, up to `max_batch` rows) with the same sampling settings run as one left-padded batch with the KV
+    cache, one token per forward for all rows, so the weights are read once per token for the whole batch
+    rather than once per request. A row leaves the batch at its end-of-sequence token or its token limit.
     """
+
+    # a request arriving within this many seconds of the previous one joins its batch (verl's agent loop sends
+    # a step's requests within milliseconds; one decode step of a 135M model takes tens of milliseconds)
+    ADMISSION_WAIT_S = 0.05
 
     def __init__(
         self,
@@ -131,6 +165,11 @@ class HFRolloutServer:
         self._resume_event: asyncio.Event | None = None
         self._in_flight = 0
         self._weights_version = 0
+        self._queue: list[_Request] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrival: asyncio.Event | None = None
+        self._decoder: asyncio.Task | None = None
+        self.max_batch = max(1, int(os.environ.get("VCPO_HF_ROLLOUT_MAX_BATCH", "64")))
         seed = int(_get(config, "seed", 0) or 0) + replica_rank
         self._generator = torch.Generator().manual_seed(seed)
         torch.set_num_threads(max(1, int(os.environ.get("VCPO_HF_ROLLOUT_THREADS", "1"))))
@@ -150,7 +189,7 @@ class HFRolloutServer:
         dtype = str(_get(self.config, "dtype", "float32") or "float32")
         torch_dtype = getattr(torch, dtype, torch.float32) if dtype != "auto" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
         model.eval()
         self.model = model
@@ -167,30 +206,89 @@ class HFRolloutServer:
         return f"hf-replica-{self.replica_rank}", self.node_rank
 
     # ------------------------------------------------------------------ generation
-    def _decode(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], epoch: int):
-        temperature = float(sampling.get("temperature", 1.0) if sampling.get("temperature") is not None else 1.0)
-        top_k = int(sampling.get("top_k", -1) if sampling.get("top_k") is not None else -1)
-        top_p = float(sampling.get("top_p", 1.0) if sampling.get("top_p") is not None else 1.0)
-        ignore_eos = bool(sampling.get("ignore_eos", False))
-        tokens: list[int] = []
-        log_probs: list[float] = []
-        aborted = False
+    def _decode_batch(self, requests: list[_Request]) -> list[tuple[list[int], list[float], bool]]:
+        """Decode ``requests`` (one sampling setting) as one left-padded batch: (tokens, log-probs, aborted) each."""
+        sampling = requests[0].sampling
+        rows = len(requests)
+        # a prompt's n responses share its prefill: each distinct prompt runs once, its cache rows are then repeated
+        distinct = list(dict.fromkeys(tuple(request.prompt_ids) for request in requests))
+        row_of_prompt = {prompt: row for row, prompt in enumerate(distinct)}
+        width = max(map(len, distinct))
+        input_ids = torch.zeros(len(distinct), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(distinct), width, dtype=torch.long)
+        for row, prompt in enumerate(distinct):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        tokens: list[list[int]] = [[] for _ in requests]
+        log_probs: list[list[float]] = [[] for _ in requests]
+        aborted = [False] * rows
+        active = list(range(rows))  # the requests still decoding, in the order of the batch's rows
         with self._model_lock, torch.inference_mode():
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-            past = None
-            for _ in range(max_tokens):
-                if self._abort_epoch != epoch:
-                    aborted = True
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1)
+            expand = torch.tensor([row_of_prompt[tuple(request.prompt_ids)] for request in requests])
+            past = out.past_key_values
+            past.reorder_cache(expand)
+            logits, attention_mask, positions = out.logits[expand, -1], attention_mask[expand], positions[expand]
+            while active:
+                sampled, sampled_log_probs = sample_next_tokens(logits, sampling.temperature, sampling.top_k,
+                                                                sampling.top_p, self._generator)
+                keep = []
+                for row, index in enumerate(active):
+                    token = int(sampled[row])
+                    tokens[index].append(token)
+                    log_probs[index].append(float(sampled_log_probs[row]))
+                    ended = token in self.eos_token_ids and not sampling.ignore_eos
+                    if not ended and len(tokens[index]) < requests[index].max_tokens:
+                        if self._abort_epoch != requests[index].epoch:
+                            aborted[index] = True
+                        else:
+                            keep.append(row)
+                if len(keep) < len(active):
+                    if not keep:
+                        break
+                    kept = torch.tensor(keep)
+                    past.reorder_cache(kept)
+                    sampled, attention_mask, positions = sampled[kept], attention_mask[kept], positions[kept]
+                    active = [active[row] for row in keep]
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
+                positions = positions[:, -1:] + 1
+                logits = self.model(input_ids=sampled[:, None], attention_mask=attention_mask, position_ids=positions,
+                                    past_key_values=past, use_cache=True).logits[:, -1]
+        return [(tokens[i], log_probs[i], aborted[i]) for i in range(rows)]
+
+    async def _run_decoder(self) -> None:
+        """Take the oldest request and those that arrive with it (same sampling, up to ``max_batch``) and decode them
+        as one batch, until the queue is empty."""
+        arrival = self._arrival
+        while self._queue:
+            while True:  # admission: wait while requests keep arriving
+                arrival.clear()
+                try:
+                    await asyncio.wait_for(arrival.wait(), self.ADMISSION_WAIT_S)
+                except asyncio.TimeoutError:
                     break
-                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                token, log_prob = sample_next_token(out.logits[0, -1], temperature, top_k, top_p, self._generator)
-                tokens.append(token)
-                log_probs.append(log_prob)
-                if token in self.eos_token_ids and not ignore_eos:
+                if len(self._queue) >= self.max_batch:
                     break
-                input_ids = torch.tensor([[token]], dtype=torch.long)
-        return tokens, log_probs, aborted
+            sampling = self._queue[0].sampling
+            batch = [request for request in self._queue if request.sampling == sampling][: self.max_batch]
+            self._queue = [request for request in self._queue if all(request is not taken for taken in batch)]
+            stale = [request for request in batch if request.epoch != self._abort_epoch]
+            for request in stale:  # aborted while queued: nothing sampled
+                request.result.set_result(([], [], True))
+            batch = [request for request in batch if request.epoch == self._abort_epoch]
+            if not batch:
+                continue
+            try:
+                results = await asyncio.to_thread(self._decode_batch, batch)
+            except Exception as error:  # every request of the batch fails with the error, the server keeps serving
+                for request in batch:
+                    request.result.set_exception(error)
+                continue
+            for request, result in zip(batch, results, strict=True):
+                request.result.set_result(result)
+        self._decoder = None
 
     def _max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
         max_model_len = _get(self.config, "max_model_len", None) or (
@@ -235,10 +333,16 @@ class HFRolloutServer:
             await self._events().wait()
         self._in_flight += 1
         try:
-            epoch, steps = self._abort_epoch, self.global_steps
-            tokens, log_probs, aborted = await asyncio.to_thread(
-                self._decode, prompt_ids, max_tokens, sampling_params, epoch
-            )
+            steps = self.global_steps
+            request = _Request(prompt_ids, max_tokens, Sampling.of(sampling_params), self._abort_epoch,
+                               asyncio.get_running_loop().create_future())
+            self._queue.append(request)
+            if self._loop is not asyncio.get_running_loop():  # the decoder and its event belong to one event loop
+                self._loop, self._arrival, self._decoder = asyncio.get_running_loop(), asyncio.Event(), None
+            self._arrival.set()
+            if self._decoder is None:
+                self._decoder = asyncio.create_task(self._run_decoder())
+            tokens, log_probs, aborted = await request.result
         finally:
             self._in_flight -= 1
         return TokenOutput(
@@ -331,8 +435,34 @@ class HFRolloutServer:
     open_submission_gate = resume_generation
 
 
+async def unfinished_train_prompts() -> dict[int, int]:
+    """The training prompts verl has submitted whose response groups are not all in, by the step that submitted them
+    (TransferQueue's prompt tags, which verl's replay buffer reads); empty where TransferQueue is not running."""
+    import transfer_queue as tq
+
+    try:
+        listed = await tq.async_kv_list("train")
+    except Exception:  # no TransferQueue in this process (the server used on its own, in tests)
+        return {}
+    counts: dict[int, int] = {}
+    for tag in (listed or {}).get("train", {}).values():
+        if tag.get("is_prompt") and tag.get("status") in ("pending", "running"):
+            counts[tag["global_steps"]] = counts.get(tag["global_steps"], 0) + 1
+    return counts
+
+
 class HFReplica(RolloutReplica):
-    """Rollout replica whose server is one :class:`HFRolloutServer` actor (no GPU, no port)."""
+    """Rollout replica whose server is one :class:`HFRolloutServer` actor (no GPU, no port).
+
+    A weight sync waits until every submitted training prompt is answered (:meth:`abort_all_requests`): verl's
+    ``separate_async`` trainer otherwise aborts what is in flight and samples it again on the new weights, so the
+    lag that runs depends on the sampler's speed. With the wait, the batch submitted at step t is sampled whole by
+    the weights of step t - 1, and with ``num_warmup_batches`` = k the batch trained at step n > k + 1 is exactly k
+    syncs old (PipelineRL-k), whatever the relative speeds; a slow sampler makes the trainer wait instead
+    (``timing_s/update_weights``). In the synchronous trainer nothing is in flight at a sync, and it waits for nothing.
+    """
+
+    DRAIN_POLL_S = 0.05
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -364,6 +494,14 @@ class HFReplica(RolloutReplica):
         address, port = await server.get_server_address.remote()
         self._server_handle = server
         self._server_address = f"{address}:{port}"
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        started = time.perf_counter()
+        while await unfinished_train_prompts():
+            await asyncio.sleep(self.DRAIN_POLL_S)
+        logger.info("hf replica %d: %.2f s waiting for the submitted prompts before a weight sync", self.replica_rank,
+                    time.perf_counter() - started)
+        await super().abort_all_requests(reject_request=reject_request)
 
 
 class HFServerAdapter(BaseRollout):
