@@ -93,7 +93,8 @@ def markdown(result: dict) -> str:
                      f"[{100 * fn_low:.1f}%, {100 * fn_high:.1f}%] |")
     labels = result["labels"]
     return "\n".join([*lines, "", f"{n} responses of SmolLM2-135M-Instruct ({', '.join(TASKS)}: the first {PROBLEMS} validation "
-                      f"problems x 4 samples, temperature 1, 64 new tokens), each labelled by reading it: {labels['correct']} "
+                      f"problems x 4 samples, temperature 1, 64 new tokens), each labelled by reading it (an LLM agent under the rules "
+                      f"of the script's docstring, not a person): {labels['correct']} "
                       f"correct, {labels['wrong']} wrong, {labels['no_answer']} with no answer (labels.jsonl). Lenient reads a "
                       "response cut at the length limit strictly; the last row scores the same responses as lenient did before that rule. "
                       "`python benchmarks/answer_format_audit.py report`.", ""])

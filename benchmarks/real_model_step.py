@@ -14,7 +14,7 @@ CPU recipe for a pretrained model: one for the rollout server, every core for th
    bfloat16 samples' log-probs against float32's on the same tokens; the bandwidth bound (decode steps x weight
    bytes / bandwidth) and the FLOP bound (2 x parameters per sampled token / matmul rate).
 3. **A verl run** (``python -m vcpo.launch.cpu``, the method at the lag): start-up (launch to the first step's
-   metrics, less that step), each ``timing_s/*`` phase per step after the pipeline filled, and verl's
+   metrics, less that step), each ``timing_s/*`` phase's median over the steps after the pipeline filled, and verl's
    ``trajectory_staleness`` per step (the lag that ran).
 4. **Distances**: the update against its FLOP bound (6 x parameters x trained tokens / the float32 rate; OPOB's
    norms are extra work the bound leaves out), generation against its bandwidth bound, and the projected wall
@@ -147,7 +147,8 @@ def verl_run(args, work: Path) -> dict:
         "steps": len(lines),
         # start-up: the process's wall time less the steps verl timed (Ray, workers, model loads, the first sync)
         "startup_s": wall - sum(line["timing_s/step"] for line in lines),
-        "phases_s": {key: statistics.mean(line.get(key, 0.0) for line in steady) for key in phases},
+        # medians: one step slowed by other work on the machine moves a mean of a few steps far
+        "phases_s": {key: statistics.median(line.get(key, 0.0) for line in steady) for key in phases},
         "staleness": [(line["step"], line.get(f"{STALENESS}/mean"), line.get(f"{STALENESS}/max")) for line in lines],
         "response_tokens": statistics.mean(line.get("response_length/mean", 0.0) for line in steady),
         "prompt_tokens": statistics.mean(line.get("prompt_length/mean", 0.0) for line in steady),
@@ -165,7 +166,7 @@ def finish_run(args, report: dict, limits: dict, training: dict, parameters: int
         args.work.mkdir(parents=True, exist_ok=True)
         run = verl_run(args, args.work)
         report["run"] = run
-        print(f"   start-up {run['startup_s']:.0f} s; per step after step {args.lag + 1} (mean):", flush=True)
+        print(f"   start-up {run['startup_s']:.0f} s; per step after step {args.lag + 1} (median):", flush=True)
         for key, value in sorted(run["phases_s"].items(), key=lambda item: -item[1]):
             print(f"     {key:32s} {value:7.2f} s", flush=True)
         print("   staleness per step (mean/max): " + ", ".join(f"{step}: {mean}/{high}" for step, mean, high in run["staleness"]),

@@ -1005,3 +1005,55 @@ def test_the_docs_table_of_tasks_is_the_one_the_recipes_render():
     text = (ROOT / "docs" / "data_rewards_evaluation.md").read_text()
     documented = [line for line in text[text.index("## Tasks"):text.index("## Data")].splitlines() if line.startswith("|")]
     assert documented == rendered
+
+
+REAL_MODEL_STEP_ROWS = (  # the docs table's rows: (metrics file, the lag of its run)
+    ("metrics_lag12_one_trainer_thread.jsonl", 12),
+    ("metrics_lag2_two_trainer_threads.jsonl", 2),
+    ("metrics_lag2_single_opob.jsonl", 2),
+    ("metrics_lag12_final.jsonl", 12),
+)
+
+
+def real_model_step_medians(name: str, lag: int) -> list[float]:
+    """Step, update and weight-sync seconds: medians over the steps after the pipeline filled (step > lag + 1)."""
+    import statistics
+
+    rows = [json.loads(line) for line in (ROOT / "tables" / "real_model" / "step" / name).read_text().splitlines()]
+    steady = [row["data"] for row in rows if row["step"] > lag + 1]
+    return [statistics.median(data[key] for data in steady)
+            for key in ("timing_s/step", "timing_s/update_actor", "timing_s/update_weights")]
+
+
+def test_the_real_model_step_section_quotes_its_measurements():
+    """docs/verl.md's real-model step: the generation and bfloat16 numbers and the distances are the final benchmark
+    run's (its JSON), the table's medians are its runs' metrics, every run trained at min(step - 1, k), and the profile
+    shares are the committed py-spy stacks'."""
+    text = section("docs/verl.md", "### The real model's step on CPU", "## Known verl")
+    step = ROOT / "tables" / "real_model" / "step"
+    final = json.loads((step / "lag12_final.json").read_text())
+    one, batched = final["generation"]["one at a time, float32"], final["generation"]["batched, float32"]
+    bf16 = final["generation"]["batched, bfloat16"]
+    bound = max(batched["bandwidth_bound_s"], batched["flop_bound_s"])
+    assert_quoted(text, f"{one['seconds']:.1f}", f"{batched['seconds']:.1f}", f"{one['seconds'] / batched['seconds']:.1f}",
+                  f"{batched['seconds'] / bound:.1f}", f"{bf16['seconds']:.1f}", f"{bf16['log_prob_error']['mean_abs']:.3f}",
+                  f"{bf16['log_prob_error']['max_abs']:.2f}")
+    for name, lag in REAL_MODEL_STEP_ROWS:
+        assert_quoted(text, *(f"{value:.1f}" for value in real_model_step_medians(name, lag)))
+        rows = [json.loads(line) for line in (step / name).read_text().splitlines()]
+        for row in rows:
+            staleness = (row["data"]["training/off_policy/trajectory_staleness/max"],
+                         row["data"]["training/off_policy/trajectory_staleness/mean"])
+            assert staleness == (min(row["step"] - 1, lag),) * 2, (name, row["step"], staleness)
+    distances = final["distances"]
+    assert_quoted(text, f"{distances['update_over_flop_bound']:.1f}", f"{distances['sixty_steps_min']:.0f}",
+                  f"{final['run']['startup_s']:.0f}")
+    samples, shares = 0, dict.fromkeys(("forward_backward_batch", "_OuterProductFunction", "sdpa_attention_forward"), 0)
+    for line in (step / "profile_update_one_thread.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        stack, count = line.rsplit(" ", 1)
+        samples += int(count)
+        for frame in shares:
+            shares[frame] += int(count) if frame in stack else 0
+    assert_quoted(text, *(f"{100 * count / samples:.0f}%" for count in shares.values()))
