@@ -245,3 +245,30 @@ def test_a_short_greedy_answer_ends_at_im_end_in_every_generation_path(smollm2):
     response = torch.tensor(out.token_ids + [tokenizer.pad_token_id] * 3)
     mask = torch.tensor([1] * len(prompt) + [1] * len(out.token_ids) + [0] * 3)
     assert response_ended(response, mask, end_token_ids(tokenizer))
+
+
+def test_the_lag_studys_task_choice_runs_a_round_only_when_the_ones_before_chose_none(tmp_path, monkeypatch):
+    """vcpo.studies.real_model_lag.choose with the registered design and scripted evaluations: round 1's means all
+    below the band, round 2 runs with its own new tokens and seed and chooses the candidate closest to the target; the
+    study's response length is the choosing round's; a round that chooses ends the rounds."""
+    import vcpo.local_models
+    from vcpo.studies import real_model_lag
+
+    means = {(64, "sums_2digit"): 0.04, (64, "sums_2to3"): 0.03, (64, "chain_sums"): 0.04,
+             (128, "sums_2digit"): 0.22, (128, "sums_2to3"): 0.30, (128, "chain_sums"): 0.05}
+    asked = []
+
+    def scripted(name, rule, answer_format, seed, model, out):
+        tokens = rule["sampling"]["max_new_tokens"]
+        asked.append((tokens, seed, name, out.parent.name))
+        mean = means[(tokens, name)]
+        return {"problems": 96, "per_problem_reward": [mean] * 96, "mean_reward": mean, "mean_response_tokens": 40.0,
+                "truncated": 0.4, "no_answer": 100, "provenance": {"commit": "0" * 40, "dirty": False}}
+
+    monkeypatch.setattr(real_model_lag, "evaluate_candidate", scripted)
+    monkeypatch.setattr(vcpo.local_models, "packaged_model", lambda name: tmp_path)
+    result = real_model_lag.choose(tmp_path / "work", tmp_path / "tables")
+    assert [(tokens, seed, folder) for tokens, seed, _, folder in asked] == [(64, 0, "round1")] * 3 + [(128, 1, "round2")] * 3
+    assert [round_["chosen"] for round_ in result["rounds"]] == [None, "sums_2to3"]
+    assert result["chosen"] == "sums_2to3" and result["max_response_length"] == 128
+    assert "Chosen: **sums_2to3**" in (tmp_path / "tables" / "task_choice.md").read_text()

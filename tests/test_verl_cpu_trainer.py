@@ -356,6 +356,15 @@ def test_a_weight_sync_waits_for_every_submitted_training_prompt(monkeypatch):
     asyncio.run(replica.abort_all_requests())
     assert seen == [{3: 1, 4: 1}, {4: 1}, {}] and aborted == [False]
 
+    # prompts nothing will answer: past the timeout the sync goes on (and aborts them) rather than hang the run
+    async def never_answered():
+        return {7: 4}
+
+    monkeypatch.setattr(rollout, "unfinished_train_prompts", never_answered)
+    replica.DRAIN_TIMEOUT_S = 0.0
+    asyncio.run(replica.abort_all_requests(reject_request=True))
+    assert aborted == [False, True]
+
 
 def test_the_reward_manager_tells_an_ended_response_from_a_cut_one(tiny_model_dir):
     """EndAwareRewardManager's rule on verl's right-padded responses: ended when the last unmasked token is the

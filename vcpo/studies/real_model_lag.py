@@ -98,26 +98,40 @@ def real_model_run_command(method: str, lag: int, seed: int, training: dict, tas
 
 
 def choose(work: Path, tables: Path) -> dict:
-    """Evaluate every candidate (or read its earlier evaluation in ``work``), apply the rule, write the table."""
+    """Round by round (a round runs only when the ones before it chose no task), evaluate every candidate (or read its
+    earlier evaluation in ``work``), apply the rule, write the table."""
     from vcpo.local_models import packaged_model  # transformers and the model cache, where a model is evaluated
 
     design = read_yaml(recipes_dir() / DESIGN)
     rule = design["task_choice"]
     model = packaged_model(design["model"])
-    rows = {}
     for name in rule["candidates"]:
         test = len(load_rows(name, "test"))
         if test < rule["test_problems"]:
             raise SystemExit(f"{name}: {test} test problems, the registration needs {rule['test_problems']}")
-        print(f"{name}: the first {rule['problems']} {rule['split']} problems, n = {rule['sampling']['n']}", flush=True)
-        summary = evaluate_candidate(name, rule, rule["answer_format"], rule["sampling"]["seed"], model, work / name)
-        low, high = bootstrap_mean_interval(summary["per_problem_reward"], INTERVAL["level"], INTERVAL["resamples"],
-                                            INTERVAL["seed"])
-        rows[name] = {"problems": summary["problems"], "mean_reward": summary["mean_reward"], "low": low, "high": high,
-                      "mean_response_tokens": summary["mean_response_tokens"], "truncated": summary["truncated"],
-                      "no_answer": summary["no_answer"], "test_problems": test, "provenance": summary["provenance"]}
-    chosen = chosen_task({name: row["mean_reward"] for name, row in rows.items()}, tuple(rule["band"]), rule["target"])
-    result = {"rule": rule, "rows": rows, "chosen": chosen, "written": utc_now(), "analysis": code_state()}
+    rounds = []
+    for number, changes in enumerate(rule["rounds"], 1):
+        sampling = {**rule["sampling"], **changes}
+        rows = {}
+        for name in rule["candidates"]:
+            print(f"round {number}, {name}: the first {rule['problems']} {rule['split']} problems, n = {sampling['n']}, "
+                  f"{sampling['max_new_tokens']} new tokens", flush=True)
+            summary = evaluate_candidate(name, {**rule, "sampling": sampling}, rule["answer_format"], sampling["seed"], model,
+                                         work / f"round{number}" / name)
+            low, high = bootstrap_mean_interval(summary["per_problem_reward"], INTERVAL["level"], INTERVAL["resamples"],
+                                                INTERVAL["seed"])
+            rows[name] = {"problems": summary["problems"], "mean_reward": summary["mean_reward"], "low": low, "high": high,
+                          "mean_response_tokens": summary["mean_response_tokens"], "truncated": summary["truncated"],
+                          "no_answer": summary["no_answer"], "provenance": summary["provenance"]}
+        chosen = chosen_task({name: row["mean_reward"] for name, row in rows.items()}, tuple(rule["band"]), rule["target"])
+        rounds.append({"sampling": sampling, "rows": rows, "chosen": chosen})
+        if chosen is not None:
+            break
+    last = rounds[-1]
+    result = {"rule": rule, "rounds": rounds, "chosen": last["chosen"],
+              # the study's response length: the choosing round's (recipes/real_model_lag.md)
+              "max_response_length": last["sampling"]["max_new_tokens"] if last["chosen"] else None,
+              "written": utc_now(), "analysis": code_state()}
     tables.mkdir(parents=True, exist_ok=True)
     write_atomic(tables / "task_choice.json", json.dumps(result, indent=2) + "\n")
     write_atomic(tables / "task_choice.md", choice_markdown(result))
@@ -126,27 +140,30 @@ def choose(work: Path, tables: Path) -> dict:
 
 
 def choice_markdown(result: dict) -> str:
-    rule, sampling = result["rule"], result["rule"]["sampling"]
-    lines = ["| task | problems | base mean@4 [95% CI] | no answer | response tokens (cut at the limit) | in the band |",
-             "|---|---:|---|---:|---:|---|"]
-    for name, row in result["rows"].items():
-        inside = rule["band"][0] <= row["mean_reward"] <= rule["band"][1]
-        lines.append(f"| {name} | {row['problems']} | {100 * row['mean_reward']:.1f}% [{100 * row['low']:.1f}, "
-                     f"{100 * row['high']:.1f}] | {row['no_answer']} | {row['mean_response_tokens']:.0f} "
-                     f"({100 * row['truncated']:.0f}%) | {'yes' if inside else 'no'} |")
-    chosen = result["chosen"]
-    verdict = (f"Chosen: **{chosen}** (in the band, closest to {100 * rule['target']:.0f}%)." if chosen
-               else "No candidate lies in the band: no task is chosen, and the study stops here.")
+    rule = result["rule"]
+    lines = ["| round: new tokens | task | problems | base mean@4 [95% CI] | no answer | response tokens (cut at the limit) "
+             "| in the band |", "|---|---|---:|---|---:|---:|---|"]
+    for number, round_ in enumerate(result["rounds"], 1):
+        for name, row in round_["rows"].items():
+            inside = rule["band"][0] <= row["mean_reward"] <= rule["band"][1]
+            lines.append(f"| {number}: {round_['sampling']['max_new_tokens']} | {name} | {row['problems']} | "
+                         f"{100 * row['mean_reward']:.1f}% [{100 * row['low']:.1f}, {100 * row['high']:.1f}] | "
+                         f"{row['no_answer']} | {row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | "
+                         f"{'yes' if inside else 'no'} |")
+    chosen, sampling = result["chosen"], rule["sampling"]
+    verdict = (f"Chosen: **{chosen}** (in the band, closest to {100 * rule['target']:.0f}%), with {result['max_response_length']} "
+               "response tokens for every run." if chosen
+               else "No candidate lies in the band in any round: no task is chosen, and the study stops here.")
     commits = sorted({row["provenance"]["commit"][:12] + (" (dirty)" if row["provenance"].get("dirty") else "")
-                      for row in result["rows"].values()})
+                      for round_ in result["rounds"] for row in round_["rows"].values()})
     return "\n".join([
         *lines, "",
         f"SmolLM2-135M-Instruct before training (hf backend, CPU): the first {rule['problems']} {rule['split']} problems of "
-        f"each candidate, n = {sampling['n']}, temperature {sampling['temperature']}, top-p {sampling['top_p']}, "
-        f"{sampling['max_new_tokens']} new tokens, scored {rule['answer_format']} (a response cut at the limit read "
-        f"strictly); 95% percentile bootstrap over problems. Rule (recipes/real_model_lag.md, registered before this ran): "
-        f"the candidate whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
-        f"{100 * rule['target']:.0f}%, ties to the earlier. {verdict}",
+        f"each candidate, n = {sampling['n']}, temperature {sampling['temperature']}, top-p {sampling['top_p']}, the round's "
+        f"new tokens and seed, scored {rule['answer_format']} (a response cut at the limit read strictly); 95% percentile "
+        f"bootstrap over problems. Rule (recipes/real_model_lag.md, each round registered before it ran): the candidate "
+        f"whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
+        f"{100 * rule['target']:.0f}%, ties to the earlier; a round runs only when the ones before it chose none. {verdict}",
         f"`python -m vcpo.studies.real_model_lag choose`; evaluated at commit {', '.join(commits)}; written {result['written']}.",
         "",
     ])

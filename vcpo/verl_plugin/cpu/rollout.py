@@ -463,6 +463,7 @@ class HFReplica(RolloutReplica):
     """
 
     DRAIN_POLL_S = 0.05
+    DRAIN_TIMEOUT_S = 1800.0  # far above a step's generation (seconds); reached only when nothing will answer
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -497,7 +498,12 @@ class HFReplica(RolloutReplica):
 
     async def abort_all_requests(self, reject_request: bool = False) -> None:
         started = time.perf_counter()
-        while await unfinished_train_prompts():
+        while unfinished := await unfinished_train_prompts():
+            if time.perf_counter() - started > self.DRAIN_TIMEOUT_S:  # nothing answers them (a worker died): go on
+                logger.warning("hf replica %d: %s training prompts (by submitting step) still unanswered after %.0f s; "
+                               "aborting them, so this sync does not hold the lag", self.replica_rank, unfinished,
+                               self.DRAIN_TIMEOUT_S)
+                break
             await asyncio.sleep(self.DRAIN_POLL_S)
         logger.info("hf replica %d: %.2f s waiting for the submitted prompts before a weight sync", self.replica_rank,
                     time.perf_counter() - started)
