@@ -1057,3 +1057,14 @@ def test_the_real_model_step_section_quotes_its_measurements():
         for frame in shares:
             shares[frame] += int(count) if frame in stack else 0
     assert_quoted(text, *(f"{100 * count / samples:.0f}%" for count in shares.values()))
+
+
+def test_the_readme_quotes_the_lag_studys_task_choice():
+    """The README's real-model bullet quotes tables/real_model_lag/task_choice.json: how many rounds ran, the range of
+    the candidates' base means, and that no task was chosen (when none was)."""
+    choice = json.loads((ROOT / "tables" / "real_model_lag" / "task_choice.json").read_text())
+    means = [row["mean_reward"] for round_ in choice["rounds"] for row in round_["rows"].values()]
+    text = section("README.md", "**A real pretrained model**", "\n- **")
+    assert choice["chosen"] is None and "found no task in its band" in text
+    assert f"{len(choice['rounds'])} rounds" in text
+    assert_quoted(text, f"{100 * min(means):.1f}", f"{100 * max(means):.1f}%")
