@@ -106,6 +106,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     if args.command == "sample":
+        if (args.out / "samples.jsonl").exists():  # the labels belong to these responses: new samples would orphan them
+            parser.error(f"{args.out / 'samples.jsonl'} exists (its labels.jsonl labels those responses): "
+                         "sample into another --out")
         sample(args.out)
         return 0
     samples = [json.loads(line) for line in (args.out / "samples.jsonl").read_text().splitlines()]

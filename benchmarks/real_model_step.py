@@ -98,7 +98,7 @@ def generate_once(model_dir: Path, prompts: list[list[int]], responses: int, max
     lengths = [len(output.token_ids) for output in outputs]
     # decode steps: batched, the longest row's count; one at a time, every row's
     steps = max(lengths) if max_batch > 1 else sum(lengths)
-    return {"seconds": seconds, "tokens": sum(lengths), "decode_steps": steps, "outputs": outputs, "server": server}
+    return {"seconds": seconds, "tokens": sum(lengths), "decode_steps": steps, "outputs": outputs}
 
 
 def log_prob_error(model_dir: Path, prompts: list[list[int]], outputs, responses: int) -> dict:

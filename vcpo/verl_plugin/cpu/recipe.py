@@ -215,8 +215,8 @@ def cpu_overrides(
     ]
     if pretrained:
         # OPOB in one backward: the memory model's rule (two passes above 1.25x a plain step's peak) spares a GPU's
-        # memory; on the host single's projected 6.6 GB fits, and its update took 29.5 s against two_pass's 38.7 s
-        # (medians, tables/real_model/step/)
+        # memory; on the host single's projected 6.6 GB fits, and it is the faster (docs/verl.md, "The real model's
+        # step on CPU")
         overrides.append(f"+{actor}.policy_loss.opob_mode=single")
     if separate:
         # weights reach the standalone replica through the object-store checkpoint engine (checkpoint.py)

@@ -273,7 +273,8 @@ class HFRolloutServer:
                     break
             sampling = self._queue[0].sampling
             batch = [request for request in self._queue if request.sampling == sampling][: self.max_batch]
-            self._queue = [request for request in self._queue if all(request is not taken for taken in batch)]
+            taken = {id(request) for request in batch}
+            self._queue = [request for request in self._queue if id(request) not in taken]
             stale = [request for request in batch if request.epoch != self._abort_epoch]
             for request in stale:  # aborted while queued: nothing sampled
                 request.result.set_result(([], [], True))
