@@ -287,7 +287,8 @@ def test_bad_arguments_are_named(tmp_path):
 
 def test_every_task_has_a_reward():
     assert set(DATASETS) == {"gsm8k", "math", "math500", "aime24", "aime25", "amc23", "dapo_math", "countdown",
-                          "sums", "chain_sums", "word_problems", "sums_2digit", "sums_2to3", "countdown3"}
+                          "sums", "chain_sums", "word_problems", "sums_2digit", "sums_2to3", "countdown3",
+                          "sums_2digit_brief", "sums_2to3_brief", "chain_sums_brief"}
     assert {task.data_source for task in DATASETS.values()} <= set(REWARD_BY_DATA_SOURCE)
 
 
@@ -390,3 +391,16 @@ def test_a_starter_tasks_test_split_shares_no_question_with_train_or_validation(
         assert len(test) == (0 if task == "sums" else TEST_PROBLEMS), (task, len(test))
     assert load_rows("sums_2digit", "test")[0]["reward_model"]["ground_truth"] == str(
         eval(load_rows("sums_2digit", "test")[0]["extra_info"]["question"].removeprefix("Calculate ").rstrip(".")))
+
+
+def test_a_short_answer_variant_asks_the_same_problems_for_only_the_number():
+    """The lag study's rounds 3-4 (recipes/real_model_lag.md): each *_brief task has its original's splits, problem for
+    problem and answer for answer, and only the prompt's instruction differs."""
+    for task in ("sums_2digit", "sums_2to3", "chain_sums"):
+        for split in ("train", "validation", "test"):
+            original, brief = load_rows(task, split), load_rows(f"{task}_brief", split)
+            assert [(row["extra_info"]["question"], row["reward_model"]) for row in original] == [
+                (row["extra_info"]["question"], row["reward_model"]) for row in brief]
+        question = original[0]["extra_info"]["question"]
+        assert original[0]["prompt"][0]["content"] == f'{question} Output the final answer after "####".'
+        assert brief[0]["prompt"][0]["content"] == f"{question} Reply with only the final number."

@@ -247,28 +247,35 @@ def test_a_short_greedy_answer_ends_at_im_end_in_every_generation_path(smollm2):
     assert response_ended(response, mask, end_token_ids(tokenizer))
 
 
-def test_the_lag_studys_task_choice_runs_a_round_only_when_the_ones_before_chose_none(tmp_path, monkeypatch):
-    """vcpo.studies.real_model_lag.choose with the registered design and scripted evaluations: round 1's means all
-    below the band, round 2 runs with its own new tokens and seed and chooses the candidate closest to the target; the
-    study's response length is the choosing round's; a round that chooses ends the rounds."""
+@pytest.mark.parametrize("choosing_round", [3, 4])
+def test_the_lag_studys_task_choice_runs_a_round_only_when_the_ones_before_chose_none(tmp_path, monkeypatch,
+                                                                                   choosing_round):
+    """vcpo.studies.real_model_lag.choose with the registered design and scripted evaluations: each round samples its
+    own candidates (rounds 3-4: the short-answer prompts) with its own new tokens, temperature and seed; rounds below
+    the band choose none; the choosing round picks the candidate in the band closest to the target, ends the rounds,
+    and sets the study's response length and temperature."""
     import vcpo.local_models
     from vcpo.studies import real_model_lag
 
-    means = {(64, "sums_2digit"): 0.04, (64, "sums_2to3"): 0.03, (64, "chain_sums"): 0.04,
-             (128, "sums_2digit"): 0.22, (128, "sums_2to3"): 0.30, (128, "chain_sums"): 0.05}
+    means = {"sums_2digit_brief": 0.07, "sums_2to3_brief": 0.12, "chain_sums_brief": 0.62}  # only 12% in the band
     asked = []
 
     def scripted(name, rule, answer_format, seed, model, out):
-        tokens = rule["sampling"]["max_new_tokens"]
-        asked.append((tokens, seed, name, out.parent.name))
-        mean = means[(tokens, name)]
+        sampling = rule["sampling"]
+        asked.append((out.parent.name, name, sampling["max_new_tokens"], sampling["temperature"], seed))
+        mean = means[name] if int(out.parent.name.removeprefix("round")) == choosing_round else 0.04
         return {"problems": 96, "per_problem_reward": [mean] * 96, "mean_reward": mean, "mean_response_tokens": 40.0,
                 "truncated": 0.4, "no_answer": 100, "provenance": {"commit": "0" * 40, "dirty": False}}
 
     monkeypatch.setattr(real_model_lag, "evaluate_candidate", scripted)
     monkeypatch.setattr(vcpo.local_models, "packaged_model", lambda name: tmp_path)
     result = real_model_lag.choose(tmp_path / "work", tmp_path / "tables")
-    assert [(tokens, seed, folder) for tokens, seed, _, folder in asked] == [(64, 0, "round1")] * 3 + [(128, 1, "round2")] * 3
-    assert [round_["chosen"] for round_ in result["rounds"]] == [None, "sums_2to3"]
-    assert result["chosen"] == "sums_2to3" and result["max_response_length"] == 128
-    assert "Chosen: **sums_2to3**" in (tmp_path / "tables" / "task_choice.md").read_text()
+    original, brief = ["sums_2digit", "sums_2to3", "chain_sums"], ["sums_2digit_brief", "sums_2to3_brief", "chain_sums_brief"]
+    expected = [("round1", name, 64, 1.0, 0) for name in original] + [("round2", name, 128, 1.0, 1) for name in original]
+    expected += [("round3", name, 64, 1.0, 2) for name in brief] + [("round4", name, 64, 0.7, 3) for name in brief]
+    assert asked == expected[: 3 * choosing_round]
+    assert [round_["chosen"] for round_ in result["rounds"]] == [None] * (choosing_round - 1) + ["sums_2to3_brief"]
+    assert (result["chosen"], result["max_response_length"], result["temperature"]) == (
+        "sums_2to3_brief", 64, {3: 1.0, 4: 0.7}[choosing_round])
+    table = (tmp_path / "tables" / "task_choice.md").read_text()
+    assert "Chosen: **sums_2to3_brief**" in table and f"| {choosing_round}: 64, {0.7 if choosing_round == 4 else 1} | sums_2to3_brief |" in table

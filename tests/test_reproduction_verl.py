@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_verl_cpu_trainer import check_sync_run, check_vcpo_lag1_run
+from test_verl_cpu_trainer import check_sync_run, check_vcpo_lag1_run, ray_cluster_slot
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
@@ -24,7 +24,8 @@ def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_p
     base = [sys.executable, "-m", "snakemake", "-s", "workflows/Snakefile", "--configfile", str(CONFIGS / "verl-cpu.yaml"),
             "--config", f"results={results}", f'data={{"dir": "{data}"}}', "--cores", "2"]  # fmt: skip
     for extra in ([], ["--report", str(results / "report.html")]):
-        result = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True, timeout=1500)
+        with ray_cluster_slot():
+            result = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True, timeout=1500)
         assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     runs = results / "runs" / "countdown"
     for run in ("sync/lag0/seed0", "seq_tis_c8/lag1/seed0", "vcpo/lag1/seed0"):

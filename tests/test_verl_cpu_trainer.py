@@ -11,12 +11,16 @@ accepts every override of the recipe.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,19 +30,33 @@ RUN_TIMEOUT_S = 480
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def run_cpu_recipe(out: Path, *args: str) -> tuple[list[dict], str]:
-    """Run the launcher in its own process group; returns (metrics per step, combined output)."""
+@contextmanager
+def ray_cluster_slot(alone: bool = False) -> Iterator[None]:
+    """Hold the test run's lock on Ray clusters, shared by the tiny model's runs and taken alone by the real model's.
+
+    Each cluster starts some fifteen Ray workers of about 0.45 GB each; the real model's adds its 4.5 GB trainer, its
+    weights in the checkpoint worker and the rollout server, and a 2 GiB object store. Beside a second cluster on the
+    other pytest worker that passed Ray's kill threshold (95% of 24 GiB) in CI, which then killed both runs."""
+    with open(Path(tempfile.gettempdir()) / "vcpo-tests-ray-cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+
+
+def run_cpu_recipe(out: Path, *args: str, alone: bool = False) -> tuple[list[dict], str]:
+    """Run the launcher in its own process group (with the Ray cluster to itself when ``alone``); returns (metrics
+    per step, combined output)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), *args]
-    proc = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, verl's driver and the Ray cluster it started
-        output, _ = proc.communicate()
-        pytest.fail(f"verl CPU run exceeded {RUN_TIMEOUT_S}s; last output:\n{output[-6000:]}")
+    with ray_cluster_slot(alone):
+        proc = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher, verl's driver and the Ray cluster it started
+            output, _ = proc.communicate()
+            pytest.fail(f"verl CPU run exceeded {RUN_TIMEOUT_S}s; last output:\n{output[-6000:]}")
     (out / "run.log").write_text(output)
     assert proc.returncode == 0, f"verl CPU run failed (rc={proc.returncode}); last output:\n{output[-6000:]}"
     metrics_file = out / "metrics.jsonl"
@@ -233,7 +251,9 @@ def test_verls_trainer_runs_vcpo_on_the_real_pretrained_model(tmp_path):
 
     base = packaged_model("smollm2-135m-instruct")
     out = tmp_path / "run"
-    records, output = run_cpu_recipe(out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps", "2")
+    records, output = run_cpu_recipe(
+        out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps", "2", alone=True
+    )
     # 30 float32 layers: the on-policy weights sat 1.3e-4 below 1; the lagged ones at lr 1e-5 spread over 0.69-1.36
     check_vcpo_lag1_run(records, output, 2, on_policy_tolerance=1e-3)
     check_checkpoint(out, 2)

@@ -16,6 +16,8 @@ MATH_TEMPLATE = "{question} Let's think step by step and output the final answer
 # the starter tasks (a small pretrained model's first RL task): the answer after "####", without asking for
 # step-by-step reasoning, so that a 64-token response holds it
 STARTER_TEMPLATE = '{question} Output the final answer after "####".'
+# A short answer: under the lenient format a response that ended scores its last number
+BRIEF_TEMPLATE = "{question} Reply with only the final number."
 COUNTDOWN_TEMPLATE = (
     "{question}\nThink step by step, then write only the final expression inside <answer> </answer> tags, "
     "for example <answer>(1 + 2) * 3</answer>."
@@ -68,6 +70,12 @@ def _starter_task(name: str, generator: str, config: dict, *, template: str = ST
                        generator=generator, generator_config=config, reward_source=reward_source)
 
 
+# Reasoning Gym settings shared by a task and its short-answer variant
+_PLUS_MINUS_FLAT = {"operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}
+SUMS_2DIGIT = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, **_PLUS_MINUS_FLAT}
+SUMS_2TO3 = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, **_PLUS_MINUS_FLAT}
+CHAIN_SUMS = {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
 DATASETS: dict[str, DatasetSpec] = {
     task.name: task
     for task in [
@@ -107,17 +115,16 @@ DATASETS: dict[str, DatasetSpec] = {
         # Starter tasks, generated offline: easy enough for SmolLM2-135M-Instruct to get some right before training
         # (recipes/real_model.yaml chooses among them). Numeric answers are scored by the GSM8K rule (after "####").
         _starter_task("sums", "basic_arithmetic",
-                      {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                       "allow_parentheses": False, "allow_negation": False}),
-        _starter_task("chain_sums", "chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+                      {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, **_PLUS_MINUS_FLAT}),
+        _starter_task("chain_sums", "chain_sum", CHAIN_SUMS),
         _starter_task("word_problems", "gsm_symbolic", {}),
         # candidates with room for a held-out test split of 400 (recipes/real_model_lag.md), registered in this order
-        _starter_task("sums_2digit", "basic_arithmetic",
-                      {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
-                       "allow_parentheses": False, "allow_negation": False}),
-        _starter_task("sums_2to3", "basic_arithmetic",
-                      {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                       "allow_parentheses": False, "allow_negation": False}),
+        _starter_task("sums_2digit", "basic_arithmetic", SUMS_2DIGIT),
+        _starter_task("sums_2to3", "basic_arithmetic", SUMS_2TO3),
+        # the same problems asked for a short answer (the lag study's rounds 3 and 4)
+        _starter_task("sums_2digit_brief", "basic_arithmetic", SUMS_2DIGIT, template=BRIEF_TEMPLATE),
+        _starter_task("sums_2to3_brief", "basic_arithmetic", SUMS_2TO3, template=BRIEF_TEMPLATE),
+        _starter_task("chain_sums_brief", "chain_sum", CHAIN_SUMS, template=BRIEF_TEMPLATE),
         _starter_task("countdown3", "countdown", {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 10,
                                                   "min_target": 1, "max_target": 30}, template=COUNTDOWN_TEMPLATE,
                       reward_source="countdown"),

@@ -67,7 +67,7 @@ def evaluate_candidate(name: str, rule: dict, answer_format: str, seed: int, mod
 def real_model_run_command(method: str, lag: int, seed: int, training: dict, task: str, answer_format: str,
                            val_rows: list[dict], out: Path, data: Path, extra: tuple[str, ...] = ()) -> tuple[list[str], Path]:
     """The ``python -m vcpo.launch.cpu`` command of one verl run of the real model: ``method`` at ``lag``, ``training``'s
-    batch, lengths, steps and validation interval (a ``training`` block of recipes/real_model*.yaml), ``task``'s train
+    batch, lengths, temperature, steps and validation interval (a ``training`` block of recipes/real_model*.yaml), ``task``'s train
     split and reward in ``answer_format``, greedy validation on ``val_rows``; the parquet files under ``data``/task, the
     run into ``out``. ``extra``: Hydra overrides appended last."""
     import pandas as pd  # the reproduction stack (vcpo[repro])
@@ -85,6 +85,7 @@ def real_model_run_command(method: str, lag: int, seed: int, training: dict, tas
         # the reward learns whether each response ended or was cut at the length limit (lenient reads a cut one strictly)
         *END_AWARE_REWARD_MANAGER,
         f"data.train_batch_size={training['prompts_per_step']}", f"{rollout}.n={training['responses_per_prompt']}",
+        f"{rollout}.temperature={training['temperature']}",
         f"data.max_response_length={training['max_response_length']}", f"data.max_prompt_length={training['max_prompt_length']}",
         f"trainer.test_freq={training['validation']['every']}", "trainer.val_before_train=true", "trainer.save_freq=-1",
         # a Ray instance of its own: two arms at once would otherwise share one, and its memory monitor kills either's workers
@@ -105,15 +106,17 @@ def choose(work: Path, tables: Path) -> dict:
     design = read_yaml(recipes_dir() / DESIGN)
     rule = design["task_choice"]
     model = packaged_model(design["model"])
-    for name in rule["candidates"]:
+    plan = [(changes.get("candidates", rule["candidates"]),
+             {**rule["sampling"], **{key: value for key, value in changes.items() if key != "candidates"}})
+            for changes in rule["rounds"]]
+    for name in dict.fromkeys(name for candidates, _ in plan for name in candidates):
         test = len(load_rows(name, "test"))
         if test < rule["test_problems"]:
             raise SystemExit(f"{name}: {test} test problems, the registration needs {rule['test_problems']}")
     rounds = []
-    for number, changes in enumerate(rule["rounds"], 1):
-        sampling = {**rule["sampling"], **changes}
+    for number, (candidates, sampling) in enumerate(plan, 1):
         rows = {}
-        for name in rule["candidates"]:
+        for name in candidates:
             print(f"round {number}, {name}: the first {rule['problems']} {rule['split']} problems, n = {sampling['n']}, "
                   f"{sampling['max_new_tokens']} new tokens", flush=True)
             summary = evaluate_candidate(name, {**rule, "sampling": sampling}, rule["answer_format"], sampling["seed"], model,
@@ -129,8 +132,9 @@ def choose(work: Path, tables: Path) -> dict:
             break
     last = rounds[-1]
     result = {"rule": rule, "rounds": rounds, "chosen": last["chosen"],
-              # the study's response length: the choosing round's (recipes/real_model_lag.md)
+              # the study's response length and temperature: the choosing round's (recipes/real_model_lag.md)
               "max_response_length": last["sampling"]["max_new_tokens"] if last["chosen"] else None,
+              "temperature": last["sampling"]["temperature"] if last["chosen"] else None,
               "written": utc_now(), "analysis": code_state()}
     tables.mkdir(parents=True, exist_ok=True)
     write_atomic(tables / "task_choice.json", json.dumps(result, indent=2) + "\n")
@@ -141,26 +145,27 @@ def choose(work: Path, tables: Path) -> dict:
 
 def choice_markdown(result: dict) -> str:
     rule = result["rule"]
-    lines = ["| round: new tokens | task | problems | base mean@4 [95% CI] | no answer | response tokens (cut at the limit) "
-             "| in the band |", "|---|---|---:|---|---:|---:|---|"]
+    lines = ["| round: new tokens, temperature | task | problems | base mean@4 [95% CI] | no answer | response tokens "
+             "(cut at the limit) | in the band |", "|---|---|---:|---|---:|---:|---|"]
     for number, round_ in enumerate(result["rounds"], 1):
         for name, row in round_["rows"].items():
             inside = rule["band"][0] <= row["mean_reward"] <= rule["band"][1]
-            lines.append(f"| {number}: {round_['sampling']['max_new_tokens']} | {name} | {row['problems']} | "
+            lines.append(f"| {number}: {round_['sampling']['max_new_tokens']}, {round_['sampling']['temperature']:g} | "
+                         f"{name} | {row['problems']} | "
                          f"{100 * row['mean_reward']:.1f}% [{100 * row['low']:.1f}, {100 * row['high']:.1f}] | "
                          f"{row['no_answer']} | {row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | "
                          f"{'yes' if inside else 'no'} |")
     chosen, sampling = result["chosen"], rule["sampling"]
     verdict = (f"Chosen: **{chosen}** (in the band, closest to {100 * rule['target']:.0f}%), with {result['max_response_length']} "
-               "response tokens for every run." if chosen
+               f"response tokens and temperature {result['temperature']:g} for every run." if chosen
                else "No candidate lies in the band in any round: no task is chosen, and the study stops here.")
     commits = sorted({row["provenance"]["commit"][:12] + (" (dirty)" if row["provenance"].get("dirty") else "")
                       for round_ in result["rounds"] for row in round_["rows"].values()})
     return "\n".join([
         *lines, "",
         f"SmolLM2-135M-Instruct before training (hf backend, CPU): the first {rule['problems']} {rule['split']} problems of "
-        f"each candidate, n = {sampling['n']}, temperature {sampling['temperature']}, top-p {sampling['top_p']}, the round's "
-        f"new tokens and seed, scored {rule['answer_format']} (a response cut at the limit read strictly); 95% percentile "
+        f"each of the round's candidates, n = {sampling['n']}, top-p {sampling['top_p']}, the round's new tokens, "
+        f"temperature and seed, scored {rule['answer_format']} (a response cut at the limit read strictly); 95% percentile "
         f"bootstrap over problems. Rule (recipes/real_model_lag.md, each round registered before it ran): the candidate "
         f"whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
         f"{100 * rule['target']:.0f}%, ties to the earlier; a round runs only when the ones before it chose none. {verdict}",
