@@ -64,6 +64,22 @@ def code_state(package_dir: Path | None = None) -> dict:
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
+def is_committed(path: Path) -> bool:
+    """Whether ``path`` is tracked by its git checkout and identical to its copy at HEAD."""
+    path = Path(path).resolve()
+    if not path.exists():
+        return False
+    folder = path.parent
+
+    def git_ok(*args: str) -> bool:
+        try:
+            return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    return git_ok("ls-files", "--error-unmatch", path.name) and git_ok("diff", "--quiet", "HEAD", "--", path.name)
+
+
 def machine_state() -> dict:
     """The CPU, the kernels torch dispatches to, the pinning environment and the threads, as of now."""
     import torch

@@ -1,32 +1,55 @@
-"""The real model's policy-lag study (recipes/real_model_lag.md): the task chosen by its registered rule.
+"""The real model's policy-lag study (recipes/real_model_lag.md): the task chosen by its registered rule, then the runs.
 
     python -m vcpo.studies.real_model_lag choose [--work results/real_model_lag/task_choice]
+    python -m vcpo.studies.real_model_lag run [--work results/real_model_lag] [--commit]
+    python -m vcpo.studies.real_model_lag status
 
 ``choose`` scores SmolLM2-135M-Instruct's samples (the training's sampling and reward) on the first validation problems
 of each candidate task of ``recipes/real_model_lag.yaml``, applies the rule and writes
 tables/real_model_lag/task_choice.{json,md}: every candidate's mean@4 with its bootstrap interval over problems, the
 truncation and no-answer counts, and the chosen task (or none). A candidate already evaluated in ``--work`` is read
 back, not rerun.
+
+``run`` trains what the registration asks next through verl's trainer, one Snakemake job per run (``real_model_lag.smk``
+beside this file, one run at a time on the machine's cores): the learning-rate ladder rate by rate until its rule
+decides, then (once ``regime.json``, which it writes, is committed) the confirmation, seed by seed. Each finished run
+appends its row to tables/real_model_lag/runs.jsonl (verl's staleness per step, the held-out accuracies, the rule's
+inputs, commit, start, finish, CPU) and keeps its verl metrics beside it, gzipped; ``--commit`` commits them at once,
+so that a session's end loses at most the run under way, which starts over. ``status`` says what is done and what
+is left.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
+import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vcpo.data import DATASETS, load_rows
-from vcpo.locks import write_atomic
-from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
+from vcpo.lifetimes import run_jobs_with_snakemake
+from vcpo.locks import run_folder_lock, write_atomic
+from vcpo.provenance import code_state, cpu_name, is_committed, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
+from vcpo.reporting.run_data import read_metrics, series
+from vcpo.runs import METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY
 from vcpo.studies.statistics import bootstrap_mean_interval
 from vcpo.verl_contract import END_AWARE_REWARD_MANAGER
 
 DESIGN = "real_model_lag.yaml"
 MODEL = "smollm2-135m-instruct"  # vcpo.local_models.PACKAGED_MODELS
 TABLES = Path("tables") / "real_model_lag"
+WORK = Path("results") / "real_model_lag"
+SNAKEFILE = Path(__file__).with_name("real_model_lag.smk")
+RUNS_FILE, REGIME_FILE, METRICS_FOLDER = "runs.jsonl", "regime.json", "metrics"
+# verl's metric names the rows keep (the rest stay in the gzipped metrics)
+STALENESS = "training/off_policy/trajectory_staleness"
+STEP_TIME = "timing_s/step"
 INTERVAL = {"level": 0.95, "resamples": 10_000, "seed": 0}  # percentile bootstrap over problems, as the base evaluation
 
 
@@ -174,14 +197,219 @@ def choice_markdown(result: dict) -> str:
     ])
 
 
+# ------------------------------------------------------------------------------------------------------------ the runs
+@dataclass(frozen=True)
+class Run:
+    """One registered training: ``arm`` of ``phase`` ("regime" or "confirmation") at learning rate ``rate``."""
+
+    phase: str
+    arm: str
+    method: str
+    lag: int
+    rate: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.phase}-{self.arm}-lr{self.rate:g}-seed{self.seed}"
+
+
+def run_outcome(heldout: list[list], ess_min: float | None, rule: dict) -> dict:
+    """The regime rule's inputs and verdicts for one run (recipes/real_model_lag.yaml ``regime``): held-out accuracy at
+    step 0 (``base``), its best and its last (``end``) value; ``collapsed``: end at most ``end_over_best_at_most`` of the
+    best and the sequence ESS ratio at or below ``seq_ess_ratio_at_most`` at some step (a run that logs no ESS ratio
+    cannot collapse); ``improves``: end at least ``sync_improves_by`` above base, and not collapsed."""
+    if not heldout or heldout[0][0] != 0:
+        raise ValueError("a run needs its step-0 held-out evaluation to be judged")
+    accuracies = [accuracy for _, accuracy in heldout]
+    base, best, end = accuracies[0], max(accuracies), accuracies[-1]
+    collapse = rule["collapse"]
+    collapsed = (end <= collapse["end_over_best_at_most"] * best and ess_min is not None
+                 and ess_min <= collapse["seq_ess_ratio_at_most"])
+    return {"base": base, "best": best, "end": end, "ess_min": ess_min, "collapsed": collapsed,
+            "improves": end >= base + rule["sync_improves_by"] and not collapsed}
+
+
+def ladder(design: dict, rows: dict[str, dict]) -> tuple[list[Run], dict | None]:
+    """The regime's next runs (the lowest rate not yet run, both arms) or, once its rule decides, the regime: the lowest
+    rate at which seq-TIS collapses and sync improves; none: the highest rate at which sync improves; none: the
+    registered fallback rate."""
+    regime = design["regime"]
+    verdicts = []
+    for rate in regime["rates"]:
+        runs = {arm: Run("regime", arm, spec["method"], spec["lag"], rate, regime["seed"]) for arm, spec in regime["arms"].items()}
+        missing = [run for run in runs.values() if run.name not in rows]
+        if missing:
+            return missing, None
+        verdict = {"rate": rate, "sync_improves": rows[runs["sync"].name]["outcome"]["improves"],
+                   "seq_tis_collapses": rows[runs["seq_tis"].name]["outcome"]["collapsed"]}
+        verdicts.append(verdict)
+        if verdict["sync_improves"] and verdict["seq_tis_collapses"]:
+            return [], {"rate": rate, "by": "the lowest rate at which seq-TIS collapses and sync improves", "ladder": verdicts}
+    improving = [verdict["rate"] for verdict in verdicts if verdict["sync_improves"]]
+    if improving:
+        return [], {"rate": max(improving), "by": "fallback: no rate qualifies; the highest rate at which sync improves",
+                    "ladder": verdicts}
+    return [], {"rate": regime["fallback_rate"], "by": "fallback: sync improves at no rate", "ladder": verdicts}
+
+
+def confirmation(design: dict, rate: float) -> list[Run]:
+    """The confirmation's runs in their registered order: seed by seed, the arms in order within a seed."""
+    plan = design["confirmation"]
+    return [Run("confirmation", arm, spec["method"], spec["lag"], rate, seed)
+            for seed in plan["seeds"] for arm, spec in plan["arms"].items()]
+
+
+def read_rows(tables: Path) -> dict[str, dict]:
+    path = tables / RUNS_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {row["name"]: row for row in rows}
+
+
+def next_runs(design: dict, tables: Path) -> tuple[list[Run], str]:
+    """What the registration runs next, and a sentence on where the study stands."""
+    rows = read_rows(tables)
+    runs, regime = ladder(design, rows)
+    if runs:
+        return runs, f"the learning-rate ladder: rate {runs[0].rate:g} ({len(rows)} runs done)"
+    regime_file = tables / REGIME_FILE
+    if not regime_file.exists():
+        write_regime(regime, tables)
+    if not is_committed(regime_file):
+        return [], (f"the regime is chosen ({regime_file}): commit {regime_file} and regime.md, then run again for the "
+                    "confirmation")
+    rate = json.loads(regime_file.read_text())["rate"]
+    left = [run for run in confirmation(design, rate) if run.name not in rows]
+    return left, f"the confirmation at rate {rate:g}: {len(confirmation(design, rate)) - len(left)} of " \
+                 f"{len(confirmation(design, rate))} runs done"
+
+
+def write_regime(regime: dict, tables: Path) -> None:
+    lines = ["| rate | sync improves | seq-TIS collapses |", "|---:|---|---|"]
+    lines += [f"| {v['rate']:g} | {'yes' if v['sync_improves'] else 'no'} | {'yes' if v['seq_tis_collapses'] else 'no'} |"
+              for v in regime["ladder"]]
+    text = "\n".join([*lines, "", f"Chosen rate: **{regime['rate']:g}** ({regime['by']}; recipes/real_model_lag.md, part 2). "
+                       f"From tables/real_model_lag/runs.jsonl by `python -m vcpo.studies.real_model_lag run`, {utc_now()}.", ""])
+    write_atomic(tables / REGIME_FILE, json.dumps({**regime, "written": utc_now()}, indent=2) + "\n")
+    write_atomic(tables / "regime.md", text)
+
+
+def study_setup(tables: Path) -> tuple[dict, dict, dict]:
+    """The design, the task choice (which must have chosen) and the settings every run shares."""
+    design = read_yaml(recipes_dir() / DESIGN)
+    choice = json.loads((tables / "task_choice.json").read_text())
+    if choice["chosen"] is None:
+        raise SystemExit(f"{tables / 'task_choice.json'} chose no task: the study has nothing to train")
+    training = {**design["training"], "max_response_length": choice["max_response_length"],
+                "temperature": choice["temperature"]}
+    return design, choice, training
+
+
+def run_one(run: Run, work: Path, tables: Path, commit: bool) -> dict:
+    """Train ``run`` through verl's trainer (an unfinished earlier attempt starts over) and append its row."""
+    design, choice, training = study_setup(tables)
+    out = work / "runs" / run.name
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rule = design["task_choice"]
+    val = load_rows(choice["chosen"], "test")[: rule["test_problems"]]
+    command, _ = real_model_run_command(run.method, run.lag, run.seed, training, choice["chosen"], rule["answer_format"],
+                                        val, out, work / "data", extra=(f"actor_rollout_ref.actor.optim.lr={run.rate}",))
+    started = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "libraries": library_versions()}
+    log = work / "runs" / f"{run.name}.log"
+    print(f"{run.name}: {training['steps']} steps; log {log}", flush=True)
+    with open(log, "w") as handle:
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"{run.name}: verl's trainer exited with {code}; see {log}")
+    lines = read_metrics(out)
+    steps, accuracy = series(lines, VAL_ACCURACY)
+    _, ess = series(lines, SEQ_ESS_RATIO)
+    staleness = [[line["step"], line[f"{STALENESS}/max"], line[f"{STALENESS}/mean"]] for line in lines
+                 if f"{STALENESS}/max" in line]
+    heldout = [[int(step), float(value)] for step, value in zip(steps, accuracy, strict=True)]
+    times = sorted(line[STEP_TIME] for line in lines if STEP_TIME in line)
+    row = {**asdict(run), "name": run.name, "task": choice["chosen"], "steps": max(line["step"] for line in lines),
+           "staleness": staleness, "heldout": heldout,
+           "outcome": run_outcome(heldout, float(ess.min()) if ess.size else None, design["regime"]),
+           "median_step_s": times[len(times) // 2] if times else None, **started, "finish": utc_now()}
+    keep_row(row, out, tables, commit)
+    return row
+
+
+def keep_row(row: dict, out: Path, tables: Path, commit: bool) -> None:
+    """Append ``row`` to the study's runs.jsonl and keep the run's verl metrics beside it, gzipped (and commit both)."""
+    metrics = tables / METRICS_FOLDER / f"{row['name']}.jsonl.gz"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    with open(out / METRICS_FILE, "rb") as source, gzip.open(metrics, "wb") as target:
+        shutil.copyfileobj(source, target)
+    with open(tables / RUNS_FILE, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+    if commit:
+        paths = [str(tables / RUNS_FILE), str(metrics)]
+        subprocess.run(["git", "add", "--", *paths], check=True)
+        subprocess.run(["git", "commit", "-q", "-m", f"The real model's lag study: run {row['name']} (its row and metrics)",
+                        "--", *paths], check=True)
+
+
+def run_study(work: Path, tables: Path, commit: bool) -> int:
+    """Run what the registration asks next until it asks for nothing (or for the regime's commit), one Snakemake job
+    per run; returns the number of runs that failed."""
+    work, tables = work.resolve(), tables.resolve()
+    study_setup(tables)  # refuses a study with no task
+    work.mkdir(parents=True, exist_ok=True)
+    with run_folder_lock(work):
+        while True:
+            runs, where = next_runs(read_yaml(recipes_dir() / DESIGN), tables)
+            print(f"study: {where}", flush=True)
+            if not runs:
+                return 0
+            plan = work / "plan.json"
+            write_atomic(plan, json.dumps({"work": str(work), "tables": str(tables), "commit": commit,
+                                           "runs": [asdict(run) for run in runs]}))
+            run_jobs_with_snakemake(SNAKEFILE, plan, os.cpu_count() or 1)
+            failed = [run.name for run in runs if run.name not in read_rows(tables)]
+            if failed:
+                print(f"failed: {', '.join(failed)} (logs in {work / 'runs'}); the same command runs them again",
+                      file=sys.stderr)
+                return len(failed)
+
+
+def status(tables: Path) -> str:
+    design = read_yaml(recipes_dir() / DESIGN)
+    rows = read_rows(tables)
+    choice = tables / "task_choice.json"
+    if not choice.exists() or json.loads(choice.read_text())["chosen"] is None:
+        return f"{len(rows)} runs done; no task is chosen ({choice}): the study has nothing to run."
+    runs, where = next_runs(design, tables)
+    lines = [f"{len(rows)} runs done; now: {where}."]
+    if runs:
+        lines.append(f"next: {', '.join(run.name for run in runs[:3])}{' ...' if len(runs) > 3 else ''} "
+                     f"({len(runs)} to run in this phase)")
+        lines.append("resume: python -m vcpo.studies.real_model_lag run --commit")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vcpo.studies.real_model_lag", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("choose", help="evaluate the candidate tasks and apply the registered rule")
-    command.add_argument("--work", type=Path, default=Path("results") / "real_model_lag" / "task_choice")
+    command.add_argument("--work", type=Path, default=WORK / "task_choice")
+    command.add_argument("--tables", type=Path, default=TABLES)
+    command = commands.add_parser("run", help="train the runs the registration asks for next (hours)")
+    command.add_argument("--work", type=Path, default=WORK)
+    command.add_argument("--tables", type=Path, default=TABLES)
+    command.add_argument("--commit", action="store_true", help="commit each run's row and metrics as it finishes")
+    command = commands.add_parser("status", help="what is done and what is left")
     command.add_argument("--tables", type=Path, default=TABLES)
     args = parser.parse_args(argv)
-    choose(args.work, args.tables)
+    if args.command == "choose":
+        choose(args.work, args.tables)
+    elif args.command == "run":
+        return 1 if run_study(args.work, args.tables, args.commit) else 0
+    else:
+        print(status(args.tables))
     return 0
 
 
