@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from prose_quotes import ROOT, assert_quoted, assert_quotes_are_the_statistics, normalised, section, study_prose
 
+from vcpo.recipes import read_yaml
 from vcpo.sim.config import SimConfig
 from vcpo.studies.evidence_report import p_value, signed_points
 from vcpo.studies.statistics import by_pair, detectable_difference, paired_difference
@@ -1059,12 +1060,18 @@ def test_the_real_model_step_section_quotes_its_measurements():
     assert_quoted(text, *(f"{100 * count / samples:.0f}%" for count in shares.values()))
 
 
-def test_the_readme_quotes_the_lag_studys_task_choice():
-    """The README's real-model bullet quotes tables/real_model_lag/task_choice.json: how many rounds ran, the range of
-    the candidates' base means, and that no task was chosen (when none was)."""
+def test_the_readme_and_the_docs_quote_the_lag_studys_task_choice():
+    """The README's real-model bullet and the docs' section quote tables/real_model_lag/task_choice.json: the round that
+    chose of how many were registered, the task, its temperature, its base mean and interval; the docs also the range
+    of the means of the rounds that chose none."""
     choice = json.loads((ROOT / "tables" / "real_model_lag" / "task_choice.json").read_text())
-    means = [row["mean_reward"] for round_ in choice["rounds"] for row in round_["rows"].values()]
-    text = section("README.md", "**A real pretrained model**", "\n- **")
-    assert choice["chosen"] is None and "found no task in its band" in text
-    assert f"{len(choice['rounds'])} rounds" in text
-    assert_quoted(text, f"{100 * min(means):.1f}", f"{100 * max(means):.1f}%")
+    design = read_yaml(ROOT / "recipes" / "real_model_lag.yaml")
+    row = choice["rounds"][-1]["rows"][choice["chosen"]]
+    chosen = [f"`{choice['chosen']}`", f"temperature {choice['temperature']:g}",
+              f"{100 * row['mean_reward']:.1f}% [{100 * row['low']:.1f}, {100 * row['high']:.1f}]"]
+    readme = section("README.md", "**A real pretrained model**", "\n- **")
+    assert f"round {len(choice['rounds'])} of {len(design['task_choice']['rounds'])}" in readme
+    assert_quoted(readme, *chosen)
+    docs = section("docs/data_rewards_evaluation.md", "### The policy-lag study on the real model")
+    earlier = [r["mean_reward"] for round_ in choice["rounds"][:-1] for r in round_["rows"].values()]
+    assert_quoted(docs, *chosen, f"{100 * min(earlier):.1f}-{100 * max(earlier):.1f}%")

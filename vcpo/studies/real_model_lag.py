@@ -366,14 +366,22 @@ def run_study(work: Path, tables: Path, commit: bool) -> int:
             if not runs:
                 return 0
             plan = work / "plan.json"
-            write_atomic(plan, json.dumps({"work": str(work), "tables": str(tables), "commit": commit,
-                                           "runs": [asdict(run) for run in runs]}))
+            write_atomic(plan, json.dumps({"work": str(work), "tables": str(tables), "commit": commit, "plan": str(plan),
+                                           "runs": [{**asdict(run), "name": run.name} for run in runs]}))
             run_jobs_with_snakemake(SNAKEFILE, plan, os.cpu_count() or 1)
             failed = [run.name for run in runs if run.name not in read_rows(tables)]
             if failed:
                 print(f"failed: {', '.join(failed)} (logs in {work / 'runs'}); the same command runs them again",
                       file=sys.stderr)
                 return len(failed)
+
+
+def run_planned(plan_file: Path, name: str) -> None:
+    """Snakemake's job: the run ``name`` of the plan ``run_study`` wrote."""
+    plan = json.loads(plan_file.read_text())
+    fields = next(fields for fields in plan["runs"] if fields["name"] == name)
+    run = Run(**{key: value for key, value in fields.items() if key != "name"})
+    run_one(run, Path(plan["work"]), Path(plan["tables"]), plan["commit"])
 
 
 def status(tables: Path) -> str:
@@ -401,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--work", type=Path, default=WORK)
     command.add_argument("--tables", type=Path, default=TABLES)
     command.add_argument("--commit", action="store_true", help="commit each run's row and metrics as it finishes")
+    command = commands.add_parser("run-one", help="one run of a plan that `run` wrote (Snakemake's job)")
+    command.add_argument("--plan", type=Path, required=True)
+    command.add_argument("--name", required=True)
     command = commands.add_parser("status", help="what is done and what is left")
     command.add_argument("--tables", type=Path, default=TABLES)
     args = parser.parse_args(argv)
@@ -408,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         choose(args.work, args.tables)
     elif args.command == "run":
         return 1 if run_study(args.work, args.tables, args.commit) else 0
+    elif args.command == "run-one":
+        run_planned(args.plan, args.name)
     else:
         print(status(args.tables))
     return 0

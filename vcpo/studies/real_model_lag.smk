@@ -1,23 +1,25 @@
 # The real model's lag study: one job per verl run. vcpo.studies.real_model_lag.run_study writes the config (the runs
-# the registration asks for next) and runs this file; each job takes every core, so the runs go one at a time.
+# the registration asks for next) and runs this file; each job takes every core, so the runs go one at a time. A job
+# runs in a process of its own: Snakemake puts this folder first on sys.path, where statistics.py would shadow the
+# standard library's for what the run imports.
 import os
-from pathlib import Path
+import shlex
+import sys
 
-from vcpo.studies.real_model_lag import Run, run_one
-
-WORK, TABLES, COMMIT = Path(config["work"]), Path(config["tables"]), config["commit"]
-RUNS = {run.name: run for run in (Run(**fields) for fields in config["runs"])}
+PYTHON = shlex.quote(sys.executable)  # the interpreter vcpo is installed in, not the shell's first `python`
+WORK = config["work"]
 
 
 rule all:
     input:
-        [f"{WORK}/runs/{name}.done" for name in RUNS],
+        [f"{WORK}/runs/{run['name']}.done" for run in config["runs"]],
 
 
 rule train:
     output:
         f"{WORK}/runs/{{name}}.done",
     threads: os.cpu_count() or 1
-    run:
-        run_one(RUNS[wildcards.name], WORK, TABLES, COMMIT)
-        Path(output[0]).touch()
+    params:
+        plan=shlex.quote(config["plan"]),
+    shell:
+        "{PYTHON} -m vcpo.studies.real_model_lag run-one --plan {params.plan} --name {wildcards.name} && touch {output:q}"
