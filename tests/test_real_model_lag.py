@@ -133,3 +133,81 @@ def test_a_finished_run_leaves_a_row_with_verls_staleness_its_heldout_accuracies
     assert study.read_rows(tables)[run.name]["outcome"] == got["outcome"]
     with gzip.open(tables / study.METRICS_FOLDER / f"{run.name}.jsonl.gz", "rt") as kept:
         assert [json.loads(line) for line in kept] == records
+
+
+def scripted_row(phase: str, arm: str, seed: int, end: float, collapsed: bool = False, rate: float = 3e-5) -> dict:
+    lag = DESIGN["confirmation"]["arms"][arm]["lag"]
+    run = study.Run(phase, arm, DESIGN["confirmation"]["arms"][arm]["method"], lag, rate, seed)
+    return {**study.asdict(run), "name": run.name, "staleness": [[s, min(s - 1, lag), min(s - 1, lag)] for s in (1, 14, 20)],
+            "outcome": {"base": 0.15, "best": max(end, 0.15), "end": end, "ess_min": 0.05 if collapsed else 0.8,
+                        "collapsed": collapsed, "improves": end > 0.2}, "median_step_s": 30.0 + seed}
+
+
+def test_the_report_pairs_ends_by_seed_corrects_by_holm_and_gives_the_registered_verdicts(tmp_path):
+    """Eight seeds per arm with hand-chosen ends: VCPO above seq-TIS on all 8 (reproduced), VCPO within noise of sync
+    (not detected worse), sync above seq-TIS on 4 of 8 (no detectable difference). The paired means, t intervals and
+    p against scipy's direct computation, Holm by hand, the one-sided sign test's p exactly (1/256), the collapses
+    with Wilson's interval; the figures drawn from the runs' metrics."""
+    from scipy import stats
+
+    from vcpo.studies import real_model_lag_report as report
+
+    seq_tis = [0.05, 0.10, 0.02, 0.20, 0.08, 0.04, 0.30, 0.06]
+    vcpo = [0.25, 0.30, 0.22, 0.31, 0.28, 0.27, 0.33, 0.26]
+    sync = [s + d for s, d in zip(seq_tis, (0.3, -0.01, 0.25, -0.2, 0.2, -0.02, -0.3, 0.02), strict=True)]
+    rows = {}
+    for arm, ends in (("seq_tis", seq_tis), ("vcpo", vcpo), ("sync", sync)):
+        for seed, end in enumerate(ends):
+            row_ = scripted_row("confirmation", arm, seed, end, collapsed=arm == "seq_tis" and end < 0.07)
+            rows[row_["name"]] = row_
+    ladder_row = scripted_row("regime", "seq_tis", 100, 0.02, collapsed=True)
+    rows[ladder_row["name"]] = ladder_row
+    folder = tmp_path / study.METRICS_FOLDER
+    folder.mkdir()
+    for name, row_ in rows.items():
+        lines = [{"step": 0, "data": {"val-core/gsm8k/acc/mean@1": 0.15}}] + [
+            {"step": s, "data": {"critic/score/mean": 0.1 * s, "actor/rollout_corr/seq_ess_ratio": 0.9, "actor/lr_scale": 0.8,
+                                 "training/off_policy/trajectory_staleness/max": min(s - 1, row_["lag"])}} for s in (1, 2, 3)]
+        lines[-1]["data"]["val-core/gsm8k/acc/mean@1"] = row_["outcome"]["end"]
+        with gzip.open(folder / f"{name}.jsonl.gz", "wt") as handle:
+            handle.writelines(json.dumps(line) + "\n" for line in lines)
+    got = report.write_report(tmp_path, rows, DESIGN, study.METRICS_FOLDER)
+
+    by_pair = {(c["a"], c["b"]): c for c in got["comparisons"]}
+    raw_p = []
+    for (a, b), (ends_a, ends_b) in {("vcpo", "seq_tis"): (vcpo, seq_tis), ("vcpo", "sync"): (vcpo, sync),
+                                     ("sync", "seq_tis"): (sync, seq_tis)}.items():
+        differences = [x - y for x, y in zip(ends_a, ends_b, strict=True)]
+        c = by_pair[(a, b)]
+        half = stats.t.ppf(0.975, 7) * stats.tstd(differences) / 8**0.5
+        assert c["n"] == 8 and c["mean"] == pytest.approx(sum(differences) / 8)
+        assert (c["low"], c["high"]) == pytest.approx((c["mean"] - half, c["mean"] + half))
+        assert c["p"] == pytest.approx(stats.ttest_rel(ends_a, ends_b).pvalue)
+        raw_p.append(c["p"])
+    order = sorted(range(3), key=lambda i: raw_p[i])  # Holm: the k-th smallest times (3 - k), kept monotone
+    holm = {}
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (3 - rank) * raw_p[index]))
+        holm[index] = running
+    assert [c["p_holm"] for c in got["comparisons"]] == pytest.approx([holm[0], holm[1], holm[2]])
+    assert by_pair[("vcpo", "seq_tis")]["sign_p_one_sided"] == pytest.approx(1 / 256)
+    assert by_pair[("vcpo", "seq_tis")]["verdict"] == "reproduced"
+    assert by_pair[("vcpo", "sync")]["verdict"] == "reproduced (not detected worse)"
+    assert by_pair[("sync", "seq_tis")]["verdict"] == "not reproduced (no detectable difference)"
+    seq = got["arms"]["seq_tis"]
+    assert seq["collapsed"] == 4 and (seq["collapse_low"], seq["collapse_high"]) == pytest.approx((0.2152, 0.7848), abs=1e-4)
+    assert seq["staleness_max"] == 12 and seq["median_step_s"] == 33.5
+    text = (tmp_path / "report.md").read_text()
+    assert "4 of 8 [21.5%, 78.5%]" in text and "8 of 8 seeds above" in text
+    assert (tmp_path / "curves.png").stat().st_size > 20_000 and (tmp_path / "ladder.png").stat().st_size > 10_000
+
+
+def test_a_verdict_in_the_other_direction_and_one_with_too_few_pairs():
+    from vcpo.studies.real_model_lag_report import verdict
+
+    worse = {"n": 8, "mean": -0.1, "p_holm": 0.01, "sign_p_one_sided": 0.99}
+    assert verdict(worse, "above") == "not reproduced (the other direction)"
+    assert verdict(worse, "not_below") == "not reproduced (detected worse)"
+    assert verdict({**worse, "mean": 0.1, "sign_p_one_sided": 0.07}, "above") == "not reproduced (no detectable difference)"
+    assert verdict({"n": 1}, "above").startswith("not tested yet")

@@ -28,7 +28,7 @@ VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
 VERL_ACTOR_PREFIX = "actor/"
 
 
-def _flat(record: dict) -> dict:
+def flat_record(record: dict) -> dict:
     """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy,
     and its ``actor/rollout_corr/*`` (verl's trainer prefixes the actor's metrics) are ``rollout_corr/*``,
     the names the simulator logs and the figures draw."""
@@ -47,7 +47,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``, by
     ``vcpo.runs.metric_records``'s rule; what it leaves out is logged as a warning naming the run, once per
     process (a report reads a run's file several times)."""
-    return [_flat(record) for _, record in metric_records(run_dir, report=_warn_once)]
+    return [flat_record(record) for _, record in metric_records(run_dir, report=_warn_once)]
 
 
 @functools.cache

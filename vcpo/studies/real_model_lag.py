@@ -3,6 +3,7 @@
     python -m vcpo.studies.real_model_lag choose [--work results/real_model_lag/task_choice]
     python -m vcpo.studies.real_model_lag run [--work results/real_model_lag] [--commit]
     python -m vcpo.studies.real_model_lag status
+    python -m vcpo.studies.real_model_lag report
 
 ``choose`` scores SmolLM2-135M-Instruct's samples (the training's sampling and reward) on the first validation problems
 of each candidate task of ``recipes/real_model_lag.yaml``, applies the rule and writes
@@ -16,7 +17,8 @@ decides, then (once ``regime.json``, which it writes, is committed) the confirma
 appends its row to tables/real_model_lag/runs.jsonl (verl's staleness per step, the held-out accuracies, the rule's
 inputs, commit, start, finish, CPU) and keeps its verl metrics beside it, gzipped; ``--commit`` commits them at once,
 so that a session's end loses at most the run under way, which starts over. ``status`` says what is done and what
-is left.
+is left; ``report`` writes the study's statistics, tables, figures and prose from the rows
+(``vcpo.studies.real_model_lag_report``).
 """
 
 from __future__ import annotations
@@ -412,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     command = commands.add_parser("run-one", help="one run of a plan that `run` wrote (Snakemake's job)")
     command.add_argument("--plan", type=Path, required=True)
     command.add_argument("--name", required=True)
+    command = commands.add_parser("report", help="the statistics, tables, figures and prose from the rows")
+    command.add_argument("--tables", type=Path, default=TABLES)
     command = commands.add_parser("status", help="what is done and what is left")
     command.add_argument("--tables", type=Path, default=TABLES)
     args = parser.parse_args(argv)
@@ -421,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if run_study(args.work, args.tables, args.commit) else 0
     elif args.command == "run-one":
         run_planned(args.plan, args.name)
+    elif args.command == "report":
+        from vcpo.studies.real_model_lag_report import write_report  # matplotlib and scipy, for the report only
+
+        write_report(args.tables, read_rows(args.tables), read_yaml(recipes_dir() / DESIGN), METRICS_FOLDER)
+        print(f"wrote {args.tables / 'report.md'}")
     else:
         print(status(args.tables))
     return 0

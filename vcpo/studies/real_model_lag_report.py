@@ -1,0 +1,213 @@
+"""The real model's lag study, reported from its rows (tables/real_model_lag/runs.jsonl and the verl metrics beside it).
+
+    python -m vcpo.studies.real_model_lag report
+
+writes, beside the rows, ``stats.json`` (every number below), ``report.md`` (the tables and the prose, generated from
+the statistics), ``ladder.png`` (the learning-rate ladder's runs) and ``curves.png`` (the confirmation's arms: training
+reward, held-out accuracy, ESS ratio, lr scale and staleness, each seed faint, the mean bold; the paper's Figs. 2 and
+6). The tests and verdicts are those of recipes/real_model_lag.md: ends paired by seed, Holm over the registered
+comparisons, a one-sided sign test in the paper's direction, collapse counts with Wilson intervals.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from vcpo.locks import write_atomic
+from vcpo.reporting.figures import method_colors, pyplot, save
+from vcpo.reporting.run_data import flat_record, series
+from vcpo.runs import LR_SCALE, SEQ_ESS_RATIO, VAL_ACCURACY
+from vcpo.studies.statistics import ALPHA, holm, mean_interval, paired_difference, sign_test, wilson_interval
+
+STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
+PANELS = (("critic/score/mean", "training reward"), (VAL_ACCURACY, "held-out accuracy (greedy)"),
+          (SEQ_ESS_RATIO, "sequence ESS ratio"), (LR_SCALE, "lr scale"), (STALENESS_MAX, "staleness (verl, max)"),
+          ("rollout_corr/kl", "KL(behaviour || learner)"))
+
+
+def run_lines(tables: Path, name: str, metrics_folder: str) -> list[dict]:
+    """A run's verl metrics as flat lines (``vcpo.reporting.run_data.flat_record``), from its gzipped copy."""
+    with gzip.open(tables / metrics_folder / f"{name}.jsonl.gz", "rt", encoding="utf-8") as handle:
+        return [flat_record(json.loads(line)) for line in handle if line.strip()]
+
+
+def arm_statistics(rows: list[dict]) -> dict:
+    """One arm's runs: the ends with their t interval, the collapses with their Wilson interval, the median of the
+    runs' median step times, and the staleness verl recorded (its largest max, and its mean after the pipeline filled)."""
+    ends = [row["outcome"]["end"] for row in rows]
+    mean, low, high = mean_interval(ends)
+    collapsed = sum(row["outcome"]["collapsed"] for row in rows)
+    collapse_low, collapse_high = wilson_interval(collapsed, len(rows))
+    times = [row["median_step_s"] for row in rows if row["median_step_s"] is not None]
+    lag = rows[0]["lag"]
+    filled = [mean_staleness for row in rows for step, _, mean_staleness in row["staleness"] if step > lag]
+    return {"n": len(rows), "seeds": [row["seed"] for row in rows], "ends": ends, "mean": mean, "low": low, "high": high,
+            "collapsed": collapsed, "collapse_low": collapse_low, "collapse_high": collapse_high,
+            "median_step_s": float(np.median(times)) if times else None,
+            "staleness_max": max((m for row in rows for _, m, _ in row["staleness"]), default=None),
+            "staleness_mean_filled": float(np.mean(filled)) if filled else None}
+
+
+def one_sided_sign_p(differences: list[float]) -> float:
+    """The exact sign test's p that a > b (ties dropped); nan without a nonzero difference."""
+    positive, nonzero = sum(d > 0 for d in differences), sum(d != 0 for d in differences)
+    return float(scipy_stats.binomtest(positive, nonzero, 0.5, alternative="greater").pvalue) if nonzero else math.nan
+
+
+def verdict(comparison: dict, direction: str) -> str:
+    """The registered verdict of one comparison (recipes/real_model_lag.md, Verdicts)."""
+    if comparison["n"] < 2:
+        return "not tested yet (fewer than 2 pairs)"
+    below = comparison["p_holm"] < ALPHA and comparison["mean"] < 0
+    if direction == "not_below":
+        return "not reproduced (detected worse)" if below else "reproduced (not detected worse)"
+    if comparison["mean"] > 0 and comparison["p_holm"] < ALPHA and comparison["sign_p_one_sided"] < ALPHA:
+        return "reproduced"
+    return "not reproduced (the other direction)" if below else "not reproduced (no detectable difference)"
+
+
+def comparisons(arms: dict[str, list[dict]], plan: dict) -> list[dict]:
+    """The registered comparisons of the ends, paired by seed, Holm-adjusted together, each with its verdict."""
+    results = []
+    for a, b in plan["comparisons"]:
+        ends_a = {row["seed"]: row["outcome"]["end"] for row in arms.get(a, [])}
+        ends_b = {row["seed"]: row["outcome"]["end"] for row in arms.get(b, [])}
+        seeds = sorted(ends_a.keys() & ends_b.keys())
+        differences = [ends_a[seed] - ends_b[seed] for seed in seeds]
+        result = {"a": a, "b": b, "seeds": seeds, **paired_difference([ends_a[s] for s in seeds], [ends_b[s] for s in seeds])}
+        result.update(sign_test(differences), sign_p_one_sided=one_sided_sign_p(differences))
+        results.append(result)
+    tested = [r for r in results if not math.isnan(r["p"])]
+    for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):
+        result["p_holm"] = adjusted
+    for result in results:
+        result.setdefault("p_holm", math.nan)
+        result["verdict"] = verdict(result, plan["paper_direction"][f"{result['a']}-{result['b']}"])
+    return results
+
+
+def study_statistics(rows: dict[str, dict], design: dict) -> dict:
+    ladder = [row for row in rows.values() if row["phase"] == "regime"]
+    confirmation = [row for row in rows.values() if row["phase"] == "confirmation"]
+    arms = {arm: sorted((row for row in confirmation if row["arm"] == arm), key=lambda row: row["seed"])
+            for arm in design["confirmation"]["arms"]}
+    return {"ladder": sorted(ladder, key=lambda row: (row["rate"], row["arm"] != "sync")),
+            "arms": {arm: arm_statistics(members) for arm, members in arms.items() if members},
+            "comparisons": comparisons(arms, design["confirmation"]) if confirmation else [],
+            "rate": confirmation[0]["rate"] if confirmation else None}
+
+
+# ------------------------------------------------------------------------------------------------------- drawing
+def draw_runs(groups: dict[str, list[list[dict]]], out: Path, title: str) -> Path:
+    """One panel per metric of PANELS; per group, each run faint and the mean over its runs bold (at the steps every
+    run logged)."""
+    figure, axes = pyplot().subplots(2, 3, figsize=(14, 7.5))
+    colors = method_colors(list(groups))
+    for axis, (key, label) in zip(axes.flat, PANELS, strict=True):
+        for name, runs in groups.items():
+            curves = [series(lines, key) for lines in runs]
+            curves = [(steps, values) for steps, values in curves if steps.size]
+            for steps, values in curves:
+                axis.plot(steps, values, color=colors[name], alpha=0.25, linewidth=0.8)
+            if curves:
+                common = sorted(set.intersection(*(set(steps.tolist()) for steps, _ in curves)))
+                mean = [np.mean([values[steps.tolist().index(step)] for steps, values in curves]) for step in common]
+                axis.plot(common, mean, color=colors[name], linewidth=2.2, label=f"{name} ({len(curves)})",
+                          marker="o" if key == VAL_ACCURACY else None, markersize=3)
+        axis.set_title(label, fontsize=10)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return save(figure, out)
+
+
+# ------------------------------------------------------------------------------------------------------- markdown
+def percent(value: float | None) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f}%"
+
+
+def points(value: float) -> str:
+    return "—" if not math.isfinite(value) else f"{100 * value:+.1f}"
+
+
+def p_text(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.3f}"
+
+
+def ladder_markdown(ladder: list[dict]) -> list[str]:
+    lines = ["| rate | arm | lag (verl, max) | held-out: step 0 → best → end | min ESS ratio | collapsed | improves | "
+             "median step |", "|---:|---|---:|---|---:|---|---|---:|"]
+    for row in ladder:
+        o = row["outcome"]
+        lag = max((m for _, m, _ in row["staleness"]), default=0)
+        ess = "—" if o["ess_min"] is None else f"{o['ess_min']:.3f}"
+        lines.append(f"| {row['rate']:g} | {row['arm']} | {lag} | {percent(o['base'])} → {percent(o['best'])} → "
+                     f"{percent(o['end'])} | {ess} | {'yes' if o['collapsed'] else 'no'} | "
+                     f"{'yes' if o['improves'] else 'no'} | {row['median_step_s']:.1f} s |")
+    return lines
+
+
+def arms_markdown(arms: dict) -> list[str]:
+    lines = ["| arm | runs | end, mean [95% t CI] | collapsed [95% Wilson] | staleness: max, mean after filling | "
+             "median step |", "|---|---:|---|---|---|---:|"]
+    for arm, s in arms.items():
+        stale = "—" if s["staleness_max"] is None else f"{s['staleness_max']}, {s['staleness_mean_filled']:.2f}"
+        step = "—" if s["median_step_s"] is None else f"{s['median_step_s']:.1f} s"
+        interval = f"[{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else "(one run)"
+        lines.append(f"| {arm} | {s['n']} | {percent(s['mean'])} {interval} | "
+                     f"{s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}] | "
+                     f"{stale} | {step} |")
+    return lines
+
+
+def comparison_sentence(c: dict) -> str:
+    if c["n"] < 2:
+        return f"{c['a']} − {c['b']}: {c['n']} pair so far; {c['verdict']}."
+    return (f"{c['a']} − {c['b']}: {points(c['mean'])} points [{points(c['low'])}, {points(c['high'])}] over {c['n']} "
+            f"seeds, Holm p = {p_text(c['p_holm'])}, {c['sign_positive']} of {c['sign_n']} seeds above (one-sided sign "
+            f"test p = {p_text(c['sign_p_one_sided'])}): {c['verdict']}.")
+
+
+def report_markdown(statistics: dict, regime: dict | None) -> str:
+    parts = ["# The real model's policy-lag study", "",
+             "SmolLM2-135M-Instruct through verl's trainer on CPU, as registered in recipes/real_model_lag.md. "
+             "Generated by `python -m vcpo.studies.real_model_lag report` from tables/real_model_lag/runs.jsonl.", "",
+             "## The learning-rate ladder (one seed per cell)", ""]
+    parts += ladder_markdown(statistics["ladder"]) if statistics["ladder"] else ["No ladder run has finished yet."]
+    parts += ["", f"Chosen rate: {regime['rate']:g} ({regime['by']})." if regime else "The ladder has not decided yet.",
+              "", "![ladder](ladder.png)" if statistics["ladder"] else "", "", "## The confirmation", ""]
+    if statistics["arms"]:
+        parts += [f"At rate {statistics['rate']:g}; each run's end is its step-60 greedy accuracy on 200 test problems.",
+                  "", *arms_markdown(statistics["arms"]), "",
+                  *(f"- {comparison_sentence(c)}" for c in statistics["comparisons"]), "", "![curves](curves.png)"]
+    else:
+        parts.append("No confirmation run has finished yet.")
+    return "\n".join(parts) + "\n"
+
+
+def write_report(tables: Path, rows: dict[str, dict], design: dict, metrics_folder: str) -> dict:
+    statistics = study_statistics(rows, design)
+    regime_file = tables / "regime.json"
+    regime = json.loads(regime_file.read_text()) if regime_file.exists() else None
+    if statistics["ladder"]:
+        groups: dict[str, list[list[dict]]] = {}
+        for row in statistics["ladder"]:
+            groups.setdefault(f"{row['arm']} lr {row['rate']:g}", []).append(run_lines(tables, row["name"], metrics_folder))
+        draw_runs(groups, tables / "ladder.png", "The learning-rate ladder: sync (lag 0) and seq-TIS (lag 12), seed 100")
+    if statistics["arms"]:
+        confirmation = [row for row in rows.values() if row["phase"] == "confirmation"]
+        groups = {arm: [run_lines(tables, row["name"], metrics_folder) for row in confirmation if row["arm"] == arm]
+                  for arm in statistics["arms"]}
+        draw_runs(groups, tables / "curves.png", f"The confirmation at rate {statistics['rate']:g}: each seed faint, "
+                  "the mean bold")
+    write_atomic(tables / "stats.json", json.dumps(statistics, indent=2) + "\n")
+    write_atomic(tables / "report.md", report_markdown(statistics, regime))
+    return statistics
