@@ -68,8 +68,9 @@ def test_a_ladder_no_rate_of_which_qualifies_falls_back_as_registered(sync_impro
 
 
 def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(tmp_path):
-    """Once the ladder decides, next_runs writes regime.json and runs nothing until that file is committed; then the
-    confirmation's runs come seed by seed (sync, seq-TIS, VCPO), without those already in runs.jsonl."""
+    """Once the ladder decides, next_runs writes regime.json and runs nothing until that file is committed (without the
+    gate, as the workflow's reproduction runs, at once); then the confirmation's runs come seed by seed (sync, seq-TIS,
+    VCPO), without those already in runs.jsonl."""
     tables = tmp_path / "tables"
     tables.mkdir()
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -80,6 +81,7 @@ def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(
     runs, where = study.next_runs(DESIGN, tables)
     assert runs == [] and "commit" in where
     assert json.loads((tables / study.REGIME_FILE).read_text())["rate"] == 1e-5
+    assert len(study.next_runs(DESIGN, tables, commit_gate=False)[0]) == 3 * 8 - 1  # a reproduction's results folder
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "regime"], check=True)

@@ -399,8 +399,9 @@ def test_a_config_that_breaks_the_schema_is_one_line_naming_where(tmp_path):
 
 
 def test_the_real_model_target_chooses_trains_every_registered_arm_and_reports(tmp_path):
-    """`snakemake real_model`: the task choice, one verl training per registered arm and seed, the report; the default
-    target does not include it."""
+    """`snakemake real_model`: the task choice, one verl training per registered arm and seed, the report;
+    `snakemake real_model_lag`: the lag study's task choice, its runs and report in the results folder; the default
+    target includes neither."""
     plan = yaml.safe_load((REPO / "recipes" / "real_model.yaml").read_text())["training"]
     snakemake = [sys.executable, "-m", "snakemake"]
     dry_run = ["-s", "workflows/Snakefile", "-n", "--quiet", "rules", "--config", f"results={tmp_path}"]
@@ -409,5 +410,12 @@ def test_the_real_model_target_chooses_trains_every_registered_arm_and_reports(t
     counts = job_counts(output.stdout)
     assert counts["real_model_choice"] == 1 and counts["real_model_report"] == 1
     assert counts["real_model_train"] == len(plan["arms"]) * len(plan["seeds"])
+    lag_study = subprocess.run([*snakemake, "real_model_lag", "-s", "workflows/Snakefile", "-n", "-p", "--config",
+                                f"results={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert lag_study.returncode == 0, lag_study.stdout + lag_study.stderr
+    assert {"real_model_lag_choice": 1, "real_model_lag": 1}.items() <= job_counts(lag_study.stdout).items()
+    # the study reproduced in the results folder: its own task choice, then every run, without the tables' commit gate
+    assert f"-m vcpo.studies.real_model_lag choose --work {tmp_path}/real_model_lag/task_choice" in lag_study.stdout
+    assert f"--tables {tmp_path}/real_model_lag/tables --no-commit-gate" in lag_study.stdout
     default = subprocess.run([*snakemake, *dry_run], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert not any(job.startswith("real_model") for job in job_counts(default.stdout))

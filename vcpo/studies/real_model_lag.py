@@ -268,8 +268,10 @@ def read_rows(tables: Path) -> dict[str, dict]:
     return {row["name"]: row for row in rows}
 
 
-def next_runs(design: dict, tables: Path) -> tuple[list[Run], str]:
-    """What the registration runs next, and a sentence on where the study stands."""
+def next_runs(design: dict, tables: Path, commit_gate: bool = True) -> tuple[list[Run], str]:
+    """What the registration asks next, and a sentence on where the study stands. With ``commit_gate`` (the study's
+    own tables) the confirmation waits until the regime the ladder chose is committed; without it (a reproduction in a
+    results folder) the confirmation follows the ladder's rule at once."""
     rows = read_rows(tables)
     runs, regime = ladder(design, rows)
     if runs:
@@ -277,7 +279,7 @@ def next_runs(design: dict, tables: Path) -> tuple[list[Run], str]:
     regime_file = tables / REGIME_FILE
     if not regime_file.exists():
         write_regime(regime, tables)
-    if not is_committed(regime_file):
+    if commit_gate and not is_committed(regime_file):
         return [], (f"the regime is chosen ({regime_file}): commit {regime_file} and regime.md, then run again for the "
                     "confirmation")
     rate = json.loads(regime_file.read_text())["rate"]
@@ -355,7 +357,7 @@ def keep_row(row: dict, out: Path, tables: Path, commit: bool) -> None:
                         "--", *paths], check=True)
 
 
-def run_study(work: Path, tables: Path, commit: bool) -> int:
+def run_study(work: Path, tables: Path, commit: bool, commit_gate: bool = True) -> int:
     """Run what the registration asks next until it asks for nothing (or for the regime's commit), one Snakemake job
     per run; returns the number of runs that failed."""
     work, tables = work.resolve(), tables.resolve()
@@ -363,7 +365,7 @@ def run_study(work: Path, tables: Path, commit: bool) -> int:
     work.mkdir(parents=True, exist_ok=True)
     with run_folder_lock(work):
         while True:
-            runs, where = next_runs(read_yaml(recipes_dir() / DESIGN), tables)
+            runs, where = next_runs(read_yaml(recipes_dir() / DESIGN), tables, commit_gate)
             print(f"study: {where}", flush=True)
             if not runs:
                 return 0
@@ -411,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--work", type=Path, default=WORK)
     command.add_argument("--tables", type=Path, default=TABLES)
     command.add_argument("--commit", action="store_true", help="commit each run's row and metrics as it finishes")
+    command.add_argument("--no-commit-gate", dest="commit_gate", action="store_false",
+                         help="go on to the confirmation without waiting for regime.json's commit (a reproduction "
+                              "in a results folder, not the study's own tables)")
     command = commands.add_parser("run-one", help="one run of a plan that `run` wrote (Snakemake's job)")
     command.add_argument("--plan", type=Path, required=True)
     command.add_argument("--name", required=True)
@@ -422,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "choose":
         choose(args.work, args.tables)
     elif args.command == "run":
-        return 1 if run_study(args.work, args.tables, args.commit) else 0
+        return 1 if run_study(args.work, args.tables, args.commit, args.commit_gate) else 0
     elif args.command == "run-one":
         run_planned(args.plan, args.name)
     elif args.command == "report":

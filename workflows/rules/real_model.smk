@@ -51,3 +51,36 @@ rule real_model_report:
 rule real_model:
     input:
         rules.real_model_report.output,
+
+
+# The real model's policy-lag study (recipes/real_model_lag.md) reproduced in the results folder: the task choice by its
+# registered rounds, then every run the registration asks for (the ladder, then the confirmation at the rate its rule
+# chose; about 35 minutes a run on two cores, some 20 hours in all), then the report. Not part of the default target:
+# `snakemake --cores 2 real_model_lag`. The study's own rows are tables/real_model_lag (python -m
+# vcpo.studies.real_model_lag run --commit).
+REAL_MODEL_LAG = f"{R}/real_model_lag"
+
+
+rule real_model_lag_choice:
+    output:
+        f"{REAL_MODEL_LAG}/tables/task_choice.json",
+    log:
+        f"{R}/logs/real_model_lag/choice.log",
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m vcpo.studies.real_model_lag choose --work {REAL_MODEL_LAG:q}/task_choice"
+        " --tables {REAL_MODEL_LAG:q}/tables > {log:q} 2>&1"
+
+
+rule real_model_lag:
+    input:
+        rules.real_model_lag_choice.output,
+    output:
+        report(f"{REAL_MODEL_LAG}/tables/report.md", caption="../report/real_model_lag.rst", category="Real model"),
+    log:
+        f"{R}/logs/real_model_lag/runs.log",
+    threads: workflow.cores
+    shell:
+        "{PYTHON} -m vcpo.studies.real_model_lag run --work {REAL_MODEL_LAG:q} --tables {REAL_MODEL_LAG:q}/tables"
+        " --no-commit-gate > {log:q} 2>&1"
+        " && {PYTHON} -m vcpo.studies.real_model_lag report --tables {REAL_MODEL_LAG:q}/tables >> {log:q} 2>&1"
