@@ -278,4 +278,9 @@ def test_the_lag_studys_task_choice_runs_a_round_only_when_the_ones_before_chose
     assert (result["chosen"], result["max_response_length"], result["temperature"]) == (
         "sums_2to3_brief", 64, {3: 1.0, 4: 0.7}[choosing_round])
     table = (tmp_path / "tables" / "task_choice.md").read_text()
+    assert real_model_lag.choose(tmp_path / "work", tmp_path / "tables") == result  # the same again: left as it is
+    means["sums_2to3_brief"] = 0.13  # measured again elsewhere: the recorded choice is not overwritten
+    with pytest.raises(SystemExit, match=f"round {choosing_round}'s means differ"):
+        real_model_lag.choose(tmp_path / "work", tmp_path / "tables")
+    assert (tmp_path / "tables" / "task_choice.md").read_text() == table
     assert "Chosen: **sums_2to3_brief**" in table and f"| {choosing_round}: 64, {0.7 if choosing_round == 4 else 1} | sums_2to3_brief |" in table

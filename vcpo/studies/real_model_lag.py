@@ -161,11 +161,33 @@ def choose(work: Path, tables: Path) -> dict:
               "max_response_length": last["sampling"]["max_new_tokens"] if last["chosen"] else None,
               "temperature": last["sampling"]["temperature"] if last["chosen"] else None,
               "written": utc_now(), "analysis": code_state()}
+    if (conflict := choice_conflict(tables / "task_choice.json", result)) is not None:
+        raise SystemExit(f"{tables / 'task_choice.json'} holds another result ({conflict}): nothing written; pass "
+                         "--tables for a folder of your own")
+    recorded = tables / "task_choice.json"
+    if recorded.exists() and len(json.loads(recorded.read_text())["rounds"]) == len(rounds):
+        print(f"{recorded} already records this result; left as it is")
+        return json.loads(recorded.read_text())
     tables.mkdir(parents=True, exist_ok=True)
     write_atomic(tables / "task_choice.json", json.dumps(result, indent=2) + "\n")
     write_atomic(tables / "task_choice.md", choice_markdown(result))
     print(choice_markdown(result))
     return result
+
+
+def choice_conflict(path: Path, result: dict) -> str | None:
+    """How ``result`` contradicts the task choice already at ``path`` (None when it only repeats it, or adds rounds
+    registered since): a recorded round's means, measured again on another machine or at another commit, may differ."""
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())["rounds"]
+    if len(result["rounds"]) < len(earlier):
+        return f"{len(earlier)} rounds, this one {len(result['rounds'])}"
+    for number, (old, new) in enumerate(zip(earlier, result["rounds"], strict=False), 1):
+        means = {name: row["mean_reward"] for name, row in old["rows"].items()}
+        if means != {name: row["mean_reward"] for name, row in new["rows"].items()}:
+            return f"round {number}'s means differ"
+    return None
 
 
 def choice_markdown(result: dict) -> str:
