@@ -3,9 +3,15 @@
 For each benchmark: the subset the registered rule gives (the first K problems), ``python -m vcpo.evaluation``
 with the registered sampling on the hf backend, then mean@n with a bootstrap interval over problems, the
 response length and the generation throughput, into tables/real_model/base_eval.{json,md} (commands, commit,
-time and machine included). A benchmark already evaluated in --work is read back, not rerun.
+time and machine included). A benchmark already evaluated in --work is read back, not rerun; one interrupted there
+is resumed where it stopped (``python -m vcpo.evaluation`` appends its samples as they finish). The evaluation dies
+with this script.
 
     python benchmarks/real_model_eval.py --data DIR [--benchmarks gsm8k,math500] [--work results/real_model]
+                                         [--limit K] [--tables DIR]
+
+``--limit K`` evaluates at most K problems of each benchmark; a table row never gives way to one over fewer problems
+(one line, nothing written): write such rows to a folder of your own with ``--tables``.
 
 ``--data``: benchmark files as <benchmark>/test.jsonl (``python -m vcpo.data`` writes them; the repository's
 fixtures are too small for this table).
@@ -17,11 +23,13 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from vcpo.evaluation.metrics import per_problem_means
+from vcpo.lifetimes import die_with_parent
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
@@ -51,18 +59,29 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "results" / "real_model")
     parser.add_argument("--other-work", default=None,
                         help="what else ran on the machine during the generation, if anything (recorded: it slows tokens/s)")
+    parser.add_argument("--limit", type=int, default=None, help="at most K problems of each benchmark")
+    parser.add_argument("--tables", type=Path, default=OUT, help="where base_eval.{json,md} go (default: the study's)")
     args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit {args.limit}: at least 1")
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     settings = read_yaml(recipes_dir() / "benchmarks.yaml")
-    model = packaged_model(plan["model"])
     names = args.benchmarks.split(",") if args.benchmarks else plan["benchmarks"]
-    OUT.mkdir(parents=True, exist_ok=True)
-    results_file = OUT / "base_eval.json"
+    results_file = args.tables / "base_eval.json"
     rows = json.loads(results_file.read_text())["rows"] if results_file.exists() else {}
+    sizes = {}
     for name in names:
         spec = {**settings["defaults"], **settings["benchmarks"][name]}
         problems = sum(1 for _ in (args.data / name / "test.jsonl").open())
-        k = subset_size(problems, spec["n"], plan)
+        sizes[name] = min(subset_size(problems, spec["n"], plan), args.limit or problems)
+        if name in rows and sizes[name] < rows[name]["problems"]:
+            parser.error(f"{results_file} has {name} over {rows[name]['problems']} problems and this run would have "
+                         f"{sizes[name]}: nothing written; pass --tables for a folder of your own")
+    model = packaged_model(plan["model"])
+    args.tables.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        spec = {**settings["defaults"], **settings["benchmarks"][name]}
+        problems, k = sum(1 for _ in (args.data / name / "test.jsonl").open()), sizes[name]
         out = args.work / name
         command = [sys.executable, "-m", "vcpo.evaluation", "--model", str(model), "--benchmarks", name, "--out", str(out),
                    "--source-dir", str(args.data), "--limit", str(k), "--max-new-tokens", str(plan["sampling"]["max_new_tokens"]),
@@ -74,7 +93,7 @@ def main(argv=None) -> int:
             origin = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions()}
             origin_file.write_text(json.dumps(origin, indent=2) + "\n")
             env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
-            subprocess.run(command, check=True, env=env)
+            subprocess.run(command, check=True, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
             origin_file.write_text(json.dumps({**origin, "end": utc_now()}, indent=2) + "\n")
         summary = json.loads(summary_file.read_text())
         interval = plan["interval"]
@@ -90,7 +109,7 @@ def main(argv=None) -> int:
         rows[name] = row
         provenance = {"model": plan["model"], "registration": "recipes/real_model.yaml"}
         results_file.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")  # after each benchmark
-        (OUT / "base_eval.md").write_text(table(rows))
+        (args.tables / "base_eval.md").write_text(table(rows))
     print(table(rows))
     return 0
 

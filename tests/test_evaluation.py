@@ -354,3 +354,76 @@ def test_the_cli_answers_bad_input_in_one_line_before_loading_a_model(tmp_path, 
     said = capsys.readouterr().err
     assert code == 2 and "Traceback" not in said
     assert message in said.strip().splitlines()[-1], said
+
+
+class ChunkedGenerator:
+    """Answers each prompt right in its first sample and wrong in the others, ``batch_size`` prompts per generate call
+    (the harness's chunk), recording each call's seed; raises KeyboardInterrupt on call ``die_on_call`` (a kill)."""
+
+    def __init__(self, truths: dict[str, str], batch_size: int, die_on_call: int | None = None):
+        self.truths, self.batch_size, self.die_on_call = truths, batch_size, die_on_call
+        self.seeds, self.progress = [], True
+
+    def generate(self, conversations, sampling, desc):
+        assert len(conversations) <= self.batch_size and self.progress is False  # the samples' bar replaces the batches'
+        if len(self.seeds) == self.die_on_call:
+            raise KeyboardInterrupt
+        self.seeds.append(sampling.seed)
+        texts = [[f"#### {self.truths[c[0]['content']]}" if i == 0 else "#### -1" for i in range(sampling.n)]
+                 for c in conversations]
+        return [[Completion(text, len(text), False) for text in row] for row in texts]
+
+
+def test_a_killed_evaluation_resumes_without_repeating_or_losing_a_sample(benchmark_data, tmp_path):
+    """Seven problems in chunks of 2, killed during the third chunk and again after a torn write: the same call goes on
+    from the first unfinished chunk (the torn line and the torn chunk dropped), and ends with exactly the records and
+    summary of an uninterrupted run; each chunk samples with the seed plus its first problem's position; an evaluation
+    with other settings in the folder starts clean."""
+    (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"n": 2, "seed": 5})
+    rows = data.load_rows("gsm8k", "test", source=benchmark_data.file("gsm8k"))[:7]
+    truths = {row["prompt"][0]["content"]: row["reward_model"]["ground_truth"] for row in rows}
+    whole = evaluate_benchmark(ChunkedGenerator(truths, 2), gsm8k, tmp_path / "whole", rows=rows, progress=False)
+
+    killed = ChunkedGenerator(truths, 2, die_on_call=2)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_benchmark(killed, gsm8k, tmp_path / "run", rows=rows, progress=False)
+    samples = tmp_path / "run" / "gsm8k" / "samples.jsonl"
+    assert len(read_jsonl(samples)) == 2 * 2 * 2  # two chunks of two problems, two samples each
+    lines = samples.read_text().splitlines(keepends=True)
+    samples.write_text("".join(lines) + "".join(lines[:3]) + lines[3][:10])  # a torn third chunk and a torn line
+    resumed = ChunkedGenerator(truths, 2)
+    summary = evaluate_benchmark(resumed, gsm8k, tmp_path / "run", rows=rows, progress=False)
+    assert killed.seeds == [5, 7] and resumed.seeds == [9, 11]
+    assert read_jsonl(samples) == read_jsonl(tmp_path / "whole" / "gsm8k" / "samples.jsonl")
+    assert {key: value for key, value in summary.items() if not key.endswith("seconds")} == {
+        key: value for key, value in whole.items() if not key.endswith("seconds")}
+    assert summary["mean_at_n"] == pytest.approx(0.5) and summary["num_samples"] == 14
+
+    (other,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"n": 3, "seed": 5})
+    again = ChunkedGenerator(truths, 2)
+    assert evaluate_benchmark(again, other, tmp_path / "run", rows=rows, progress=False)["num_samples"] == 21
+    assert again.seeds == [5, 7, 9, 11] and len(read_jsonl(samples)) == 21
+
+
+def test_the_base_evaluation_never_replaces_a_row_with_one_over_fewer_problems(tmp_path, capsys):
+    """benchmarks/real_model_eval.py with --limit below what its table holds (the committed gsm8k row has 65
+    problems): one line naming the table and --tables, exit 2, nothing written, before any model is looked up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_model_eval", REPO / "benchmarks" / "real_model_eval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tables, data_dir = tmp_path / "tables", tmp_path / "data" / "gsm8k"
+    tables.mkdir()
+    data_dir.mkdir(parents=True)
+    (data_dir / "test.jsonl").write_text("".join(json.dumps({"question": f"Q{i}", "answer": "#### 1"}) + "\n"
+                                                 for i in range(100)))
+    recorded = json.dumps({"provenance": {}, "rows": {"gsm8k": {"problems": 65}}})
+    (tables / "base_eval.json").write_text(recorded)
+    with pytest.raises(SystemExit) as stopped:
+        script.main(["--data", str(tmp_path / "data"), "--benchmarks", "gsm8k", "--limit", "1", "--tables", str(tables),
+                     "--work", str(tmp_path / "work")])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "over 65 problems and this run would have 1: nothing written; pass --tables" in message
+    assert (tables / "base_eval.json").read_text() == recorded and not (tmp_path / "work").exists()

@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out (without it, "
+                        "an interrupted one in --out is resumed where it stopped)")
     parser.add_argument("--benchmarks-file", type=Path, default=BENCHMARKS_FILE)
     parser.add_argument("--n", type=int, help="samples per problem (default: per benchmark)")
     parser.add_argument("--temperature", type=float)
@@ -142,6 +143,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         seed=args.seed,
         answer_format=args.answer_format,
         tool_use=args.tool_use,
+        resume=not args.overwrite,
     )
 
 

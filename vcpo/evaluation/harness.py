@@ -17,6 +17,13 @@ Output layout, for each benchmark B under ``out_dir``:
                       tool_calls_per_response (multi-turn evaluation: ``--tool-config``)
 and ``summary.json`` with every benchmark's summary and the run's configuration.
 
+A benchmark's samples are appended to ``samples.jsonl`` as each chunk of problems finishes (one generate call per
+chunk: the generator's batch, or ``DEFAULT_CHUNK_PROBLEMS``), and ``B/evaluation.json`` says what they belong to
+(model, sampling, problems, chunk). The same command after a kill reads back the complete chunks and goes on from
+there: no sample is drawn twice or lost, and each chunk draws from its own seed (the sampling seed plus its first
+problem's position), so a resumed evaluation holds the samples an uninterrupted one would. A folder holding another
+evaluation's samples starts clean.
+
 ``evaluate_rows`` is the whole measurement without the files; the simulator's held-out evaluation
 calls it on a model in memory, so smoke and paper accuracies come from the same code.
 """
@@ -24,13 +31,17 @@ calls it on a model in memory, so smoke and paper accuracies come from the same 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from vcpo import data, rewards
@@ -58,6 +69,9 @@ class Benchmark:
 
 
 SUMMARY_FILE = "summary.json"  # an evaluation's results, in --out and in each benchmark's folder
+SAMPLES_FILE = "samples.jsonl"
+RESUME_FILE = "evaluation.json"  # in a benchmark's folder: what its samples.jsonl belongs to
+DEFAULT_CHUNK_PROBLEMS = 256  # problems per generate call for a generator without a batch size (vLLM)
 
 
 class EvaluationInputError(ValueError):
@@ -143,30 +157,84 @@ def evaluate_benchmark(
     source_dir: str | Path | None = None,
     run_info: dict[str, Any] | None = None,
     rows: list[dict] | None = None,
+    resume: bool = True,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Generate, score and write ``out_dir/<benchmark>/{samples.jsonl,summary.json}``; return the summary.
 
     Problems come from the hub, or from ``source_dir`` laid out like the shared data folder
     (``gsm8k/test.jsonl``, ...). ``run_info`` (model, backend, ...) is copied into the summary so that
     it names what produced it. ``rows``: the benchmark's problems when already loaded (``benchmark_rows``).
+    Samples are written chunk by chunk and an interrupted evaluation resumed (the module docstring); ``resume``
+    False starts clean.
     """
     rows = benchmark_rows(benchmark, limit, source_dir) if rows is None else rows
-    records, measured = evaluate_rows(generator, rows, benchmark.sampling, benchmark.answer_format, benchmark.name)
+    n, chunk = benchmark.sampling.n, getattr(generator, "batch_size", DEFAULT_CHUNK_PROBLEMS)
+    benchmark_dir = Path(out_dir) / benchmark.name
+    benchmark_dir.mkdir(parents=True, exist_ok=True)
+    identity = {"model": (run_info or {}).get("model"), "sampling": asdict(benchmark.sampling),
+                "answer_format": benchmark.answer_format, "chunk_problems": chunk,
+                "problems": [_problem_id(row, position) for position, row in enumerate(rows)]}
+    records = _resumed_records(benchmark_dir, identity, n * chunk) if resume else []
+    if not records:
+        _write_json(benchmark_dir / RESUME_FILE, identity)
+        (benchmark_dir / SAMPLES_FILE).write_text("")
+    seconds = {"generation": 0.0, "scoring": 0.0}
+    bar = tqdm(total=len(rows) * n, initial=len(records), unit="sample", desc=benchmark.name, disable=not progress)
+    bar.set_postfix(tokens=sum(record["tokens"] for record in records))
+    with open(benchmark_dir / SAMPLES_FILE, "a", encoding="utf-8") as handle, _batch_bar_off(generator):
+        for start in range(len(records) // n, len(rows), chunk):
+            sampling = replace(benchmark.sampling, seed=benchmark.sampling.seed + start)
+            new, spent = _generate_and_score(generator, rows[start : start + chunk], sampling, benchmark.answer_format,
+                                             benchmark.name, progress=False, first_position=start)
+            handle.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in new))
+            handle.flush()
+            os.fsync(handle.fileno())
+            records += new
+            seconds = {key: seconds[key] + spent[key] for key in seconds}
+            bar.update(len(new))
+            bar.set_postfix(tokens=sum(record["tokens"] for record in records))
+    bar.close()
     summary = {
         **(run_info or {}),
         "benchmark": benchmark.name,
         "task": benchmark.task,
         "split": benchmark.split,
         "sampling": asdict(benchmark.sampling),
-        **measured,
+        **_measured(records, len(rows), n, benchmark.answer_format, seconds),
     }
-    benchmark_dir = Path(out_dir) / benchmark.name
-    benchmark_dir.mkdir(parents=True, exist_ok=True)
-    with open(benchmark_dir / "samples.jsonl", "w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     _write_json(benchmark_dir / SUMMARY_FILE, summary)
     return summary
+
+
+@contextmanager
+def _batch_bar_off(generator: Generator) -> Iterator[None]:
+    """The generator's own progress bar (one per generate call, a chunk here) off: the samples' bar replaces it."""
+    shown = getattr(generator, "progress", None)
+    if shown is not None:
+        generator.progress = False
+    try:
+        yield
+    finally:
+        if shown is not None:
+            generator.progress = shown
+
+
+def _resumed_records(benchmark_dir: Path, identity: dict, chunk_samples: int) -> list[dict]:
+    """The complete chunks of an earlier run of the same evaluation in ``benchmark_dir`` (the file cut back to them);
+    none when it holds another evaluation's samples or none."""
+    resume, samples = benchmark_dir / RESUME_FILE, benchmark_dir / SAMPLES_FILE
+    try:
+        if json.loads(resume.read_text(encoding="utf-8")) != identity:
+            return []
+        lines = samples.read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, ValueError):
+        return []
+    complete = [line for line in lines if line.endswith("\n")]  # a torn last line is dropped, and a torn chunk
+    total = len(identity["problems"]) * identity["sampling"]["n"]
+    kept = complete if len(complete) == total else complete[: len(complete) - len(complete) % chunk_samples]
+    samples.write_text("".join(kept), encoding="utf-8")
+    return [json.loads(line) for line in kept]
 
 
 def evaluate_rows(
@@ -182,34 +250,45 @@ def evaluate_rows(
     reward_model.ground_truth), score each under every answer format, and return the per-completion
     records and the metrics: those of the primary ``answer_format`` at the top level, every format's in
     ``by_answer_format``, and the response length and truncation."""
+    records, seconds = _generate_and_score(generator, rows, sampling, answer_format, desc, progress)
+    return records, _measured(records, len(rows), sampling.n, answer_format, seconds)
+
+
+def _generate_and_score(generator: Generator, rows: list[dict], sampling: SamplingParams, answer_format: str, desc: str,
+                        progress: bool, first_position: int = 0) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The records of ``rows`` (the first at ``first_position`` of its benchmark) and the seconds spent generating
+    and scoring them."""
     if not rows:
         raise ValueError(f"{desc}: no rows to evaluate")
-    n = sampling.n
     started = time.monotonic()
     completions = generator.generate([row["prompt"] for row in rows], sampling, desc=desc)
     generation_seconds = time.monotonic() - started
-    if [len(samples) for samples in completions] != [n] * len(rows):
-        raise RuntimeError(f"{desc}: the generator did not return {n} completions per prompt")
-
+    if [len(samples) for samples in completions] != [sampling.n] * len(rows):
+        raise RuntimeError(f"{desc}: the generator did not return {sampling.n} completions per prompt")
     started = time.monotonic()
-    records = _score(rows, completions, answer_format, progress)
-    scoring_seconds = time.monotonic() - started
+    records = _score(rows, completions, answer_format, progress, first_position)
+    return records, {"generation": generation_seconds, "scoring": time.monotonic() - started}
 
+
+def _measured(records: list[dict[str, Any]], num_problems: int, n: int, answer_format: str,
+              seconds: dict[str, float]) -> dict[str, Any]:
+    """The metrics of problem-major ``records``: the primary format's at the top level, every format's in
+    ``by_answer_format``, the response length, truncation and tool calls, and the seconds spent."""
     by_format = {
-        name: _metrics([record["by_answer_format"][name] for record in records], len(rows), n)
+        name: _metrics([record["by_answer_format"][name] for record in records], num_problems, n)
         for name in rewards.ANSWER_FORMATS
     }
-    return records, {
+    return {
         "answer_format": answer_format,
-        "num_problems": len(rows),
+        "num_problems": num_problems,
         "num_samples": len(records),
         **by_format[answer_format],
         "by_answer_format": by_format,
         "mean_response_tokens": sum(record["tokens"] for record in records) / len(records),
         "truncated": sum(record["truncated"] for record in records) / len(records),
         "tool_calls_per_response": sum(record["tool_calls"] for record in records) / len(records),
-        "generation_seconds": generation_seconds,
-        "scoring_seconds": scoring_seconds,
+        "generation_seconds": seconds["generation"],
+        "scoring_seconds": seconds["scoring"],
     }
 
 
@@ -243,7 +322,7 @@ def _metrics(results: list[dict[str, Any]], num_problems: int, n: int) -> dict[s
 
 
 def _score(
-    rows: list[dict], completions: list[list[Completion]], primary_format: str, progress: bool
+    rows: list[dict], completions: list[list[Completion]], primary_format: str, progress: bool, first_position: int = 0
 ) -> list[dict[str, Any]]:
     """One record per completion, problem-major: the reward's score, accuracy and reason under the
     primary answer format, and under every format in ``by_answer_format``."""
@@ -277,7 +356,7 @@ def _score(
         }
         records.append(
             {
-                "problem_id": _problem_id(row, position),
+                "problem_id": _problem_id(row, first_position + position),
                 "sample_index": index,
                 "completion": sample.text,
                 "tokens": sample.tokens,
@@ -313,8 +392,10 @@ def run_evaluation(
     seed: int = 0,
     answer_format: str | None = None,
     tool_use: ToolUse | None = None,
+    resume: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on each benchmark with one loaded generator; write and return ``summary.json``.
+    """Evaluate ``model`` on each benchmark with one loaded generator; write and return ``summary.json``. An
+    interrupted evaluation in ``out_dir`` is resumed (``resume`` False: started clean).
 
     ``answer_format`` (when not None) replaces each benchmark's primary answer format. With ``tool_use``
     the responses are multi-turn tool dialogues (``ToolAgentGenerator``), as the model's rollouts were."""
@@ -339,7 +420,8 @@ def run_evaluation(
     }
     results = {
         benchmark.name: evaluate_benchmark(
-            generator, benchmark, out_dir, limit=limit, source_dir=source_dir, run_info=run_info, rows=problems[benchmark.name]
+            generator, benchmark, out_dir, limit=limit, source_dir=source_dir, run_info=run_info, rows=problems[benchmark.name],
+            resume=resume,
         )
         for benchmark in benchmarks
     }
