@@ -427,3 +427,28 @@ def test_the_base_evaluation_never_replaces_a_row_with_one_over_fewer_problems(t
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "over 65 problems and this run would have 1: nothing written; pass --tables" in message
     assert (tables / "base_eval.json").read_text() == recorded and not (tmp_path / "work").exists()
+
+
+def test_a_verl_run_folder_is_evaluated_at_its_last_checkpoints_hugging_face_weights(tmp_path, monkeypatch):
+    """--model takes a model folder, or a verl run folder, its checkpoints folder or one global_step_N folder: the
+    weights of checkpoints/global_step_<latest>/actor/huggingface (verl's latest_checkpointed_iteration.txt); a folder
+    with neither is refused naming both."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from vcpo.evaluation.__main__ import parse_args
+    from vcpo.runs import verl_hf_checkpoint
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        weights = run / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+        weights.mkdir(parents=True)
+        (weights / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    last = run / "checkpoints" / "global_step_2" / "actor" / "huggingface"
+    assert verl_hf_checkpoint(run) == verl_hf_checkpoint(run / "checkpoints") == last
+    assert verl_hf_checkpoint(run / "checkpoints" / "global_step_1") == last.parents[2] / "global_step_1" / "actor" / "huggingface"
+    assert verl_hf_checkpoint(tmp_path) is None
+    args = parse_args(["--model", str(run), "--benchmarks", "gsm8k", "--out", str(tmp_path / "out")])
+    assert args.model == str(last)
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tmp_path / "run" / "checkpoints" / "global_step_1" / "actor"), "--benchmarks", "gsm8k",
+                    "--out", str(tmp_path / "out2")])

@@ -28,11 +28,28 @@ FINAL_DIR = "final"
 FINAL_EVAL = f"{FINAL_DIR}/eval.json"
 TRAIN_LOG = "train.log"  # a runner's record of the training's output, beside its files
 
+# what verl's trainer saves under a run folder (trainer.default_local_dir): global_step_N/actor/huggingface
+VERL_CHECKPOINTS = "checkpoints"
+VERL_LATEST_STEP = "latest_checkpointed_iteration.txt"
+VERL_HF_WEIGHTS = ("actor", "huggingface")
+
 # metric names read by more than the module that logs them (verl's names; SEQ_ESS_RATIO is vcpo.core's)
 VAL_ACCURACY = "val/accuracy"
 TEST_ACCURACY = "test/accuracy"
 LR_SCALE = "actor/lr_scale"
 EFFECTIVE_LR = "actor/effective_lr"
+
+
+def verl_hf_checkpoint(folder: str | Path) -> Path | None:
+    """The Hugging Face weights of the last checkpoint verl saved, from a run folder, its ``checkpoints`` folder or one
+    ``global_step_N`` folder; None when ``folder`` holds none."""
+    folder = Path(folder)
+    if (folder / VERL_CHECKPOINTS).is_dir():
+        folder = folder / VERL_CHECKPOINTS
+    if (folder / VERL_LATEST_STEP).is_file():
+        folder = folder / f"global_step_{(folder / VERL_LATEST_STEP).read_text().strip()}"
+    weights = folder.joinpath(*VERL_HF_WEIGHTS)
+    return weights if (weights / CONFIG_FILE).is_file() else None
 
 
 def train_logged(command: list[str], run: str | Path) -> None:

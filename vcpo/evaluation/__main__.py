@@ -21,6 +21,7 @@ from vcpo.evaluation.harness import SUMMARY_FILE, EvaluationInputError
 from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl_multi_turn_defaults
 from vcpo.recipes import recipes_dir
 from vcpo.rewards import ANSWER_FORMATS
+from vcpo.runs import CONFIG_FILE, verl_hf_checkpoint
 
 BENCHMARKS_FILE = recipes_dir() / "benchmarks.yaml"  # the paper's sampling settings per benchmark
 
@@ -30,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         required=True,
-        help="checkpoint directory (Hugging Face format), or a hub id (org/name) of a base model",
+        help="checkpoint directory (Hugging Face format); a verl run folder or checkpoint folder (its last "
+        "checkpoint's Hugging Face weights); or a hub id (org/name) of a base model",
     )
     parser.add_argument("--benchmarks", required=True, help="comma-separated names from --benchmarks-file")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
@@ -91,10 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.benchmark_names:
         parser.error(f"--benchmarks: no benchmark named (comma-separated names of {args.benchmarks_file})")
     model = Path(args.model)
-    if model.exists() and not (model / "config.json").is_file():
-        parser.error(
-            f"--model {model}: not a model folder (no config.json; a Hugging Face checkpoint folder is expected)"
-        )
+    if model.exists() and not (model / CONFIG_FILE).is_file():
+        checkpoint = verl_hf_checkpoint(model)
+        if checkpoint is None:
+            parser.error(f"--model {model}: not a model folder (no {CONFIG_FILE}), nor a verl run folder or checkpoint "
+                         "with Hugging Face weights (checkpoints/global_step_N/actor/huggingface)")
+        print(f"--model {model}: evaluating {checkpoint}", file=sys.stderr)
+        args.model = str(checkpoint)
     if not model.exists() and not is_hub_id(args.model):
         parser.error(f"--model {args.model}: no such folder (and not a hub id, which reads org/name)")
     if (args.out / SUMMARY_FILE).exists() and not args.overwrite:
