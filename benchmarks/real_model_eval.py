@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def portable(command: str) -> str:
+    """A recorded command as a reader can run it: paths in the checkout relative, the home folder ``~``, the data
+    folder ``DIR`` (the JSON keeps the command as it ran)."""
+    command = command.replace(f"{REPO}/", "").replace(str(Path.home()), "~")
+    return re.sub(r"--source-dir \S+", "--source-dir DIR", command)
+
+
 def table(rows: dict) -> str:
     lines = ["| benchmark | problems (of) | n | mean@n strict [95% CI] | mean@n lenient [95% CI] | response tokens (truncated) | tokens/s |",
              "|---|---:|---:|---|---|---:|---:|"]
@@ -126,7 +134,7 @@ def table(rows: dict) -> str:
                  "recipes/real_model.yaml; mean@n over the first K problems, 95% percentile bootstrap over problems.")
     for name, row in rows.items():
         origin = row["provenance"]
-        lines.append(f"- {name}: `{row['command']}`; commit {origin['commit'][:12]}{' (dirty)' if origin['dirty'] else ''}, "
+        lines.append(f"- {name}: `{portable(row['command'])}`; commit {origin['commit'][:12]}{' (dirty)' if origin['dirty'] else ''}, "
                      f"{origin['start']} to {origin['end']}, {origin['cpu']}, {origin['threads']} threads"
                      f"{'; other work on the machine: ' + origin['other_work'] if origin['other_work'] else ''}")
     return "\n".join(lines) + "\n"

@@ -247,3 +247,17 @@ def test_every_function_level_import_of_a_vcpo_module_says_why():
                     if "#" not in lines[node.lineno - 1] and not lines[above].lstrip().startswith("#"):
                         unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert unexplained == []
+
+
+def test_no_document_code_or_table_carries_a_machine_path():
+    """README, docs/, recipes/, vcpo/, benchmarks/ and the tables' Markdown name no folder of one machine (a home or
+    root user's folder, a checkout's absolute path): a reader's machine has others. Raw run records (JSON, logs)
+    stay as they were recorded."""
+    import re
+
+    machine = re.compile(rf"(/root/|/home/\w|/Users/\w|/work/|/check/|{re.escape(str(ROOT))})")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "recipes").rglob("*"),
+             *(ROOT / "vcpo").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "tables").rglob("*.md")]
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in files if path.is_file()
+             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if machine.search(line)]
+    assert not found, found
