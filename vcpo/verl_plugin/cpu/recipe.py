@@ -60,6 +60,11 @@ def shaped_reward(data_source: str, solution_str: str, ground_truth: Any, extra_
     return result
 
 
+def data_paths(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Where ``write_data`` puts the train and validation prompts."""
+    return {"train": Path(out_dir) / "train.parquet", "val": Path(out_dir) / "val.parquet"}
+
+
 def write_data(out_dir: str | os.PathLike, train_rows: int = 16, val_rows: int = 4, seed: int = 0) -> dict[str, Path]:
     """Short GSM8K-schema prompts ("What is 3 + 4?") as verl parquet: ``train.parquet``, ``val.parquet``."""
     import pandas as pd
@@ -83,7 +88,7 @@ def write_data(out_dir: str | os.PathLike, train_rows: int = 16, val_rows: int =
             )
         return pd.DataFrame(records)
 
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    paths = data_paths(out)
     rows("train", train_rows, seed).to_parquet(paths["train"])
     rows("val", val_rows, seed + 1).to_parquet(paths["val"])
     return paths
