@@ -213,3 +213,19 @@ def test_a_verdict_in_the_other_direction_and_one_with_too_few_pairs():
     assert verdict(worse, "not_below") == "not reproduced (detected worse)"
     assert verdict({**worse, "mean": 0.1, "sign_p_one_sided": 0.07}, "above") == "not reproduced (no detectable difference)"
     assert verdict({"n": 1}, "above").startswith("not tested yet")
+
+
+def test_the_real_models_default_training_is_the_lag_studys():
+    """recipes/real_model_launch.yaml (what `python -m vcpo.launch.cpu --model smollm2-135m-instruct` trains) holds the
+    lag study's chosen task, response length and temperature and its registered batch, group, prompt length,
+    answer format and held-out evaluation."""
+    choice = json.loads((Path(__file__).resolve().parents[1] / study.TABLES / "task_choice.json").read_text())
+    default = read_yaml(recipes_dir() / "real_model_launch.yaml")
+    training = DESIGN["training"]
+    assert default["task"] == choice["chosen"] and default["answer_format"] == DESIGN["task_choice"]["answer_format"]
+    assert default["training"] == {
+        "prompts_per_step": training["prompts_per_step"], "responses_per_prompt": training["responses_per_prompt"],
+        "max_response_length": choice["max_response_length"], "max_prompt_length": training["max_prompt_length"],
+        "temperature": choice["temperature"],
+        "validation": {"every": training["validation"]["every"], "problems": DESIGN["task_choice"]["test_problems"]}}
+    assert default["validation_split"] == "test"

@@ -15,6 +15,7 @@ import fcntl
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -245,6 +246,37 @@ def test_printing_the_command_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_the_real_model_trains_its_registered_task_by_default(tmp_path, capsys, monkeypatch):
+    """--model smollm2-135m-instruct without --train / --val: the task, reward, lengths, group, temperature and
+    validation of recipes/real_model_launch.yaml, each the last of its key in the command (so it is what verl
+    reads); --save-every sets the checkpoint interval; with --print nothing is written."""
+    import vcpo.launch.cpu as launcher
+    from vcpo.recipes import read_yaml, recipes_dir
+
+    monkeypatch.setattr(launcher, "packaged_model", lambda name: tmp_path / "cache" / name)
+    default = read_yaml(recipes_dir() / launcher.PRETRAINED_DEFAULT)
+    out, training = tmp_path / "run", default["training"]
+    argv = ["--out", str(out), "--model", "smollm2-135m-instruct", "--lag", "12", "--steps", "60", "--save-every", "20"]
+    assert launcher.main([*argv, "--print"]) == 0
+    words = shlex.split(capsys.readouterr().out)
+
+    def last(key: str) -> str:
+        return [word.split("=", 1)[1] for word in words if word.startswith(f"{key}=")][-1]
+
+    folder = out / "data" / default["task"]
+    assert last("data.train_files") == f"[{folder / 'train.parquet'}]"
+    problems = training["validation"]["problems"]
+    assert last("data.val_files") == f"[{folder / f'val_{problems}.parquet'}]"
+    assert (last("actor_rollout_ref.rollout.temperature"), last("data.max_response_length")) == (
+        str(training["temperature"]), str(training["max_response_length"]))
+    assert (last("actor_rollout_ref.rollout.n"), last("data.train_batch_size")) == (
+        str(training["responses_per_prompt"]), str(training["prompts_per_step"]))
+    assert last("reward.reward_manager.name") == "EndAwareRewardManager"
+    assert last("+reward.custom_reward_function.reward_kwargs.answer_format") == default["answer_format"]
+    assert (last("trainer.test_freq"), last("trainer.save_freq")) == (str(training["validation"]["every"]), "20")
+    assert not out.exists()
+
+
 def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 
@@ -260,12 +292,15 @@ def test_verls_trainer_runs_vcpo_on_the_real_pretrained_model(tmp_path):
     from safetensors.torch import load_file
 
     from vcpo.local_models import packaged_model
+    from vcpo.verl_plugin.cpu.recipe import write_data
 
     base = packaged_model("smollm2-135m-instruct")
     out = tmp_path / "run"
-    records, output = run_cpu_recipe(
-        out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps", "2", alone=True
-    )
+    # the recipe's short prompts and dense reward (its registered task's sparse reward can leave a 2-step run's every
+    # advantage 0: test_the_real_model_trains_its_registered_task_by_default checks that command)
+    data = write_data(tmp_path / "data")
+    records, output = run_cpu_recipe(out, "--model", "smollm2-135m-instruct", "--method", "vcpo", "--lag", "1", "--steps",
+                                     "2", "--train", str(data["train"]), "--val", str(data["val"]), alone=True)
     # 30 float32 layers: the on-policy weights sat 1.3e-4 below 1; the lagged ones at lr 1e-5 spread over 0.69-1.36
     check_vcpo_lag1_run(records, output, 2, on_policy_tolerance=1e-3)
     check_checkpoint(out, 2)

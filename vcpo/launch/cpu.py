@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
+from vcpo.data import load_rows
 from vcpo.launch import (
     EXTERNAL_MODULES,
     LaunchError,
@@ -36,7 +37,26 @@ from vcpo.launch import (
     write_launch_record,
 )
 from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
-from vcpo.verl_plugin.cpu.recipe import ENV, cpu_overrides, data_paths, environment, megatron_layout, write_data
+from vcpo.recipes import read_yaml, recipes_dir
+from vcpo.verl_plugin.cpu.recipe import (
+    ENV,
+    cpu_overrides,
+    data_paths,
+    environment,
+    megatron_layout,
+    pretrained_task_overrides,
+    write_data,
+    write_task_data,
+)
+
+PRETRAINED_DEFAULT = "real_model_launch.yaml"  # what a pretrained model trains on without --train / --val
+LAYOUT = """what --out holds:
+  launch.json               the run, its composed config and command (as python -m vcpo.launch writes it)
+  metrics.jsonl             verl's metrics, one line per step (step 0: a validation before training)
+  checkpoints/global_step_N/actor/huggingface   the weights at step N (every --save-every steps, and the last);
+                            python -m vcpo.evaluation --model <--out> evaluates the last one
+  data/                     the prompts it trained and validated on (unless --train / --val)
+  model/                    the random model (unless --model)"""
 
 
 def build(args: argparse.Namespace, extra: list[str], write: bool = True):
@@ -55,7 +75,14 @@ def build(args: argparse.Namespace, extra: list[str], write: bool = True):
         model = out / "model"
         if write and not (model / "config.json").exists():
             subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL)
-    if args.train is None or args.val is None:
+    task_overrides = []
+    if pretrained and args.train is None and args.val is None:  # the real model's registered task, its settings
+        default = read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
+        val_rows = load_rows(default["task"], default["validation_split"])[: default["training"]["validation"]["problems"]]
+        paths = write_task_data(default["task"], val_rows, out / "data", write=write)
+        train, val = paths["train"], paths["val"]
+        task_overrides = pretrained_task_overrides(default["training"], default["answer_format"])
+    elif args.train is None or args.val is None:
         paths = write_data(out / "data") if write else data_paths(out / "data")
         train, val = args.train or paths["train"], args.val or paths["val"]
     else:
@@ -67,6 +94,8 @@ def build(args: argparse.Namespace, extra: list[str], write: bool = True):
     overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout,
                               pretrained=pretrained)
     overrides += [
+        *task_overrides,
+        *([f"trainer.save_freq={args.save_every}"] if args.save_every else []),
         f"trainer.default_local_dir={out / 'checkpoints'}",
         # Ray workers get the driver's module list (CPU platform first), not the launcher's engine-only one
         f"++ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='{env[EXTERNAL_MODULES]}'",
@@ -83,15 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m vcpo.launch.cpu", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m vcpo.launch.cpu", description=__doc__.split("\n\n")[1],
+                                     epilog=LAYOUT, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="run folder (model, data, metrics.jsonl, checkpoints)")
     parser.add_argument("--task", default="gsm8k", help="vcpo.launch task recipe")
     parser.add_argument("--method", default="vcpo", help="method preset (vcpo: seq-TIS + OPOB + ESS step size)")
     parser.add_argument("--lag", type=int, default=None, help="policy lag k (0: verl's sync trainer; k >= 1: separate_async); default 1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps (default: at the end)")
     parser.add_argument("--model", default=None, help="a local model folder, or a pretrained model by name "
-                        f"({', '.join(sorted(PACKAGED_MODELS))}: vcpo.local_models); default: a new random vcpo.local_models model")
+                        f"({', '.join(sorted(PACKAGED_MODELS))}: vcpo.local_models), which without --train / --val "
+                        f"trains the real model's registered task (recipes/{PRETRAINED_DEFAULT}); default: a new random "
+                        "vcpo.local_models model")
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
     parser.add_argument("--print", action="store_true", help="print the command and exit (writes nothing)")

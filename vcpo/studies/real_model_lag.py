@@ -41,7 +41,6 @@ from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.reporting.run_data import read_metrics, series
 from vcpo.runs import METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY
 from vcpo.studies.statistics import bootstrap_mean_interval
-from vcpo.verl_contract import END_AWARE_REWARD_MANAGER
 
 DESIGN = "real_model_lag.yaml"
 MODEL = "smollm2-135m-instruct"  # vcpo.local_models.PACKAGED_MODELS
@@ -95,24 +94,14 @@ def real_model_run_command(method: str, lag: int, seed: int, training: dict, tas
     batch, lengths, temperature, steps and validation interval (a ``training`` block of recipes/real_model*.yaml), ``task``'s train
     split and reward in ``answer_format``, greedy validation on ``val_rows``; the parquet files under ``data``/task, the
     run into ``out``. ``extra``: Hydra overrides appended last."""
-    import pandas as pd  # the reproduction stack (vcpo[repro])
+    from vcpo.verl_plugin.cpu.recipe import (  # imports verl: where a run is built
+        pretrained_task_overrides,
+        write_task_data,
+    )
 
-    folder = data / task
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {"train": folder / "train.parquet", "val": folder / f"val_{len(val_rows)}.parquet"}
-    pd.DataFrame(load_rows(task, "train")).to_parquet(files["train"])
-    pd.DataFrame(val_rows).to_parquet(files["val"])
-    rollout = "actor_rollout_ref.rollout"
+    files = write_task_data(task, val_rows, data)
     overrides = [
-        # the task's own reward (the CPU recipe's default adds a dense term for random models)
-        "reward.custom_reward_function.path=pkg://vcpo.rewards", "reward.custom_reward_function.name=compute_score",
-        f"+reward.custom_reward_function.reward_kwargs.answer_format={answer_format}",
-        # the reward learns whether each response ended or was cut at the length limit (lenient reads a cut one strictly)
-        *END_AWARE_REWARD_MANAGER,
-        f"data.train_batch_size={training['prompts_per_step']}", f"{rollout}.n={training['responses_per_prompt']}",
-        f"{rollout}.temperature={training['temperature']}",
-        f"data.max_response_length={training['max_response_length']}", f"data.max_prompt_length={training['max_prompt_length']}",
-        f"trainer.test_freq={training['validation']['every']}", "trainer.val_before_train=true", "trainer.save_freq=-1",
+        *pretrained_task_overrides(training, answer_format), "trainer.save_freq=-1",
         # a Ray instance of its own: two arms at once would otherwise share one, and its memory monitor kills either's workers
         "+ray_kwargs.ray_init.address=local",
     ]

@@ -34,6 +34,7 @@ from vcpo.rewards import compute_score
 from vcpo.runs import METRICS_FILE
 from vcpo.verl_contract import (
     CPU_PLATFORM_ENV,
+    END_AWARE_REWARD_MANAGER,
     EXTERNAL_MODULES,
     FP32_MIXED_PRECISION_HYDRA,
     MIXED_PRECISION_KEY,
@@ -92,6 +93,40 @@ def write_data(out_dir: str | os.PathLike, train_rows: int = 16, val_rows: int =
     rows("train", train_rows, seed).to_parquet(paths["train"])
     rows("val", val_rows, seed + 1).to_parquet(paths["val"])
     return paths
+
+
+def write_task_data(task: str, val_rows: list[dict], out_dir: str | os.PathLike, write: bool = True) -> dict[str, Path]:
+    """A ``vcpo.data`` task's train split and ``val_rows`` as verl parquet under ``out_dir/task`` (only the paths when
+    ``write`` is False)."""
+    folder = Path(out_dir) / task
+    paths = {"train": folder / "train.parquet", "val": folder / f"val_{len(val_rows)}.parquet"}
+    if write:
+        import pandas as pd  # the reproduction stack (vcpo[repro])
+
+        from vcpo.data import load_rows  # the data builders: where a task's files are written, not in verl's workers
+
+        folder.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(load_rows(task, "train")).to_parquet(paths["train"])
+        pd.DataFrame(val_rows).to_parquet(paths["val"])
+    return paths
+
+
+def pretrained_task_overrides(training: dict, answer_format: str) -> list[str]:
+    """A pretrained model trained on a task's own reward: ``training``'s prompts per step, responses per prompt,
+    lengths, temperature and validation interval (a training block of recipes/real_model*.yaml), the task's reward in
+    ``answer_format``, told whether each response ended (lenient reads a cut one strictly), and greedy validation
+    before the first step."""
+    rollout = "actor_rollout_ref.rollout"
+    return [
+        # the task's own reward (the CPU recipe's default adds a dense term for random models)
+        "reward.custom_reward_function.path=pkg://vcpo.rewards", "reward.custom_reward_function.name=compute_score",
+        f"+reward.custom_reward_function.reward_kwargs.answer_format={answer_format}",
+        *END_AWARE_REWARD_MANAGER,
+        f"data.train_batch_size={training['prompts_per_step']}", f"{rollout}.n={training['responses_per_prompt']}",
+        f"{rollout}.temperature={training['temperature']}",
+        f"data.max_response_length={training['max_response_length']}", f"data.max_prompt_length={training['max_prompt_length']}",
+        f"trainer.test_freq={training['validation']['every']}", "trainer.val_before_train=true",
+    ]
 
 
 # the Megatron parallel sizes whose product is a trainer's world (one data-parallel rank on CPU)
