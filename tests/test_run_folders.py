@@ -521,3 +521,28 @@ def test_one_layout_for_the_workflows_runs_and_the_studies_arms(tmp_path):
     countdown = [row for row in rows if row["task"] == "countdown"]
     assert len(countdown) == 200
     assert all((archive / "runs" / run_path(row["task"], row["arm"], None, row["seed"])).is_dir() for row in countdown)
+
+
+def test_a_verl_checkpoints_config_is_made_to_say_its_weights_dtype(tmp_path):
+    """verl writes a checkpoint's Hugging Face config with bfloat16 whatever its weights are: label_checkpoint_dtypes
+    reads the safetensors headers and makes each config say float32 where the weights are float32; a config already
+    right, a folder of mixed dtypes and a run without checkpoints are left alone."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vcpo.runs import label_checkpoint_dtypes, weights_dtype
+
+    run = tmp_path / "run"
+    assert label_checkpoint_dtypes(run) == []
+    folders = {}
+    for step, tensors in ((1, {"w": torch.zeros(2, dtype=torch.float32), "ids": torch.zeros(2, dtype=torch.int64)}),
+                          (2, {"w": torch.zeros(2, dtype=torch.bfloat16)}),
+                          (3, {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16)})):
+        folders[step] = run / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+        folders[step].mkdir(parents=True)
+        save_file(tensors, folders[step] / "model.safetensors")
+        (folders[step] / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    assert [weights_dtype(folders[step]) for step in (1, 2, 3)] == ["float32", "bfloat16", None]
+    assert label_checkpoint_dtypes(run) == [folders[1] / "config.json"]
+    assert json.loads((folders[1] / "config.json").read_text()) == {"model_type": "llama", "dtype": "float32"}
+    assert json.loads((folders[3] / "config.json").read_text())["dtype"] == "bfloat16"

@@ -38,6 +38,7 @@ from vcpo.launch import (
 )
 from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
 from vcpo.recipes import read_yaml, recipes_dir
+from vcpo.runs import label_checkpoint_dtypes
 from vcpo.verl_plugin.cpu.recipe import (
     ENV,
     cpu_overrides,
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))
         return 0
     write_launch_record(run, Path(args.out).resolve(), config, cmd, run_environment(run))
-    return subprocess.run(cmd, env=env, cwd=args.out).returncode
+    code = subprocess.run(cmd, env=env, cwd=args.out).returncode
+    label_checkpoint_dtypes(args.out)
+    return code
 
 
 if __name__ == "__main__":
