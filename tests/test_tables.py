@@ -322,3 +322,24 @@ def test_a_synchronous_preset_is_recognised_by_its_max_lag_not_its_name(tmp_path
     assert run_dirs(tmp_path, "countdown", "oracle", 12) == [folder]
     assert run_dirs(tmp_path, "countdown", "seq_tis_c8", 12) == []  # a lagged preset is read at the lag asked for
     assert method_label("oracle", 3) == "oracle (k=0), 3 seeds" and method_label("seq_tis_c8", 1) == "seq_tis_c8, 1 seed"
+
+
+def test_a_run_folders_curves_are_drawn_from_verls_metrics(tmp_path, capsys):
+    """python -m vcpo.reporting curves RUN... --out PNG: each run's training reward, held-out accuracy, ESS ratio, lr
+    scale, staleness and KL in one figure (verl's metric names flattened as every reader does); a missing run folder
+    is one line naming it."""
+    from matplotlib import image
+
+    run = tmp_path / "vcpo_lag12"
+    run.mkdir()
+    lines = [{"step": 0, "data": {"val-core/gsm8k/acc/mean@1": 0.15}}] + [
+        {"step": s, "data": {"critic/score/mean": 0.1 * s, "actor/rollout_corr/seq_ess_ratio": 1 - 0.1 * s,
+                             "actor/lr_scale": 0.9, "training/off_policy/trajectory_staleness/max": min(s - 1, 12),
+                             "actor/rollout_corr/kl": 0.01 * s}} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    main(["curves", str(run), "--out", str(tmp_path / "curves.png")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "curves.png")
+    assert image.imread(tmp_path / "curves.png").shape[1] > 1000
+    with pytest.raises(SystemExit):
+        main(["curves", str(tmp_path / "absent"), "--out", str(tmp_path / "x.png")])
+    assert "no such run folder" in capsys.readouterr().err

@@ -5,6 +5,7 @@ python -m vcpo.reporting figure ID --runs RUNS --scale smoke|paper --out PNG [--
 python -m vcpo.reporting table1 --runs RUNS --scale smoke|paper --out MD [--task PAPER_TASK[=RUN_TASK]]... [--lag K]
                                [--lag-map PAPER_LAG=LAG]...
 python -m vcpo.reporting hyperparams --out DIR
+python -m vcpo.reporting curves RUN [RUN ...] --out PNG
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import argparse
 import re
 from pathlib import Path
 
-from vcpo.reporting.figures import MEASURED_KINDS, SCALES, draw_figure
+from vcpo.reporting.figures import MEASURED_KINDS, SCALES, draw_figure, draw_runs
 from vcpo.reporting.hyperparams import write_hyperparams
+from vcpo.reporting.run_data import read_metrics
 from vcpo.reporting.specs import figure_specs
 from vcpo.reporting.table1 import write_table1
 
@@ -36,6 +38,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             draw_figure(args.id, args.runs, args.scale, args.out, args.task, args.lag, args.seeds, args.measured)
         )
+    elif args.command == "curves":
+        missing = [str(run) for run in args.run if not run.is_dir()]
+        if missing:
+            parser.error(f"no such run folder: {', '.join(missing)}")
+        groups = {run.resolve().name: [read_metrics(run)] for run in args.run}
+        print(draw_runs(groups, args.out, args.title or ", ".join(groups)))
     elif args.command == "table1":
         lag_map = {int(paper): int(scaled) for paper, scaled in (pair.split("=") for pair in args.lag_map or [])}
         print(write_table1(args.runs, args.scale, args.out, task_map(args.task), args.lag, lag_map))
@@ -88,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
         type=lambda text: text if re.fullmatch(r"\d+=\d+", text) else _bad_lag_map(text),
         help="PAPER_LAG=LAG: a published lag and the lag of this scale's async runs (repeat; other lags kept)",
     )
+    curves = commands.add_parser("curves", help="a run folder's curves (training reward, held-out accuracy, ESS "
+                                 "ratio, lr scale, staleness, KL) to a PNG; several runs in one figure")
+    curves.add_argument("run", type=Path, nargs="+", help="run folder(s) with metrics.jsonl (either backend)")
+    curves.add_argument("--out", type=Path, required=True)
+    curves.add_argument("--title", default=None)
     hyper = commands.add_parser("hyperparams", help="VCPO Tables 2-5 from the recipes")
     hyper.add_argument("--out", type=Path, required=True, help="folder for table2.md ... table5.md")
     return parser

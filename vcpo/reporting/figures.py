@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from vcpo.methods import is_synchronous
-from vcpo.reporting.run_data import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, summary_rows
+from vcpo.reporting.run_data import ACCURACY, read_metrics, run_dirs, seed_band, seed_of, series, summary_rows
 from vcpo.reporting.specs import figure_specs, paper_results, runs_needed, spec_lags, spec_tasks
-from vcpo.runs import CONFIG_FILE, EFFECTIVE_LR, SEQ_ESS_RATIO
+from vcpo.runs import CONFIG_FILE, EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
 
 SCALES = {"smoke": "smoke scale (CPU)", "paper": "paper scale (verl)"}
 PANEL_NAMES = {
@@ -295,3 +295,38 @@ def draw_figure(
     if spec["kind"] == "overhead":
         return draw_overhead(spec, measured, scale, out)
     return draw_grad_norm_proxy(spec, measured, scale, out)
+
+
+# A run's own curves (python -m vcpo.reporting curves; the real model's lag study): verl's names, flattened
+STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
+RUN_PANELS = (("critic/score/mean", "training reward"), (ACCURACY, "held-out accuracy (greedy)"),
+              (SEQ_ESS_RATIO, "sequence ESS ratio"), (LR_SCALE, "lr scale"), (STALENESS_MAX, "staleness (verl, max)"),
+              ("rollout_corr/kl", "KL(behaviour || learner)"))
+
+
+def draw_runs(groups: dict[str, list[list[dict]]], out: Path, title: str) -> Path:
+    """One panel per metric of RUN_PANELS; per group of runs (flat metric lines, ``run_data.read_metrics``), each run
+    faint and the mean over its runs bold (at the steps every run logged)."""
+    figure, axes = pyplot().subplots(2, 3, figsize=(14, 7.5))
+    colors = method_colors(list(groups))
+    for axis, (key, label) in zip(axes.flat, RUN_PANELS, strict=True):
+        for name, runs in groups.items():
+            curves = [series(lines, key) for lines in runs]
+            curves = [(steps, values) for steps, values in curves if steps.size]
+            for steps, values in curves:
+                axis.plot(steps, values, color=colors[name], alpha=0.25 if len(runs) > 1 else 0.9, linewidth=0.8,
+                          marker="o" if key == ACCURACY else None, markersize=2)
+            if len(curves) > 1:
+                common = sorted(set.intersection(*(set(steps.tolist()) for steps, _ in curves)))
+                mean = [np.mean([values[steps.tolist().index(step)] for steps, values in curves]) for step in common]
+                axis.plot(common, mean, color=colors[name], linewidth=2.2, marker="o" if key == ACCURACY else None,
+                          markersize=3)
+            if curves:
+                axis.plot([], [], color=colors[name], linewidth=2.2, label=f"{name} ({len(curves)})")
+        axis.set_title(label, fontsize=10)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return save(figure, out)

@@ -20,15 +20,9 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from vcpo.locks import write_atomic
-from vcpo.reporting.figures import method_colors, pyplot, save
-from vcpo.reporting.run_data import flat_record, series
-from vcpo.runs import LR_SCALE, SEQ_ESS_RATIO, VAL_ACCURACY
+from vcpo.reporting.figures import draw_runs
+from vcpo.reporting.run_data import flat_record
 from vcpo.studies.statistics import ALPHA, holm, mean_interval, paired_difference, sign_test, wilson_interval
-
-STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
-PANELS = (("critic/score/mean", "training reward"), (VAL_ACCURACY, "held-out accuracy (greedy)"),
-          (SEQ_ESS_RATIO, "sequence ESS ratio"), (LR_SCALE, "lr scale"), (STALENESS_MAX, "staleness (verl, max)"),
-          ("rollout_corr/kl", "KL(behaviour || learner)"))
 
 
 def run_lines(tables: Path, name: str, metrics_folder: str) -> list[dict]:
@@ -101,32 +95,6 @@ def study_statistics(rows: dict[str, dict], design: dict) -> dict:
             "arms": {arm: arm_statistics(members) for arm, members in arms.items() if members},
             "comparisons": comparisons(arms, design["confirmation"]) if confirmation else [],
             "rate": confirmation[0]["rate"] if confirmation else None}
-
-
-# ------------------------------------------------------------------------------------------------------- drawing
-def draw_runs(groups: dict[str, list[list[dict]]], out: Path, title: str) -> Path:
-    """One panel per metric of PANELS; per group, each run faint and the mean over its runs bold (at the steps every
-    run logged)."""
-    figure, axes = pyplot().subplots(2, 3, figsize=(14, 7.5))
-    colors = method_colors(list(groups))
-    for axis, (key, label) in zip(axes.flat, PANELS, strict=True):
-        for name, runs in groups.items():
-            curves = [series(lines, key) for lines in runs]
-            curves = [(steps, values) for steps, values in curves if steps.size]
-            for steps, values in curves:
-                axis.plot(steps, values, color=colors[name], alpha=0.25, linewidth=0.8)
-            if curves:
-                common = sorted(set.intersection(*(set(steps.tolist()) for steps, _ in curves)))
-                mean = [np.mean([values[steps.tolist().index(step)] for steps, values in curves]) for step in common]
-                axis.plot(common, mean, color=colors[name], linewidth=2.2, label=f"{name} ({len(curves)})",
-                          marker="o" if key == VAL_ACCURACY else None, markersize=3)
-        axis.set_title(label, fontsize=10)
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    figure.suptitle(title)
-    figure.tight_layout()
-    return save(figure, out)
 
 
 # ------------------------------------------------------------------------------------------------------- markdown
