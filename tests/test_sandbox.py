@@ -124,6 +124,49 @@ def test_a_dead_callers_folder_is_removed_by_the_next_call(isolation, tmp_path):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def nested(root: Path, depth: int) -> None:
+    """``root/d/d/.../d``, ``depth`` folders deep (made relative to each parent: no path is long)."""
+    folder = os.open(root, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=folder)
+        inner = os.open("d", os.O_RDONLY, dir_fd=folder)
+        os.close(folder)
+        folder = inner
+    with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=folder), "w") as handle:
+        handle.write("x" * 5000)
+    os.fchmod(folder, 0o500)  # the deepest folder read-only, as a program may leave it
+    os.close(folder)
+
+
+def test_planted_entries_in_a_shared_temp_folder_are_left_alone_and_a_dead_callers_deep_tree_is_removed(
+        isolation, tmp_path, monkeypatch):
+    """In a shared (1777) temp folder, entries by a sandbox folder's name that are not this user's real directories (a
+    link to a directory, a plain file, a dangling link) neither make a call fail nor get touched, nor is the temp
+    folder's mode changed; a dead caller's 10,000-deep tree (its deepest folder read-only) is measured and removed
+    by the next call, without recursion."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("keep")
+    (shared / f"vcpo-sandbox-{dead}-linkdirx").symlink_to(target)
+    (shared / f"vcpo-sandbox-{dead}-plainfil").write_text("planted")
+    (shared / f"vcpo-sandbox-{dead}-dangling").symlink_to(tmp_path / "nowhere")
+    tree = shared / f"vcpo-sandbox-{dead}-deeptree"
+    tree.mkdir()
+    nested(tree, 10_000)
+    assert sandbox._directory_usage(tree) [1] == 10_001  # 10,000 folders and the file
+    assert run_python("print('ok')", isolation=isolation).stdout == "ok\n"
+    assert not tree.exists() and (target / "keep.txt").read_text() == "keep"
+    assert sorted(path.name for path in shared.iterdir()) == sorted(
+        f"vcpo-sandbox-{dead}-{name}" for name in ("linkdirx", "plainfil", "dangling"))
+    assert oct(shared.stat().st_mode & 0o7777) == "0o1777"
+
+
 def run_timed(code: str, **kwargs):
     started = time.monotonic()
     result = run_python(textwrap.dedent(code), **kwargs)

@@ -99,6 +99,7 @@ import logging
 import marshal
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -122,6 +123,7 @@ logger = logging.getLogger(__name__)
 ISOLATION_MODES = ("auto", "namespaces", "hooks")
 _MAIN_FILE = "main.py"
 _TEMP_PREFIX = "vcpo-sandbox-"
+_FOLDER_NAME = re.compile(rf"{_TEMP_PREFIX}(\d+)-[a-z0-9_]{{8}}")  # tempfile.mkdtemp(prefix=_folder_prefix(pid))
 _CHILD_SOURCE = Path(_sandbox_child.__file__).read_text(encoding="utf-8")
 _READ_CHUNK = 64 * 1024
 _POLL_S = 0.02
@@ -376,8 +378,25 @@ def leftover_sandboxes(caller: int | None = None) -> tuple[list[int], list[str]]
                 pids.append(int(entry.name))
         except OSError:  # the process ended while we looked
             continue
-    directories = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefix))
+    directories = sorted(name for name, _ in _sandbox_folders() if name.startswith(prefix))
     return pids, directories
+
+
+def _sandbox_folders() -> list[tuple[str, int]]:
+    """(name, caller pid) of the temporary directory's sandbox folders: real directories of this user whose name is
+    ``mkdtemp``'s for a caller in full. A link, a file or another user's entry by such a name is not one."""
+    temporary, found = tempfile.gettempdir(), []
+    for name in os.listdir(temporary):
+        match = _FOLDER_NAME.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            status = os.lstat(os.path.join(temporary, name))
+        except FileNotFoundError:  # removed while we looked
+            continue
+        if stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid():
+            found.append((name, int(match.group(1))))
+    return found
 
 
 def _folder_prefix(caller: int) -> str:
@@ -540,11 +559,8 @@ def _remove_dead_callers_folders() -> None:
     """Remove every sandbox folder whose calling process has ended and that no process still uses (a guard
     cleaning up names its folder in its command line)."""
     temporary = Path(tempfile.gettempdir())
-    for name in os.listdir(temporary):
-        caller = name.removeprefix(_TEMP_PREFIX).split("-", 1)[0]
-        if not name.startswith(_TEMP_PREFIX) or not caller.isdigit() or _process_exists(int(caller)):
-            continue
-        if not leftover_sandboxes(int(caller))[0]:
+    for name, caller in _sandbox_folders():
+        if not _process_exists(caller) and not leftover_sandboxes(caller)[0]:
             _remove_tree_if_present(temporary / name)
 
 
@@ -566,15 +582,44 @@ def _remove_tree_if_present(path: Path) -> None:
 
 
 def _remove_tree(path: Path) -> None:
-    """Delete ``path`` even if the program made parts of it read-only or unreadable."""
+    """Delete the directory ``path`` and everything under it, even parts the program made read-only or unreadable:
+    one directory open at a time, reached by name from its parent and left through ``..`` (no recursion, no path
+    length, so a tree of any depth goes), links removed and never followed, and modes changed only below ``path``."""
+    names: list[str] = []  # from path down to the directory open now
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise NotADirectoryError(f"{path}: not a directory")
+    os.chmod(path, stat.S_IRWXU)  # the sandbox's own folder, which the program may have locked
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        while True:
+            child = _first_subfolder_emptied_of_files(folder)
+            if child is not None:
+                os.chmod(child, stat.S_IRWXU, dir_fd=folder)  # a real directory (lstat), below path
+                inner = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+                os.close(folder)
+                folder, names = inner, [*names, child]
+                continue
+            if not names:
+                break
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=folder)
+            os.close(folder)
+            folder = parent
+            os.rmdir(names.pop(), dir_fd=folder)
+    finally:
+        os.close(folder)
+    os.rmdir(path)
 
-    def make_writable_and_retry(function, failed_path, _exc_info):
-        os.chmod(os.path.dirname(failed_path), stat.S_IRWXU)
-        if os.path.isdir(failed_path) and not os.path.islink(failed_path):
-            os.chmod(failed_path, stat.S_IRWXU)
-        function(failed_path)
 
-    shutil.rmtree(path, onerror=make_writable_and_retry)
+def _first_subfolder_emptied_of_files(folder: int) -> str | None:
+    """Unlink every entry of the open directory ``folder`` that is not a directory (links included); the name of its
+    first subdirectory, or None when none is left."""
+    with os.scandir(folder) as scan:
+        entries = list(scan)  # read whole before unlinking: a directory changed while read may skip entries
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            return entry.name
+        os.unlink(entry.name, dir_fd=folder)
+    return None
 
 
 @contextmanager
@@ -803,15 +848,46 @@ def _capture_output(
 
 
 def _directory_usage(path: Path) -> tuple[int, int]:
-    """Disk space taken by everything under ``path`` (allocated blocks; links not followed), and its entries."""
+    """Disk space taken by everything under ``path`` (allocated blocks; links not followed), and its entries: one
+    directory open at a time, as ``_remove_tree`` walks, so any depth is measured."""
     total = entries = 0
-    for folder, subfolders, files in os.walk(path):
-        for name in (*subfolders, *files):
-            entries += 1
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, or made unreadable: nothing to count
+        return 0, 0
+    pending = [os.listdir(folder)]  # per open level, the names still to look at
+    try:
+        while pending:
+            if not pending[-1]:
+                pending.pop()
+                if pending:
+                    parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=folder)
+                    os.close(folder)
+                    folder = parent
+                continue
+            name = pending[-1].pop()
             try:
-                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+                status = os.stat(name, dir_fd=folder, follow_symlinks=False)
             except OSError:  # removed while we looked
                 continue
+            entries += 1
+            total += status.st_blocks * 512
+            if not stat.S_ISDIR(status.st_mode):
+                continue
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            except OSError:  # removed, or made unreadable: its own entries are not counted
+                continue
+            try:
+                names = os.listdir(inner)
+            except OSError:
+                os.close(inner)
+                continue
+            os.close(folder)
+            folder = inner
+            pending.append(names)
+    finally:
+        os.close(folder)
     return total, entries
 
 
