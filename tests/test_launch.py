@@ -484,3 +484,28 @@ def test_the_refusals_are_the_engines_own():
 def test_a_strategy_the_launcher_does_not_compose_is_refused():
     with pytest.raises(LaunchError, match=r"actor_rollout_ref.actor.strategy=veomni: vcpo.launch composes fsdp2\|fsdp\|megatron"):
         make_run("math", "vcpo", strategy="veomni")
+
+
+@pytest.mark.parametrize(("override", "shown"), [
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=-1", "-1"),
+    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=0", "0"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=0", "0"),
+    ("data.train_batch_size=abc", "'abc'"),
+    ("actor_rollout_ref.rollout.n=0", "0"),
+])
+def test_a_layout_or_batch_integer_below_one_is_refused_naming_its_key(override, shown, capsys):
+    """Every integer of the layout and batch is checked before anything is computed from it: a negative TP once
+    projected negative memory (rc 0) and a zero PP divided by zero; now one line naming the key, exit 2."""
+    code = main(["--task", "math", "--method", "vcpo", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron",
+                 override])
+    key = override.split("=")[0]
+    assert code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {key}={shown}: must be a positive integer")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "abc"])
+def test_a_gpu_memory_or_gpu_count_that_is_not_above_zero_is_refused(value, capsys):
+    for option in ("--gpu-memory-gb", "--gpus"):
+        with pytest.raises(SystemExit) as stopped:
+            main(["--task", "math", "--method", "vcpo", "--dry-run", option, value])
+        assert stopped.value.code == 2 and option in capsys.readouterr().err

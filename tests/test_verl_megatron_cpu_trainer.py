@@ -47,7 +47,7 @@ def test_the_cpu_recipe_composes_verls_megatron_trainer_with_a_slot_per_rank(tmp
 
     extra, ranks, _ = LAYOUTS[layout]
     paths = write_data(tmp_path / "data")
-    args = argparse.Namespace(out=str(tmp_path), task="gsm8k", method="vcpo", lag=1, seed=0, steps=STEPS, print=False,
+    args = argparse.Namespace(out=str(tmp_path), task="gsm8k", method="vcpo", lag=1, seed=0, steps=STEPS, save_every=None, print=False,
                               model=str(save_random_model(tmp_path / "model")), train=str(paths["train"]), val=str(paths["val"]))
     _, config, command, env = build(args, ["actor_rollout_ref.actor.strategy=megatron", *extra])
     assert "--config-name=ppo_megatron_trainer" in command

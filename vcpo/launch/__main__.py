@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -113,6 +114,21 @@ def recipe_table(method: str = "vcpo") -> str:
     return "\n".join(lines)
 
 
+def positive(kind: type):
+    """An argparse type: a finite number of ``kind`` above 0."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vcpo.launch", description=__doc__.split("\n\n")[1])
     parser.add_argument("--task", help="a recipes/tasks name (--list shows them)")
@@ -121,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default="data", help="folder of vcpo.data parquet files (<task>/<split>.parquet)")
     parser.add_argument("--output-dir", default="results/verl", help="runs go to OUT/<task>/<method>/lag<k>/seed<s>")
-    parser.add_argument("--gpus", type=int, help="GPUs available (default: those torch sees)")
-    parser.add_argument("--gpu-memory-gb", type=float,
+    parser.add_argument("--gpus", type=positive(int), help="GPUs available (default: those torch sees)")
+    parser.add_argument("--gpu-memory-gb", type=positive(float),
                         help="memory of one trainer GPU: a run whose projected actor step exceeds it is refused "
                              f"(default: the task's paper GPU, else {DEFAULT_GPU_MEMORY_GB:g})")
     mode = parser.add_mutually_exclusive_group()

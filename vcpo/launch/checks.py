@@ -143,6 +143,32 @@ def check_lag(config) -> None:
         )
 
 
+# Every integer of a run's layout and batch, and its least value where set (None: verl's default or not used); a
+# colocated rollout (sync) has no GPUs of its own
+LAYOUT_KEYS = {
+    **dict.fromkeys((
+        "data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes",
+        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        *(f"actor_rollout_ref.actor.megatron.{key}" for key in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size", "virtual_pipeline_model_parallel_size"))), 1),
+    "actor_rollout_ref.rollout.n_gpus_per_node": 0, "actor_rollout_ref.rollout.nnodes": 0,
+}
+
+
+def check_layout(config) -> None:
+    """Each key of LAYOUT_KEYS that is set is an integer of at least its least value: refused in one line naming the
+    key before anything is computed from it (a negative TP once projected negative memory and launched)."""
+    for key, least in LAYOUT_KEYS.items():
+        value = _select(config, key)  # None where unset, or absent (another strategy's section)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise LaunchError(f"{key}={value!r}: must be {'a positive' if least else 'a non-negative'} integer")
+
+
 def check(run: Run, config, available_gpus: int | None = None, check_paths: bool = True,
           gpu_memory: float | None = None) -> None:
     """Validate a composed config before launch; raise `LaunchError` naming the key at fault.
@@ -160,6 +186,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
             "trainer.use_v1=false with algorithm.rollout_correction.bypass_mode=true: verl's legacy trainer replaces "
             "actor.policy_loss.loss_mode by its own 'bypass_mode' loss, so the method's loss would not run"
         )
+    check_layout(config)
     check_engine(config)
     check_megatron(config)
     check_lag(config)
