@@ -25,7 +25,7 @@ from vcpo.data import load_rows
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
-from vcpo.studies.real_model_lag import chosen_task, evaluate_candidate, real_model_run_command
+from vcpo.studies.real_model_lag import choice_conflict, chosen_task, evaluate_candidate, real_model_run_command
 from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +58,9 @@ def choose(work: Path, tables: Path = TABLES) -> dict:
             break
     result = {"rule": rule, "rounds": rounds, "chosen": rounds[-1]["chosen"],
               "answer_format": rounds[-1]["answer_format"] if rounds[-1]["chosen"] else None, "written": utc_now()}
+    if (conflict := choice_conflict(tables / "task_choice.json", result)) is not None:
+        raise SystemExit(f"{tables / 'task_choice.json'} holds another result ({conflict}): nothing written; pass "
+                         "--tables for a folder of your own")
     tables.mkdir(parents=True, exist_ok=True)
     (tables / "task_choice.json").write_text(json.dumps(result, indent=2) + "\n")
     (tables / "task_choice.md").write_text(choice_markdown(result))
@@ -97,8 +100,12 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
     """The ``python -m vcpo.launch.cpu`` command of one arm of the registered training, and its run folder (the
     chosen task's parquet files are written under ``work``)."""
     plan = read_yaml(recipes_dir() / "real_model.yaml")
-    training, spec = plan["training"], plan["training"]["arms"][arm]
-    choice = json.loads((tables / "task_choice.json").read_text())
+    training = plan["training"]
+    if arm not in training["arms"]:
+        raise SystemExit(f"--arm {arm}: not a registered arm (recipes/real_model.yaml: {', '.join(training['arms'])})")
+    if not (tables / "task_choice.json").exists():
+        raise SystemExit(f"{tables / 'task_choice.json'}: no task choice yet (run `choose` first)")
+    spec, choice = training["arms"][arm], json.loads((tables / "task_choice.json").read_text())
     if choice["chosen"] is None:
         raise SystemExit("tables/real_model/task_choice.json chose no task: there is nothing to train on")
     val = load_rows(choice["chosen"], plan["task_choice"]["split"])[: training["validation"]["problems"]]
@@ -147,7 +154,11 @@ def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None 
             if (folder / "metrics.jsonl").exists()}
     choice = json.loads((tables / "task_choice.json").read_text())
     earlier = tables / "training.json"
-    other_work = {**(json.loads(earlier.read_text()).get("other_work", {}) if earlier.exists() else {}), **(other_work or {})}
+    recorded = json.loads(earlier.read_text()) if earlier.exists() else {}
+    if missing := sorted(set(recorded.get("arms", {})) - set(arms)):
+        raise SystemExit(f"{earlier} holds runs {', '.join(missing)} that {work} lacks: nothing written; pass --work "
+                         "with every run, or --tables for a folder of your own")
+    other_work = {**recorded.get("other_work", {}), **(other_work or {})}
     result = {"plan": plan, "task": choice["chosen"], "answer_format": choice["answer_format"], "arms": arms,
               "other_work": {name: text for name, text in other_work.items() if name in arms},
               "provenance": {**code_state(), "written": utc_now(), "cpu": cpu_name()}}

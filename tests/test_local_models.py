@@ -1,6 +1,8 @@
 """Local models (vcpo.local_models): random Qwen2 models built offline, saved, and loadable by path like a hub checkpoint;
 the pretrained SmolLM2-135M-Instruct from the package registry, its failures one line each."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -284,3 +286,21 @@ def test_the_lag_studys_task_choice_runs_a_round_only_when_the_ones_before_chose
         real_model_lag.choose(tmp_path / "work", tmp_path / "tables")
     assert (tmp_path / "tables" / "task_choice.md").read_text() == table
     assert "Chosen: **sums_2to3_brief**" in table and f"| {choosing_round}: 64, {0.7 if choosing_round == 4 else 1} | sums_2to3_brief |" in table
+
+
+def test_the_training_report_never_drops_a_recorded_run_and_train_names_its_arms(tmp_path):
+    """benchmarks/real_model_task.py report with a work folder that lacks recorded runs (a fresh clone has no results/):
+    one line naming them, nothing written; train with an unknown arm or before any task choice: one line each."""
+    module = _benchmark_module("real_model_task")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    recorded = json.dumps({"arms": {"sync_s0": {}, "vcpo_s0": {}}})
+    (tables / "training.json").write_text(recorded)
+    (tables / "task_choice.json").write_text(json.dumps({"chosen": "sums", "answer_format": "lenient"}))
+    with pytest.raises(SystemExit, match="holds runs sync_s0, vcpo_s0 that .* lacks: nothing written"):
+        module.report(tmp_path / "empty", tables)
+    assert (tables / "training.json").read_text() == recorded and not (tables / "training.png").exists()
+    with pytest.raises(SystemExit, match="--arm bogus: not a registered arm"):
+        module.training_command("bogus", 0, tmp_path / "work", tables)
+    with pytest.raises(SystemExit, match="no task choice yet"):
+        module.training_command("sync", 0, tmp_path / "work", tmp_path)
