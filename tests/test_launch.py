@@ -340,6 +340,9 @@ def test_a_composition_is_read_back_from_the_cache_equal_and_keyed_by_overrides_
     assert cached == composed and OmegaConf.is_struct(cached) and OmegaConf.to_yaml(cached) == OmegaConf.to_yaml(composed)
     with pytest.raises(Exception, match="nonesuch"):
         cached.actor_rollout_ref.nonesuch  # struct mode, as Hydra returns it
+    [entry] = (tmp_path / "cache" / "verl-configs").iterdir()
+    entry.write_text(entry.read_text()[:100])  # a truncated entry: composed again and rewritten whole
+    assert launch.compose(run) == composed and json.loads(entry.read_text())
     assert launch.compose(run, ["actor_rollout_ref.actor.optim.lr=3e-6"]).actor_rollout_ref.actor.optim.lr == 3e-6
     before = launch.composed_cache_file(launch.overrides(run))
     (tmp_path / "verl" / "ppo_trainer.yaml").write_text((tmp_path / "verl" / "ppo_trainer.yaml").read_text() + "\n")
@@ -509,3 +512,16 @@ def test_a_gpu_memory_or_gpu_count_that_is_not_above_zero_is_refused(value, caps
         with pytest.raises(SystemExit) as stopped:
             main(["--task", "math", "--method", "vcpo", "--dry-run", option, value])
         assert stopped.value.code == 2 and option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("lag", "override", "message"), [
+    (12, "trainer.v1.sampler.max_off_policy_threshold=4", "max_off_policy_threshold=4, but the run's lag is 12"),
+    (12, "trainer.v1.separate_async.num_warmup_batches=2", "num_warmup_batches=2, but the run's lag is 12"),
+    (0, "trainer.v1.trainer_mode=separate_async", "trainer_mode='separate_async', but the run's lag is 0"),
+])
+def test_the_lag_is_set_by_lag_alone_not_by_the_keys_it_sets(lag, override, message, capsys):
+    """A run folder named lag<k> runs lag k: an override of a key the asynchrony mapping sets (the replay buffer's
+    threshold once ran unchecked) is refused in one line naming it and --lag."""
+    assert main(["--task", "math", "--method", "vcpo", "--lag", str(lag), "--dry-run", "--", override]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in line and "give the lag with --lag" in line

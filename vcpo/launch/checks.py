@@ -129,12 +129,22 @@ def check_loss_and_optimizer(config) -> None:
             raise LaunchError(f"actor_rollout_ref.actor.optim.{key}={value!r} must be a finite number{' > 0' if key == 'lr' else ' >= 0'}")
 
 
-def check_lag(config) -> None:
-    """A policy lag the run can honour: no more warm-up batches (the lag k) than training steps, so that
-    the pipeline fills and the lag is reached within the run."""
-    if config.trainer.v1.trainer_mode != "separate_async":
+def check_lag(config, run_lag: int) -> None:
+    """The lag that runs is the run's (its folder says lag<k>): the trainer mode and every key the asynchrony mapping
+    sets for it (``verl_overrides.async_overrides``) as the mapping set them, whatever the user's overrides; and a lag
+    the run can honour: no more warm-up batches (the lag k) than training steps, so that the pipeline fills and the
+    lag is reached within the run."""
+    v1 = config.trainer.v1
+    expected = {"trainer.v1.trainer_mode": "sync"} if run_lag == 0 else {
+        "trainer.v1.trainer_mode": "separate_async", "trainer.v1.separate_async.num_warmup_batches": run_lag,
+        "trainer.v1.sampler.max_off_policy_threshold": run_lag + 1}
+    for key, value in expected.items():
+        if _select(config, key) != value:
+            raise LaunchError(f"{key}={_select(config, key)!r}, but the run's lag is {run_lag} (which sets it to "
+                              f"{value!r}): give the lag with --lag, not by this key")
+    if v1.trainer_mode != "separate_async":
         return
-    lag = config.trainer.v1.separate_async.num_warmup_batches
+    lag = v1.separate_async.num_warmup_batches
     steps = config.trainer.total_training_steps
     if steps is not None and lag > steps:
         raise LaunchError(
@@ -189,7 +199,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
     check_layout(config)
     check_engine(config)
     check_megatron(config)
-    check_lag(config)
+    check_lag(config, run.lag)
     check_loss_and_optimizer(config)
     rollout = config.actor_rollout_ref.rollout
     separate = config.trainer.v1.trainer_mode == "separate_async"

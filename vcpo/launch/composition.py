@@ -38,9 +38,13 @@ def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
     requested = overrides(run, extra)
     cached = composed_cache_file([config_name(run), *requested])
     if cached.exists():
-        config = OmegaConf.create(json.loads(cached.read_text()))
-        OmegaConf.set_struct(config, True)
-        return config
+        try:
+            config = OmegaConf.create(json.loads(cached.read_text()))
+        except ValueError:  # a damaged cache entry (a truncated write by hand, a full disk): composed again below
+            pass
+        else:
+            OmegaConf.set_struct(config, True)
+            return config
     config = _hydra_compose(requested, config_name(run))
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cached, json.dumps(OmegaConf.to_container(config, resolve=False)))
