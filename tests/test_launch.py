@@ -525,3 +525,14 @@ def test_the_lag_is_set_by_lag_alone_not_by_the_keys_it_sets(lag, override, mess
     assert main(["--task", "math", "--method", "vcpo", "--lag", str(lag), "--dry-run", "--", override]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in line and "give the lag with --lag" in line
+
+
+def test_a_users_added_key_that_is_a_typo_of_verls_is_refused_naming_the_key_it_resembles(capsys):
+    """`+trainer.total_trainng_steps=10` once ran with rc 0 and the key unused (Hydra suggests `+` for a key it does
+    not know); a new key unlike any beside it (`+ray_kwargs.ray_init.address`) is the user's to add."""
+    argv = ["--task", "math", "--method", "vcpo", "--dry-run", "--"]
+    assert main([*argv, "+trainer.total_trainng_steps=10"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: +trainer.total_trainng_steps: verl has no such key, but has trainer.total_training_steps (a '+' adds "
+        "a new key, which verl would not read)")
+    assert main([*argv, "+ray_kwargs.ray_init.address=local"]) == 0

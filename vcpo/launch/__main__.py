@@ -20,6 +20,7 @@ from vcpo.core.per_sequence_grads.memory import GB, OPOB_MODES
 from vcpo.launch import (
     LaunchError,
     check,
+    check_added_keys,
     command,
     compose,
     load_tasks,
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run, config = _composed(args)
+        check_added_keys(config, args.overrides)
         launching = not (args.dry_run or args.show_config)
         gpus = args.gpus if args.gpus is not None else (visible_gpus() if launching else None)
         check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths, gpu_memory=args.gpu_memory_gb)

@@ -3,6 +3,7 @@ config files; the launch record a started run leaves."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -33,9 +34,36 @@ def compose(run: Run, extra: list[str] | tuple[str, ...] = ()):
     """The fully resolved verl config (an OmegaConf DictConfig, struct mode, as Hydra returns it) of the run,
     from verl's own Hydra config. Hydra reads some 30 YAML files per composition (2-3 s); a workflow's plan
     composes every run, so each composition is kept in the cache under its overrides and verl's config files."""
-    from omegaconf import OmegaConf
 
     requested = overrides(run, extra)
+    return _composed(run, requested)
+
+
+def check_added_keys(config, user_overrides: list[str] | tuple[str, ...]) -> None:
+    """A user's ``+key=value`` override adds a key, so a typo of an existing one would run silently unused: one whose
+    name is within a typo of a key beside it in the composed ``config`` is refused, naming the key it resembles (the
+    project's own added keys, such as ``+ray_kwargs.ray_init.num_gpus``, are not the user's)."""
+    from omegaconf import OmegaConf
+
+    for override in user_overrides:
+        if not override.startswith("+") or override.startswith("++") or "=" not in override:
+            continue
+        parent, _, leaf = override[1:].split("=", 1)[0].rpartition(".")
+        node = OmegaConf.select(config, parent) if parent else config
+        if not OmegaConf.is_dict(node):
+            continue
+        near = difflib.get_close_matches(leaf, [key for key in node if key != leaf], n=1, cutoff=ADDED_KEY_CUTOFF)
+        if near:
+            raise LaunchError(f"{override.split('=', 1)[0]}: verl has no such key, but has {parent + '.' if parent else ''}"
+                              f"{near[0]} (a '+' adds a new key, which verl would not read)")
+
+
+ADDED_KEY_CUTOFF = 0.85  # difflib's ratio: total_trainng_steps / total_training_steps is 0.97
+
+
+def _composed(run: Run, requested: list[str]):
+    from omegaconf import OmegaConf  # with verl's Hydra config, where a run is composed
+
     cached = composed_cache_file([config_name(run), *requested])
     if cached.exists():
         try:

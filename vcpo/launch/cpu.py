@@ -28,6 +28,7 @@ from vcpo.launch import (
     LaunchError,
     actor_strategy,
     check,
+    check_added_keys,
     command,
     compose,
     make_run,
@@ -103,6 +104,7 @@ def build(args: argparse.Namespace, extra: list[str], write: bool = True):
         *extra,
     ]
     config = compose(run, overrides)
+    check_added_keys(config, extra)
     check(run, config, check_paths=write)  # what a run writes first is not there when nothing is written
     return run, config, command(run, overrides), env
 
