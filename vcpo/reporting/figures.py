@@ -300,7 +300,7 @@ def draw_figure(
 # A run's own curves (python -m vcpo.reporting curves; the real model's lag study): verl's names, flattened
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
 RUN_PANELS = (("critic/score/mean", "training reward"), (ACCURACY, "held-out accuracy (greedy)"),
-              (SEQ_ESS_RATIO, "sequence ESS ratio"), (LR_SCALE, "lr scale"), (STALENESS_MAX, "staleness (verl, max)"),
+              (SEQ_ESS_RATIO, "sequence ESS ratio"), (LR_SCALE, "lr scale (VCPO's ESS step size)"), (STALENESS_MAX, "staleness (verl, max)"),
               ("rollout_corr/kl", "KL(behaviour || learner)"))
 
 

@@ -111,7 +111,7 @@ def p_text(value: float) -> str:
 
 
 def ladder_markdown(ladder: list[dict]) -> list[str]:
-    lines = ["| rate | arm | lag (verl, max) | held-out: step 0 → best → end | min ESS ratio | collapsed | improves | "
+    lines = ["| rate | arm | lag (verl, max) | held-out: step 0 → best → end | min ESS ratio | collapsed | sync improves | "
              "median step |", "|---:|---|---:|---|---:|---|---|---:|"]
     for row in ladder:
         o = row["outcome"]
@@ -119,7 +119,7 @@ def ladder_markdown(ladder: list[dict]) -> list[str]:
         ess = "—" if o["ess_min"] is None else f"{o['ess_min']:.3f}"
         lines.append(f"| {row['rate']:g} | {row['arm']} | {lag} | {percent(o['base'])} → {percent(o['best'])} → "
                      f"{percent(o['end'])} | {ess} | {'yes' if o['collapsed'] else 'no'} | "
-                     f"{'yes' if o['improves'] else 'no'} | {row['median_step_s']:.1f} s |")
+                     f"{('yes' if o['improves'] else 'no') if row['arm'] == 'sync' else '—'} | {row['median_step_s']:.1f} s |")
     return lines
 
 
