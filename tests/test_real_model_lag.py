@@ -68,7 +68,8 @@ def test_a_ladder_no_rate_of_which_qualifies_falls_back_as_registered(sync_impro
 
 
 def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(tmp_path):
-    """Once the ladder decides, next_runs writes regime.json and runs nothing until that file is committed (without the
+    """Once the ladder decides, the runner's next_runs writes regime.json (status's writes nothing) and runs nothing
+    until that file is committed (without the
     gate, as the workflow's reproduction runs, at once); then the confirmation's runs come seed by seed (sync, seq-TIS,
     VCPO), without those already in runs.jsonl."""
     tables = tmp_path / "tables"
@@ -78,7 +79,9 @@ def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(
     done = study.Run("confirmation", "sync", "sync", 0, 1e-5, 0)
     rows = [row(sync, improves=True), row(seq, collapsed=True), row(done)]
     (tables / study.RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    runs, where = study.next_runs(DESIGN, tables)
+    runs, where = study.next_runs(DESIGN, tables)  # as status asks: nothing written
+    assert runs == [] and "`run` writes" in where and not (tables / study.REGIME_FILE).exists()
+    runs, where = study.next_runs(DESIGN, tables, write=True)  # as the runner asks
     assert runs == [] and "commit" in where
     assert json.loads((tables / study.REGIME_FILE).read_text())["rate"] == 1e-5
     assert len(study.next_runs(DESIGN, tables, commit_gate=False)[0]) == 3 * 8 - 1  # a reproduction's results folder

@@ -279,16 +279,19 @@ def read_rows(tables: Path) -> dict[str, dict]:
     return {row["name"]: row for row in rows}
 
 
-def next_runs(design: dict, tables: Path, commit_gate: bool = True) -> tuple[list[Run], str]:
+def next_runs(design: dict, tables: Path, commit_gate: bool = True, write: bool = False) -> tuple[list[Run], str]:
     """What the registration asks next, and a sentence on where the study stands. With ``commit_gate`` (the study's
     own tables) the confirmation waits until the regime the ladder chose is committed; without it (a reproduction in a
-    results folder) the confirmation follows the ladder's rule at once."""
+    results folder) the confirmation follows the ladder's rule at once. ``write``: write the regime once the ladder has
+    decided (the runner does; ``status`` only says so)."""
     rows = read_rows(tables)
     runs, regime = ladder(design, rows)
     if runs:
         return runs, f"the learning-rate ladder: rate {runs[0].rate:g} ({len(rows)} runs done)"
     regime_file = tables / REGIME_FILE
     if not regime_file.exists():
+        if not write:
+            return [], f"the ladder has decided (rate {regime['rate']:g}: {regime['by']}); `run` writes {regime_file}"
         write_regime(regime, tables)
     if commit_gate and not is_committed(regime_file):
         return [], (f"the regime is chosen ({regime_file}): commit {regime_file} and regime.md, then run again for the "
@@ -376,7 +379,7 @@ def run_study(work: Path, tables: Path, commit: bool, commit_gate: bool = True) 
     work.mkdir(parents=True, exist_ok=True)
     with run_folder_lock(work):
         while True:
-            runs, where = next_runs(read_yaml(recipes_dir() / DESIGN), tables, commit_gate)
+            runs, where = next_runs(read_yaml(recipes_dir() / DESIGN), tables, commit_gate, write=True)
             print(f"study: {where}", flush=True)
             if not runs:
                 return 0
