@@ -255,11 +255,7 @@ def file_record(folder: Path) -> dict[str, dict]:
     record = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name != SOURCE_FILE:
-            digest = hashlib.sha256()
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-            record[path.name] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+            record[path.name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
     return record
 
 
@@ -353,14 +349,20 @@ def check_gguf(path: Path, sha256: str) -> None:
     """A GGUF file that is the one recorded: its magic, and its SHA-256 (a corrupt or truncated file says so)."""
     with path.open("rb") as handle:
         magic = handle.read(4)
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    if magic != b"GGUF" or digest.hexdigest() != sha256:
+    digest = file_sha256(path)
+    if magic != b"GGUF" or digest != sha256:
         raise PackagedModelError(f"{path.name} is corrupt or truncated ({path.stat().st_size} bytes, "
                                  f"{'GGUF magic' if magic == b'GGUF' else f'magic {magic!r}, not GGUF'}, SHA-256 "
-                                 f"{digest.hexdigest()[:12]}..., expected {sha256[:12]}...)")
+                                 f"{digest[:12]}..., expected {sha256[:12]}...)")
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,12 +17,19 @@ import math
 from pathlib import Path
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from vcpo.locks import write_atomic
 from vcpo.reporting.figures import draw_runs
 from vcpo.reporting.run_data import flat_record
-from vcpo.studies.statistics import ALPHA, holm, mean_interval, paired_difference, sign_test, wilson_interval
+from vcpo.studies.statistics import (
+    ALPHA,
+    holm,
+    mean_interval,
+    paired_difference,
+    sign_test,
+    sign_test_above,
+    wilson_interval,
+)
 
 
 def run_lines(tables: Path, name: str, metrics_folder: str) -> list[dict]:
@@ -48,12 +55,6 @@ def arm_statistics(rows: list[dict]) -> dict:
             "staleness_mean_filled": float(np.mean(filled)) if filled else None}
 
 
-def one_sided_sign_p(differences: list[float]) -> float:
-    """The exact sign test's p that a > b (ties dropped); nan without a nonzero difference."""
-    positive, nonzero = sum(d > 0 for d in differences), sum(d != 0 for d in differences)
-    return float(scipy_stats.binomtest(positive, nonzero, 0.5, alternative="greater").pvalue) if nonzero else math.nan
-
-
 def verdict(comparison: dict, direction: str) -> str:
     """The registered verdict of one comparison (recipes/real_model_lag.md, Verdicts)."""
     if comparison["n"] < 2:
@@ -75,7 +76,7 @@ def comparisons(arms: dict[str, list[dict]], plan: dict) -> list[dict]:
         seeds = sorted(ends_a.keys() & ends_b.keys())
         differences = [ends_a[seed] - ends_b[seed] for seed in seeds]
         result = {"a": a, "b": b, "seeds": seeds, **paired_difference([ends_a[s] for s in seeds], [ends_b[s] for s in seeds])}
-        result.update(sign_test(differences), sign_p_one_sided=one_sided_sign_p(differences))
+        result.update(sign_test(differences), sign_p_one_sided=sign_test_above(differences))
         results.append(result)
     tested = [r for r in results if not math.isnan(r["p"])]
     for result, adjusted in zip(tested, holm([r["p"] for r in tested]), strict=True):

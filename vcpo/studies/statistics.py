@@ -75,6 +75,16 @@ def sign_test(differences) -> dict:
     return {"sign_positive": positive, "sign_n": nonzero, "sign_p": p}
 
 
+def sign_test_above(differences) -> float:
+    """The exact one-sided sign test's p that a > b (ties dropped): the paired differences' positive count against
+    Binomial(nonzero, 1/2)'s upper tail; nan without a nonzero difference."""
+    from scipy import stats
+
+    values = np.asarray(differences, dtype=np.float64)
+    positive, nonzero = int((values > 0).sum()), int((values != 0).sum())
+    return float(stats.binomtest(positive, nonzero, 0.5, alternative="greater").pvalue) if nonzero else math.nan
+
+
 def by_pair(comparisons: list[dict]) -> dict[tuple[str, str], dict]:
     """A report's comparisons (each with arms ``a`` and ``b``) by their (a, b) pair."""
     return {(comparison["a"], comparison["b"]): comparison for comparison in comparisons}
