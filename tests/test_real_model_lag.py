@@ -134,10 +134,30 @@ def test_a_finished_run_leaves_a_row_with_verls_staleness_its_heldout_accuracies
     assert got["heldout"] == [[0, 0.30], [3, 0.10]]
     assert got["outcome"] == {"base": 0.30, "best": 0.30, "end": 0.10, "ess_min": 0.05, "collapsed": True, "improves": False}
     assert got["median_step_s"] == 35.0 and got["rate"] == 3e-5
-    assert {"commit", "dirty", "start", "finish", "cpu"} <= set(got)
+    assert {"commit", "dirty", "start", "finish", "cpu", "load_at_start", "load_at_finish"} <= set(got)
     assert study.read_rows(tables)[run.name]["outcome"] == got["outcome"]
     with gzip.open(tables / study.METRICS_FOLDER / f"{run.name}.jsonl.gz", "rt") as kept:
         assert [json.loads(line) for line in kept] == records
+
+
+def test_a_rows_commit_waits_out_another_commits_index_lock_and_fails_loudly_on_anything_else(tmp_path, monkeypatch):
+    """The lock is released during the first wait (the patched sleep), so the commit lands on the second try; a path
+    git does not know is an error that no waiting mends."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *command], check=True)
+    (tmp_path / "row.txt").write_text("1\n")
+    lock = tmp_path / ".git" / "index.lock"
+    lock.write_text("")
+    waits = []
+    monkeypatch.setattr(study.time, "sleep", lambda seconds: (waits.append(seconds), lock.unlink()))
+    study.git_with_retry("add", "--", "row.txt")
+    assert len(waits) == 1
+    study.git_with_retry("commit", "-q", "-m", "row", "--", "row.txt")
+    assert subprocess.run(["git", "log", "--oneline"], capture_output=True, text=True).stdout.count("\n") == 1
+    with pytest.raises(RuntimeError, match="git add failed"):
+        study.git_with_retry("add", "--", "no-such-file.txt")
+    assert len(waits) == 1
 
 
 def scripted_row(phase: str, arm: str, seed: int, end: float, collapsed: bool = False, rate: float = 3e-5) -> dict:

@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -334,7 +335,8 @@ def run_one(run: Run, work: Path, tables: Path, commit: bool) -> dict:
     val = load_rows(choice["chosen"], "test")[: rule["test_problems"]]
     command, _ = real_model_run_command(run.method, run.lag, run.seed, training, choice["chosen"], rule["answer_format"],
                                         val, out, work / "data", extra=(f"actor_rollout_ref.actor.optim.lr={run.rate}",))
-    started = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "libraries": library_versions()}
+    started = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "libraries": library_versions(),
+               "load_at_start": os.getloadavg()[0]}
     log = work / "runs" / f"{run.name}.log"
     print(f"{run.name}: {training['steps']} steps; log {log}", flush=True)
     with open(log, "w") as handle:
@@ -351,7 +353,8 @@ def run_one(run: Run, work: Path, tables: Path, commit: bool) -> dict:
     row = {**asdict(run), "name": run.name, "task": choice["chosen"], "steps": max(line["step"] for line in lines),
            "staleness": staleness, "heldout": heldout,
            "outcome": run_outcome(heldout, float(ess.min()) if ess.size else None, design["regime"]),
-           "median_step_s": times[len(times) // 2] if times else None, **started, "finish": utc_now()}
+           "median_step_s": times[len(times) // 2] if times else None, **started, "finish": utc_now(),
+           "load_at_finish": os.getloadavg()[0]}  # the one-minute load: a step time read beside other work says so
     keep_row(row, out, tables, commit)
     return row
 
@@ -366,9 +369,21 @@ def keep_row(row: dict, out: Path, tables: Path, commit: bool) -> None:
         handle.write(json.dumps(row) + "\n")
     if commit:
         paths = [str(tables / RUNS_FILE), str(metrics)]
-        subprocess.run(["git", "add", "--", *paths], check=True)
-        subprocess.run(["git", "commit", "-q", "-m", f"The real model's lag study: run {row['name']} (its row and metrics)",
-                        "--", *paths], check=True)
+        git_with_retry("add", "--", *paths)
+        git_with_retry("commit", "-q", "-m", f"The real model's lag study: run {row['name']} (its row and metrics)",
+                       "--", *paths)
+
+
+def git_with_retry(*args: str, attempts: int = 30) -> None:
+    """Run git, waiting out another process's index lock (someone committing in the same checkout): a finished run's
+    row must not be lost to a lock held for a moment."""
+    for attempt in range(attempts):
+        result = subprocess.run(["git", *args], capture_output=True, text=True)
+        if result.returncode == 0:
+            return
+        if "index.lock" not in result.stderr or attempt == attempts - 1:
+            raise RuntimeError(f"git {args[0]} failed: {result.stderr.strip()}")
+        time.sleep(2)
 
 
 def run_study(work: Path, tables: Path, commit: bool, commit_gate: bool = True) -> int:
