@@ -108,12 +108,34 @@ def difference(c: dict) -> tuple[str, ...]:
     return (*interval_quotes(c), f"{c['p_holm']:.3f}")
 
 
-def claims_rows() -> dict[int, str]:
+def claims_table() -> dict[int, list[str]]:
+    """docs/claims.md's rows by number: the cells (claim, measured, verdict, where a GPU would test it), each `normalised`."""
     rows = {}
     for line in (ROOT / "docs/claims.md").read_text().splitlines():
         if match := re.match(r"\| (\d) \|", line):
-            rows[int(match[1])] = normalised(line)
+            rows[int(match[1])] = [normalised(cell) for cell in line.strip().strip("|").split(" | ")[1:]]
     return rows
+
+
+def claims_rows() -> dict[int, str]:
+    return {number: " | ".join(cells) for number, cells in claims_table().items()}
+
+
+def wilson_quote(arm: dict, key: str = "collapse") -> str:
+    """An arm's count's 95% Wilson interval as the claims table quotes it: '[11%, 60%]'."""
+    return f"[{100 * arm[key + '_low']:.0f}%, {100 * arm[key + '_high']:.0f}%]"
+
+
+def test_every_claims_verdict_is_the_rules():
+    """docs/claims.md's verdict column is vcpo.studies.verdicts' output from the committed statistics, row by row, and a
+    claim resting on one timing run says so."""
+    from vcpo.studies import readme_results
+    from vcpo.studies.verdicts import claim_verdicts
+
+    computed = claim_verdicts(readme_results.committed_statistics())
+    written = {number: cells[2] for number, cells in claims_table().items()}
+    assert written == computed
+    assert "one timing run" in written[6] and "one timing run" in written[7]
 
 
 def test_the_claims_table_quotes_its_files_numbers():
@@ -123,7 +145,10 @@ def test_the_claims_table_quotes_its_files_numbers():
     evidence = load_json("tables/evidence/stats.json")["tasks"]["countdown"]
     across = load_json("tables/across_lags/stats.json")
     arms, compared = evidence["arms"], by_pair(evidence["comparisons"])
+    lr_controls = by_pair(evidence["learning_rate"]["comparisons"])
     confirm = across["tir_confirm"]
+    confirmed = confirm["arms"]
+    tir_seq_tis, tir_vcpo, tir_sync = (confirmed[a] for a in ("seq_tis_lr5e-4_k8", "vcpo_lr5e-4_k8", "sync_lr5e-4"))
     row = claims_rows()
     assert set(row) == set(range(1, 9))
 
@@ -131,35 +156,58 @@ def test_the_claims_table_quotes_its_files_numbers():
     tuned = [across["countdown"]["arms"][f"seq_tis_lr5e-5_k{lag}"] for lag in across["countdown"]["lags"]]
     assert_quoted(row[1], f"{100 * seq_tis['end']:.1f}%", f"{100 * sync['end']:.1f}%")
     assert sum(a["collapses"] for a in tuned) == 0  # at its tuned rate seq-TIS collapses in none
-    assert_counts(row[1], (seq_tis["collapses"], seq_tis["n"]), (0, sum(a["n"] for a in tuned)))
+    assert_counts(row[1], (seq_tis["collapses"], seq_tis["n"]), (sync["collapses"], sync["n"]), (0, sum(a["n"] for a in tuned)),
+                  (tir_seq_tis["collapses"], tir_seq_tis["n"]), (tir_sync["collapses"], tir_sync["n"]))
+    assert wilson_quote(seq_tis) in row[1] and wilson_quote(sync) in row[1] and wilson_quote(tir_seq_tis) in row[1]
 
     best = compared[("vcpo", "seq_tis")]
     assert_quoted(row[2], *difference(best))
-    confirmed = confirm["arms"]
-    assert_counts(row[2], (best["sign_positive"], best["sign_n"]), (vcpo["collapses"], vcpo["n"]),
-                  *((confirmed[arm]["collapses"], confirmed[arm]["n"]) for arm in ("seq_tis_lr5e-4_k8", "vcpo_lr5e-4_k8")))
+    first_lag = across["countdown"]["same_rate"][0]
+    assert first_lag["a"] == "vcpo_k12" and first_lag["p_holm"] < 0.05 <= first_lag["sign_p"]  # not confirmed at k = 12
+    assert all(c["p_holm"] < 0.05 for c in across["countdown"]["same_rate"])  # above at every lag after Holm
+    assert_quoted(row[2], p_value(first_lag["sign_p"]), signed_points(confirm["comparisons"][0]["mean"]))
+    assert_counts(row[2], (best["sign_positive"], best["sign_n"]), (vcpo["collapses"], vcpo["n"]), (seq_tis["collapses"], seq_tis["n"]),
+                  (first_lag["sign_positive"], first_lag["sign_n"]), (tir_seq_tis["collapses"], tir_seq_tis["n"]),
+                  (tir_vcpo["collapses"], tir_vcpo["n"]), (tir_vcpo["holds"], tir_vcpo["n"]),
+                  (confirm["comparisons"][0]["sign_positive"], confirm["comparisons"][0]["sign_n"]))
+    assert wilson_quote(vcpo) in row[2] and wilson_quote(seq_tis) in row[2] and wilson_quote(tir_vcpo) in row[2]
 
     against_sync = compared[("vcpo", "sync")]
     assert_quoted(row[3], *difference(against_sync))
     assert against_sync["p_holm"] >= 0.05  # not detected after correction
     assert all(e["verdict"] == "equivalence not shown" for e in across["countdown"]["equivalence"])
     below = confirm["comparisons"][1]
-    assert_quoted(row[3], signed_points(below["mean"]))
+    assert_quoted(row[3], signed_points(below["mean"]), p_value(below["p_holm"]))
     assert_counts(row[3], (below["sign_positive"], below["sign_n"]))
     assert below["sign_p"] >= 0.05  # a sign test does not confirm it
 
     ablation, step_size = compared[("vcpo", "tis_ess")], compared[("tis_ess", "seq_tis")]
-    assert_quoted(row[4], *difference(ablation), signed_points(step_size["mean"]))
-    assert ablation["p_holm"] >= 0.05 and step_size["p_holm"] < 0.05  # OPOB's share not detected, the step size's is
+    mean_rate = lr_controls[("vcpo", "seq_tis_vcpo_mean_lr")]
+    assert_quoted(row[4], *difference(ablation), *difference(step_size), *difference(mean_rate))
+    assert_counts(row[4], (step_size["sign_positive"], step_size["sign_n"]))
+    assert ablation["p_holm"] >= 0.05 and step_size["p_holm"] < 0.05 and mean_rate["p_holm"] >= 0.05
+    family = len(evidence["comparisons"])
+    assert_quoted(row[4], str(family), f"{detectable_difference(100 * ablation['sd'], ablation['n'], 0.05 / family, 0.8):.1f}")
 
-    assert all(len(winners) == 1 for winners in common_rate_winners(across["countdown"]["best_rates"]).values())
+    best_rates = across["countdown"]["best_rates"]
+    assert all(len(winners) == 1 for winners in common_rate_winners(best_rates).values())
     assert_quoted(row[5], f"{min(c['p_holm'] for c in across['countdown']['tuned']):.3f}")
+    vcpo_48 = next(r for r in best_rates if r["method"] == "vcpo" and r["lag"] == 48)
+    only_there = [lr for lr in vcpo_48["ends"] if not all(lr in r["ends"] for r in best_rates if r["method"] == "vcpo")]
+    assert only_there == [next(lr for lr in vcpo_48["ends"] if float(lr) == vcpo_48["best_lr"])]  # its best, tested only at 48
+    lowest = sum(r["best_lr"] == min(float(lr) for lr in r["ends"]) for r in best_rates)
+    assert_counts(row[5], (lowest, len(best_rates)))
 
     table1 = load_json("tables/tir/table1_smoke.json")["tasks"]
     ratio = {task: table1[task]["async"]["wall_hours"]["mean"] / table1[task]["sync"]["wall_hours"]["mean"] for task in table1}
     times, spread = across["countdown"]["time_to_target"], across["countdown"]["time_ratio_range"]
     assert_quoted(row[6], f"{ratio['simpletir']:.2f}", f"{ratio['countdown']:.2f}", str(table1["countdown"]["async"]["lag"]),
                   f"{min(t['ratio'] for t in times):.2f}", f"{spread['low']:.2f}", f"{spread['high']:.2f}")
+    tir = table1["simpletir"]
+    assert_counts(row[6], *((tir[arm]["reached"], len(tir[arm]["seeds"])) for arm in ("sync", "async")))
+    for folder in ("rounds_tir", GAP_TIR_ALL[0]):
+        (timed,) = [arm for arm in load_json(f"tables/async_speed/{folder}/async_speed.json")["tasks"]["tir"]["arms"] if arm["method"] == "vcpo"]
+        assert_quoted(row[6], f"{timed['speedup_over_sync']:.2f}x", span(timed["speedup_rounds"], 2))
 
     log = (ROOT / "tables/opob_engine/two_pass_floor_50m.log").read_text()
     step = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+)\s+[\d.]+\s+([\d.]+)\s", log, re.MULTILINE)}
@@ -171,6 +219,10 @@ def test_the_claims_table_quotes_its_files_numbers():
     assert_quoted(row[7], f"{dispatched['opob'] / dispatched['plain']:.2f}x")
     ratios, _ = allocator_runs()
     assert_quoted(row[7], f"{max(max(r) for (_, kept), r in ratios.items() if kept):.2f}")
+    measuring = (ROOT / "tables/opob_engine/measuring_G8.log").read_text()
+    assert "in 8 groups" in measuring
+    peaks = dict(re.findall(r"(\S+) ([\d.]+) C", measuring.split("in float32 copies of the model")[1].splitlines()[0]))
+    assert_quoted(row[7], "8", peaks["vcpo"], peaks["plain"])
 
     gsm8k = load_json("tables/real_model/base_eval.json")["rows"]["gsm8k"]
     assert_quoted(row[8], f"{100 * gsm8k['strict']['mean_at_n']:.1f}%")
