@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_verl_cpu_trainer import check_sync_run, check_vcpo_lag1_run, ray_cluster_slot
 
+from vcpo.launch.console import VERL_LOG
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "workflows" / "config"
 
@@ -40,7 +42,7 @@ def test_the_paper_workflow_runs_on_cpu_through_verl_and_writes_the_report(tmp_p
         return [r for r in map(json.loads, (runs / run / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
 
     check_sync_run(training_records("sync/lag0/seed0"), 3)  # verl's sync trainer, on policy
-    check_vcpo_lag1_run(training_records("vcpo/lag1/seed0"), (results / "logs" / "train" / "countdown-vcpo-lag1-seed0.log").read_text(), 3)
+    check_vcpo_lag1_run(training_records("vcpo/lag1/seed0"), (runs / "vcpo/lag1/seed0" / VERL_LOG).read_text(), 3)
     assert json.loads((runs / "base" / "eval" / "summary.json").read_text())["model"].endswith("random_model")
     table = (results / "tables" / "table1.md").read_text()
     assert "missing" not in table.split("| Base")[1].split("\n")[0]  # the base model's evaluation

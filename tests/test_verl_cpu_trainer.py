@@ -15,6 +15,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from vcpo.launch.console import VERL_LOG
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 480
@@ -63,7 +66,19 @@ def run_cpu_recipe(out: Path, *args: str, alone: bool = False) -> tuple[list[dic
     metrics_file = out / "metrics.jsonl"
     assert metrics_file.exists(), f"verl's file logger wrote no {metrics_file}"
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return records, output
+    check_console(output, out, max(record["step"] for record in records))
+    return records, (out / VERL_LOG).read_text()
+
+
+def check_console(output: str, out: Path, steps: int) -> None:
+    """The launcher's terminal: one line per training step and the closing lines; verl's own output (its config, its
+    workers' warnings, the platform fallback) only in main_ppo.log."""
+    lines = output.splitlines()
+    assert [line.split("/")[0] for line in lines if re.match(r"step +[1-9]", line)] == [
+        f"step {step:>{len(str(steps))}}" for step in range(1, steps + 1)], output[-3000:]
+    assert f"done: metrics {out / 'metrics.jsonl'}" in output and "last checkpoint: " in output
+    assert "No supported accelerator" not in output and "'loss_mode'" not in output
+    assert len(lines) < 40, output[-3000:]
 
 
 def finite(record: dict, key: str) -> float:

@@ -38,6 +38,8 @@ VAL_ACCURACY = "val/accuracy"
 TEST_ACCURACY = "test/accuracy"
 LR_SCALE = "actor/lr_scale"
 EFFECTIVE_LR = "actor/effective_lr"
+STALENESS = "training/off_policy/trajectory_staleness"  # verl's, per step: /max, /mean, /min over the batch
+STEP_SECONDS = "timing_s/step"  # verl's
 
 
 def verl_hf_checkpoint(folder: str | Path) -> Path | None:

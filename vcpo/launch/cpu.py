@@ -7,7 +7,8 @@ sizes of :mod:`vcpo.verl_plugin.cpu.recipe`: writes a ``vcpo.local_models`` mode
 does, then starts verl in a child process whose environment selects the CPU platform (:data:`recipe.ENV`;
 it must be set before ``import verl``, so verl's trainer is never imported here). Metrics go to
 ``DIR/metrics.jsonl`` (verl's file logger), checkpoints to ``DIR/checkpoints``, the launch record to
-``DIR/launch.json`` (as ``vcpo.launch`` writes it). Extra Hydra overrides after
+``DIR/launch.json`` (as ``vcpo.launch`` writes it), verl's own output to ``DIR/main_ppo.log`` while the terminal shows
+one line per step (:mod:`vcpo.launch.console`). Extra Hydra overrides after
 ``--`` are appended last; ``-- actor_rollout_ref.actor.strategy=megatron`` runs verl's Megatron engine (on gloo,
 :mod:`vcpo.verl_plugin.cpu.megatron`) with one trainer slot per rank of its TP x PP layout. ``--print`` prints
 the command and exits, writing nothing.
@@ -16,9 +17,11 @@ the command and exits, writing nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
@@ -37,23 +40,16 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
+from vcpo.launch.console import VERL_LOG, run_quietly
 from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.runs import label_checkpoint_dtypes
-from vcpo.verl_plugin.cpu.recipe import (
-    ENV,
-    cpu_overrides,
-    data_paths,
-    environment,
-    megatron_layout,
-    pretrained_task_overrides,
-    write_data,
-    write_task_data,
-)
+from vcpo.verl_contract import select_cpu_platform
 
 PRETRAINED_DEFAULT = "real_model_launch.yaml"  # what a pretrained model trains on without --train / --val
-LAYOUT = """what --out holds:
+LAYOUT = f"""what --out holds:
   launch.json               the run, its composed config and command (as python -m vcpo.launch writes it)
+  {VERL_LOG:<25} verl's own output (the terminal shows start-up, one line per step and where things went)
   metrics.jsonl             verl's metrics, one line per step (step 0: a validation before training)
   checkpoints/global_step_N/actor/huggingface   the weights at step N (every --save-every steps, and the last);
                             python -m vcpo.evaluation --model <--out> evaluates the last one
@@ -61,9 +57,29 @@ LAYOUT = """what --out holds:
   model/                    the random model (unless --model)"""
 
 
+def quiet_verl_import() -> None:
+    """This process imports verl to compose the run's config: on its CPU platform (else verl, finding no accelerator,
+    warns and falls back to 'nvidia') and without its warnings about engines and kernels a CPU run does not use (verl's
+    trainer, in its own process, logs its own)."""
+    if "verl" not in sys.modules:
+        select_cpu_platform()
+        os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")  # as verl's trainer gets it (vcpo.launch.run_environment)
+    warnings.filterwarnings("ignore", message=r".*(engine is not available|Apex|Transformer Engine)")
+
+
 def build(args: argparse.Namespace, extra: list[str], write: bool = True):
     """The run, its checked config, command and environment (writes the random model and data if missing, unless
     ``write`` is False: then only their paths)."""
+    from vcpo.verl_plugin.cpu.recipe import (  # imports verl: after quiet_verl_import when run as the launcher
+        cpu_overrides,
+        data_paths,
+        environment,
+        megatron_layout,
+        pretrained_task_overrides,
+        write_data,
+        write_task_data,
+    )
+
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
     # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
@@ -134,18 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if problem := output_folder_problem(Path(args.out)):
         parser.error(f"--out {args.out}: {problem}")
+    quiet_verl_import()
     try:
         run, config, cmd, env = build(args, extra, write=not args.print)
     except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.print:
+        from vcpo.verl_plugin.cpu.recipe import ENV
+
         keys = (*ENV, "VERL_FILE_LOGGER_PATH", "VERL_LOGGING_LEVEL")
         print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))
         return 0
-    write_launch_record(run, Path(args.out).resolve(), config, cmd, run_environment(run))
-    code = subprocess.run(cmd, env=env, cwd=args.out).returncode
-    label_checkpoint_dtypes(args.out)
+    out = Path(args.out).resolve()
+    write_launch_record(run, out, config, cmd, run_environment(run))
+    code = run_quietly(cmd, env, out, args.steps)
+    label_checkpoint_dtypes(out)
     return code
 
 

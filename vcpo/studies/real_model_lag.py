@@ -40,7 +40,7 @@ from vcpo.locks import run_folder_lock, write_atomic
 from vcpo.provenance import code_state, cpu_name, is_committed, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.reporting.run_data import read_metrics, series
-from vcpo.runs import METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY
+from vcpo.runs import METRICS_FILE, SEQ_ESS_RATIO, STALENESS, STEP_SECONDS, VAL_ACCURACY
 from vcpo.studies.statistics import bootstrap_mean_interval
 
 DESIGN = "real_model_lag.yaml"
@@ -49,9 +49,6 @@ TABLES = Path("tables") / "real_model_lag"
 WORK = Path("results") / "real_model_lag"
 SNAKEFILE = Path(__file__).with_name("real_model_lag.smk")
 RUNS_FILE, REGIME_FILE, METRICS_FOLDER = "runs.jsonl", "regime.json", "metrics"
-# verl's metric names the rows keep (the rest stay in the gzipped metrics)
-STALENESS = "training/off_policy/trajectory_staleness"
-STEP_TIME = "timing_s/step"
 INTERVAL = {"level": 0.95, "resamples": 10_000, "seed": 0}  # percentile bootstrap over problems, as the base evaluation
 
 
@@ -349,7 +346,7 @@ def run_one(run: Run, work: Path, tables: Path, commit: bool) -> dict:
     staleness = [[line["step"], line[f"{STALENESS}/max"], line[f"{STALENESS}/mean"]] for line in lines
                  if f"{STALENESS}/max" in line]
     heldout = [[int(step), float(value)] for step, value in zip(steps, accuracy, strict=True)]
-    times = sorted(line[STEP_TIME] for line in lines if STEP_TIME in line)
+    times = sorted(line[STEP_SECONDS] for line in lines if STEP_SECONDS in line)
     row = {**asdict(run), "name": run.name, "task": choice["chosen"], "steps": max(line["step"] for line in lines),
            "staleness": staleness, "heldout": heldout,
            "outcome": run_outcome(heldout, float(ess.min()) if ess.size else None, design["regime"]),

@@ -46,6 +46,7 @@ ENV = {
     **CPU_PLATFORM_ENV,
     # one BLAS thread per process: the trainer, the rollout server and the reward worker share 2 cores
     "OMP_NUM_THREADS": "1",
+    "TQ_NUM_THREADS": "1",  # TransferQueue's default 8 exceeds a small machine's cores (it warns at every transfer)
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "0",
 }

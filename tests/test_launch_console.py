@@ -1,0 +1,101 @@
+"""The CPU launcher's console (vcpo.launch.console): start-up milestones from verl's log, one line per metrics record,
+the closing lines; driven by a scripted process and a scripted clock, not by verl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vcpo.launch import console
+
+
+def record(step: int, **data: float) -> dict:
+    return {"step": step, "data": data}
+
+
+def test_a_step_line_shows_what_the_step_logged_and_nothing_it_did_not():
+    vcpo_step = record(10, **{"critic/score/mean": 0.3125, "val-core/sums/acc/mean@1": 0.27,
+                              "actor/rollout_corr/seq_ess_ratio": 0.6249, "actor/lr_scale": 0.81,
+                              "training/off_policy/trajectory_staleness/max": 12.0, "timing_s/step": 38.04,
+                              "actor/pg_loss": 1.0})
+    assert console.step_line(vcpo_step, 60) == (
+        "step 10/60  score 0.312  held-out 27.0%  ESS 0.62  lr x0.81  staleness 12  38.0 s")
+    sync_step = record(3, **{"critic/score/mean": 0.0, "timing_s/step": 2.0})
+    assert console.step_line(sync_step, 60) == "step  3/60  score 0.000  2.0 s"
+    assert console.step_line(record(0, **{"val-core/sums/acc/mean@1": 0.15}), 5) == "step 0/5  held-out 15.0%"
+    assert console.step_line(record(4, **{"actor/pg_loss": 1.0}), 5) is None
+
+
+class ScriptedVerl:
+    """A process that, at each poll, appends the next scripted lines to verl's log and metrics file and ends (with
+    ``code``) after its last entry."""
+
+    def __init__(self, out: Path, script: list[tuple[str, str]], code: int = 0):
+        self.out, self.script, self.code = out, list(script), code
+
+    def poll(self):
+        if not self.script:
+            return self.code
+        file, text = self.script.pop(0)
+        with open(self.out / file, "a") as handle:
+            handle.write(text)
+        return None
+
+
+def test_following_a_run_prints_each_milestone_once_then_each_step_and_returns_the_code(tmp_path, monkeypatch):
+    """Milestones in verl's order, one skipped (never announced after a later one), a record written in two pieces
+    (printed once it is complete), a heartbeat after 60 quiet seconds, and the process's exit code."""
+    monkeypatch.setattr(console.time, "sleep", lambda seconds: None)
+    ticks = iter(range(0, 10_000, 10))  # 10 s per clock read
+    log, metrics = console.VERL_LOG, "metrics.jsonl"
+    step_one = json.dumps(record(1, **{"critic/score/mean": 0.25, "timing_s/step": 40.0}))
+    script = [
+        (log, "noise\n2026 INFO worker.py -- Started a local Ray instance.\n"),
+        (log, "(TaskRunner) dataset len: 970\n(TaskRunner) dataset len: 200\n"),
+        (log, "(WorkerDict) LlamaForCausalLM contains 134.52M parameters\n"),  # 'rollout server up' never logged
+        (log, "(TaskRunner) Creating file logger at x\n(TaskRunner) LLMServerManager: late\n"),
+        (metrics, json.dumps(record(0, **{"val-core/sums/acc/mean@1": 0.15})) + "\n"),
+        (metrics, step_one[:20]),
+        (metrics, step_one[20:] + "\n"),
+        *[(log, "quiet\n")] * 8,
+    ]
+    said = []
+    code = console.follow(ScriptedVerl(tmp_path, script, code=3), tmp_path, 2, say=said.append,
+                          clock=lambda: next(ticks))
+    assert code == 3
+    stages = [line.split(" s  ", 1)[1] for line in said if line.startswith("start-up")]
+    assert stages == ["Ray started", "prompts loaded", "trainer's model built", "first rollouts (step 0 validates first)"]
+    steps = [line for line in said if line.startswith("step ") and "still running" not in line]
+    assert steps == ["step 0/2  held-out 15.0%", "step 1/2  score 0.250  40.0 s"]
+    assert any("still running" in line and console.VERL_LOG in line for line in said)
+
+
+def test_the_closing_lines_name_the_metrics_the_checkpoint_and_the_commands_or_the_failure(tmp_path):
+    weights = tmp_path / "checkpoints" / "global_step_4" / "actor" / "huggingface"
+    weights.mkdir(parents=True)
+    (weights / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    done = console.closing_lines(tmp_path, 0)
+    assert str(tmp_path / "metrics.jsonl") in done[0] and done[1] == f"last checkpoint: {weights}"
+    assert f"python -m vcpo.evaluation --model {tmp_path}" in done[2] and "vcpo.reporting curves" in done[3]
+    (tmp_path / console.VERL_LOG).write_text("".join(f"line {n}\n" for n in range(100)) + "RuntimeError: boom\n")
+    failed = console.closing_lines(tmp_path, 1)
+    assert failed[-2] == "RuntimeError: boom" and len(failed) == console.TAIL_LINES + 1
+    assert failed[-1].startswith("verl's trainer exited with 1")
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_run_quietly_keeps_verls_output_in_its_log_and_the_terminal_short(tmp_path, capfd, code):
+    """A real child process standing in for verl: what it prints lands in main_ppo.log, not on the terminal."""
+    import sys
+
+    script = ("import json, sys; print('x' * 50, 'No supported accelerator detected'); "
+              "open('metrics.jsonl', 'w').write(json.dumps({'step': 1, 'data': {'timing_s/step': 1.5}}) + '\\n'); "
+              f"sys.exit({code})")
+    assert console.run_quietly([sys.executable, "-c", script], {}, tmp_path, 1) == code
+    terminal = capfd.readouterr()
+    assert "No supported accelerator" not in terminal.out and "step 1/1  1.5 s" in terminal.out
+    assert "No supported accelerator detected" in (tmp_path / console.VERL_LOG).read_text()
+    assert ("exited with 2" in terminal.err) == bool(code)
