@@ -22,6 +22,7 @@ from vcpo.evaluation.tool_use import EVAL_OPTIONS, TRUNCATE_SIDES, ToolUse, verl
 from vcpo.recipes import recipes_dir
 from vcpo.rewards import ANSWER_FORMATS
 from vcpo.runs import CONFIG_FILE, verl_hf_checkpoint
+from vcpo.upstream import require
 
 BENCHMARKS_FILE = recipes_dir() / "benchmarks.yaml"  # the paper's sampling settings per benchmark
 
@@ -68,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=verl_defaults["tool_response_truncate_side"],
     )
     tools.add_argument(EVAL_OPTIONS["max_parallel_calls"], type=int, default=verl_defaults["max_parallel_calls"])
+    require("tool_parsers")
     tools.add_argument(
         EVAL_OPTIONS["tool_parser"], default=verl_defaults["format"], choices=sorted(ToolParser._registry)
     )

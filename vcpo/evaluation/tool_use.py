@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from vcpo.evaluation.generation import Completion, Conversation, SamplingParams
+from vcpo.upstream import require
 
 TRUNCATE_SIDES = ("left", "middle", "right")
 
@@ -136,6 +137,7 @@ class ToolAgentGenerator:
         from verl.tools.tool_registry import initialize_tools_from_config
         from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
+        require("tool_use_evaluation")
         self.sampler, self.tokenizer, self.tool_use, self.progress = sampler, tokenizer, tool_use, progress
         self.tools = {tool.name: tool for tool in initialize_tools_from_config(str(tool_use.tool_config))}
         self.schemas = [

@@ -118,6 +118,9 @@ from vcpo.core.per_sequence_grads.reductions import (
 )
 from vcpo.core.per_sequence_grads.sites import Target, _check_same_forward, _MicroBatch, _Site
 from vcpo.core.validation import check_float, check_sequence_inputs
+from vcpo.upstream import require
+
+require("per_sequence_gradients")
 
 
 class PerSequenceGradients:

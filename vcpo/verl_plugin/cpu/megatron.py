@@ -38,6 +38,8 @@ import types
 
 import torch
 
+from vcpo.upstream import require
+
 DEVICE = "cpu"
 
 # megatron TransformerConfig fields the engine needs on CPU, passed through verl's
@@ -223,6 +225,7 @@ def register_cpu_megatron_engines(language_model_cls=None, value_model_cls=None)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
+    require("cpu_engine_registry")
     pairs = (
         ("language_model", language_model_cls or MegatronEngineWithLMHead),
         ("value_model", value_model_cls or MegatronEngineWithValueHead),
@@ -240,6 +243,7 @@ def enable_megatron_on_cpu() -> None:
     global _ENABLED
     if _ENABLED:
         return
+    require("megatron_on_cpu")
     _patch_torch_cuda()
     _patch_cuda_literals()
     _patch_type_checks()
@@ -271,6 +275,7 @@ def install() -> None:
     init = MegatronEngine.__init__
     if getattr(init, "__vcpo_cpu_shim__", False):
         return
+    require("megatron_construction_on_cpu")
 
     @functools.wraps(init)
     def init_with_cpu_shims(self, *args, **kwargs):

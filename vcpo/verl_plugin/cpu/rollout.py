@@ -41,6 +41,7 @@ from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
+from vcpo.upstream import require
 from vcpo.verl_plugin.cpu.checkpoint import host_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -566,5 +567,6 @@ class HFServerAdapter(BaseRollout):
             await server.update_weights.remote(named, global_steps)
 
 
+require("cpu_rollout")
 RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)
 rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"

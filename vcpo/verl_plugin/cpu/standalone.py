@@ -28,9 +28,12 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from vcpo.local_models import random_qwen2
 from vcpo.recipes import megatron_local_layers
+from vcpo.upstream import require
 from vcpo.verl_contract import FP32_MIXED_PRECISION
 from vcpo.verl_plugin import VcpoPolicyLossConfig
 from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
+
+require("standalone_engines")
 
 
 def save_random_qwen2(path: str | Path, seed: int = 0, vocab_size: int = 96, **shape) -> Path:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from verl.workers.engine.base import EngineRegistry
 
+from vcpo.upstream import require
+
 DEVICE = "cpu"
 
 
@@ -22,6 +24,7 @@ def register_cpu_engines(language_model_cls=None, value_model_cls=None, backends
     """Register FSDP engine classes for the cpu device (verl's own classes by default); idempotent."""
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
+    require("cpu_engine_registry")
     pairs = (
         ("language_model", language_model_cls or FSDPEngineWithLMHead),
         ("value_model", value_model_cls or FSDPEngineWithValueHead),

@@ -99,6 +99,7 @@ from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads import NORMS_ONLY
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
 from vcpo.methods import StepRule
+from vcpo.upstream import require
 from vcpo.verl_contract import ENGINE_MODEL_TYPE, step_rule_applied
 from vcpo.verl_plugin.engine.batch import all_reduce_gradients
 from vcpo.verl_plugin.engine.rule import rule_from_loss_function
@@ -116,6 +117,8 @@ from vcpo.verl_plugin.engine.step import (
 
 MODEL_TYPE = ENGINE_MODEL_TYPE
 DEVICES = ["cuda", "npu", "cpu"]
+
+require("fsdp_engine")
 
 
 class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):

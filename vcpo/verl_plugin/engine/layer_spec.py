@@ -14,12 +14,15 @@ Hugging Face checkpoint and exporting weights to the rollout alike). verl's padd
 wants [b, 1, sq, sk], True where a score is masked, so `honour_transformer_impl` also makes it take verl's mask
 (`square_attention_mask`); a mask already square is left alone.
 
-Applied by the vcpo Megatron engine module at import (every worker that can build the vcpo engine) and by the CPU shims.
+Applied when a Megatron engine is built (the vcpo Megatron engine's construction, and the CPU shims'), never at import:
+an FSDP worker imports the engine package too, and keeps megatron's attention as it is.
 """
 
 from __future__ import annotations
 
 import functools
+
+from vcpo.upstream import require
 
 LOCAL = "local"
 PATCHED = "__vcpo_honours_transformer_impl__"  # on each patched function (each is patched once, whatever else restores)
@@ -66,6 +69,9 @@ def honour_transformer_impl() -> None:
     except ImportError:
         return
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    require("megatron_local_layers")
 
     spec = LLMBridge._get_transformer_layer_spec
     if not getattr(spec, PATCHED, False):
@@ -75,7 +81,7 @@ def honour_transformer_impl() -> None:
             if not uses_local_spec(self.config):
                 return spec(self, vp_stage)
             self.has_vp_stage = True
-            block = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization=self.config.normalization,
+            block: TransformerBlockSubmodules = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization=self.config.normalization,
                                                vp_stage=vp_stage)
             # the final norm is megatron's LNImpl, apex's FusedLayerNorm where apex is installed, which refuses RMSNorm;
             # the layers' own norms are torch's (the local spec's provider), and so is this one

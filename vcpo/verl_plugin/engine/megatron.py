@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_model_config
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
@@ -53,6 +54,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute
+from vcpo.upstream import require
 from vcpo.verl_contract import MegatronSetup, megatron_opob_refusals, step_rule_applied
 from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl
 from vcpo.verl_plugin.engine.step import (
@@ -68,13 +70,15 @@ from vcpo.verl_plugin.engine.step import (
     sequence_lengths,
 )
 
-honour_transformer_impl()  # before any engine of this process builds its model through mbridge
+require("megatron_engine")
 
 
 class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
     """verl's Megatron LM engine plus the ESS step size and the single-backward OPOB update (module doc)."""
 
     def __init__(self, model_config, *args, **kwargs):
+        # before mbridge builds the model; in this process only, which builds a Megatron engine
+        honour_transformer_impl()
         super().__init__(model_config, *args, **kwargs)
         self._norms: MegatronSequenceNorms | None = None
         self._ids_for_tied_head = False  # the last stage of embeddings tied across stages needs the input ids
@@ -143,7 +147,7 @@ class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
         local_groups = torch.unique(data["vcpo_group"].cpu(), return_inverse=True)[1]
         num_groups = int(local_groups.max()) + 1 if local_groups.numel() else 1
         data["vcpo_local_group"] = local_groups.to(data["vcpo_group"].device)
-        config = get_model_config(self.module[0])
+        config: TransformerConfig = get_model_config(self.module[0])
         finalize = config.finalize_model_grads_func
         if state.opob_mode == "two_pass":  # pass 1: the norms alone; its gradients are dropped, never reduced
             config.finalize_model_grads_func = functools.partial(self._finalize_norms, state, norms)

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
+from verl.workers.config import HFModelConfig
 
 from vcpo.core import (
     ess_ratio_over_ranks,
@@ -255,7 +256,7 @@ class VcpoEngine:
     selected by their model type, then built and run as verl's language model; the current step's record, opened
     alike whatever the backend; the last (mode, reason) of OPOB logged."""
 
-    def __init__(self, model_config, *args, **kwargs):
+    def __init__(self, model_config: HFModelConfig, *args, **kwargs):
         model_config.model_type = "language_model"
         super().__init__(model_config, *args, **kwargs)
         self._step: StepState | None = None
