@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_check.py --out gpu_check/          # one CUDA GPU, about 10 minutes
 
-Three parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json:
+Three parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json (with the commit,
+the start and finish and the host's CPU):
   overhead    benchmarks/opob_overhead.py on a 0.5B Qwen2 (Qwen2-0.5B shapes, random weights) in bf16 at
               T = 2048: step time, peak memory and ATen operators dispatched of the single-backward OPOB step
               (the engine's: split combination, a baseline per group),
@@ -42,6 +43,8 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import torch
+
+from vcpo.provenance import output_record, utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 L2_SIZED_BLOCK_MB = 16  # a third of an H100's L2, where a block's passes stay in cache
@@ -178,6 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    started = utc_now()
     result = {"environment": environment(args.device), "device": args.device}
     result["overhead"] = overhead(args, args.out)
     result["blocks"] = blocks(args, args.out)
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
     result["exactness"] = exactness(args, args.out)
     result["megatron"] = megatron(args, args.out)
     parts = ("overhead", "blocks", "calibrate", "exactness", "megatron")
+    result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in parts}, indent=2, default=str))
     return 0 if all(result[part]["exit"] in (0, "skipped") for part in parts) else 1

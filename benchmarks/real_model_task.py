@@ -3,6 +3,7 @@
     python benchmarks/real_model_task.py choose [--work results/real_model/tasks]
     python benchmarks/real_model_task.py train --arm sync|vcpo [--seed 0] [--work results/real_model/training]
     python benchmarks/real_model_task.py report [--work results/real_model/training]
+    python benchmarks/real_model_task.py tables          # task_choice.md and training.md again from their JSON
 
 ``choose`` evaluates SmolLM2-135M-Instruct on the first problems of each candidate starter task (vcpo.data.datasets)
 with the training's sampling and reward, applies the rule and writes tables/real_model/task_choice.{json,md}:
@@ -23,13 +24,14 @@ from pathlib import Path
 
 from vcpo.data import load_rows
 from vcpo.local_models import packaged_model
-from vcpo.provenance import code_state, cpu_name, utc_now
+from vcpo.provenance import code_state, cpu_name, output_record, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies.real_model_lag import choice_conflict, chosen_task, evaluate_candidate, real_model_run_command
 from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = REPO / "tables" / "real_model"  # where the tables go (--tables)
+RUN_PROVENANCE = "provenance.json"  # what ``train`` records of a run, beside its metrics
 
 
 def choose(work: Path, tables: Path = TABLES) -> dict:
@@ -82,7 +84,7 @@ def choice_markdown(result: dict) -> str:
     chosen = result["chosen"]
     verdict = (f"Chosen: **{chosen}**, scored {result['answer_format']} (in the band, closest to {100 * rule['target']:.0f}%)."
                if chosen else "No candidate lies in the band in any round: no task is chosen.")
-    first = next(iter(result["rounds"][0]["rows"].values()))["provenance"]
+    cpus = sorted({row["provenance"]["cpu"] for round_ in result["rounds"] for row in round_["rows"].values()})
     return "\n".join([
         *lines, "",
         f"SmolLM2-135M-Instruct before training, hf backend on CPU: the first {rule['problems']} {rule['split']} problems of "
@@ -91,9 +93,17 @@ def choice_markdown(result: dict) -> str:
         f"95% percentile bootstrap over problems. Rule (recipes/real_model.yaml, registered before each round ran): the "
         f"candidate whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
         f"{100 * rule['target']:.0f}%; a round runs only when the one before it chose none. {verdict}",
-        f"`python benchmarks/real_model_task.py choose`; commit {first['commit'][:12]}, from {first['start']}, {first['cpu']}.",
+        f"`python benchmarks/real_model_task.py choose`, written {result['written']}, {', '.join(cpus)}; each row's code and time:",
+        *(f"- round {number}, {name}: {code_and_time(row['provenance'])}" for number, round_ in enumerate(result["rounds"], 1)
+          for name, row in round_["rows"].items()),
         "",
     ])
+
+
+def code_and_time(origin: dict) -> str:
+    """'commit f7ac18246d58 (dirty), 2026-11-28T09:55:21+00:00 to 2026-11-28T09:58:59+00:00'."""
+    return (f"commit {origin['commit'][:12]}{' (dirty)' if origin['dirty'] else ''}, {origin['start']} to "
+            f"{origin.get('end', origin.get('finish'))}")
 
 
 def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> tuple[list[str], Path]:
@@ -150,11 +160,12 @@ def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None 
 
     plan = read_yaml(recipes_dir() / "real_model.yaml")["training"]
     runs = {f"{arm}_s{seed}": work / f"{arm}_s{seed}" for arm in plan["arms"] for seed in plan["seeds"]}
-    arms = {name: arm_summary(read_metrics(folder), plan["steps"]) for name, folder in runs.items()
-            if (folder / "metrics.jsonl").exists()}
-    choice = json.loads((tables / "task_choice.json").read_text())
     earlier = tables / "training.json"
     recorded = json.loads(earlier.read_text()) if earlier.exists() else {}
+    arms = {name: {**arm_summary(read_metrics(folder), plan["steps"]),
+                   "provenance": run_origin(folder, recorded.get("arms", {}).get(name, {}))}
+            for name, folder in runs.items() if (folder / "metrics.jsonl").exists()}
+    choice = json.loads((tables / "task_choice.json").read_text())
     if missing := sorted(set(recorded.get("arms", {})) - set(arms)):
         raise SystemExit(f"{earlier} holds runs {', '.join(missing)} that {work} lacks: nothing written; pass --work "
                          "with every run, or --tables for a folder of your own")
@@ -167,6 +178,22 @@ def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None 
     draw_training(result, tables / "training.png")
     print(training_markdown(result))
     return result
+
+
+def run_origin(folder: Path, earlier: dict) -> dict | None:
+    """A training run's provenance: what ``train`` recorded beside it, else what the last report kept of it."""
+    path = folder / RUN_PROVENANCE
+    return json.loads(path.read_text()) if path.exists() else earlier.get("provenance")
+
+
+def render(tables: Path = TABLES) -> list[Path]:
+    """Write task_choice.md and training.md again from their committed JSON (the runs need not be here)."""
+    written = [tables / "task_choice.md"]
+    written[0].write_text(choice_markdown(json.loads((tables / "task_choice.json").read_text())))
+    if (tables / "training.json").exists():
+        written.append(tables / "training.md")
+        written[1].write_text(training_markdown(json.loads((tables / "training.json").read_text())))
+    return written
 
 
 def percent(value: float) -> str:
@@ -211,8 +238,20 @@ def training_markdown(result: dict) -> str:
           in result.get("other_work", {}).items()),
         *([""] if result.get("other_work") else []),
         f"`python benchmarks/real_model_task.py report`; commit {result['provenance']['commit'][:12]}, "
-        f"{result['provenance']['written']}, {result['provenance']['cpu']}.", "",
+        f"{result['provenance']['written']}, {result['provenance']['cpu']}. Each run's code and time:",
+        *(f"- {name}: {run_origin_text(arm.get('provenance'))}" for name, arm in result["arms"].items()), "",
     ])
+
+
+def run_origin_text(origin: dict | None) -> str:
+    """A run's code and time as recorded, or what was not recorded and what git shows instead."""
+    if not origin:
+        return "not recorded"
+    if "not_recorded" in origin:
+        added = origin["not_recorded"]["git_shows"]["added"]
+        return (f"{', '.join(origin['not_recorded']['fields'])} not recorded; git shows the run committed in "
+                f"{added['commit'][:12]} at {added['time']}, so it ran before then")
+    return code_and_time(origin)
 
 
 def draw_training(result: dict, path: Path) -> None:
@@ -257,6 +296,8 @@ def main(argv=None) -> int:
     command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "training")
     command.add_argument("--print", action="store_true", help="print the command and exit")
     command.add_argument("--tables", type=Path, default=TABLES)
+    command = commands.add_parser("tables", help="write task_choice.md and training.md again from their JSON")
+    command.add_argument("--tables", type=Path, default=TABLES)
     command = commands.add_parser("report", help="the table and figure of the training runs")
     command.add_argument("--work", type=Path, default=REPO / "results" / "real_model" / "training")
     command.add_argument("--tables", type=Path, default=TABLES)
@@ -272,12 +313,19 @@ def main(argv=None) -> int:
     if args.command == "choose":
         choose(args.work, args.tables)
         return 0
+    if args.command == "tables":
+        print("\n".join(str(path) for path in render(args.tables)))
+        return 0
     command, out = training_command(args.arm, args.seed, args.work, args.tables)
     if args.print:
         print(" ".join(command))
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(command, check=False).returncode
+    started = utc_now()
+    returncode = subprocess.run(command, check=False).returncode
+    # the launcher's run folder records no commit or times: the run's own, beside its metrics, for the report
+    (out / RUN_PROVENANCE).write_text(json.dumps({**output_record(started), "exit": returncode}, indent=1) + "\n")
+    return returncode
 
 
 if __name__ == "__main__":

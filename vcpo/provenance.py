@@ -10,6 +10,7 @@ tell a re-run that should match exactly from one that should only fall inside it
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -64,6 +65,12 @@ def code_state(package_dir: Path | None = None) -> dict:
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
+def output_record(started: str) -> dict:
+    """What produced an output being written now: the code (``code_state``), when its work started (``started``) and
+    finished (now, UTC), and the CPU."""
+    return {**code_state(), "start": started, "finish": utc_now(), "cpu": cpu_name()}
+
+
 def is_committed(path: Path) -> bool:
     """Whether ``path`` is tracked by its git checkout and identical to its copy at HEAD."""
     path = Path(path).resolve()
@@ -90,3 +97,151 @@ def machine_state() -> dict:
         "kernel_env": {name: os.environ.get(name) for name in KERNEL_ENV},
         "torch_threads": torch.get_num_threads(),
     }
+
+
+# -- what a committed table keeps of what produced it ----------------------------------------------------------------
+# Every row of a committed row file and every committed statistics file records these (by any of the names writers use;
+# a time's "end" only as text, since a study row's ``end`` is its accuracy), or declares, in ``not_recorded``, the ones
+# it lacks with what git history shows instead: {"fields": [...], "git_shows": ...}.
+RECORDED = {"commit": ("commit",), "dirty": ("dirty",), "start": ("start", "started"), "finish": ("finish", "finished", "end"),
+            "cpu": ("cpu",)}
+# the objects of a record where writers keep them, beside its top level
+RECORD_PARTS = ("provenance", "machine")
+
+
+def recorded_fields(record: dict) -> set[str]:
+    """The RECORDED fields ``record`` holds a value for, at its top level or in one of its RECORD_PARTS."""
+    places = [record, *(record[part] for part in RECORD_PARTS if isinstance(record.get(part), dict))]
+    return {field for field, names in RECORDED.items()
+            if any(place.get(name) is not None and (name != "end" or isinstance(place[name], str)) for place in places for name in names)}
+
+
+def declared_fields(record: dict) -> set[str]:
+    """The fields ``record`` declares not recorded, with what git shows instead (``not_recorded``, at its top level or
+    in its provenance object)."""
+    declared = set()
+    for place in (record, record.get("provenance")):
+        note = place.get("not_recorded") if isinstance(place, dict) else None
+        if isinstance(note, dict) and note.get("git_shows"):
+            declared |= set(note.get("fields", ()))
+    return declared
+
+
+def unrecorded(record: dict) -> list[str]:
+    """The RECORDED fields ``record`` neither records nor declares, in RECORDED's order."""
+    known = recorded_fields(record) | declared_fields(record)
+    return [field for field in RECORDED if field not in known]
+
+
+def provenance_records(document: dict | list) -> list[dict]:
+    """The records a committed table file keeps its provenance in: a row file's (a list's) every row; in a statistics
+    file, every object that declares fields not recorded or whose ``provenance`` object records or declares one, else
+    every object holding a ``commit``, else its top level."""
+    if isinstance(document, list):
+        return document
+    objects, stack = [], [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            objects.append(value)
+            stack.extend(inner for key, inner in value.items() if key != "not_recorded")  # git's commits, not records
+        elif isinstance(value, list):
+            stack.extend(value)
+    kept = {id(value["provenance"]) for value in objects if isinstance(value.get("provenance"), dict)}  # part of a record
+    origins = [value for value in objects if id(value) not in kept and ("not_recorded" in value or (
+        isinstance(origin := value.get("provenance"), dict) and (recorded_fields(origin) or "not_recorded" in origin)))]
+    return origins or [value for value in objects if value.get("commit") is not None] or [document]
+
+
+def git_additions(path: Path) -> dict[str, dict]:
+    """For every file at or below ``path`` that git history adds: the commit that first added it and its time,
+    {its absolute path: {"commit", "time"}}; {} outside a git checkout."""
+    path = Path(path).resolve()
+    folder = path if path.is_dir() else path.parent
+    try:
+        root = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                              timeout=30)
+        log = subprocess.run(["git", "-C", str(folder), "log", "--reverse", "--diff-filter=A", "--format=@%H %aI",
+                              "--name-only", "--", str(path)], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if root.returncode != 0 or log.returncode != 0:
+        return {}
+    added, commit, top = {}, None, Path(root.stdout.strip())
+    for line in log.stdout.splitlines():
+        if line.startswith("@"):
+            sha, time = line[1:].split()
+            commit = {"commit": sha, "time": time}
+        elif line.strip() and commit is not None:
+            added.setdefault(str(top / line.strip()), commit)
+    return added
+
+
+def git_changes(path: Path) -> list[dict]:
+    """Every commit that changed ``path``, oldest first: {"commit", "time"}; [] outside a git checkout."""
+    path = Path(path).resolve()
+    try:
+        log = subprocess.run(["git", "-C", str(path.parent), "log", "--reverse", "--format=%H %aI", "--", path.name],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if log.returncode != 0:
+        return []
+    return [dict(zip(("commit", "time"), line.split(), strict=True)) for line in log.stdout.splitlines() if line.strip()]
+
+
+def git_show(path: Path, commit: str) -> str:
+    """``path`` as ``commit`` holds it."""
+    path = Path(path).resolve()
+    return subprocess.run(["git", "-C", str(path.parent), "show", f"{commit}:./{path.name}"], capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+
+
+def declare_from_git(path: Path, rows_key: str | None = None) -> int:
+    """Add to each provenance record of the committed table ``path`` (a JSON file; with ``rows_key``, each value of its
+    object ``rows_key`` counts as a record) the RECORDED fields it lacks, declared, with the commit that first added the
+    record (the file, or with ``rows_key`` the row) and the one that last changed the file: the measurement was made
+    before the first. The file keeps its layout. Returns how many records were declared."""
+    path = Path(path)
+    text = path.read_text()
+    document = json.loads(text)
+    changes = git_changes(path)
+    if not changes:
+        raise SystemExit(f"{path}: git has no history of it, so there is nothing to declare instead")
+    if rows_key:  # each row's own first commit: rows join a table over time
+        versions = [(change, json.loads(git_show(path, change["commit"]))[rows_key]) for change in changes]
+        records = {name: next(change for change, rows in versions if name in rows) for name in document[rows_key]}
+        records = [(document[rows_key][name], added) for name, added in records.items()]
+    else:
+        records = [(record, changes[0]) for record in provenance_records(document)]
+    declared = 0
+    for record, added in records:
+        missing = unrecorded(record)
+        if missing:
+            target = record.setdefault("provenance", {}) if rows_key or isinstance(record.get("provenance"), dict) else record
+            target["not_recorded"] = {"fields": missing, "git_shows": {
+                "added": added, "last_changed": changes[-1],
+                "reading": "the commit that added it to this file: what it records was measured before that time"}}
+            declared += 1
+    indent = None if "\n" not in text.strip() else len(text.splitlines()[1]) - len(text.splitlines()[1].lstrip())
+    path.write_text(json.dumps(document, indent=indent, ensure_ascii="\\u" in text) + "\n")
+    return declared
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vcpo.provenance", description="Declare, in a committed table that "
+                                     "lacks them, the provenance fields it does not record, with what git history shows.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    declare = commands.add_parser("declare", help="add not_recorded to each record of FILE that lacks a field")
+    declare.add_argument("files", nargs="+", type=Path)
+    declare.add_argument("--rows", help="the key of FILE's object whose values are its rows (each a record)")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        print(f"{path}: {declare_from_git(path, args.rows)} records declared")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

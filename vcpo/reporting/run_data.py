@@ -240,6 +240,14 @@ def run_cpu(run_dir: Path) -> str | None:
     return recorded(run_dir, "config.json", "cpu", str)
 
 
+def run_provenance(run_dir: Path) -> dict:
+    """What produced a run, as its ``config.json`` recorded it (None where it did not): the code's commit and whether
+    the tree differed from it, its first start and its end (UTC), the CPU."""
+    path = Path(run_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return {key: config.get(key) for key in ("commit", "dirty", "started", "finished", "cpu")}
+
+
 def run_gpus(run_dir: Path) -> int | None:
     """GPUs a verl run held: the ``gpus`` ``vcpo.launch`` wrote into its ``launch.json`` (computed from
     the composed config it launched); None for a run without one."""

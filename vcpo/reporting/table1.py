@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from vcpo.provenance import output_record, utc_now
 from vcpo.recipes import base_path, load_tasks
 from vcpo.reporting.figures import SCALES
 from vcpo.reporting.run_data import (
@@ -36,6 +37,7 @@ from vcpo.reporting.run_data import (
     run_cpu,
     run_dirs,
     run_gpus,
+    run_provenance,
     start_accuracy,
     wall_clock_hours,
 )
@@ -82,6 +84,7 @@ def row_numbers(root: Path, task: str, method: str, lag: int, scale: str, benchm
     per_run = [run_numbers(d, scale, benchmark, target) for d in dirs]
     keys = ("base", "accuracy", "steps", "wall_hours", "hours", "hours_to_target", *BREAKDOWN)
     return {"task": task, "method": method, "lag": lag, "seeds": [d.name for d in dirs],
+            "runs": [{"seed": d.name, "provenance": run_provenance(d)} for d in dirs],
             "reached": sum(numbers["hours_to_target"] is not None for numbers in per_run),
             "cpus": sorted({cpu for d in dirs if (cpu := run_cpu(d))})} | {  # fmt: skip
         key: spread([numbers[key] for numbers in per_run]) for key in keys
@@ -225,7 +228,9 @@ def write_table1(
     lag_map: dict[int, int] | None = None,
 ) -> Path:
     """Write the markdown to ``out`` and the same numbers as JSON beside it (``out`` with ``.json``)."""
+    started = utc_now()
     data = table1_data(root, scale, tasks, lag, lag_map)
+    data["provenance"] = output_record(started)  # the table's writing; each run's own is in its row's "runs"
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table1_markdown(data))

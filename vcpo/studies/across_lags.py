@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.locks import write_atomic
-from vcpo.provenance import code_state, cpu_name, utc_now
+from vcpo.provenance import code_state, cpu_name, output_record, utc_now
 from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import VAL_ACCURACY, exit_with, is_finished
 from vcpo.sim.config import load_config_file
@@ -335,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem and not args.any_analysis_commit:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+        started = utc_now()
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
         rows = read_rows(args.table)
-        stats = report(rows, design, timing_table)
+        stats = {**report(rows, design, timing_table), "provenance": output_record(started)}
         write_report(stats, rows, args.out)
         if args.table == TABLE:  # the committed study: its prose in the docs and the README is generated here
             replace_block(Path("docs/studies.md"), "across_lags_results", results_markdown(stats))

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from vcpo.locks import FolderInUse, write_atomic
-from vcpo.provenance import cpu_name
+from vcpo.provenance import cpu_name, git_additions, output_record, unrecorded, utc_now
 from vcpo.recipes import recipes_dir
 from vcpo.runs import (
     CONFIG_FILE,
@@ -76,7 +76,7 @@ from vcpo.studies.statistics import (
     wilson_interval,
 )
 
-DESIGN = "sim/evidence.yaml"
+DESIGN, REGISTRATION = "sim/evidence.yaml", "sim/evidence.md"
 TABLE = Path("tables/evidence/runs.jsonl")
 # Every finished run's record (vcpo.studies.design.archive_run), committed: the rows are computed from it, and
 # the controls read their sources there, on any machine.
@@ -196,9 +196,22 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] |
     }
 
 
+def declare_unrecorded(rows: list[dict], folders: list[Path], archive: Path, registration: Path) -> None:
+    """Rows of runs made before their provenance was recorded declare what they lack (``not_recorded``), with what git
+    history shows instead: the commit of the registration, after which the run started (the registration's own rule),
+    and the commit that archived its folder, before which it finished; its code was at a commit between the two."""
+    archived = git_additions(archive)
+    registered = next(iter(git_additions(registration).values()), None)
+    for row, folder in zip(rows, folders, strict=True):
+        missing, added = unrecorded(row), archived.get(str((folder / CONFIG_FILE).resolve()))
+        if missing and added and registered:
+            row["not_recorded"] = {"fields": missing, "git_shows": {"registered": registered, "archived": added}}
+
+
 def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
-    rows = [run_row(design, arm, seed, root) for arm in design.arms for seed in design.seeds_of(arm.task)
-            if is_finished(run_folder(root, arm, seed))]
+    finished = [(arm, seed) for arm in design.arms for seed in design.seeds_of(arm.task) if is_finished(run_folder(root, arm, seed))]
+    rows = [run_row(design, arm, seed, root) for arm, seed in finished]
+    declare_unrecorded(rows, [run_folder(root, arm, seed) for arm, seed in finished], root, recipes_dir() / REGISTRATION)
     table.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
     return rows
@@ -417,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "rows":
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
         return 0
-    write_report(report(read_rows(args.table), design), args.out)
+    started = utc_now()
+    write_report({**report(read_rows(args.table), design), "provenance": output_record(started)}, args.out)
     return 0
 
 
