@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vcpo.studies.statistics import sign_agrees
 from vcpo.studies.verdicts import (
     AGREES,
     EQUIVALENCE,
@@ -17,7 +18,6 @@ from vcpo.studies.verdicts import (
     claim_verdict,
     holm_detectable,
     part_answer,
-    sign_agrees,
     verdict,
 )
 

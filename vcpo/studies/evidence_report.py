@@ -65,7 +65,7 @@ def run_statistics_table(arms: dict) -> list[str]:
 
 
 def comparison_table(comparisons: list[dict]) -> list[str]:
-    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power | sign test: a > b, p |",
+    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power, two-sided 0.05 before Holm | sign test: a > b, p |",
              "|---|---:|---|---:|---:|---|---:|---:|---|"]
     for c in comparisons:
         sign = f"{c['sign_positive']}/{c['sign_n']}, {p_value(c['sign_p'])}" if c.get("sign_n") else "-"

@@ -30,18 +30,12 @@ from dataclasses import dataclass
 
 from vcpo.studies.across_lags_report import common_rate_winners
 from vcpo.studies.readme_results import ACROSS_LAGS, EVIDENCE, part_of
-from vcpo.studies.statistics import ALPHA, detectable_difference
+from vcpo.studies.statistics import ALPHA, detectable_difference, sign_agrees
 
 AGREES, OPPOSES, SILENT = "agrees", "opposes", "silent"
 HIGHER, LOWER, MATCH = "higher", "lower", "match"  # what the paper says of a against b
 DIFFERENCE, EQUIVALENCE = "difference", "equivalence"
 POWER = 0.8  # the power the smallest detectable difference of a "not detected" verdict is quoted at
-
-
-def sign_agrees(comparison: dict, alpha: float = ALPHA) -> bool:
-    """The exact sign test rejects (p < alpha) with most nonzero pairs on the side of the mean difference."""
-    above = comparison["sign_positive"] > comparison["sign_n"] / 2
-    return comparison["sign_p"] < alpha and above == (comparison["mean"] > 0)
 
 
 def part_answer(result: dict, kind: str, paper: str, alpha: float = ALPHA) -> str | None:
