@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vcpo import upstream
-from vcpo.upstream import DISTRIBUTIONS, USES, Touch, Use, UpstreamMismatch
+from vcpo.upstream import DISTRIBUTIONS, USES, Touch, UpstreamMismatch, Use
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The vcpo engine (vcpo.verl_plugin.engine) through verl 0.9.1's FSDP engine code, on CPU.
+"""The vcpo FSDP engine (vcpo.verl_plugin.engine.fsdp) through verl 0.9.1's FSDP engine code, on CPU.
 
 verl runs on the CPU platform of the plugin (selected in conftest.py and for the spawned ranks, as the
 launcher's workers select it). The engine's module is left unwrapped in float64 (tests/verl_engine_cpu.py: verl's FSDP policies
@@ -28,8 +28,10 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 import vcpo.verl_plugin  # noqa: E402,F401  (registers the losses)
 from vcpo.core import PerSequenceGradients, ess_ratio, ess_step_scale, opob_baseline  # noqa: E402
 from vcpo.core.baselines import group_reward_std  # noqa: E402
-from vcpo.verl_plugin import engine as vcpo_engine  # noqa: E402
+from vcpo.verl_contract import ENGINE_MODEL_TYPE  # noqa: E402
 from vcpo.verl_plugin.engine.batch import reward_key  # noqa: E402
+from vcpo.verl_plugin.engine.fsdp import VcpoFSDPEngineWithLMHead  # noqa: E402
+from vcpo.verl_plugin.engine.rule import rule_from_loss_function  # noqa: E402
 
 B, PROMPT, RESPONSE, GROUP, MICRO, VOCAB = 8, 5, 7, 4, 2, 96
 BASE_LR = 1e-3
@@ -384,13 +386,13 @@ def test_rules_from_presets_and_loss_function():
     assert not step_rule("seq_tis_c8").active
     tis_ess = step_rule("tis_ess")
     assert tis_ess.ess and not tis_ess.opob
-    assert vcpo_engine.rule_from_loss_function(ppo_loss_for("vcpo")) == vcpo
-    assert vcpo_engine.rule_from_loss_function(lambda **kw: None) is None
+    assert rule_from_loss_function(ppo_loss_for("vcpo")) == vcpo
+    assert rule_from_loss_function(lambda **kw: None) is None
 
 
 def test_registry_selects_the_engine_by_model_type():
     for backend in ("fsdp", "fsdp2"):
-        assert EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, backend) is vcpo_engine.VcpoFSDPEngineWithLMHead
+        assert EngineRegistry.get_engine_cls(ENGINE_MODEL_TYPE, backend) is VcpoFSDPEngineWithLMHead
 
 
 @pytest.mark.parametrize("task, rho_on", [("math", 1.0), ("simpletir", 0.55)])
@@ -406,9 +408,9 @@ def test_the_launchers_overrides_give_the_engine_its_rule(model_dir, task, rho_o
     config = compose(run, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.tokenizer_path=null"])
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-    assert model.model_type == vcpo_engine.MODEL_TYPE and actor.engine.strategy == "fsdp2"
-    assert EngineRegistry.get_engine_cls(model.model_type, actor.engine.strategy) is vcpo_engine.VcpoFSDPEngineWithLMHead
-    rule = vcpo_engine.rule_from_loss_function(functools.partial(ppo_loss, config=actor))
+    assert model.model_type == ENGINE_MODEL_TYPE and actor.engine.strategy == "fsdp2"
+    assert EngineRegistry.get_engine_cls(model.model_type, actor.engine.strategy) is VcpoFSDPEngineWithLMHead
+    rule = rule_from_loss_function(functools.partial(ppo_loss, config=actor))
     assert rule == step_rule("vcpo").with_rho_on(rho_on)
 
 
@@ -430,7 +432,7 @@ def test_the_megatron_strategy_selects_the_vcpo_megatron_engine():
     from vcpo.methods import step_rule
     from vcpo.verl_plugin.engine.megatron import VcpoMegatronEngineWithLMHead
 
-    assert EngineRegistry.get_engine_cls(vcpo_engine.MODEL_TYPE, "megatron") is VcpoMegatronEngineWithLMHead
+    assert EngineRegistry.get_engine_cls(ENGINE_MODEL_TYPE, "megatron") is VcpoMegatronEngineWithLMHead
     for method in ("vcpo", "tis_ess", "tis_opob"):
         assert "megatron" in step_rule(method).strategies
 

@@ -17,7 +17,7 @@ from verl.workers.engine.fsdp import transformer_impl
 
 from vcpo.verl_plugin.cpu import standalone
 from vcpo.verl_plugin.cpu.standalone import RawBatch, actor_batch, actor_config, save_random_qwen2
-from vcpo.verl_plugin.engine import VcpoFSDPEngineWithLMHead
+from vcpo.verl_plugin.engine.fsdp import VcpoFSDPEngineWithLMHead
 
 
 def _unwrapped(self, module):

@@ -36,14 +36,14 @@ def main(tensor: int, pipeline: int, model_dir: str, out: str, distributed_optim
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (the vcpo policy losses)
+    from vcpo.verl_contract import ENGINE_MODEL_TYPE
     from vcpo.verl_plugin.cpu import standalone
-    from vcpo.verl_plugin.engine import MODEL_TYPE
 
     data_parallel = dist.get_world_size() // (tensor * pipeline)
 
     def build():
         return standalone.build_megatron_engine(model_dir, tensor_parallel=tensor, pipeline_parallel=pipeline, lr=1e-3,
-                                                model_type=MODEL_TYPE, use_distributed_optimizer=distributed_optimizer)
+                                                model_type=ENGINE_MODEL_TYPE, use_distributed_optimizer=distributed_optimizer)
 
     engine, steps = build(), {}
     # one step each, in turn, on the same batch; then the first again on a new engine in two_pass mode

@@ -29,9 +29,9 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from vcpo.local_models import random_qwen2
 from vcpo.recipes import megatron_local_layers
 from vcpo.upstream import require
-from vcpo.verl_contract import FP32_MIXED_PRECISION
+from vcpo.verl_contract import ENGINE_MODEL_TYPE, FP32_MIXED_PRECISION
 from vcpo.verl_plugin import VcpoPolicyLossConfig
-from vcpo.verl_plugin.engine import MODEL_TYPE, VcpoFSDPEngineWithLMHead
+from vcpo.verl_plugin.engine.fsdp import VcpoFSDPEngineWithLMHead
 
 require("standalone_engines")
 
@@ -61,8 +61,8 @@ def build_engine(
         override_config={"attn_implementation": "sdpa"},
         load_tokenizer=False,
     )
-    model_config.model_type = MODEL_TYPE  # what +actor_rollout_ref.model.model_type=vcpo_language_model sets
-    cls = EngineRegistry.get_engine_cls(MODEL_TYPE, "fsdp2")
+    model_config.model_type = ENGINE_MODEL_TYPE  # what +actor_rollout_ref.model.model_type=vcpo_language_model sets
+    cls = EngineRegistry.get_engine_cls(ENGINE_MODEL_TYPE, "fsdp2")
     engine = cls(
         model_config=model_config,
         engine_config=FSDPEngineConfig(

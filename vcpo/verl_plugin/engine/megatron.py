@@ -1,7 +1,7 @@
 """VCPO's ESS step size and single-backward OPOB update inside verl 0.9.1's Megatron training engine.
 
 Selected as the FSDP engine is (``+actor_rollout_ref.model.model_type=vcpo_language_model``), with
-``actor_rollout_ref.actor.strategy=megatron``; the same step rule from the same preset (`vcpo.verl_plugin.engine`).
+``actor_rollout_ref.actor.strategy=megatron``; the same step rule from the same preset (`vcpo.verl_plugin.engine.fsdp`).
 
 (1) ESS step size. The loss records s_i on the last pipeline stage (the only one with log-probs);
     ρ_ess is gathered over the data-parallel ranks there and broadcast over the pipeline stages
