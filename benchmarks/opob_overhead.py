@@ -46,12 +46,13 @@ import torch
 
 from vcpo.core.baselines import opob_baseline
 from vcpo.core.ess import ess_ratio, ess_step_scale, scaled_learning_rate
-from vcpo.core.per_sequence_grads import NORMS_ONLY, PerSequenceGradients
+from vcpo.core.per_sequence_grads.gradients import PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import (
     COMBINATIONS,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_BLOCK_ROW_MULTIPLE,
     DEFAULT_PASS_COST,
+    NORMS_ONLY,
 )
 from vcpo.resident_memory import reset_peak, status_bytes
 

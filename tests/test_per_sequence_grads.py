@@ -15,8 +15,10 @@ from devices import DEVICE, on_device
 from torch import nn
 
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import COMBINATIONS, NORMS_ONLY, PerSequenceGradients
+from vcpo.core.per_sequence_grads.gradients import PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import (
+    COMBINATIONS,
+    NORMS_ONLY,
     ghost_sq_norms,
     gram,
     per_sample_outer,

@@ -24,7 +24,7 @@ from test_per_sequence_grads_packed import make_batch, packed_scores, padded_sco
 from test_per_sequence_grads_packed import tiny_model as float64_model
 
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.per_sequence_grads.gradients import PerSequenceGradients
 
 from test_per_sequence_grads import reference_update, relative_error
 

@@ -20,8 +20,8 @@ from torch import nn
 
 import vcpo.core.per_sequence_grads.sites as per_sequence_sites
 from vcpo.core.baselines import opob_baseline
-from vcpo.core.per_sequence_grads import NORMS_ONLY, PackedSegments, PerSequenceGradients
-from vcpo.core.per_sequence_grads.reductions import check_cu_seqlens
+from vcpo.core.per_sequence_grads.gradients import PerSequenceGradients
+from vcpo.core.per_sequence_grads.reductions import NORMS_ONLY, PackedSegments, check_cu_seqlens
 
 from test_per_sequence_grads import VOCAB
 from test_per_sequence_grads import tiny_model as padded_tiny_model

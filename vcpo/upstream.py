@@ -137,8 +137,8 @@ USES = {
         Touch("verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop._build_assistant_message", "mirrored",
               "4096766ec139adf8"),
     )),
-    "per_sequence_gradients": Use("vcpo.core.per_sequence_grads at import: the combination's in-place list arithmetic, "
-                                  "and the gradients it writes", (
+    "per_sequence_gradients": Use("vcpo.core.per_sequence_grads.gradients at import: the combination's in-place list "
+                                  "arithmetic, and the gradients it writes", (
         Touch("torch:_foreach_mul_", "read", "builtin_function_or_method"),
         Touch("torch:_foreach_add_", "read", "builtin_function_or_method"),
         Touch("torch:Tensor.grad", "assigned"),

@@ -34,7 +34,7 @@ from vcpo.core.losses import (
     vaco_loss,
     vespo_loss,
 )
-from vcpo.core.per_sequence_grads import PerSequenceGradients
+from vcpo.core.per_sequence_grads.gradients import PerSequenceGradients
 from vcpo.core.proxies import logit_energy_proxy
 from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, sequence_log_ratio, token_log_ratio
 from vcpo.core.registry import POLICY_LOSSES, get_policy_loss

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from vcpo.core.per_sequence_grads import COMBINATIONS
+from vcpo.core.per_sequence_grads.reductions import COMBINATIONS
 from vcpo.methods import get_method, run_lag, run_rho_on, step_rule
 from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
 from vcpo.sim.base import MODEL_SIZES

@@ -81,8 +81,8 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from vcpo.core import PerSequenceGradients
-from vcpo.core.per_sequence_grads import NORMS_ONLY
 from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
+from vcpo.core.per_sequence_grads.reductions import NORMS_ONLY
 from vcpo.methods import StepRule
 from vcpo.upstream import require
 from vcpo.verl_contract import step_rule_applied
