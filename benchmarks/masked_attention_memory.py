@@ -5,7 +5,7 @@ A stack of ``layers`` attention calls over one (1, heads, T, 64) input runs forw
 process per point: with a boolean (T, T) mask, and with ``is_causal`` (no mask, what a GPU's varlen flash
 attention amounts to). It prints the resident memory the forward keeps and the step's peak, both above the
 memory before it, and the masked call's excess over the causal one per layer beside T² float32 bytes. The
-memory model (`vcpo.core.per_sequence_grads.memory`) assumes fused attention, which keeps no (T, T) tensor; on
+memory model (`vcpo.actor_memory`) assumes fused attention, which keeps no (T, T) tensor; on
 CPU, with packed sequences, this is what that assumption leaves out (docs/per_sequence_gradients.md, "Memory").
 
     python benchmarks/masked_attention_memory.py

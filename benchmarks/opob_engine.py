@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vcpo.core.per_sequence_grads.memory import OPOB_MODES
+from vcpo.actor_memory import OPOB_MODES
 from vcpo.core.per_sequence_grads.reductions import COMBINATIONS
 from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.resident_memory import CACHING_ENV, MEASURING_ENV, reset_peak, status_bytes

@@ -6,7 +6,7 @@ measured step: plain seq-TIS, or VCPO with OPOB in mode single or two_pass, over
 prompt groups. The measured number is the step's peak resident memory (VmHWM, reset just before the step through
 /proc/self/clear_refs) minus the resident memory before it, the warm-up's gradient freed (as the step frees it), with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the resident set at once. The projection is
-`vcpo.core.per_sequence_grads.memory.step_memory(...).step(kind)` for the same model, layout, largest micro-batch
+`vcpo.actor_memory.step_memory(...).step(kind)` for the same model, layout, largest micro-batch
 and the split buffers the batch's rewards open.
 
     python benchmarks/opob_memory.py --out tables/opob_memory          # both models, G = 1 .. 32, ~10 min
@@ -64,7 +64,7 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     from verl.workers.utils.losses import ppo_loss
 
     import vcpo.verl_plugin  # noqa: F401  (registers the losses)
-    from vcpo.core.per_sequence_grads.memory import (
+    from vcpo.actor_memory import (
         Layout,
         ModelShape,
         StepShape,

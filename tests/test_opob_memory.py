@@ -1,4 +1,4 @@
-"""The memory model of an actor step (vcpo.core.per_sequence_grads.memory) and the launcher's projection of it.
+"""The memory model of an actor step (vcpo.actor_memory) and the launcher's projection of it.
 
 The model's numbers against hand counts and against the real modules' parameter counts; its decisions against
 the rule it states; the launcher's projection of every paper recipe against its goal (OPOB's peak per GPU
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vcpo.core.per_sequence_grads.memory import (
+from vcpo.actor_memory import (
     SINGLE_MODE_ALLOWANCE,
     Layout,
     ModelShape,
@@ -105,7 +105,7 @@ def test_megatron_without_sequence_parallelism_keeps_the_norm_widths_whole_and_l
     """Hand counts at TP 2, two sequences of 100 tokens in a micro-batch, bf16: without sequence parallelism 4h of the
     12h per token and layer stay whole on each rank; megatron's local attention keeps a (heads / TP, s, s) score matrix
     per sequence: 6 bytes a score in every layer, plus the backward's 4 (recomputed: one layer's 6 + 4)."""
-    from vcpo.core.per_sequence_grads.memory import activation_bytes
+    from vcpo.actor_memory import activation_bytes
 
     h, i, kv, layers, tokens, length = 64, 128, 32, 2, 200, 100
     split = Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False)
@@ -126,7 +126,7 @@ def test_megatron_without_sequence_parallelism_keeps_the_norm_widths_whole_and_l
 def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
     """Hand counts, two layers: packed (one row of 896 tokens) keeps 2 x 896² x 4 bytes whatever the heads; padded
     (sequences of 100 tokens) one (100, 100) mask per sequence and layer; under gradient checkpointing one layer's."""
-    from vcpo.core.per_sequence_grads.memory import activation_bytes
+    from vcpo.actor_memory import activation_bytes
 
     key = "masked attention (a T² float32 per layer)"
     masked = Layout(gradient_checkpointing=False, attention="masked")
@@ -148,7 +148,7 @@ def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
     (None, "full", None, (True, "fused")),
 ])
 def test_megatron_recompute_reads_the_transformer_config_as_megatron_does(impl, granularity, modules, expected):
-    from vcpo.core.per_sequence_grads.memory import megatron_recompute
+    from vcpo.actor_memory import megatron_recompute
 
     assert megatron_recompute(impl, granularity, modules) == expected
 

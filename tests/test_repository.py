@@ -62,7 +62,7 @@ def test_the_product_points_at_its_own_docs_not_at_the_developers_shared_folder(
 # The package's layers, lowest first: a first-level module imports only modules before it (docs/DESIGN.md).
 LAYERS = [
     "vcpo", "vcpo.upstream", "vcpo.core", "vcpo.cli", "vcpo.locks", "vcpo.lifetimes", "vcpo.provenance", "vcpo.resident_memory", "vcpo.runs", "vcpo.recipes", "vcpo.local_models", "vcpo.methods", "vcpo.rewards", "vcpo.tools",
-    "vcpo.verl_contract", "vcpo.data", "vcpo.evaluation", "vcpo.verl_plugin", "vcpo.launch", "vcpo.sim", "vcpo.reporting",
+    "vcpo.actor_memory", "vcpo.verl_contract", "vcpo.data", "vcpo.evaluation", "vcpo.verl_plugin", "vcpo.launch", "vcpo.sim", "vcpo.reporting",
     "vcpo.studies", "vcpo.workflow_plan",
 ]  # fmt: skip
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from vcpo.core.per_sequence_grads.memory import GB, OPOB_MODES
+from vcpo.actor_memory import GB, OPOB_MODES
 from vcpo.launch import (
     LaunchError,
     check,

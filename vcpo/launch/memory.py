@@ -2,7 +2,7 @@
 
 `projection` reads the model's architecture (``recipes/models.yaml``, or a local folder's config.json), the
 actor's strategy and layout, its precision, gradient checkpointing, its micro-batch tokens and how many prompt
-groups each rank holds, and hands them to `vcpo.core.per_sequence_grads.memory`: the plain step, OPOB's two
+groups each rank holds, and hands them to `vcpo.actor_memory`: the plain step, OPOB's two
 modes, and the mode the engine's auto rule will pick (the same `choose_mode`, with the GPU's memory). The dry
 run prints it; `check_memory` refuses a run whose step cannot fit the GPU memory it is told.
 """
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vcpo.core.per_sequence_grads.memory import (
+from vcpo.actor_memory import (
     GB,
     OPOB_MODES,
     Layout,

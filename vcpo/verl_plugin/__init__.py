@@ -53,7 +53,7 @@ class VcpoPolicyLossConfig(PolicyLossConfig):
     # the ESS step size's on-policy ratio when the experiment sets its own (0.55 multi-turn, VCPO Table 5)
     rho_on: float | None = None
     # OPOB's mode in the vcpo engine: auto (by the memory model), single or two_pass
-    # (vcpo.core.per_sequence_grads.memory)
+    # (vcpo.actor_memory)
     opob_mode: str = "auto"
 
 

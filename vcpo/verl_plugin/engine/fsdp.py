@@ -28,7 +28,7 @@ advantage estimator ``opob`` turns on (2); any other preset runs verl's ``train_
     and ranks), ``combine`` forms Σ_γ (1 − b_γ) G_1^γ − b_γ G_0^γ locally, and the combined gradient is summed over
     data-parallel ranks with ONE all-reduce (one flat buffer). Then the ESS-scaled optimizer step.
     That is OPOB's "single" mode. Its "two_pass" mode (what ``policy_loss.opob_mode=auto`` runs wherever single's
-    projected peak exceeds 1.25x the plain step's or the GPU: `vcpo.core.per_sequence_grads.memory`) runs the same
+    projected peak exceeds 1.25x the plain step's or the GPU: `vcpo.actor_memory`) runs the same
     forwards with a norms-only backward (``combination="norms"``, FSDP2 sharded as in a plain step), the same
     baseline, then verl's own plain step of Σ_i c^S_i (R_i − b_i) l_i: no buffers, nothing unsharded, about twice
     the time. The step logs ``actor/opob_two_pass``.
@@ -80,8 +80,8 @@ from tensordict import TensorDict
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+from vcpo.actor_memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
 from vcpo.core import PerSequenceGradients
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
 from vcpo.core.per_sequence_grads.reductions import NORMS_ONLY
 from vcpo.methods import StepRule
 from vcpo.upstream import require

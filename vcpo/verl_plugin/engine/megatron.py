@@ -51,9 +51,9 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.megatron_utils import unwrap_model
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from vcpo.actor_memory import Layout, ModelShape, StepShape, megatron_recompute
 from vcpo.core.collectives import broadcast_here
 from vcpo.core.per_sequence_grads.megatron import MegatronSequenceNorms
-from vcpo.core.per_sequence_grads.memory import Layout, ModelShape, StepShape, megatron_recompute
 from vcpo.upstream import require
 from vcpo.verl_contract import MegatronSetup, megatron_opob_refusals, step_rule_applied
 from vcpo.verl_plugin.engine.layer_spec import honour_transformer_impl

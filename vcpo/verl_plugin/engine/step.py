@@ -17,6 +17,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.workers.config import HFModelConfig
 
+from vcpo.actor_memory import StepMemory, choose_mode, step_memory
 from vcpo.core import (
     ess_ratio_over_ranks,
     offpolicy_diagnostics,
@@ -25,7 +26,6 @@ from vcpo.core import (
     scaled_learning_rate,
 )
 from vcpo.core.collectives import gather_objects
-from vcpo.core.per_sequence_grads.memory import StepMemory, choose_mode, step_memory
 from vcpo.methods import StepRule
 from vcpo.runs import EFFECTIVE_LR, LR_SCALE, SEQ_ESS_RATIO
 from vcpo.verl_contract import metrics_to_floats
@@ -41,7 +41,7 @@ class StepState:
 
     rule: StepRule
     opob: bool
-    opob_mode: str = "single"  # OPOB's mode for this step (vcpo.core.per_sequence_grads.memory.OPOB_MODES)
+    opob_mode: str = "single"  # OPOB's mode for this step (vcpo.actor_memory.OPOB_MODES)
     packed: bool = False
     fsdp2: list = field(default_factory=list)  # FSDP2 modules held unsharded for this OPOB step
     normaliser: float = 1.0
