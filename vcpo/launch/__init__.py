@@ -18,7 +18,8 @@ verl seams used (no verl file is patched):
 
 The rooms, one job each: `vcpo.launch.run` (the run model), `vcpo.launch.verl_overrides` (one override builder per
 part of verl's config, and the command), `vcpo.launch.composition` (verl's Hydra composition and its cache),
-`vcpo.launch.checks` (before any GPU is touched), `vcpo.launch.memory` (the projected memory per GPU). This module
+`vcpo.launch.checks` (before any GPU is touched), `vcpo.launch.memory` (the projected memory per GPU),
+`vcpo.launch.gpu_packages` (what a real launch imports for its attention, cross-entropy and weight sync). This module
 gathers what the command line and the workflow call.
 """
 

@@ -1,7 +1,8 @@
 """``python -m vcpo.launch --task T --method M [--lag K] [--seed S] [--dry-run | --show-config] [overrides]``.
 
 Composes the run with verl's Hydra config, validates it (GPUs, tensor parallelism, batch divisibility,
-data and model paths, every config dataclass), then starts ``python -m verl.trainer.main_ppo``.
+data and model paths, every config dataclass, and, launching, the packages of its attention, cross-entropy and weight
+sync), then starts ``python -m verl.trainer.main_ppo``.
 ``--dry-run`` prints the exact command instead; ``--show-config`` prints the resolved verl config as
 YAML under verl's own key paths. Trailing ``key=value`` arguments are Hydra overrides that win over
 the recipes (e.g. ``trainer.total_training_steps=10``).
@@ -30,6 +31,7 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
+from vcpo.launch.gpu_packages import check_gpu_packages
 from vcpo.launch.memory import DEFAULT_GPU_MEMORY_GB, gpu_memory_gb, projection
 
 
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         launching = not (args.dry_run or args.show_config)
         gpus = args.gpus if args.gpus is not None else (visible_gpus() if launching else None)
         check(run, config, available_gpus=gpus, check_paths=launching or args.check_paths, gpu_memory=args.gpu_memory_gb)
+        if launching:
+            check_gpu_packages(config)
     except LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
