@@ -9,6 +9,7 @@ with this script.
 
     python benchmarks/real_model_eval.py --data DIR [--benchmarks gsm8k,math500] [--work results/real_model]
                                          [--limit K] [--tables DIR]
+    python benchmarks/real_model_eval.py --render [--tables DIR]    # base_eval.md again from base_eval.json
 
 ``--limit K`` evaluates at most K problems of each benchmark; a table row never gives way to one over fewer problems
 (one line, nothing written): write such rows to a folder of your own with ``--tables``.
@@ -34,7 +35,7 @@ from vcpo.lifetimes import die_with_parent
 from vcpo.local_models import packaged_model
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
-from vcpo.studies.statistics import bootstrap_mean_interval
+from vcpo.studies.statistics import bootstrap_mean_interval, wilson_interval
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,8 @@ def per_problem(samples_file: Path, answer_format: str) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, type=Path, help="benchmark files: <benchmark>/test.jsonl")
+    parser.add_argument("--data", type=Path, help="benchmark files: <benchmark>/test.jsonl")
+    parser.add_argument("--render", action="store_true", help="write base_eval.md again from base_eval.json and stop")
     parser.add_argument("--benchmarks", default=None, help="comma-separated; default: the registered ones")
     parser.add_argument("--work", type=Path, default=REPO / "results" / "real_model")
     parser.add_argument("--other-work", default=None,
@@ -63,6 +65,11 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="at most K problems of each benchmark")
     parser.add_argument("--tables", type=Path, default=OUT, help="where base_eval.{json,md} go (default: the study's)")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render(args.tables))
+        return 0
+    if args.data is None:
+        parser.error("--data is required to evaluate")
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit {args.limit}: at least 1")
     plan = read_yaml(recipes_dir() / "real_model.yaml")
@@ -122,16 +129,31 @@ def portable(command: str) -> str:
     return re.sub(r"--source-dir \S+", "--source-dir DIR", command)
 
 
+def score_cell(score: dict, problems: int) -> str:
+    """'2.6% [0.5, 5.1]'; with no success at all, '0.0% [0.0, 0.0], Wilson <= 5.6%': the bootstrap cannot leave zero,
+    so the Wilson interval's upper bound over the problems (the unit the bootstrap resamples) says how far zero goes."""
+    cell = f"{100 * score['mean_at_n']:.1f}% [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
+    return cell + (f", Wilson ≤ {100 * wilson_interval(0, problems)[1]:.1f}%" if score["mean_at_n"] == 0 else "")
+
+
+def render(tables: Path) -> str:
+    """base_eval.md again from the committed base_eval.json (no evaluation runs)."""
+    text = table(json.loads((tables / "base_eval.json").read_text())["rows"])
+    (tables / "base_eval.md").write_text(text)
+    return text
+
+
 def table(rows: dict) -> str:
     lines = ["| benchmark | problems (of) | n | mean@n strict [95% CI] | mean@n lenient [95% CI] | response tokens (truncated) | tokens/s |",
              "|---|---:|---:|---|---|---:|---:|"]
     for name, row in rows.items():
-        cells = [f"{100 * row[f]['mean_at_n']:.1f}% [{100 * row[f]['low']:.1f}, {100 * row[f]['high']:.1f}]" for f in ("strict", "lenient")]
+        cells = [score_cell(row[f], row["problems"]) for f in ("strict", "lenient")]
         lines.append(f"| {name} | {row['problems']} ({row['of']}) | {row['n']} | {cells[0]} | {cells[1]} | "
                      f"{row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | {row['tokens_per_s']:.1f} |")
     lines.append("")
     lines.append("SmolLM2-135M-Instruct (vcpo.local_models: the Q4_1 GGUF dequantized), hf backend on CPU; registered in "
-                 "recipes/real_model.yaml; mean@n over the first K problems, 95% percentile bootstrap over problems.")
+                 "recipes/real_model.yaml; mean@n over the first K problems, 95% percentile bootstrap over problems. A bootstrap "
+                 "of zero successes has zero width: beside it, the 95% Wilson upper bound over the problems, none solved.")
     for name, row in rows.items():
         origin = row["provenance"]
         lines.append(f"- {name}: `{portable(row['command'])}`; commit {origin['commit'][:12]}{' (dirty)' if origin['dirty'] else ''}, "
