@@ -11,6 +11,7 @@ import importlib.util
 import json
 import re
 import statistics
+from datetime import datetime
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from prose_quotes import ROOT, assert_quoted, assert_quotes_are_the_statistics, 
 from vcpo.recipes import read_yaml
 from vcpo.sim.config import SimConfig
 from vcpo.studies.evidence_report import p_value, signed_points
-from vcpo.studies.statistics import by_pair, detectable_difference, paired_difference
+from vcpo.studies.statistics import by_pair, detectable_difference, paired_difference, wilson_interval
 
 
 def load_json(path: str) -> dict:
@@ -269,6 +270,16 @@ def test_the_evidence_studys_counts_and_predictor_in_the_prose_are_the_committed
     warning = section("docs/studies.md", "**ESS as an early warning", "**How far a row moves")
     spread = section("docs/studies.md", "**How far a row moves", "**Tool use")
 
+    _, lead, *_ = bullets_of("docs/studies.md", "**Countdown at lag", "**Does the adaptive step")
+    above = by_pair(countdown["comparisons"])[("vcpo", "seq_tis")]
+    assert above["sign_p"] < 0.05 and above["sign_positive"] > above["sign_n"] / 2  # the sign test confirms it
+    assert_counts(lead, (above["sign_positive"], above["sign_n"]), (arms["vcpo"]["collapses"], arms["vcpo"]["n"]),
+                  (arms["seq_tis"]["collapses"], arms["seq_tis"]["n"]))
+    assert_quoted(lead, p_value(above["sign_p"]))
+    for name in ("vcpo", "seq_tis"):  # the collapse counts' Wilson intervals, which overlap: no difference shown
+        assert f"[{100 * arms[name]['collapse_low']:.0f}%, {100 * arms[name]['collapse_high']:.0f}%]" in lead
+    assert arms["seq_tis"]["collapse_low"] < arms["vcpo"]["collapse_high"]
+
     low, high = predictor["auc_interval"]
     assert_quoted(warning, f"{predictor['auc']:.2f}", "95%", f"{low:.2f}", f"{high:.2f}",
                   str(min(predictor["lead_steps"])), str(max(predictor["lead_steps"])), str(predictor["runs"]))
@@ -366,8 +377,9 @@ def test_the_across_lags_registration_quotes_the_kernel_measurement():
 
 
 def test_the_evidence_corrections_quote_the_committed_power_framing_and_predictor():
-    """Issue 36's corrections: the detectable differences of the realised SDs, the tuned-against-tuned framing and
-    the predictor without sync runs with a bootstrap over bases, each as stats.json has it."""
+    """The evidence study's corrections: the detectable differences of the realised SDs at the level Holm's first step
+    uses (0.05 over the six comparisons), the tuned-against-tuned framing and the predictor without sync runs with a
+    bootstrap over bases, each as stats.json has it."""
     countdown = evidence_stats()["tasks"]["countdown"]
     pairs = by_pair(countdown["comparisons"])
     _, _, components, _ = bullets_of("docs/studies.md", "**Countdown at lag", "**Does the adaptive step")
@@ -375,7 +387,9 @@ def test_the_evidence_corrections_quote_the_committed_power_framing_and_predicto
     warning = section("docs/studies.md", "**ESS as an early warning", "**How far a row moves")
 
     ess, opob, core = ("vcpo", "tis_ess"), ("tis_opob", "seq_tis"), ("vcpo", "seq_tis")
-    assert_quoted(components, "90%", *(f"{100 * pairs[pair][key]:.1f}" for pair in (ess, opob, core) for key in ("sd", "detectable_90")))
+    first_step = 0.05 / len(countdown["comparisons"])
+    assert_quoted(components, "90%", str(len(countdown["comparisons"])), *(f"{100 * pairs[pair]['sd']:.1f}" for pair in (ess, opob, core)),
+                  *(f"{detectable_difference(100 * pairs[pair]['sd'], pairs[pair]['n'], first_step, 0.9):.1f}" for pair in (ess, opob, core)))
     tuned = countdown["learning_rate"]["tuned_against_tuned"][0]
     assert (tuned["a"], tuned["b"]) == ("vcpo_lr1e-4", "seq_tis_lr5e-5")
     assert_labelled(adaptive, "VCPO at 1e-4 - seq-TIS at 5e-5", *interval_quotes(tuned), p_value(tuned["p"]), stops=(";", ". "))
@@ -1022,12 +1036,14 @@ def test_the_readmes_real_model_scores_are_the_committed_table():
                 quote = f"{100 * score['mean_at_n']:.1f}% [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
                 assert_quoted(part, quote)
                 part = part[part.index(quote) + len(quote):]
+                if score["mean_at_n"] == 0:  # zero successes: the Wilson upper bound over the problems, none solved
+                    assert f"Wilson ≤ {100 * wilson_interval(0, row['problems'])[1]:.1f}%" in text
 
 
 def test_the_docs_task_choice_is_the_committed_table():
     """docs/data_rewards_evaluation.md quotes tables/real_model/task_choice.json (the choice driver wrote it)."""
     choice = json.loads((ROOT / "tables" / "real_model" / "task_choice.json").read_text())
-    text = section("docs/data_rewards_evaluation.md", "### A task where it learns", "real_model_task.py train")
+    text = section("docs/data_rewards_evaluation.md", "### A task whose training reward rises", "real_model_task.py train")
     strict, lenient = choice["rounds"]
     means = [row["mean_reward"] for row in strict["rows"].values()]
     assert strict["chosen"] is None  # round 1 (strict) chose none
@@ -1036,6 +1052,30 @@ def test_the_docs_task_choice_is_the_committed_table():
     assert choice["answer_format"] == "lenient"
     assert f"`{choice['chosen']}`" in text
     assert_quoted(text, quote(row["mean_reward"], row["low"], row["high"]))
+
+
+def test_the_docs_real_model_paragraphs_quote_the_committed_tables():
+    """docs/data_rewards_evaluation.md on the real model: the held-out greedy counts of each training arm, the share
+    of AIME answers cut at the limit, MATH-500's minutes and the task choice's commits, each from its JSON."""
+    trained = load_json("tables/real_model/training.json")
+    arms, problems = trained["arms"], trained["plan"]["validation"]["problems"]
+    training = section("docs/data_rewards_evaluation.md", "`python benchmarks/real_model_task.py train", "### The policy-lag")
+    for name in ("sync_s0", "vcpo_s0"):
+        first, last = arms[name]["validation"][0][1], arms[name]["validation"][-1][1]
+        assert_quoted(training, f"{round(first * problems)}/{problems}", f"{round(last * problems)}/{problems}")
+    rows = load_json("tables/real_model/base_eval.json")["rows"]
+    evaluation = section("docs/data_rewards_evaluation.md", "A 135M model scores nothing", "The fetched tokenizer")
+    assert_quoted(evaluation, span([100 * rows[name]["truncated"] for name in ("aime24", "aime25")], 0) + "%")
+    origin = rows["math500"]["provenance"]
+    minutes = (datetime.fromisoformat(origin["end"]) - datetime.fromisoformat(origin["start"])).total_seconds() / 60
+    assert_quoted(section("docs/data_rewards_evaluation.md", "The subset rule underestimated", "###"), f"{minutes:.1f}")
+    choice = load_json("tables/real_model/task_choice.json")
+    origins = [row["provenance"] for round_ in choice["rounds"] for row in round_["rows"].values()]
+    chosen = choice["rounds"][-1]["rows"][choice["chosen"]]["provenance"]
+    assert chosen["dirty"]  # the chosen row among the dirty ones
+    task = section("docs/data_rewards_evaluation.md", "### A task whose training reward rises", "`python benchmarks/real_model_task.py train")
+    assert_quoted(task, f"{len(origins)} rows at {len({o['commit'] for o in origins})} commits",
+                  f"{sum(o['dirty'] for o in origins)} of them")
 
 
 def test_the_readmes_real_model_training_is_the_committed_table():
