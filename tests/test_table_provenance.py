@@ -72,3 +72,21 @@ def test_a_files_records_are_its_rows_its_provenance_holders_or_its_top_level():
     declared = {"cpu": "x", "not_recorded": {"fields": ["commit"], "git_shows": {"added": {"commit": "c", "time": "t"}}},
                 "timing": {"provenance": {"commit": "c", "not_recorded": {"fields": ["dirty"], "git_shows": {"added": {"commit": "c"}}}}}}
     assert ids(provenance_records(declared)) == {id(declared), id(declared["timing"])}
+
+
+def test_declaring_from_git_gives_each_row_the_commit_that_first_held_it(tmp_path):
+    from vcpo.provenance import declare_from_git
+
+    def commit(document: dict, message: str) -> str:
+        (tmp_path / "table.json").write_text(json.dumps(document, indent=1) + "\n")
+        subprocess.run(["git", "-C", str(tmp_path), "add", "table.json"], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], check=True)
+        return subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    first = commit({"arms": {"a": {"end": 0.1}}}, "one row")
+    second = commit({"arms": {"a": {"end": 0.1}, "b": {"end": 0.2}}}, "two rows")
+    assert declare_from_git(tmp_path / "table.json", rows_key="arms") == 2
+    arms = json.loads((tmp_path / "table.json").read_text())["arms"]
+    assert [arms[name]["provenance"]["not_recorded"]["git_shows"]["added"]["commit"] for name in "ab"] == [first, second]
+    assert all(unrecorded(arm) == [] and arm["end"] for arm in arms.values())  # declared, the numbers kept

@@ -123,7 +123,14 @@ def test_table1_smoke_numbers(tmp_path):
     assert "| 1.17 [1/1] | seed0 |" in text and "6.17 [1/2]" in text  # minutes to sync's accuracy [reached/seeds]
     assert "Async VCPO / sync: wall-clock 0.32, core-minutes 0.64 (paper, GPU-hours: 0.63)" in text  # 90 / 280 s
     assert "Machine: Hand-made CPU." in text
-    assert json.loads(out.with_suffix(".json").read_text())["tasks"]["countdown"]["sync"]["seeds"] == ["seed0", "seed1"]
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert written["tasks"]["countdown"]["sync"]["seeds"] == ["seed0", "seed1"]
+    # each run's provenance as its config.json recorded it (these hand-made runs recorded only their CPU), and the
+    # table's own: the code, when it was written, the CPU
+    assert written["tasks"]["countdown"]["sync"]["runs"][1] == {"seed": "seed1", "provenance": {
+        "commit": None, "dirty": None, "started": None, "finished": None, "cpu": "Hand-made CPU"}}
+    assert {"commit", "dirty", "start", "finish", "cpu"} <= set(written["provenance"])
+    assert written["provenance"]["start"] <= written["provenance"]["finish"]
 
 
 def test_table1_maps_each_tasks_published_lag_to_this_scales(tmp_path):
