@@ -13,6 +13,7 @@ Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,6 +41,26 @@ LR_SCALE = "actor/lr_scale"
 EFFECTIVE_LR = "actor/effective_lr"
 STALENESS = "training/off_policy/trajectory_staleness"  # verl's, per step: /max, /mean, /min over the batch
 STEP_SECONDS = "timing_s/step"  # verl's
+
+
+# verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
+VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
+VERL_ACTOR_PREFIX = "actor/"
+
+
+def flat_record(record: dict) -> dict:
+    """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy,
+    and its ``actor/rollout_corr/*`` (verl's trainer prefixes the actor's metrics) are ``rollout_corr/*``,
+    the names the simulator logs and the figures draw."""
+    flat = {"step": int(record["step"]), **record.get("data", {})} if "data" in record else dict(record)
+    flat["step"] = int(flat["step"])
+    for key in [key for key in flat if key.startswith(VERL_ACTOR_PREFIX + "rollout_corr/")]:
+        flat.setdefault(key.removeprefix(VERL_ACTOR_PREFIX), flat[key])
+    if VAL_ACCURACY not in flat:
+        accuracy = next((value for key, value in flat.items() if VERL_ACCURACY.match(key)), None)
+        if accuracy is not None:
+            flat[VAL_ACCURACY] = accuracy
+    return flat
 
 
 def verl_hf_checkpoint(folder: str | Path) -> Path | None:

@@ -19,8 +19,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vcpo.reporting.run_data import flat_record
-from vcpo.runs import LR_SCALE, METRICS_FILE, SEQ_ESS_RATIO, STALENESS, STEP_SECONDS, VAL_ACCURACY, verl_hf_checkpoint
+from vcpo.runs import (
+    LR_SCALE,
+    METRICS_FILE,
+    SEQ_ESS_RATIO,
+    STALENESS,
+    STEP_SECONDS,
+    VAL_ACCURACY,
+    flat_record,
+    verl_hf_checkpoint,
+)
 
 VERL_LOG = "main_ppo.log"
 TRAINING_SCORE = "critic/score/mean"  # the task's score of the step's responses (verl's name)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.print:
-        from vcpo.verl_plugin.cpu.recipe import ENV
+        from vcpo.verl_plugin.cpu.recipe import ENV  # imports verl: after quiet_verl_import
 
         keys = (*ENV, "VERL_FILE_LOGGER_PATH", "VERL_LOGGING_LEVEL")
         print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))

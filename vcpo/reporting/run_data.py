@@ -12,37 +12,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from pathlib import Path
 
 import numpy as np
 
 from vcpo.methods import run_lag
 from vcpo.recipes import run_path
-from vcpo.runs import FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY, metric_records
+from vcpo.runs import FINAL_EVAL, METRICS_FILE, SEQ_ESS_RATIO, VAL_ACCURACY, flat_record, metric_records
 
 LOG = logging.getLogger(__name__)
 ACCURACY = VAL_ACCURACY
-# verl logs held-out accuracy per data source as val-core/<data_source>/acc/mean@<n>.
-VERL_ACCURACY = re.compile(r"^val-core/.+/acc/mean@\d+$")
-VERL_ACTOR_PREFIX = "actor/"
-
-
-def flat_record(record: dict) -> dict:
-    """One metrics line as ``{"step", **metrics}``; verl's first ``val-core/*/acc/mean@*`` is the accuracy,
-    and its ``actor/rollout_corr/*`` (verl's trainer prefixes the actor's metrics) are ``rollout_corr/*``,
-    the names the simulator logs and the figures draw."""
-    flat = {"step": int(record["step"]), **record.get("data", {})} if "data" in record else dict(record)
-    flat["step"] = int(flat["step"])
-    for key in [key for key in flat if key.startswith(VERL_ACTOR_PREFIX + "rollout_corr/")]:
-        flat.setdefault(key.removeprefix(VERL_ACTOR_PREFIX), flat[key])
-    if ACCURACY not in flat:
-        accuracy = next((value for key, value in flat.items() if VERL_ACCURACY.match(key)), None)
-        if accuracy is not None:
-            flat[ACCURACY] = accuracy
-    return flat
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     """``run_dir/metrics.jsonl`` of either backend as flat dicts ``{"step": int, **metrics}``, by
     ``vcpo.runs.metric_records``'s rule; what it leaves out is logged as a warning naming the run, once per

@@ -20,7 +20,7 @@ import numpy as np
 
 from vcpo.locks import write_atomic
 from vcpo.reporting.figures import draw_runs
-from vcpo.reporting.run_data import flat_record
+from vcpo.runs import flat_record
 from vcpo.studies.statistics import (
     ALPHA,
     holm,
@@ -33,7 +33,7 @@ from vcpo.studies.statistics import (
 
 
 def run_lines(tables: Path, name: str, metrics_folder: str) -> list[dict]:
-    """A run's verl metrics as flat lines (``vcpo.reporting.run_data.flat_record``), from its gzipped copy."""
+    """A run's verl metrics as flat lines (``vcpo.runs.flat_record``), from its gzipped copy."""
     with gzip.open(tables / metrics_folder / f"{name}.jsonl.gz", "rt", encoding="utf-8") as handle:
         return [flat_record(json.loads(line)) for line in handle if line.strip()]
 
