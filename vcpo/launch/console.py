@@ -40,7 +40,9 @@ START_UP_MILESTONES = (
     ("LLMServerManager", "rollout server up"),
     ("Creating file logger", "first rollouts (step 0 validates first)"),
 )
-HEARTBEAT_S = 60.0  # a line at least this often while nothing else is printed, so a slow start is not a hung one
+# a line at least this often while nothing else is printed, so a slow start is not a hung one; a step can take minutes
+# on a loaded machine, so training says so only after a longer silence
+HEARTBEAT_S = {"start-up": 60.0, "training": 600.0}
 TAIL_LINES = 30  # of verl's log, shown when it fails
 
 
@@ -98,8 +100,8 @@ def follow(process: subprocess.Popen, out: Path, total_steps: int, say: Callable
                 stepping, last_said = True, clock()
         if code is not None:
             return code
-        if clock() - last_said >= HEARTBEAT_S:
-            phase = "training" if stepping else "start-up"
+        phase = "training" if stepping else "start-up"
+        if clock() - last_said >= HEARTBEAT_S[phase]:
             say(f"{phase} {clock() - started:5.0f} s  still running (verl's output: {out / VERL_LOG})")
             last_said = clock()
         time.sleep(poll_s)
