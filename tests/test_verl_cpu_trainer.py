@@ -292,6 +292,23 @@ def test_the_real_model_trains_its_registered_task_by_default(tmp_path, capsys, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_checkpoints_keep_the_optimizers_state_and_resume_only_when_asked(tmp_path, capsys, keep):
+    """Without --keep-optimizer the checkpoints hold the weights (sharded and Hugging Face) and no optimizer state, and
+    verl does not resume from them; with it, the launcher's contents (optimizer included) and verl's resume."""
+    from vcpo.launch.cpu import main
+    from vcpo.recipes import read_yaml, recipes_dir
+
+    argv = ["--out", str(tmp_path / "run"), "--method", "vcpo", "--print", *(["--keep-optimizer"] if keep else [])]
+    assert main(argv) == 0
+    words = shlex.split(capsys.readouterr().out)
+    settings = {key: value for key, _, value in (word.partition("=") for word in words if "=" in word)}  # the last wins
+    launcher = read_yaml(recipes_dir() / "verl.yaml")["chosen"]["actor_rollout_ref.actor.checkpoint.save_contents"]["value"]
+    saved = settings["actor_rollout_ref.actor.checkpoint.save_contents"].strip("[]").split(",")
+    assert "optimizer" in launcher and saved == (launcher if keep else [c for c in launcher if c != "optimizer"])
+    assert settings.get("trainer.resume_mode", "auto") == ("auto" if keep else "disable")
+
+
 def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 

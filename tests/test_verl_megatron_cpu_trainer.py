@@ -48,7 +48,7 @@ def test_the_cpu_recipe_composes_verls_megatron_trainer_with_a_slot_per_rank(tmp
     extra, ranks, _ = LAYOUTS[layout]
     paths = write_data(tmp_path / "data")
     args = argparse.Namespace(out=str(tmp_path), task="gsm8k", method="vcpo", lag=1, seed=0, steps=STEPS, save_every=None, print=False,
-                              model=str(save_random_model(tmp_path / "model")), train=str(paths["train"]), val=str(paths["val"]))
+                              keep_optimizer=False, model=str(save_random_model(tmp_path / "model")), train=str(paths["train"]), val=str(paths["val"]))
     _, config, command, env = build(args, ["actor_rollout_ref.actor.strategy=megatron", *extra])
     assert "--config-name=ppo_megatron_trainer" in command
     actor, engine = config.actor_rollout_ref.actor, config.actor_rollout_ref.actor.megatron
@@ -183,7 +183,7 @@ def check_exported_weights(exported: Path, initial: Path) -> None:
 def test_verls_trainer_runs_vcpo_with_the_megatron_strategy_on_cpu(tmp_path, layout):
     extra, ranks, reported = LAYOUTS[layout]
     out = tmp_path / "run"
-    records, output = run_cpu_recipe(out, "--method", "vcpo", "--lag", "1", "--steps", str(STEPS), "--",
+    records, output = run_cpu_recipe(out, "--method", "vcpo", "--lag", "1", "--steps", str(STEPS), "--keep-optimizer", "--",
                                      "actor_rollout_ref.actor.strategy=megatron", *extra)
     check_megatron_vcpo_run(records, output, ranks, reported)
     ckpt = out / "checkpoints"

@@ -110,7 +110,7 @@ def build(args: argparse.Namespace, extra: list[str], write: bool = True):
     # Megatron: the task's layout (recipes/megatron.yaml) unless the user's overrides change it; it sets the trainer's slots
     layout = megatron_layout([*megatron_overrides(run), *extra]) if strategy == "megatron" else None
     overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout,
-                              pretrained=pretrained)
+                              pretrained=pretrained, keep_optimizer=args.keep_optimizer)
     overrides += [
         *task_overrides,
         *([f"trainer.save_freq={args.save_every}"] if args.save_every else []),
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     parser.add_argument("--save-every", type=int, default=None, help="save a checkpoint every N steps (default: at the end)")
+    parser.add_argument("--keep-optimizer", action="store_true", help="checkpoints keep the optimizer's state (twice the "
+                        "weights), so that a relaunch resumes the run; default: the weights only, and no resume")
     parser.add_argument("--model", default=None, help="a local model folder, or a pretrained model by name "
                         f"({', '.join(sorted(PACKAGED_MODELS))}: vcpo.local_models), which without --train / --val "
                         f"trains the real model's registered task (recipes/{PRETRAINED_DEFAULT}); default: a new random "

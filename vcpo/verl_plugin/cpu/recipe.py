@@ -189,6 +189,7 @@ def cpu_overrides(
     strategy: str = "fsdp2",
     layout: dict[str, int] | None = None,
     pretrained: bool = False,
+    keep_optimizer: bool = False,
 ) -> list[str]:
     """What a ``vcpo.launch`` run changes to fit one CPU: appended after the run's own overrides (they win).
 
@@ -200,6 +201,8 @@ def cpu_overrides(
     ``strategy``: the actor's (``fsdp2`` unless the run asks for ``megatron``, see :func:`megatron_engine_overrides`);
     ``layout``: the Megatron world (:func:`megatron_layout`), which sets the trainer's GPU slots.
     ``pretrained``: the model is a pretrained one (``vcpo.local_models.PACKAGED_MODELS``), trained at `PRETRAINED_LR`.
+    ``keep_optimizer``: checkpoints keep the optimizer's state, and a relaunch resumes (else they keep the weights only,
+    and the run cannot resume: Adam's two float32 moments are twice the weights, 1.1 GB a checkpoint for SmolLM2).
     """
     if strategy not in ("fsdp", "fsdp2", "megatron"):
         raise ValueError(f"cpu_overrides: the CPU recipe runs the fsdp2 or megatron strategy, not {strategy!r}")
@@ -242,6 +245,7 @@ def cpu_overrides(
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
         f"trainer.save_freq={steps}",
+        *([] if keep_optimizer else [f"{actor}.checkpoint.save_contents=[model,extra,hf_model]", "trainer.resume_mode=disable"]),
         "trainer.project_name=vcpo_cpu",
         # --- Ray and TransferQueue: logical CPUs are bookkeeping (placement groups reserve 3 per worker
         # bundle, 3 more per extra trainer rank; TransferQueue's controller and storage 1 each), one logical GPU
