@@ -252,3 +252,14 @@ def test_the_real_models_default_training_is_the_lag_studys():
         "temperature": choice["temperature"],
         "validation": {"every": training["validation"]["every"], "problems": DESIGN["task_choice"]["test_problems"]}}
     assert default["validation_split"] == "test"
+
+
+def test_the_ladder_table_gives_each_runs_load_or_says_it_was_not_recorded():
+    from vcpo.studies.real_model_lag_report import ladder_markdown
+
+    older = scripted_row("regime", "sync", 100, 0.145, rate=1e-5)
+    newer = {**scripted_row("regime", "seq_tis", 100, 0.005, collapsed=True, rate=3e-5),
+             "load_at_start": 1.04, "load_at_finish": 7.96}
+    header, rule, *rows = ladder_markdown([older, newer])
+    assert header.endswith("| load at start, finish |") and rule.count("|") == header.count("|")
+    assert rows[0].endswith("| 130.0 s | not recorded |") and rows[1].endswith("| 130.0 s | 1.0, 8.0 |")

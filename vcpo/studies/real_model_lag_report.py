@@ -113,15 +113,23 @@ def p_text(value: float) -> str:
 
 def ladder_markdown(ladder: list[dict]) -> list[str]:
     lines = ["| rate | arm | lag (verl, max) | held-out: step 0 → best → end | min ESS ratio | collapsed | sync improves | "
-             "median step |", "|---:|---|---:|---|---:|---|---|---:|"]
+             "median step | load at start, finish |", "|---:|---|---:|---|---:|---|---|---:|---|"]
     for row in ladder:
         o = row["outcome"]
         lag = max((m for _, m, _ in row["staleness"]), default=0)
         ess = "—" if o["ess_min"] is None else f"{o['ess_min']:.3f}"
         lines.append(f"| {row['rate']:g} | {row['arm']} | {lag} | {percent(o['base'])} → {percent(o['best'])} → "
                      f"{percent(o['end'])} | {ess} | {'yes' if o['collapsed'] else 'no'} | "
-                     f"{('yes' if o['improves'] else 'no') if row['arm'] == 'sync' else '—'} | {row['median_step_s']:.1f} s |")
+                     f"{('yes' if o['improves'] else 'no') if row['arm'] == 'sync' else '—'} | {row['median_step_s']:.1f} s | {load_text(row)} |")
     return lines
+
+
+def load_text(row: dict) -> str:
+    """The machine's one-minute load when the run started and finished (its step times are the machine's, shared);
+    rows recorded before the load was kept say so."""
+    if "load_at_start" not in row:
+        return "not recorded"
+    return f"{row['load_at_start']:.1f}, {row['load_at_finish']:.1f}"
 
 
 def arms_markdown(arms: dict) -> list[str]:
