@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,3 +67,26 @@ def process_group(tmp_path_factory):
         store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the caller's loopback that counts the connections it accepts."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    accepted = []
+    stop = threading.Event()
+
+    def accept_loop():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_loop, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], accepted
+    stop.set()
+    thread.join()
+    server.close()

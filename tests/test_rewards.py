@@ -1,18 +1,23 @@
 """Rewards: GSM8K, math-verify in worker processes, Countdown, and their behaviour on hostile input."""
 
+import functools
 import json
+import os
 import random
+import signal
 import string
-import time
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from scaling import LINEAR_GROWTH, growth_at_8n
 
 from vcpo.data import load_rows
 from vcpo.rewards import ANSWER_FORMATS, REASONS, compute_score, countdown_ground_truth, reward_stats, score_batch
-from vcpo.rewards.adversarial import ADVERSARIAL_KINDS, adversarial_answers
+from vcpo.rewards.adversarial import ADVERSARIAL_KINDS, MEGABYTE_FILLERS, adversarial_answers
 from vcpo.rewards.math_workers import MathVerifyPool
+from vcpo.rewards.scoring import _IN_PROCESS_SCORERS
 
 RESULT_KEYS = {"score", "acc", "reason", "truncated"}
 
@@ -232,10 +237,27 @@ PUZZLE = countdown_ground_truth([36, 29, 95, 32, 4, 15], 139)
         ("<answer>" + "(" * 2000 + "15" + ")" * 2000 + "</answer>", "invalid"),  # over the length cap
     ],
 )
-def test_countdown_rules_and_rejections_are_fast(solution, expected):
-    started = time.monotonic()
+def test_countdown_rules_and_rejections(solution, expected):
     assert reason("countdown", solution, PUZZLE) == expected
-    assert time.monotonic() - started <= 1.0
+
+
+def test_a_hostile_countdown_answer_is_never_evaluated_nor_parsed_past_the_length_cap(monkeypatch):
+    """What keeps every answer cheap: a power tower is refused before anything computes it, an answer over the
+    length cap before the parser sees it, code before both."""
+    from vcpo.rewards import countdown
+
+    parsed, evaluated = [], []
+    parse, evaluate = countdown.ast.parse, countdown._evaluate
+    monkeypatch.setattr(countdown.ast, "parse", lambda source, *args, **kwargs: parsed.append(source) or parse(source, *args, **kwargs))
+    monkeypatch.setattr(countdown, "_evaluate", lambda node: evaluated.append(node) or evaluate(node))
+    assert reason("countdown", "<answer>9**9**9</answer>", PUZZLE) == "invalid"
+    assert parsed == ["9**9**9"] and evaluated == []
+    too_long = "(" * 2000 + "15" + ")" * 2000
+    assert reason("countdown", f"<answer>{too_long}</answer>", PUZZLE) == "invalid"
+    assert reason("countdown", "<answer>__import__('os').system('true')</answer>", PUZZLE) == "invalid"
+    assert parsed == ["9**9**9"] and evaluated == []
+    assert reason("countdown", "<answer>15 - 4 + 95 + 36 - 32 + 29</answer>", PUZZLE) == "correct"
+    assert len(parsed) == 2 and evaluated  # the counting sees an answer that is read
 
 
 def test_countdown_operator_spellings_and_exact_fractions():
@@ -316,15 +338,15 @@ def test_every_gold_answer_scores_one_and_a_deranged_gold_zero(benchmark, benchm
 # ---- worker processes: timeouts, crashes, hostile input -----------------------------------------
 
 
+@pytest.mark.timeout(300)  # a guard against a hang only: the stopped worker would keep the pool waiting
 def test_a_timed_out_answer_is_counted_and_the_worker_replaced():
     pool = MathVerifyPool(1)
     try:
-        slow = r"\boxed{" + "{" * 11 + "1" + "}" * 11 + "}"  # depth 12, the most allowed: about a second
-        # The first answer waits for the worker's imports (seconds on a fresh virtualenv): not timed.
+        # The first answer waits for the worker's imports (seconds on a fresh virtualenv).
         assert pool.judge(r"\boxed{1}", "1", timeout_s=30) == "correct"
-        started = time.monotonic()
-        assert pool.judge(slow, "1", timeout_s=0.05) == "timeout"
-        assert time.monotonic() - started < 1.0
+        (worker,) = pool._workers
+        os.kill(worker._process.pid, signal.SIGSTOP)  # its answer never comes: only the pool's limit ends the wait
+        assert pool.judge(r"\boxed{1}", "1", timeout_s=0.05) == "timeout"
         assert pool.stats()["timeouts"] == 1
         assert pool.judge(r"\boxed{2}", "2", timeout_s=30) == "correct"
         assert pool.stats() == {"timeouts": 1, "worker_errors": 0, "workers_started": 2}
@@ -354,48 +376,49 @@ def test_shared_pool_reports_timeouts_from_compute_score():
 
 
 def score_adversarial(count, timeout_s, answer_format):
+    """Each reward's results on ``count`` hostile answers, after checking that none scores: math answers are each
+    bounded by ``timeout_s`` (the pool's limit, tested above), the in-process rewards by their linear cost (below)."""
     answers = [answer for _, answer in adversarial_answers(count, seed=7)]
-    timings = {}
     results = {}
     for data_source, gold in [("aime24", "25"), ("gsm8k", "25"), ("countdown", countdown_ground_truth([25, 1], 25))]:
-        started = time.monotonic()
-        results[data_source] = score_batch(
+        results[data_source] = batch = score_batch(
             [data_source] * count, answers, [gold] * count, timeout_s=timeout_s, answer_format=answer_format, workers=2
         )
-        timings[data_source] = time.monotonic() - started
-    return results, timings
-
-
-def check_adversarial(results, timings, math_bound_s, answer_format):
-    for data_source, batch in results.items():
         # Lenient GSM8K and Countdown may credit a stray number or line (a power tower's base of 25).
         if answer_format == "strict" or data_source == "aime24":
             assert all(result["score"] == 0.0 for result in batch), data_source
         assert all(result["reason"] in REASONS for result in batch)
-    assert timings["gsm8k"] < 2.0 and timings["countdown"] < 2.0
-    assert timings["aime24"] < math_bound_s
-    reasons = {}
-    for result in results["aime24"]:
-        reasons[result["reason"]] = reasons.get(result["reason"], 0) + 1
-    print(f"math-verify on adversarial answers: {reasons} in {timings['aime24']:.1f} s")
+    print(f"math-verify on adversarial answers: {Counter(result['reason'] for result in results['aime24'])}")
+    return results
 
 
 @pytest.mark.parametrize("answer_format", ANSWER_FORMATS)
-def test_adversarial_answers_are_scored_zero_in_bounded_time(answer_format):
-    count = 4 * len(ADVERSARIAL_KINDS)
-    results, timings = score_adversarial(count, timeout_s=2.0, answer_format=answer_format)
-    # Each answer is bounded by the 2 s timeout, but the screens keep nearly all far below it.
-    check_adversarial(results, timings, math_bound_s=20.0, answer_format=answer_format)
+def test_adversarial_answers_are_scored_zero(answer_format):
+    score_adversarial(4 * len(ADVERSARIAL_KINDS), timeout_s=2.0, answer_format=answer_format)
 
 
 @pytest.mark.slow
-def test_a_thousand_adversarial_answers_are_scored_zero_in_bounded_time():
+def test_a_thousand_adversarial_answers_are_scored_zero():
     """At scale in the strict format; the lenient one reads the same answers in the fast test above."""
     before = reward_stats()["timeouts"]
-    results, timings = score_adversarial(1000, timeout_s=5.0, answer_format="strict")
-    check_adversarial(results, timings, math_bound_s=180.0, answer_format="strict")
+    results = score_adversarial(1000, timeout_s=5.0, answer_format="strict")
     timed_out = sum(result["reason"] == "timeout" for result in results["aime24"])
     assert reward_stats()["timeouts"] - before == timed_out
+
+
+@pytest.mark.parametrize("filler", MEGABYTE_FILLERS)
+@pytest.mark.parametrize("answer_format", ANSWER_FORMATS)
+@pytest.mark.parametrize("data_source", ["gsm8k", "countdown"])
+def test_an_in_process_reward_reads_a_hostile_answer_in_linear_time(data_source, answer_format, filler):
+    """A megabyte answer's filler: eight times the text costs about eight times the work (a backtracking pattern
+    or a rescan per line would cost 64 times)."""
+    score = _IN_PROCESS_SCORERS[data_source]
+    gold = "25" if data_source == "gsm8k" else countdown_ground_truth([25, 1], 25)
+
+    def scoring(chars):
+        return functools.partial(score, filler * (chars // len(filler)) + r"\boxed{7}", gold, answer_format)
+
+    assert growth_at_8n(scoring, 50_000) < LINEAR_GROWTH
 
 
 # ---- verl integration ---------------------------------------------------------------------------

@@ -39,10 +39,9 @@ def test_a_second_process_on_a_locked_folder_is_refused_at_once(tmp_path):
     holder.start()
     try:
         assert ready.wait(30)
-        started = time.monotonic()
         with pytest.raises(FolderInUse, match=rf"{tmp_path} is in use by process {holder.pid} on "), run_folder_lock(tmp_path):
             pass
-        assert time.monotonic() - started < 1  # no waiting
+        assert holder.is_alive() and not release.is_set()  # refused while the holder held on: it did not wait
     finally:
         release.set()
         holder.join()
@@ -73,11 +72,9 @@ def test_two_writers_on_one_run_folder(base, tmp_path, uninterrupted, capsys):  
     while not ((out / LOCK_FILE).exists() and str(first.pid) in (out / LOCK_FILE).read_text()):
         assert time.monotonic() < deadline and first.poll() is None
         time.sleep(0.02)
-    started = time.monotonic()
     assert sim_main(["train", *command(base, out)[4:]]) == 2
-    assert time.monotonic() - started < 30
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and f"{out} is in use by process {first.pid}" in error[0]
+    assert len(error) == 1 and f"{out} is in use by process {first.pid}" in error[0]  # refused while the first ran
     assert first.wait(300) == 0
     assert _metrics_without_timing(out / METRICS_FILE) == uninterrupted
 
@@ -122,9 +119,8 @@ def test_a_cache_entry_lock_waits_instead_of_refusing(tmp_path):
     holder.start()
     assert ready.wait(30)
     context.Process(target=lambda: (time.sleep(0.3), release.set())).start()
-    started = time.monotonic()
     with cache_entry_lock(tmp_path / "entry"):
-        assert time.monotonic() - started >= 0.2
+        assert release.is_set()  # taken only once its holder let go
     holder.join()
 
 
@@ -424,10 +420,11 @@ def test_one_runner_per_study_folder_and_a_running_child_is_waited_for(base, tmp
     assert "waiting:" in capfd.readouterr().out and (archive / "countdown" / "sync" / "seed0" / "final" / "eval.json").exists()
 
 
-@pytest.mark.slow
 def assert_killing_it_ends_the_training(metrics: Path, runner: subprocess.Popen) -> None:
-    """Once the training that writes ``metrics`` has logged two steps, killing ``runner`` frees its folder within 10 s."""
+    """Once the training that writes ``metrics`` has logged two steps, killing ``runner`` frees its folder before
+    the training finishes (it has hundreds of steps to go)."""
     from vcpo.locks import run_folder_lock
+    from vcpo.runs import is_finished
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -435,12 +432,13 @@ def assert_killing_it_ends_the_training(metrics: Path, runner: subprocess.Popen)
     assert metrics.exists(), "the training child never started"
     runner.kill()
     runner.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 300  # a guard against a hang only
     while time.monotonic() < deadline:
         try:
             with run_folder_lock(metrics.parent):  # free: the child is gone
+                assert not is_finished(metrics.parent), "the training child outlived its runner: it ran to its end"
                 return
-        except Exception:
+        except FolderInUse:
             time.sleep(0.2)
     pytest.fail("the training child outlived its runner")
 

@@ -6,12 +6,10 @@ import errno
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -21,8 +19,6 @@ from vcpo.tools import sandbox
 from vcpo.tools.sandbox import SandboxStatus, namespaces_available, run_python
 
 ISOLATIONS = ["hooks"] + (["namespaces"] if namespaces_available() else [])
-# Start-up (namespace setup, interpreter) plus killing and reaping, on a slow CI machine.
-OVERHEAD_S = 3.0
 IS_ROOT = os.geteuid() == 0
 
 
@@ -39,25 +35,38 @@ CALLER = """
 import sys
 from vcpo.tools.sandbox import run_python
 print("calling", flush=True)
-run_python("import time; print('started', flush=True); time.sleep(60)", isolation=sys.argv[1], timeout_s=120)
+run_python("import time; print('started', flush=True); time.sleep(3600)", isolation=sys.argv[1], timeout_s=7200)
 """
+
+
+def program_runs(caller: int) -> bool:
+    """Whether the interpreter of ``caller``'s program has started, below its guard: the guard's trap is set and, in
+    namespaces mode, the setup that lays out its root (seconds on a loaded machine) is done. (The first call's
+    probe of the syscall filter is an interpreter of the caller's own, not the program.)"""
+    for pid in sandbox.leftover_sandboxes(caller)[0]:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # ended while we looked
+            continue
+        if command[:2] == [sys.executable.encode(), b"-I"] and parent != caller:
+            return True
+    return False
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_the_program_and_its_folder_die_with_the_caller(isolation, how):
-    """However the caller ends, its sleeping program, the program's helpers and the call's folder are gone
-    within two seconds (the program sleeps: no CPU or wall-clock limit would end it for a minute)."""
+    """However the caller ends, its sleeping program, the program's helpers and the call's folder go with it (the
+    program sleeps an hour: no CPU or wall-clock limit would end it within the minute the test waits)."""
     caller = subprocess.Popen([sys.executable, "-c", CALLER, isolation], stdout=subprocess.PIPE, text=True)
     assert caller.stdout.readline() == "calling\n"
-    deadline = time.monotonic() + 30
-    while sandbox.leftover_sandboxes(caller.pid)[0] == [] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # a guard against a hang only
+    while not program_runs(caller.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)  # the program is asleep
-    pids, folders = sandbox.leftover_sandboxes(caller.pid)
-    assert pids and len(folders) == 1
+    assert len(sandbox.leftover_sandboxes(caller.pid)[1]) == 1
     caller.send_signal(how)
     caller.wait()
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 60  # a guard against a hang only
     while sandbox.leftover_sandboxes(caller.pid) != ([], []) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sandbox.leftover_sandboxes(caller.pid) == ([], [])
@@ -99,13 +108,12 @@ def test_the_quota_caps_the_number_of_files_too(isolation):
     finally:
         print(made, flush=True)
     """
-    result, elapsed = run_timed(code, isolation=isolation, max_files=500, timeout_s=10)
+    result, _ = run_timed(code, isolation=isolation, max_files=500, timeout_s=10)
     if isolation == "namespaces":
         assert result.status is SandboxStatus.ERROR and "No space left on device" in result.stderr
         assert int(result.stdout) == 500
     else:
         assert result.status is SandboxStatus.DISK_LIMIT and int(result.stdout or 0) < 100_000
-    assert elapsed < 10
 
 
 def test_a_dead_callers_folder_is_removed_by_the_next_call(isolation, tmp_path):
@@ -223,7 +231,7 @@ def test_program_can_use_its_directory_and_installed_packages(isolation):
 def test_infinite_loop_is_killed_at_the_wall_clock_limit(isolation):
     result, elapsed = run_timed("while True:\n    pass", timeout_s=1.0, cpu_time_s=30, isolation=isolation)
     assert result.status is SandboxStatus.TIMEOUT and result.timed_out
-    assert 1.0 <= elapsed < 1.0 + OVERHEAD_S
+    assert elapsed >= 1.0  # not before its limit
 
 
 def test_output_before_a_timeout_is_kept(isolation):
@@ -234,17 +242,15 @@ def test_output_before_a_timeout_is_kept(isolation):
 
 
 def test_cpu_time_limit(isolation):
-    result, elapsed = run_timed("while True:\n    pass", timeout_s=20, cpu_time_s=1, isolation=isolation)
-    assert result.status is SandboxStatus.CPU_LIMIT
-    assert elapsed < 1.0 + OVERHEAD_S
+    result, _ = run_timed("while True:\n    pass", timeout_s=20, cpu_time_s=1, isolation=isolation)
+    assert result.status is SandboxStatus.CPU_LIMIT  # not TIMEOUT: the CPU limit ended it, not the wall clock
 
 
 def test_ten_gigabyte_allocation_fails_inside_the_sandbox(isolation):
-    result, elapsed = run_timed(
+    result, _ = run_timed(
         "block = bytearray(10 * 1024**3)\nprint('allocated')", memory_mb=512, isolation=isolation
     )
     assert result.status is SandboxStatus.MEMORY_LIMIT and "MemoryError" in result.stderr and result.stdout == ""
-    assert elapsed < OVERHEAD_S
 
 
 def test_fork_bomb_is_refused(isolation):
@@ -253,10 +259,9 @@ def test_fork_bomb_is_refused(isolation):
         while True:
             os.fork()
     """
-    result, elapsed = run_timed(code, timeout_s=5, isolation=isolation)
-    assert result.status is SandboxStatus.ERROR and "starting a process (os.fork)" in result.stderr
+    result, _ = run_timed(code, timeout_s=5, isolation=isolation)
+    assert result.status is SandboxStatus.ERROR and "starting a process (os.fork)" in result.stderr  # refused, not timed out
     assert run_python("import subprocess; subprocess.run(['true'])", isolation=isolation).status is SandboxStatus.ERROR
-    assert elapsed < OVERHEAD_S
 
 
 @pytest.mark.skipif(IS_ROOT, reason="the kernel exempts real uid 0 from RLIMIT_NPROC")
@@ -299,29 +304,6 @@ def test_writes_outside_the_directory_are_refused(isolation, tmp_path):
     assert os.stat(victim).st_mode & 0o777 != 0
 
 
-@pytest.fixture
-def listener():
-    """A TCP server on the caller's loopback that counts the connections it accepts."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.2)
-    accepted = []
-    stop = threading.Event()
-
-    def accept_loop():
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept_loop, daemon=True)
-    thread.start()
-    yield server.getsockname()[1], accepted
-    stop.set()
-    thread.join()
-    server.close()
-
-
 def tcp_connect_program(port: int) -> str:
     """A program printing "connected", or the errno with which connecting to the caller's port failed."""
     return f"""
@@ -336,9 +318,8 @@ def tcp_connect_program(port: int) -> str:
 
 def test_network_is_refused(isolation, listener):
     port, accepted = listener
-    result, elapsed = run_timed(tcp_connect_program(port), isolation=isolation)
-    assert result.stdout in (f"{errno.EACCES}\n", f"{errno.EPERM}\n") and accepted == []
-    assert elapsed < OVERHEAD_S
+    result, _ = run_timed(tcp_connect_program(port), isolation=isolation)
+    assert result.stdout in (f"{errno.EACCES}\n", f"{errno.EPERM}\n") and accepted == []  # refused, not timed out
 
 
 def test_signals_to_the_caller_are_refused(isolation):
@@ -359,12 +340,11 @@ def test_native_calls_through_ctypes_are_refused(isolation):
 
 
 def test_output_flood_is_truncated_and_stopped(isolation):
-    result, elapsed = run_timed(
+    result, _ = run_timed(
         "while True:\n    print('x' * 1000)", max_output_bytes=10_000, timeout_s=10, isolation=isolation
     )
     assert result.status is SandboxStatus.OUTPUT_LIMIT and result.stdout_truncated and not result.stderr_truncated
     assert len(result.stdout) == 10_000
-    assert elapsed < OVERHEAD_S
 
 
 def test_invalid_limits_name_the_argument():

@@ -148,7 +148,7 @@ def test_killing_the_learner_ends_the_generator_and_the_run_resumes(base, tmp_pa
     assert generators, "no generator process"
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a guard against a hang only: left alone, the generator waits for weights forever
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in generators):
         time.sleep(0.05)
     assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -182,10 +182,11 @@ def test_more_than_one_thread_per_side_is_refused_naming_the_key(base, tmp_path)
 
 
 def test_a_reader_killed_holding_the_weights_lock_ends_the_publish_within_a_poll():
-    """The weights' lock taken by a process that then dies: publish gives up after POLL_S with GeneratorDied."""
+    """The weights' lock taken by a process that then dies: publish gives up at its first look, after one POLL_S,
+    with GeneratorDied."""
     import multiprocessing
 
-    from vcpo.sim.concurrent import POLL_S, GeneratorDied, SharedWeights
+    from vcpo.sim.concurrent import GeneratorDied, SharedWeights
 
     context = multiprocessing.get_context("fork")
     weights = SharedWeights({"w": torch.zeros(3)}, 2, context)
@@ -193,10 +194,15 @@ def test_a_reader_killed_holding_the_weights_lock_ends_the_publish_within_a_poll
     holder = context.Process(target=lambda: (weights.lock.acquire(), os.kill(os.getpid(), signal.SIGKILL)))
     holder.start()
     holder.join()
-    started = time.monotonic()
+    looks = []
+
+    def reader_alive():
+        looks.append(holder.is_alive())
+        return looks[-1]
+
     with pytest.raises(GeneratorDied, match="died holding the weights' lock"):
-        weights.publish(1, {"w": torch.full((3,), 2.0)}, holder.is_alive)
-    assert time.monotonic() - started < 3 * POLL_S
+        weights.publish(1, {"w": torch.full((3,), 2.0)}, reader_alive)
+    assert looks == [False]
 
 
 def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, tmp_path, monkeypatch):
@@ -228,13 +234,12 @@ def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, 
 
     monkeypatch.setattr(Trainer, "train_step", killing)
     trainer = Trainer(config(base, tmp_path / "run", lag_model="pipeline_overlap", execution="concurrent", lag=1, steps=6))
-    started = time.monotonic()
     try:
         with pytest.raises(GeneratorDied, match="the generator process ended \\(exit code -9\\) before step"):
             trainer.run()
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    assert time.monotonic() - started < 120 and trainer.engine is None
+    assert trainer.engine is None
 
 
 @pytest.mark.slow

@@ -19,8 +19,12 @@ def _huge_factorial(rng: random.Random) -> str:
     return rf"\boxed{{({rng.randint(10**7, 10**9)})!}}"
 
 
+# What a megabyte answer repeats: plain letters and digits, LaTeX, inline math, unclosed groups.
+MEGABYTE_FILLERS = ("x", "1", "\\frac{1}{2}+", "$a$ ", "{", "(")
+
+
 def _megabyte_text(rng: random.Random) -> str:
-    filler = rng.choice(["x", "1", "\\frac{1}{2}+", "$a$ ", "{", "("])
+    filler = rng.choice(MEGABYTE_FILLERS)
     return filler * (1_000_000 // len(filler)) + rf"\boxed{{{rng.randint(0, 999)}}}"
 
 
