@@ -242,6 +242,33 @@ def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, 
     assert trainer.engine is None
 
 
+def test_the_generator_killed_while_the_learner_works_ends_the_learner_there(base, tmp_path, monkeypatch):
+    """Between its waits the learner may train, evaluate or checkpoint for minutes on a loaded machine: the generator's
+    death ends it where it is. Here step 2's work would run on for ten minutes; the kill ends it with GeneratorDied,
+    the run's folder resumable as after any crash."""
+    from vcpo.sim.concurrent import GeneratorDied
+
+    train_step, worked = Trainer.train_step, []
+
+    def working_on(self):
+        if self.step == 2:
+            os.kill(self.engine.process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 600  # a guard against a hang only: without the interrupt the work runs to it
+            while time.monotonic() < deadline:
+                sum(range(1000))
+            worked.append("to its end")
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", working_on)
+    trainer = Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent"))
+    with pytest.raises(GeneratorDied, match=r"^the generator process ended \(exit code -9\) before step 2's batch$"):
+        trainer.run()
+    assert worked == [] and trainer.engine is None and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent")).run()
+    assert results(tmp_path / "run") == results(Trainer(config(base, tmp_path / "serial", lag_model="fixed")).run())
+
+
 @pytest.mark.slow
 def test_the_command_line_says_in_one_line_that_the_generator_died_and_how_to_resume(base, tmp_path):
     settings = [f"{k}={v}" for k, v in {**SMALL, "steps": 40, "lag_model": "pipeline_overlap"}.items()] + [f"base={base}", "threads=1"]

@@ -14,8 +14,10 @@ needs only versions >= s + 1 - lag (``fixed``; >= s for ``pipeline_overlap``), s
 (that of θ_{s-lag}) is never read again. A lock guards the ring; the generator polls the version it needs
 rather than sleeping on a condition, because a process killed inside a multiprocessing ``Condition.wait``
 never gives its wake back, and the next ``notify_all`` would block the learner forever. Every wait of the
-learner's (the lock, the next batch) has a timeout and checks that the generator lives, so the generator's
-death at any point ends the learner within about ``POLL_S`` (`GeneratorDied`). Batches travel back pickled
+learner's (the lock, the next batch) has a timeout and checks that the generator lives; and since between its
+waits the learner may train, evaluate or checkpoint for minutes on a loaded machine (or wait for the rest of a
+batch its generator died sending), a thread watching the generator's pidfd interrupts the learner's main thread
+the moment the generator dies (``GeneratorInterrupt``, turned into `GeneratorDied`). Batches travel back pickled
 at once, in a queue: the engine's state keeps changing after a batch is sent. The generator dies with the
 learner (PR_SET_PDEATHSIG), ignores Ctrl-C (the learner stops it), and reports its own failure as a traceback
 the learner raises.
@@ -27,7 +29,9 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -41,10 +45,18 @@ from vcpo.lifetimes import die_with_parent
 GENERATOR_TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/gen_wait_weights")
 POLL_S = 1.0  # how often the learner, waiting, checks that the generator is still alive
 VERSION_POLL_S = 0.001  # how often the generator looks for the version it waits for
+# What the watching thread sends the learner's main thread when the generator dies (no other part of a run uses it).
+DEATH_SIGNAL = signal.SIGUSR2
 
 
 class GeneratorDied(RuntimeError):
     """The generator process ended while the learner needed it (killed, out of memory, ...)."""
+
+
+class GeneratorInterrupt(BaseException):
+    """The generator died while the learner worked: raised wherever the learner's main thread was, and, as with
+    KeyboardInterrupt, no ``except Exception`` on the way (a checkpoint's write error, say) takes it for its own.
+    The run turns it into GeneratorDied with its message."""
 
 
 @dataclass
@@ -143,6 +155,9 @@ class ConcurrentEngine:
         self.process = context.Process(target=_generate, args=(produce, bind, first, steps, self.weights, self.channel, os.getpid()),
                                        name="vcpo-sim-generator", daemon=True)
         self.process.start()
+        self.due = first  # the step whose batch the learner takes next
+        self._closing = False
+        self._watcher = self._interrupt_when_the_generator_dies()
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.weights.publish(version, state, self.process.is_alive)
@@ -154,17 +169,57 @@ class ConcurrentEngine:
                 break
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise GeneratorDied(f"the generator process ended (exit code {self.process.exitcode}) before step "
-                                        f"{step}'s batch") from None
+                    raise GeneratorDied(self.death_message(self.process.exitcode)) from None
         if isinstance(item, GeneratorFailed):
             raise RuntimeError(f"the generator process failed at step {step}:\n{item.traceback}")
         if item.step != step:
             raise RuntimeError(f"the generator sent step {item.step}'s batch where step {step}'s was due")
+        self.due = step + 1
         return item
 
+    def death_message(self, exitcode: int | None) -> str:
+        return f"the generator process ended (exit code {exitcode}) before step {self.due}'s batch"
+
+    def _interrupt_when_the_generator_dies(self) -> threading.Thread | None:
+        """A thread that raises GeneratorInterrupt in the main thread when the generator ends other than by finishing
+        its steps (None where that cannot be: a learner off the main thread, no pidfd; the waits' checks remain)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        try:
+            handle = os.pidfd_open(self.process.pid)
+        except OSError:
+            return None
+        died: list[int] = []
+
+        def interrupt(signum, frame) -> None:  # in the main thread, between two of its bytecodes
+            if died and not self._closing:
+                raise GeneratorInterrupt(self.death_message(died[0]))
+
+        def watch() -> None:
+            select.select([handle], [], [])
+            try:  # WNOWAIT: the zombie stays for multiprocessing to reap
+                ended = os.waitid(os.P_PIDFD, handle, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:  # reaped already: the learner saw the end itself
+                return
+            finally:
+                os.close(handle)
+            if (ended.si_code == os.CLD_EXITED and ended.si_status == 0) or self._closing:
+                return  # it produced every batch (or reported its failure in the queue), or the learner stopped it
+            died.append(ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
+            signal.pthread_kill(threading.main_thread().ident, DEATH_SIGNAL)
+
+        self._previous_handler = signal.signal(DEATH_SIGNAL, interrupt)
+        watcher = threading.Thread(target=watch, name="vcpo-sim-generator-watch", daemon=True)
+        watcher.start()
+        return watcher
+
     def close(self) -> None:
+        self._closing = True
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()
+        if self._watcher is not None:
+            self._watcher.join()  # its signal, if it sent one, has reached the main thread: now the handler can go
+            signal.signal(DEATH_SIGNAL, self._previous_handler)
         self.channel.close()
         self.channel.cancel_join_thread()

@@ -42,7 +42,7 @@ from vcpo.runs import (
     metric_records,
 )
 from vcpo.sim.base import sft_base
-from vcpo.sim.concurrent import ConcurrentEngine, Produced
+from vcpo.sim.concurrent import ConcurrentEngine, GeneratorDied, GeneratorInterrupt, Produced
 from vcpo.sim.config import ConfigError, SimConfig, settings_changed
 from vcpo.sim.heldout import heldout_accuracy, validation_metrics
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
@@ -481,6 +481,8 @@ class Trainer:
                                            slots=self.lag + 1, published=published, first=self.step, steps=config.steps)
         try:
             self._train_steps()
+        except GeneratorInterrupt as interrupt:
+            raise GeneratorDied(str(interrupt)) from None
         finally:
             if self.engine is not None:
                 self.engine.close()
