@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -212,10 +213,9 @@ def test_launch_refuses_more_gpus_than_visible_and_missing_data(tmp_path, capsys
     assert not (tmp_path / "math").exists()  # nothing written before the checks pass
 
 
-@pytest.mark.parametrize(("method", "overrides", "gpus"), [("vcpo", [], 8), ("sync", [], 8), ("vcpo", ["trainer.n_gpus_per_node=2"], 6)])
-def test_a_launch_records_the_gpus_of_the_config_it_started(tmp_path, monkeypatch, method, overrides, gpus):
-    """launch.json's ``gpus`` (what the tables cost runs by) is the launched config's layout, user
-    overrides included; the workflow's resource is the recipe's layout."""
+def launch_math(tmp_path, monkeypatch, *extra: str, method: str = "vcpo") -> tuple[int, list]:
+    """``python -m vcpo.launch`` of math into ``tmp_path`` (empty data files, verl not started): its exit code and the
+    commands it would have started."""
     import vcpo.launch.__main__ as launcher
 
     for split in ("math/train", "math500/test", "math/test"):
@@ -226,12 +226,59 @@ def test_a_launch_records_the_gpus_of_the_config_it_started(tmp_path, monkeypatc
     monkeypatch.setattr(launcher, "check_gpu_packages", lambda config: None)  # this machine has no flash-attn
     # a 7B actor on 2 trainer GPUs needs more than an H100's memory (vcpo.launch.memory): an H200's
     argv = ["--task", "math", "--method", method, "--gpus", "8", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path),
-            "--gpu-memory-gb", "141"]
-    assert main([*argv, "--", *overrides] if overrides else argv) == 0 and len(started) == 1
+            "--gpu-memory-gb", "141", *extra]
+    return main(argv), started
+
+
+@pytest.mark.parametrize(("method", "overrides", "gpus"), [("vcpo", [], 8), ("sync", [], 8), ("vcpo", ["trainer.n_gpus_per_node=2"], 6)])
+def test_a_launch_records_the_gpus_of_the_config_it_started(tmp_path, monkeypatch, method, overrides, gpus):
+    """launch.json's ``gpus`` (what the tables cost runs by) is the launched config's layout, user
+    overrides included; the workflow's resource is the recipe's layout."""
+    code, started = launch_math(tmp_path, monkeypatch, *(["--", *overrides] if overrides else []), method=method)
+    assert code == 0 and len(started) == 1
     lag = 0 if method == "sync" else 10
     launch = json.loads((tmp_path / "math" / method / f"lag{lag}" / "seed0" / "launch.json").read_text())
     assert launch["gpus"] == gpus and launch["command"] == started[0]
     assert make_run("math", method).gpus == 8
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    """Every file below ``folder`` but its lock, by path: what a refused launch must leave as it was."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.name != ".lock"}
+
+
+def test_a_launch_into_a_folder_that_holds_a_run_resumes_it_or_is_refused(tmp_path, monkeypatch, capsys):
+    """The same launch again is verl's to resume (the paper recipes resume); the run launched with other settings, a
+    folder whose run has no readable launch record, or one another launch holds, is refused in one line with nothing
+    written, unless --overwrite, which starts over without the earlier run's metrics and checkpoints."""
+    from vcpo.locks import run_folder_lock
+
+    folder = tmp_path / "math" / "vcpo" / "lag10" / "seed0"
+    code, started = launch_math(tmp_path, monkeypatch)
+    assert code == 0 and len(started) == 1
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    (folder / "checkpoints" / "global_step_1").mkdir(parents=True)
+    (folder / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
+    assert launch_math(tmp_path, monkeypatch) == (0, started)  # resumed
+
+    def refused(*extra: str) -> str:
+        before = folder_files(folder)
+        code, started = launch_math(tmp_path, monkeypatch, *extra)
+        error = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[validate_config]")]
+        assert code == 2 and started == [] and len(error) == 1 and folder_files(folder) == before, error
+        return error[0]
+
+    other = "trainer.total_training_steps=50"
+    assert refused(other) == (f"error: {folder} holds this run launched with other settings: pass --overwrite to remove "
+                              "its launch.json, metrics.jsonl, checkpoints and start over, or use another folder")
+    with run_folder_lock(folder):
+        assert refused().startswith(f"error: {folder} is in use by process {os.getpid()} on ")
+    code, started = launch_math(tmp_path, monkeypatch, "--overwrite", other)
+    assert code == 0 and started[0][-1] == other and json.loads((folder / "launch.json").read_text())["command"] == started[0]
+    assert not (folder / "metrics.jsonl").exists() and not (folder / "checkpoints").exists()
+    (folder / "launch.json").write_text("{")  # cut short
+    assert "holds a run without a readable launch record: pass --overwrite to remove its launch.json " in refused(other)
 
 
 def test_dry_run_prints_the_exact_command(capsys):

@@ -309,6 +309,39 @@ def test_checkpoints_keep_the_optimizers_state_and_resume_only_when_asked(tmp_pa
     assert settings.get("trainer.resume_mode", "auto") == ("auto" if keep else "disable")
 
 
+def test_a_relaunch_resumes_only_a_run_verl_resumes_and_overwrite_starts_over(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    """A CPU run's folder: the same command again is refused while verl would start the run over (its checkpoints keep
+    no optimizer state), another run or other settings always, in one line with nothing written; --overwrite starts over;
+    a run with --keep-optimizer is resumed by the same command."""
+    from test_launch import folder_files
+
+    import vcpo.launch.cpu as launcher
+    from vcpo.verl_plugin.cpu.recipe import write_data
+
+    started = []
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps: started.append(command) or 0)
+    paths = write_data(tmp_path / "data")
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--model", str(tiny_model_dir), "--train", str(paths["train"]), "--val", str(paths["val"])]
+
+    def refused(*extra: str) -> str:
+        before, launched = folder_files(out), len(started)
+        assert launcher.main([*argv, *extra]) == 2
+        error = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[validate_config]")]
+        assert len(error) == 1 and len(started) == launched and folder_files(out) == before, error
+        return error[0]
+
+    assert launcher.main(argv) == 0 and len(started) == 1
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert refused() == (f"error: {out} holds this run, which verl would start over (trainer.resume_mode=disable), not "
+                         "resume: pass --overwrite to remove its launch.json, metrics.jsonl and start over, or use another folder")
+    assert refused("--method", "sync").startswith(f"error: {out} holds another run (gsm8k, vcpo at lag 1, seed 0): pass ")
+    assert f"{out} holds this run launched with other settings: " in refused("--keep-optimizer")
+    assert launcher.main([*argv, "--keep-optimizer", "--overwrite"]) == 0 and not (out / "metrics.jsonl").exists()
+    assert launcher.main([*argv, "--keep-optimizer"]) == 0 and len(started) == 3  # verl resumes it
+    assert json.loads((out / "launch.json").read_text())["command"] == started[-1]
+
+
 def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 

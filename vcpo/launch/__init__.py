@@ -26,9 +26,12 @@ gathers what the command line and the workflow call.
 
 from vcpo.launch.checks import check, gpus_needed, megatron_setup
 from vcpo.launch.composition import (
+    OVERWRITE_HELP,
     check_added_keys,
     compose,
     composed_cache_file,
+    launch_record,
+    launching_into,
     verl_config_dir,
     verl_configs_fingerprint,
     write_launch_record,
@@ -46,9 +49,9 @@ from vcpo.recipes import load_tasks
 from vcpo.verl_contract import EXTERNAL_MODULES
 
 __all__ = [
-    "EXTERNAL_MODULES", "STRATEGIES", "LaunchError", "Run", "actor_strategy", "asynchrony_overrides", "check",
-    "check_added_keys", "command",
-    "compose", "composed_cache_file", "get_task_recipe", "gpus_needed", "load_tasks", "make_run", "megatron_overrides",
-    "megatron_setup", "overrides", "run_environment", "shell_command", "strategy_of", "verl_config_dir",
-    "verl_configs_fingerprint", "write_launch_record",
+    "EXTERNAL_MODULES", "OVERWRITE_HELP", "STRATEGIES", "LaunchError", "Run", "actor_strategy", "asynchrony_overrides",
+    "check", "check_added_keys", "command",
+    "compose", "composed_cache_file", "get_task_recipe", "gpus_needed", "launch_record", "launching_into", "load_tasks",
+    "make_run", "megatron_overrides", "megatron_setup", "overrides", "run_environment", "shell_command", "strategy_of",
+    "verl_config_dir", "verl_configs_fingerprint", "write_launch_record",
 ]

@@ -19,11 +19,14 @@ import sys
 
 from vcpo.actor_memory import GB, OPOB_MODES
 from vcpo.launch import (
+    OVERWRITE_HELP,
     LaunchError,
     check,
     check_added_keys,
     command,
     compose,
+    launch_record,
+    launching_into,
     load_tasks,
     make_run,
     run_environment,
@@ -96,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(projection(config, capacity).report(capacity)))
         return 0
     verl_command, environment = command(run, args.overrides), run_environment(run)
-    write_launch_record(run, run.run_dir, config, verl_command, environment)
-    print(f"launching {run.name} -> {run.run_dir}", flush=True)
-    return subprocess.call(verl_command, env={**os.environ, **environment})
+    try:
+        with launching_into(run.run_dir, launch_record(run, config, verl_command, environment), config, args.overwrite):
+            write_launch_record(run, run.run_dir, config, verl_command, environment)
+            print(f"launching {run.name} -> {run.run_dir}", flush=True)
+            return subprocess.call(verl_command, env={**os.environ, **environment})
+    except LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 def recipe_table(method: str = "vcpo") -> str:
@@ -156,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check-paths", action="store_true", help="with --dry-run/--show-config: also require data and model files"
     )
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (key=value), applied last")
     return parser
 

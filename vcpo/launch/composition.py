@@ -1,27 +1,84 @@
 """A run's overrides resolved by verl's own Hydra config, kept in the cache under the overrides and verl's
-config files; the launch record a started run leaves."""
+config files; the launch record a started run leaves, and the run folder a launch holds."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from vcpo.launch.checks import gpus_needed
 from vcpo.launch.run import LaunchError, Run, config_name
 from vcpo.launch.verl_overrides import overrides
-from vcpo.locks import cache_dir, write_atomic
+from vcpo.locks import FolderInUse, cache_dir, run_folder_lock, write_atomic
+from vcpo.runs import METRICS_FILE
+
+LAUNCH_RECORD = "launch.json"
+# What a launched run leaves in its folder: its launch record, verl's metrics and its checkpoints.
+RUN_FILES = (LAUNCH_RECORD, METRICS_FILE, "checkpoints")
+OVERWRITE_HELP = ("start over in a folder that holds a run (its launch record, metrics and checkpoints are removed "
+                  "first); without it, such a folder is refused unless this launch resumes its run")
+
+
+def launch_record(run: Run, config, verl_command: list[str], environment: dict[str, str]) -> dict:
+    """What starts the run, with the GPUs its composed config holds (the tables cost runs by them, and read a run with
+    this record as a verl run)."""
+    record = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
+    return record | {"gpus": gpus_needed(config), "command": verl_command, "env": environment}
 
 
 def write_launch_record(run: Run, run_dir: Path, config, verl_command: list[str], environment: dict[str, str]) -> None:
-    """``run_dir/launch.json``: what started the run, with the GPUs its composed config holds (the tables
-    cost runs by them, and read a run with this file as a verl run)."""
-    record = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
-    record |= {"gpus": gpus_needed(config), "command": verl_command, "env": environment}
+    """``run_dir/launch.json``: the run's `launch_record`."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "launch.json").write_text(json.dumps(record, indent=2))
+    write_atomic(Path(run_dir) / LAUNCH_RECORD, json.dumps(launch_record(run, config, verl_command, environment), indent=2))
+
+
+@contextlib.contextmanager
+def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iterator[None]:
+    """Hold ``run_dir``'s lock (one launch per folder) for the block, in which the run is launched. A folder that holds
+    a run (`RUN_FILES`) is refused in a LaunchError naming it and the remedy, unless it is this ``record``'s run and
+    verl resumes it (``config``'s ``trainer.resume_mode`` is not ``disable``), or ``overwrite``: then that run's files
+    are removed first."""
+    run_dir = Path(run_dir)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(run_folder_lock(run_dir))
+        except FolderInUse as error:
+            raise LaunchError(str(error)) from None
+        held = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+        if held and not overwrite and (problem := _not_resumed(run_dir, record, config)) is not None:
+            raise LaunchError(f"{run_dir} holds {problem}: pass --overwrite to remove its "
+                              f"{', '.join(path.name for path in held)} and start over, or use another folder")
+        for path in held if overwrite else []:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        yield
+
+
+def _not_resumed(run_dir: Path, record: dict, config) -> str | None:
+    """Why launching ``record`` would not resume the run ``run_dir`` holds (None: verl resumes it)."""
+    record_file = run_dir / LAUNCH_RECORD
+    try:
+        earlier = json.loads(record_file.read_text())
+    except (OSError, ValueError):  # none, or cut short: whose run it is cannot be told
+        earlier = None
+    if not isinstance(earlier, dict):
+        return "a run without a readable launch record"
+    identity = ("task", "method", "lag", "seed")
+    if [earlier.get(key) for key in identity] != [record[key] for key in identity]:
+        return f"another run ({earlier.get('task')}, {earlier.get('method')} at lag {earlier.get('lag')}, seed {earlier.get('seed')})"
+    if earlier != record:
+        return "this run launched with other settings"
+    if config.trainer.resume_mode == "disable":
+        return "this run, which verl would start over (trainer.resume_mode=disable), not resume"
+    return None
 
 
 def verl_config_dir() -> Path:

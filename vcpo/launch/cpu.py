@@ -28,12 +28,15 @@ from vcpo.cli import output_folder_problem
 from vcpo.data import load_rows
 from vcpo.launch import (
     EXTERNAL_MODULES,
+    OVERWRITE_HELP,
     LaunchError,
     actor_strategy,
     check,
     check_added_keys,
     command,
     compose,
+    launch_record,
+    launching_into,
     make_run,
     megatron_overrides,
     run_environment,
@@ -149,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
     parser.add_argument("--print", action="store_true", help="print the command and exit (writes nothing)")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
     if problem := output_folder_problem(Path(args.out)):
         parser.error(f"--out {args.out}: {problem}")
     quiet_verl_import()
     try:
-        run, config, cmd, env = build(args, extra, write=not args.print)
+        run, config, cmd, env = build(args, extra, write=False)
     except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -165,8 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(f"{key}={shlex.quote(env[key])}" for key in keys if key in env), shlex.join(cmd))
         return 0
     out = Path(args.out).resolve()
-    write_launch_record(run, out, config, cmd, run_environment(run))
-    code = run_quietly(cmd, env, out, args.steps)
+    try:
+        with launching_into(out, launch_record(run, config, cmd, run_environment(run)), config, args.overwrite):
+            build(args, extra)  # the random model and prompts, if missing, once the folder is this run's
+            write_launch_record(run, out, config, cmd, run_environment(run))
+            code = run_quietly(cmd, env, out, args.steps)
+    except (LaunchError, PackagedModelError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     label_checkpoint_dtypes(out)
     return code
 

@@ -119,7 +119,8 @@ else:
 
     def launch_command(wildcards):
         """The run's command line: vcpo.launch on GPUs, or vcpo.launch.cpu (absolute paths: it runs
-        verl from the run's folder)."""
+        verl from the run's folder; --overwrite: a job run again, after a failure or for newer inputs, starts
+        its run over, as verl does not resume a CPU run; a GPU run's folder is verl's to resume)."""
         q = shlex.quote
         run = [f"--task {wildcards.task} --method {wildcards.method} --lag {wildcards.lag} --seed {wildcards.seed}"]
         args = " ".join(q(arg) for arg in LAUNCH_ARGS)
@@ -128,7 +129,7 @@ else:
         files = launcher_run(wildcards)
         train, val = (str(Path(files.data_files(which)[0]).resolve()) for which in ("train", "val"))
         return " ".join(
-            [f"{PYTHON} -m vcpo.launch.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS}",
+            [f"{PYTHON} -m vcpo.launch.cpu", *run, f"--out {q(run_dir(wildcards))} --steps {CPU_STEPS} --overwrite",
              f"--model {q(str(Path(CPU_MODEL).resolve()))} --train {q(train)} --val {q(val)} --", args]
         )  # fmt: skip
 
