@@ -20,7 +20,6 @@ from vcpo.tools import sandbox
 from vcpo.tools.sandbox import SandboxStatus, run_python
 
 isolation = test_sandbox.isolation
-listener = test_sandbox.listener
 SECRET = "machine hub.example password hunter2"
 REFUSED = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EXDEV, errno.EROFS}
 needs_landlock = pytest.mark.skipif(sandbox._landlock_abi() < 1, reason="the kernel has no Landlock")
