@@ -15,7 +15,6 @@ from vcpo.tools.sandbox import SandboxStatus, run_python
 # The fixtures of test_sandbox: every isolation mode, checking that no process or directory is left
 # behind; a TCP server on the caller's loopback.
 isolation = test_sandbox.isolation
-listener = test_sandbox.listener
 
 # Prepended to a program: switches the audit hook off for the main thread through its own
 # re-entry guard (reachable with gc), as hostile code could, so that only the kernel's filter remains.
