@@ -439,7 +439,10 @@ def test_opob_on_megatron_composes_megatrons_local_layers_over_the_authors_paral
     layout = read_yaml(REPO / "recipes/megatron.yaml")["tasks"][task]["layout"]
     run = make_run(task, "vcpo", strategy="megatron")
     config = compose(run)
-    check(run, config, check_paths=False)
+    # SimpleTIR's 14,336-token sequences project above its B200's 180 GB, which the dry run refuses naming what fits
+    # (tests/test_opob_memory.py); here its composition is checked on a larger GPU
+    memory = 240.0 if task == "simpletir" else None
+    check(run, config, check_paths=False, gpu_memory=memory)
     actor, ref = config.actor_rollout_ref.actor, config.actor_rollout_ref.ref
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         assert actor.megatron[key] == ref.megatron[key] == layout[key]
@@ -451,7 +454,8 @@ def test_opob_on_megatron_composes_megatrons_local_layers_over_the_authors_paral
     assert (actor.megatron.use_mbridge, actor.megatron.vanilla_mbridge) == (True, True)
     assert (actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu) == (False, 1)
     assert megatron_opob_refusals(megatron_setup(config)) == []
-    assert main(["--task", task, "--method", "vcpo", "--dry-run", "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
+    larger = ["--gpu-memory-gb", str(memory)] if memory else []
+    assert main(["--task", task, "--method", "vcpo", "--dry-run", *larger, "--", "actor_rollout_ref.actor.strategy=megatron"]) == 0
     printed = capsys.readouterr().out
     assert "no sequence parallelism, local attention, recomputed in the backward" in printed
     assert re.search(r"# megatron's local layers .* \d\.\d\dx the matmul FLOPs of fused attention", printed)

@@ -8,22 +8,35 @@ measurement (benchmarks/opob_memory.py) are checked with the other docs checks (
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from vcpo.actor_memory import (
+    CUDA_OVERHEAD_BYTES,
     SINGLE_MODE_ALLOWANCE,
     Layout,
     ModelShape,
     StepShape,
+    activation_bytes,
+    activation_phases,
     choose_mode,
     hf_attention,
+    logits_bytes,
+    megatron_layer_bytes,
+    megatron_recompute,
+    norm_hook_bytes,
     split_buffers,
     step_memory,
+    verl_log_probs,
 )
 from vcpo.local_models import random_qwen2
 
 SHAPE = ModelShape(hidden=64, intermediate=128, layers=2, vocab=100, heads=4, kv_heads=2, tied=True)
+CPU = Layout(device="cpu")  # no CUDA context, no fragmentation margin: the step's own terms
+CONTEXT = "CUDA context, cuBLAS workspaces and NCCL buffers (bound)"
+OPTIMIZER = "optimizer step: foreach AdamW's square roots (a copy of the local shard)"
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -45,14 +58,15 @@ def test_the_paper_models_have_their_published_sizes():
 
 
 def test_fsdp2_terms_by_hand():
-    """P = 80,704 parameters on 4 ranks, float32 weights and bf16 compute, 1,000 tokens, no checkpointing."""
+    """P = 80,704 parameters on 4 ranks, float32 weights and bf16 compute, 1,000 tokens, no checkpointing, verl's
+    log-softmax path (two bf16 copies of the logits)."""
     P = SHAPE.parameters
     assert P == 6400 + 2 * 37120 + 64  # tied embedding, two layers, the final norm
-    layout = Layout(strategy="fsdp2", data_parallel=4, param_bytes=4, compute_bytes=2, gradient_checkpointing=False)
+    layout = replace(CPU, data_parallel=4, param_bytes=4, compute_bytes=2, gradient_checkpointing=False)
     memory = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=1000, buffers=6, block_bytes=1 << 10))
     assert memory.persistent == {"parameters (sharded)": P, "Adam moments (sharded)": 2 * P}
     per_token_layer = (12 * 64 + 4 * 128 + 3 * 32) * 2  # bytes
-    activations = 1000 * per_token_layer * 2 + 2 * 1000 * 100 * 4
+    activations = 1000 * per_token_layer * 2 + 2 * 1000 * 100 * 2
     largest_unit = max(SHAPE.layer_parameters, SHAPE.embedding_parameters) * 2
     assert memory.step("plain") == P + 2 * largest_unit + activations
     # single: the model unsharded (bf16), a float32 G_R, and the 6 buffers beside the activations (all open at once
@@ -62,17 +76,46 @@ def test_fsdp2_terms_by_hand():
     # micro-batch's hidden states, and no gradient) needs beyond it
     scratch = 2 * 1024 + 3 * 1000 * 64 * 4
     assert memory.step("two_pass") == memory.step("plain") + max(0, scratch - (P + 2 * largest_unit))
+    assert memory.peak("plain") == memory.allocated("plain") == 3 * P + memory.step("plain")  # on CPU nothing else
+
+
+def test_the_logits_by_log_prob_path():
+    """1,000 tokens over a vocabulary of 100: flash-attn's cross-entropy keeps the bf16 logits once (its gradient in
+    place), verl's log-softmax twice, in float32 (the CPU benchmark) twice at 4 bytes; megatron at TP 2 its half of the
+    vocabulary in bf16 and in float32."""
+    assert logits_bytes(SHAPE, replace(CPU, log_probs="fused"), 1000) == 1000 * 100 * 2
+    assert logits_bytes(SHAPE, replace(CPU, log_probs="log_softmax"), 1000) == 2 * 1000 * 100 * 2
+    assert logits_bytes(SHAPE, replace(CPU, compute_bytes=4), 1000) == 2 * 1000 * 100 * 4
+    assert logits_bytes(SHAPE, replace(CPU, strategy="megatron", tensor_parallel=2), 1000) == 1000 * 50 * (2 + 4)
+    assert verl_log_probs(True, {}) == "fused"
+    assert verl_log_probs(True, {"VERL_DISABLE_FLASH_ATTN_CE": "1"}) == verl_log_probs(False, {}) == "log_softmax"
+    with pytest.raises(ValueError, match="Layout.log_probs must be one of"):
+        Layout(log_probs="chunked")
+
+
+def test_the_logits_and_a_recomputed_layer_never_coexist():
+    """Gradient checkpointing, bf16, fused log-probs, 1,000 tokens: the layers' inputs (1,000 x 64 x 2 bytes x 2
+    layers) beside the larger of the logits (1,000 x V x 2 bytes), freed by the output layer's backward, and one
+    layer recomputed after it (1,000 x (12·64 + 4·128 + 3·32) x 2 bytes); without checkpointing every layer's
+    activations meet the logits."""
+    layout = replace(CPU, log_probs="fused", gradient_checkpointing=True)
+    inputs, layer = 1000 * 64 * 2 * 2, 1000 * (12 * 64 + 4 * 128 + 3 * 32) * 2
+    assert activation_bytes(SHAPE, layout, 1000) == {"activations: layer inputs": inputs, "activations: one recomputed layer": layer}
+    wide = replace(SHAPE, vocab=10_000)  # 20 MB of logits against the layer's 2.75 MB
+    assert activation_bytes(wide, layout, 1000) == {"activations: layer inputs": inputs, "logits": 1000 * 10_000 * 2}
+    assert activation_bytes(SHAPE, replace(layout, gradient_checkpointing=False), 1000) == {"activations": 2 * layer,
+                                                                                           "logits": 1000 * 100 * 2}
 
 
 def test_single_grows_by_one_copy_per_buffer_and_two_pass_not_at_all():
-    layout = Layout(strategy="fsdp2", data_parallel=2)
+    layout = replace(CPU, data_parallel=2)
     steps = [step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=64, buffers=b)) for b in (2, 3, 64)]
     assert steps[1].peak("single") - steps[0].peak("single") == 4 * SHAPE.parameters
     assert len({s.peak("two_pass") for s in steps}) == 1
 
 
 def test_buffers_opened_before_the_last_micro_batch():
-    layout = Layout(strategy="fsdp2", data_parallel=1, compute_bytes=4, gradient_checkpointing=False)
+    layout = replace(CPU, data_parallel=1, compute_bytes=4, gradient_checkpointing=False)
     late = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=4000, buffers=8, buffers_before_last=6))
     early = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=4000, buffers=8))
     assert early.step("single") - late.step("single") == 2 * 4 * SHAPE.parameters
@@ -86,7 +129,7 @@ def test_split_buffers_by_hand():
 
 
 def test_auto_mode_follows_its_rule():
-    layout = Layout(strategy="fsdp2", data_parallel=4)
+    layout = replace(CPU, data_parallel=4)
     few = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=100_000, buffers=1))
     many = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=1_000, buffers=64))
     assert few.peak("single") <= SINGLE_MODE_ALLOWANCE * few.peak("plain")
@@ -97,45 +140,142 @@ def test_auto_mode_follows_its_rule():
     assert choose_mode(many, "single") == ("single", "requested")
     with pytest.raises(ValueError, match="opob_mode must be"):
         choose_mode(many, "fast")
-    megatron = step_memory(SHAPE, Layout(strategy="megatron", tensor_parallel=2), StepShape(tokens_per_micro_batch=100, buffers=64))
+    megatron = step_memory(SHAPE, replace(CPU, strategy="megatron", tensor_parallel=2), StepShape(tokens_per_micro_batch=100, buffers=64))
     assert choose_mode(megatron)[0] == "two_pass"
 
 
-def test_megatron_without_sequence_parallelism_keeps_the_norm_widths_whole_and_local_attention_its_scores():
-    """Hand counts at TP 2, two sequences of 100 tokens in a micro-batch, bf16: without sequence parallelism 4h of the
-    12h per token and layer stay whole on each rank; megatron's local attention keeps a (heads / TP, s, s) score matrix
-    per sequence: 6 bytes a score in every layer, plus the backward's 4 (recomputed: one layer's 6 + 4)."""
-    from vcpo.actor_memory import activation_bytes
+MEGATRON = replace(CPU, strategy="megatron", tensor_parallel=2, gradient_checkpointing=False, sequence_parallel=False,
+                   attention="local_recomputed")
 
-    h, i, kv, layers, tokens, length = 64, 128, 32, 2, 200, 100
-    split = Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False)
-    whole = Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False, sequence_parallel=False)
-    assert activation_bytes(SHAPE, split, tokens)["activations"] == tokens * layers * (12 * h + 4 * i + 3 * kv) * 2 / 2
-    assert activation_bytes(SHAPE, whole, tokens)["activations"] == tokens * layers * ((8 * h + 4 * i + 3 * kv) * 2 / 2 + 4 * h * 2)
-    scores = 2 * (4 / 2) * length**2  # per layer
-    kept = activation_bytes(SHAPE, Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False, attention="local"), tokens, length)
-    assert kept["local attention scores"] == scores * (6 * layers + 4)
-    recomputed = activation_bytes(SHAPE, Layout(strategy="megatron", tensor_parallel=2, gradient_checkpointing=False,
-                                                attention="local_recomputed"), tokens, length)
-    assert recomputed["local attention scores (one layer, recomputed)"] == scores * (6 + 4)
-    assert "local attention scores" not in activation_bytes(SHAPE, split, tokens, length)  # fused attention keeps none
-    with pytest.raises(ValueError, match="Layout.attention must be one of"):
-        Layout(attention="flash")
+
+def test_megatron_layer_bytes_by_hand():
+    """One megatron local-spec layer per token on a rank, bf16, TP 2, h = 64, I = 128, 4 heads of 16, 2 key/value
+    heads (kv = 32), as autograd saves it (megatron-core 0.16.1): each RMSNorm's float32 input copy and normalised
+    values, its reciprocal root and its bf16 output; cos and sin for q and k; core attention's inputs and output;
+    the MLP's five I-wide tensors. The same count gives the saved tensors measured on a CPU layer of h = 256, I = 512,
+    8 heads of 32, 2 key/value heads (saved_tensors_hooks, 128 tokens): 12,424 bytes per token with core attention
+    recomputed and 12,552 kept unfused (beside its 6 bytes a score)."""
+    norms = 2 * (4 * 64 + 4 * 64 + 4 + 2 * 64)
+    rotary = 4 * 16 * 2
+    mlp = (2 * 128 + 128 + 128 + 128) * 2 / 2  # fc1's output, SiLU's, the linear half plus the offset, the product
+    recomputed = (64 + 32 + (64 + 2 * 32) + 64) * 2 / 2  # rotated q and k, the fused qkv output (v a view), the output
+    kept = (64 + 64 + 64 + 64) * 2 / 2  # q, k and v repeated to the 4 heads, the output
+    assert megatron_layer_bytes(SHAPE, MEGATRON) == norms + rotary + recomputed + mlp
+    assert megatron_layer_bytes(SHAPE, replace(MEGATRON, attention="fused")) == norms + rotary + recomputed + mlp
+    assert megatron_layer_bytes(SHAPE, replace(MEGATRON, attention="local")) == norms + rotary + kept + mlp
+    assert megatron_layer_bytes(SHAPE, replace(MEGATRON, sequence_parallel=True)) == norms / 2 + rotary + recomputed + mlp
+    heads = replace(SHAPE, kv_heads=4)  # no grouped queries: k itself and the fused qkv output (3h) stay
+    assert megatron_layer_bytes(heads, replace(MEGATRON, attention="local")) == norms + rotary + (64 + 64 + 3 * 64 + 64) * 2 / 2 + mlp
+    measured = ModelShape(hidden=256, intermediate=512, layers=1, vocab=1024, heads=8, kv_heads=2, tied=False)
+    alone = replace(MEGATRON, tensor_parallel=1)
+    assert megatron_layer_bytes(measured, alone) == 12_424
+    assert megatron_layer_bytes(measured, replace(alone, attention="local")) == 12_552
+
+
+def test_megatron_score_matrices_by_hand():
+    """Two sequences of 100 tokens, 4 heads over TP 2: S = 2 x 2 x 100² scores per layer, 2 x 100² mask entries.
+    Kept unfused: every layer 6 bytes a score and a mask byte, the layer in its backward 12 a score (its own 6
+    included). Recomputed: that layer's 12 and its mask only. Megatron's persistent bf16 buffer: 2 bytes a score."""
+    scores, squares = 2 * 2 * 100**2, 2 * 100**2
+    kept = activation_phases(SHAPE, replace(MEGATRON, attention="local"), 200, 100)
+    assert kept["backward's start"]["local attention scores and masks, every layer"] == 2 * (6 * scores + squares)
+    assert kept["one layer's backward"]["local attention's softmax backward (one layer)"] == (12 - 6) * scores
+    recomputed = activation_phases(SHAPE, MEGATRON, 200, 100)
+    assert recomputed["one layer's backward"]["local attention scores and mask (one layer, recomputed) in its softmax backward"] == (
+        12 * scores + squares)
+    assert not [name for name in recomputed["backward's start"] if "attention" in name]
+    memory = step_memory(SHAPE, MEGATRON, StepShape(tokens_per_micro_batch=200, buffers=1, sequence_length=100))
+    assert memory.persistent["megatron's attention score buffer (bf16, one layer)"] == 2 * scores
+    fused = step_memory(SHAPE, replace(MEGATRON, attention="fused"), StepShape(tokens_per_micro_batch=200, buffers=1, sequence_length=100))
+    assert not [name for kind in ("persistent", "plain", "two_pass") for name in getattr(fused, kind) if "attention" in name]
+
+
+def test_megatron_norm_hooks_keep_every_normalised_input():
+    """OPOB's norm hooks keep each norm's normalised input until its backward: 200 tokens, h = 64, bf16, 2 layers:
+    (2 x 2 + the final) norms x 200 x 64 x 2 bytes; under full recompute the recomputed layer's 2 and the final;
+    sequence parallelism over TP 2 halves the tokens. The plain step has no hooks."""
+    assert norm_hook_bytes(SHAPE, MEGATRON, 200) == 5 * 200 * 64 * 2
+    assert norm_hook_bytes(SHAPE, replace(MEGATRON, gradient_checkpointing=True), 200) == 3 * 200 * 64 * 2
+    assert norm_hook_bytes(SHAPE, replace(MEGATRON, sequence_parallel=True), 200) == 5 * 200 * 64 * 2 / 2
+    memory = step_memory(SHAPE, MEGATRON, StepShape(tokens_per_micro_batch=200, buffers=1, sequence_length=100))
+    key = "norm hooks' normalised inputs (every norm)"
+    assert memory.two_pass[key] == memory.single[key] == 5 * 200 * 64 * 2 and key not in memory.plain
+
+
+def test_the_optimizer_step_holds_a_float32_copy_of_its_shard():
+    """One token: the optimizer step is the widest phase. FSDP2 on one rank: the float32 gradient (4P) and foreach
+    AdamW's square roots (4P). Megatron at TP 2 and DP 2 (distributed optimizer): its shard of P / 2 / 2 float32
+    values, 40% of it where megatron keeps 60% of its optimizer on the CPU."""
+    P = SHAPE.parameters
+    fsdp = step_memory(SHAPE, CPU, StepShape(tokens_per_micro_batch=1, buffers=1))
+    assert fsdp.plain == {"gradients (sharded)": 4 * P, OPTIMIZER: 4 * P}
+    megatron = replace(MEGATRON, data_parallel=2, optimizer_cpu_fraction=0.6)
+    memory = step_memory(SHAPE, megatron, StepShape(tokens_per_micro_batch=1, buffers=1))
+    assert memory.plain == {OPTIMIZER: pytest.approx(P / 2 / 2 * 0.4 * 4, rel=1e-12)}
+    assert memory.persistent["main parameters and Adam moments (float32)"] == pytest.approx(3 * P / 2 / 2 * 0.4 * 4, rel=1e-12)
+
+
+def test_a_gpu_adds_its_context_the_weight_sync_and_a_fragmentation_margin():
+    """On a GPU, outside the caching allocator: 3 GB of CUDA context, cuBLAS and NCCL (the larger end of 1-3 GB),
+    and on trainer rank 0 of an nccl weight sync two 2,048 MiB cupy buckets (4,294,967,296 bytes); the allocator's
+    peak raised by 10%. The step's own terms are the CPU's."""
+    step = StepShape(tokens_per_micro_batch=1000, buffers=6)
+    cpu = step_memory(SHAPE, replace(CPU, data_parallel=4), step)
+    gpu = step_memory(SHAPE, Layout(data_parallel=4, weight_sync_bucket_bytes=2048 * 2**20), step)
+    assert gpu.outside_allocator == {CONTEXT: 3e9, "weight-sync send and receive buckets (cupy, trainer rank 0)": 4_294_967_296}
+    assert cpu.outside_allocator == {} and cpu.fragmentation == 0
+    for kind in ("plain", "single", "two_pass"):
+        assert gpu.step(kind) == cpu.step(kind)
+        assert gpu.peak(kind) == pytest.approx(cpu.peak(kind) * 1.1 + 3e9 + 4_294_967_296, rel=1e-12)
+
+
+def test_offload_moves_the_state_off_the_gpu():
+    """FSDP2's CPUOffloadPolicy: no parameters, moments, gradients or optimizer step on the GPU, the units and the
+    activations stay. verl's param and optimizer offload leave the step as it is (verl loads them back for it).
+    Megatron's optimizer wholly on the CPU: its bf16 parameters and float32 gradients stay."""
+    P, step = SHAPE.parameters, StepShape(tokens_per_micro_batch=1000, buffers=6)
+    on = step_memory(SHAPE, replace(CPU, data_parallel=4), step)
+    off = step_memory(SHAPE, replace(CPU, data_parallel=4, fsdp_offload_policy=True), step)
+    assert off.persistent == {}
+    assert off.plain == {name: size for name, size in on.plain.items() if name != "gradients (sharded)"}
+    between = replace(CPU, data_parallel=4, offloaded_between_steps=frozenset({"parameters", "optimizer"}))
+    assert step_memory(SHAPE, between, step).peak("plain") == on.peak("plain")
+    megatron = step_memory(SHAPE, replace(MEGATRON, attention="fused", optimizer_cpu_fraction=1.0), step)
+    assert megatron.persistent == {"parameters (bf16)": P / 2 * 2, "main gradients (float32)": P / 2 * 4}
+
+
+def test_at_lag_0_the_rollout_shares_the_gpu():
+    """A colocated vLLM of gpu_memory_utilization 0.5 on an 80 GB GPU: 40 GB. Asleep through the step it keeps 10%
+    of that (4 GB, above a CUDA context's 3 GB); not sleeping (free_cache_engine=false) all of it. Between steps, while
+    it generates: the actor's parameters and moments (unless offloaded), the actor's 3 GB and the rollout's 40 GB."""
+    P, step = SHAPE.parameters, StepShape(tokens_per_micro_batch=1000, buffers=6)
+    layout = Layout(data_parallel=4, rollout_budget_bytes=40e9)
+    memory = step_memory(SHAPE, layout, step)
+    assert memory.outside_allocator == {CONTEXT: 3e9, "colocated rollout, asleep": 4e9}
+    awake = "colocated rollout, awake (its gpu_memory_utilization)"
+    assert memory.between_steps == {"parameters (sharded)": P, "Adam moments (sharded)": 2 * P, CONTEXT: 3e9, awake: 40e9}
+    assert memory.peak("plain") == sum(memory.between_steps.values())  # 43 GB, above the step's 7 GB
+    offloaded = step_memory(SHAPE, replace(layout, offloaded_between_steps=frozenset({"parameters", "optimizer"})), step)
+    assert offloaded.between_steps == {CONTEXT: 3e9, awake: 40e9}
+    assert step_memory(SHAPE, replace(layout, rollout_budget_bytes=10e9), step).outside_allocator["colocated rollout, asleep"] == CUDA_OVERHEAD_BYTES
+    assert step_memory(SHAPE, replace(layout, rollout_frees_cache=False), step).outside_allocator["colocated rollout, awake"] == 40e9
 
 
 def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
     """Hand counts, two layers: packed (one row of 896 tokens) keeps 2 x 896² x 4 bytes whatever the heads; padded
-    (sequences of 100 tokens) one (100, 100) mask per sequence and layer; under gradient checkpointing one layer's."""
-    from vcpo.actor_memory import activation_bytes
-
+    (sequences of 100 tokens) one (100, 100) mask per sequence and layer; under gradient checkpointing one layer's,
+    recomputed."""
     key = "masked attention (a T² float32 per layer)"
-    masked = Layout(gradient_checkpointing=False, attention="masked")
+    masked = replace(CPU, gradient_checkpointing=False, attention="masked")
     assert activation_bytes(SHAPE, masked, 896)[key] == 2 * 896**2 * 4
     assert activation_bytes(SHAPE, masked, 200, 100)[key] == 2 * 2 * 100**2 * 4
-    assert activation_bytes(SHAPE, Layout(gradient_checkpointing=True, attention="masked"), 896)[key] == 896**2 * 4
-    assert key not in activation_bytes(SHAPE, Layout(gradient_checkpointing=False), 896)
+    recomputed = activation_bytes(SHAPE, replace(masked, gradient_checkpointing=True), 896)
+    assert recomputed["masked attention (a T² float32, one layer)"] == 896**2 * 4
+    assert key not in activation_bytes(SHAPE, replace(CPU, gradient_checkpointing=False), 896)
     assert hf_attention("cpu", "sdpa", packed=True) == "masked"
     assert {hf_attention("cuda", "sdpa", True), hf_attention("cpu", "sdpa", False), hf_attention("cuda", "flash_attention_2", True)} == {"fused"}
+    with pytest.raises(ValueError, match="Layout.attention must be one of"):
+        Layout(attention="flash")
 
 
 @pytest.mark.parametrize("impl, granularity, modules, expected", [
@@ -148,8 +288,6 @@ def test_masked_sdpa_on_cpu_keeps_one_t_squared_float32_per_layer():
     (None, "full", None, (True, "fused")),
 ])
 def test_megatron_recompute_reads_the_transformer_config_as_megatron_does(impl, granularity, modules, expected):
-    from vcpo.actor_memory import megatron_recompute
-
     assert megatron_recompute(impl, granularity, modules) == expected
 
 
@@ -209,3 +347,60 @@ def test_simpletir_is_checked_against_its_b200():
 
     assert gpu_memory_gb(make_run("simpletir", "vcpo").task.paper) == 180.0
     assert gpu_memory_gb(make_run("gsm8k", "vcpo").task.paper) == 80.0  # no GPU named: the default
+
+
+def test_the_projection_reads_what_shares_the_gpu(monkeypatch):
+    """MATH at its lag (10): verl's nccl weight sync with its 2,048 MiB bucket, no colocated rollout, flash-attn's
+    cross-entropy (the launch requires it) unless the environment turns it off. At lag 0 the rollout shares every GPU:
+    half of the H100's 80 GB (verl's gpu_memory_utilization 0.5), asleep while the actor trains, and no nccl sync."""
+    from vcpo.launch import compose, make_run
+    from vcpo.launch.memory import gpu_neighbours, projection
+
+    config = compose(make_run("math", "vcpo"))
+    assert gpu_neighbours(config, 80.0) == {"weight_sync_bucket_bytes": 2048 * 2**20, "rollout_budget_bytes": 0.0,
+                                           "rollout_frees_cache": True}
+    assert projection(config, 80.0).layout.log_probs == "fused"
+    monkeypatch.setenv("VERL_DISABLE_FLASH_ATTN_CE", "1")
+    assert projection(config, 80.0).layout.log_probs == "log_softmax"
+    synchronous = compose(make_run("math", "vcpo", 0))
+    assert gpu_neighbours(synchronous, 80.0) == {"weight_sync_bucket_bytes": 0, "rollout_budget_bytes": 40e9,
+                                                "rollout_frees_cache": True}
+    assert projection(synchronous, 80.0).layout.data_parallel == 8  # the sampler's GPUs train too
+
+
+def test_offload_settings_reach_the_projection():
+    from vcpo.launch import compose, make_run
+    from vcpo.launch.memory import projection, with_overrides
+
+    fsdp = compose(make_run("math", "vcpo"))
+    offloaded = with_overrides(fsdp, ("actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+                                      "actor_rollout_ref.actor.fsdp_config.param_offload=true"))
+    layout = projection(offloaded).layout
+    assert layout.fsdp_offload_policy and layout.offloaded_between_steps == {"parameters"}
+    assert projection(offloaded).memory.persistent == {}
+    megatron = compose(make_run("math", "vcpo", strategy="megatron"))
+    optimizer = "++actor_rollout_ref.actor.optim.override_optimizer_config"
+    cpu_optimizer = with_overrides(megatron, (f"{optimizer}.optimizer_cpu_offload=true", f"{optimizer}.optimizer_offload_fraction=0.5"))
+    assert projection(megatron).layout.optimizer_cpu_fraction == 0.0
+    assert projection(cpu_optimizer).layout.optimizer_cpu_fraction == 0.5
+
+
+def test_a_refused_run_is_told_what_would_fit():
+    """Each change offered alone is projected again, and only those under which the step fits are named: MATH on a
+    20 GB GPU fits with FSDP2's CPU offload, not with more GPUs or a smaller token budget (its logits and units
+    stay); SimpleTIR on Megatron (TP 2, B200) fits with full recompute, the optimizer on the CPU or 16 trainer GPUs;
+    on 5 GB nothing fits, and all of them together are projected."""
+    from vcpo.launch import compose, make_run
+    from vcpo.launch.memory import check_memory, fitting
+
+    math = compose(make_run("math", "vcpo"))
+    with pytest.raises(ValueError, match=r"projected at \d+\.\d GB .* more than the 20 GB") as refused:
+        check_memory(math, 20.0)
+    assert [change for change, _ in fitting(math, 20.0)] == [("actor_rollout_ref.actor.fsdp_config.offload_policy=true",)]
+    assert "offload_policy=true" in str(refused.value)
+    simpletir = compose(make_run("simpletir", "vcpo", strategy="megatron"))
+    changes = [" ".join(change) for change, _ in fitting(simpletir, 180.0)]
+    assert len(changes) == 3 and "recompute_granularity=full" in changes[0] and "optimizer_cpu_offload=true" in changes[1]
+    assert changes[2] == "trainer.n_gpus_per_node=16"
+    with pytest.raises(ValueError, match=r"no one change fits; all together \(.*\) project \d+\.\d GB, still more"):
+        check_memory(math, 5.0)

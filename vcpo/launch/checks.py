@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from vcpo.launch.memory import check_memory, gpu_memory_gb, megatron_sequence_parallel, model_shape, projection
+from vcpo.launch.memory import check_memory, gpu_memory_gb, megatron_sequence_parallel, model_shape
 from vcpo.launch.run import LaunchError, Run
 from vcpo.methods import step_rule
 from vcpo.verl_contract import (
@@ -244,7 +244,7 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
         raise LaunchError(f"verl rejects the config: {cause}") from None
     capacity = gpu_memory_gb(run.task.paper, gpu_memory)
     try:
-        check_memory(projection(config, capacity), capacity)
+        check_memory(config, capacity)
     except KeyError as error:  # no architecture for the model: the projection cannot be made, nothing to refuse
         warnings.warn(f"no memory projection: {error.args[0]}", stacklevel=2)
     except ValueError as error:

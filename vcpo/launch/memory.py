@@ -1,19 +1,23 @@
 """The actor's memory per trainer GPU, projected from a composed verl config before anything starts.
 
 `projection` reads the model's architecture (``recipes/models.yaml``, or a local folder's config.json), the
-actor's strategy and layout, its precision, gradient checkpointing, its micro-batch tokens and how many prompt
-groups each rank holds, and hands them to `vcpo.actor_memory`: the plain step, OPOB's two
-modes, and the mode the engine's auto rule will pick (the same `choose_mode`, with the GPU's memory). The dry
-run prints it; `check_memory` refuses a run whose step cannot fit the GPU memory it is told.
+actor's strategy and layout, its precision, gradient checkpointing, offload, its micro-batch tokens and how many
+prompt groups each rank holds, and what shares its GPUs (the nccl weight sync's buckets; at lag 0 the colocated
+rollout), and hands them to `vcpo.actor_memory`: the plain step, OPOB's two modes, and the mode the engine's auto
+rule will pick (the same `choose_mode`, with the GPU's memory). The dry run prints it; `check_memory` refuses a run
+whose step cannot fit the GPU memory it is told, naming the changes under which it would (`remedies`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from vcpo.actor_memory import (
     GB,
@@ -25,6 +29,7 @@ from vcpo.actor_memory import (
     choose_mode,
     megatron_recompute,
     step_memory,
+    verl_log_probs,
 )
 from vcpo.methods import step_rule
 from vcpo.recipes import read_yaml, recipes_dir
@@ -32,6 +37,9 @@ from vcpo.recipes import read_yaml, recipes_dir
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 / A100 80GB, where the task's recipe names no GPU
 # memory of the GPUs the task recipes name (paper.gpu), in GB as their makers state it
 GPU_MEMORY_GB = {"A100": 80.0, "H100": 80.0, "H200": 141.0, "B200": 180.0}
+MIB = 1 << 20
+# trainer GPU counts offered to a run that does not fit: these multiples of its own
+MORE_GPUS = (2, 4, 8)
 
 
 def gpu_memory_gb(paper: dict, given: float | None = None) -> float:
@@ -69,6 +77,16 @@ class Projection:
                      "local_recomputed": "local attention, recomputed in the backward"}[self.layout.attention]
         return f", {'' if self.layout.sequence_parallel else 'no '}sequence parallelism, {attention}"
 
+    def _beside_the_step(self) -> str:
+        """What every figure above counts beside the step's tensors: memory outside the caching allocator, the
+        fragmentation margin, and (lag 0) the GPU while the rollout generates."""
+        memory = self.memory
+        outside = [f"{name} {size / GB:.1f} GB" for name, size in memory.outside_allocator.items()]
+        line = f"#   each counts {', '.join([*outside, f'a {memory.fragmentation:.0%} fragmentation margin on the allocated peak'])}"
+        if memory.between_steps:
+            line += f"; between steps, the colocated rollout awake: {sum(memory.between_steps.values()) / GB:.1f} GB"
+        return line
+
     def local_attention_cost(self) -> float:
         """Matmul FLOPs of a step on megatron's local layers over the same step with fused attention, at the longest
         sequence s: per token, the linears take 6N (forward and backward, N the matmul parameters); a fused causal
@@ -94,6 +112,7 @@ class Projection:
                 lines.append(f"#   OPOB {mode:<8}{memory.peak(mode) / GB:7.1f} GB ({memory.peak(mode) / plain:.2f}x plain"
                              f"{buffers[mode]})")
             lines.append(f"#   the engine runs OPOB {self.mode}: {self.why}")
+        lines.append(self._beside_the_step())
         if self.layout.attention != "fused":
             lines.append(f"# megatron's local layers (recipes/megatron.yaml, local_layers: what OPOB's norms watch): at the longest "
                          f"sequence ({self.step.sequence_length} tokens) {self.local_attention_cost():.2f}x the matmul FLOPs of fused "
@@ -121,12 +140,39 @@ def megatron_sequence_parallel(megatron) -> bool:
     return bool(transformer.get("sequence_parallel", megatron.tensor_model_parallel_size > 1))
 
 
+def offloaded_between_steps(engine) -> frozenset:
+    """What verl's engine config moves to the CPU between steps (``param_offload``, ``optimizer_offload``), as
+    `Layout.offloaded_between_steps` names it."""
+    return frozenset(kind for kind, key in (("parameters", "param_offload"), ("optimizer", "optimizer_offload")) if engine.get(key, False))
+
+
+def optimizer_cpu_fraction(optim) -> float:
+    """The fraction of megatron's optimizer (main parameters, moments, step) on the CPU: its
+    ``override_optimizer_config.optimizer_offload_fraction`` where ``optimizer_cpu_offload`` is set, else 0."""
+    override = optim.get("override_optimizer_config", None) or {}
+    return float(override.get("optimizer_offload_fraction", 0.0)) if override.get("optimizer_cpu_offload", False) else 0.0
+
+
+def gpu_neighbours(config, capacity_gb: float) -> dict:
+    """What shares a trainer GPU with the actor step, as `Layout` fields: the nccl weight sync's bucket (verl's
+    ``update_weights_bucket_megabytes``), and at lag 0 (verl's hybrid engine) the colocated rollout's budget
+    (``gpu_memory_utilization`` of the GPU) and whether it sleeps while the actor trains (``free_cache_engine``)."""
+    rollout = config.actor_rollout_ref.rollout
+    sync = rollout.get("checkpoint_engine", None) or {}
+    nccl = sync.get("backend", None) == "nccl"
+    colocated = bool(config.actor_rollout_ref.get("hybrid_engine", False))
+    return {"weight_sync_bucket_bytes": int(sync.get("update_weights_bucket_megabytes", 0)) * MIB if nccl else 0,
+            "rollout_budget_bytes": float(rollout.gpu_memory_utilization) * capacity_gb * GB if colocated else 0.0,
+            "rollout_frees_cache": bool(rollout.get("free_cache_engine", True))}
+
+
 def projection(config, capacity_gb: float = DEFAULT_GPU_MEMORY_GB) -> Projection:
     """The composed config's actor step, per trainer GPU (module doc)."""
     actor = config.actor_rollout_ref.actor
     trainer_gpus = config.trainer.nnodes * config.trainer.n_gpus_per_node
     shape = model_shape(str(config.actor_rollout_ref.model.path))
     checkpointing = bool(config.actor_rollout_ref.model.get("enable_gradient_checkpointing", False))
+    neighbours = gpu_neighbours(config, capacity_gb)
     if actor.strategy == "megatron":  # verl's Megatron engine recomputes as its transformer config says, not by the model's flag
         megatron = actor.megatron
         tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
@@ -137,14 +183,21 @@ def projection(config, capacity_gb: float = DEFAULT_GPU_MEMORY_GB) -> Projection
         layout = Layout(strategy="megatron", data_parallel=max(1, trainer_gpus // (tp * pp * cp)), tensor_parallel=tp,
                         pipeline_parallel=pp, compute_bytes=2, gradient_checkpointing=checkpointing,
                         distributed_optimizer=bool(megatron.get("use_distributed_optimizer", True)),
-                        sequence_parallel=megatron_sequence_parallel(megatron), attention=attention)
+                        sequence_parallel=megatron_sequence_parallel(megatron), attention=attention,
+                        optimizer_cpu_fraction=optimizer_cpu_fraction(actor.optim),
+                        offloaded_between_steps=offloaded_between_steps(megatron), **neighbours)
     else:
         fsdp = actor.fsdp_config
         param_dtype = str((fsdp.get("mixed_precision") or {}).get("param_dtype", "bf16"))
+        # a launch refuses a run whose flash-attn cross-entropy does not import (vcpo.launch.gpu_packages): what runs
+        # takes verl's fused path unless the environment turns it off
+        log_probs = verl_log_probs(flash_cross_entropy=True, environ=os.environ)
         layout = Layout(strategy="fsdp2", data_parallel=trainer_gpus,
                         param_bytes=2 if str(fsdp.get("model_dtype", "fp32")) in ("bf16", "bfloat16") else 4,
                         compute_bytes=4 if param_dtype in ("fp32", "32", "float32") else 2,
-                        gradient_checkpointing=checkpointing)
+                        gradient_checkpointing=checkpointing, log_probs=log_probs,
+                        fsdp_offload_policy=bool(fsdp.get("offload_policy", False)),
+                        offloaded_between_steps=offloaded_between_steps(fsdp), **neighbours)
     prompt_tokens = config.data.max_prompt_length + config.data.max_response_length
     if actor.use_dynamic_bsz:
         tokens = max(actor.ppo_max_token_len_per_gpu, prompt_tokens)  # one whole sequence at the least
@@ -168,27 +221,88 @@ def projection(config, capacity_gb: float = DEFAULT_GPU_MEMORY_GB) -> Projection
     return Projection(memory, shape, layout, step, opob=True, mode=mode, why=why)
 
 
-def check_memory(projected: Projection, capacity_gb: float) -> None:
-    """Refuse a run whose actor step cannot fit the GPU: a ValueError naming the mode, the numbers and the knobs."""
+def with_overrides(config, overrides: tuple[str, ...]):
+    """A copy of the composed ``config`` with Hydra-style ``key=value`` overrides set (leading ``+`` ignored)."""
+    from omegaconf import OmegaConf  # hydra's, present wherever a config was composed
+
+    changed = copy.deepcopy(config)
+    for override in overrides:
+        key, value = override.lstrip("+").split("=", 1)
+        OmegaConf.update(changed, key, yaml.safe_load(value), force_add=True)
+    return changed
+
+
+def remedies(config, projected: Projection) -> list[tuple[str, ...]]:
+    """The changes a run may try when its step does not fit, each a tuple of overrides: OPOB's two_pass for its single
+    backward; recompute (gradient checkpointing; megatron's full recompute, which OPOB refuses under pipeline
+    parallelism); offload (FSDP2's CPUOffloadPolicy, megatron's optimizer on the CPU; at lag 0, verl's offload of the
+    actor's state while the rollout generates); a smaller token budget per micro-batch; more trainer GPUs."""
+    actor, layout = config.actor_rollout_ref.actor, projected.layout
+    changes = []
+    if projected.opob and projected.mode == "single":
+        changes.append(("+actor_rollout_ref.actor.policy_loss.opob_mode=two_pass",))
+    if layout.strategy == "megatron":
+        transformer = "++actor_rollout_ref.actor.megatron.override_transformer_config"
+        if not layout.gradient_checkpointing and not (projected.opob and layout.pipeline_parallel > 1):  # megatron_opob_refusals
+            changes.append((f"{transformer}.recompute_granularity=full", f"{transformer}.recompute_method=uniform",
+                            f"{transformer}.recompute_num_layers=1"))
+        if layout.optimizer_cpu_fraction < 1:
+            optimizer = "++actor_rollout_ref.actor.optim.override_optimizer_config"
+            changes.append((f"{optimizer}.optimizer_cpu_offload=true", f"{optimizer}.optimizer_offload_fraction=1.0"))
+        engine = "actor_rollout_ref.actor.megatron"
+    else:
+        if not layout.gradient_checkpointing:
+            changes.append(("actor_rollout_ref.model.enable_gradient_checkpointing=true",))
+        if not layout.fsdp_offload_policy:
+            changes.append(("actor_rollout_ref.actor.fsdp_config.offload_policy=true",))
+        engine = "actor_rollout_ref.actor.fsdp_config"
+        sequence = config.data.max_prompt_length + config.data.max_response_length
+        budget = actor.ppo_max_token_len_per_gpu // 2
+        while actor.use_dynamic_bsz and budget >= sequence:
+            changes.append((f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",))
+            budget //= 2
+    if layout.rollout_budget_bytes and layout.offloaded_between_steps != {"parameters", "optimizer"}:
+        changes.append((f"{engine}.param_offload=true", f"{engine}.optimizer_offload=true"))
+    changes += [(f"trainer.n_gpus_per_node={config.trainer.n_gpus_per_node * times}",) for times in MORE_GPUS]
+    return changes
+
+
+def fitting(config, capacity_gb: float) -> list[tuple[tuple[str, ...], float]]:
+    """The `remedies` under which the run's projected step fits ``capacity_gb``, each alone, with its peak in bytes:
+    of the token budgets the largest, of the GPU counts the smallest."""
+    projected, found, kinds = projection(config, capacity_gb), [], set()
+    for change in remedies(config, projected):
+        kind = change[0].split("=", 1)[0]
+        if kind in kinds:
+            continue
+        peak = projection(with_overrides(config, change), capacity_gb).peak()
+        if peak <= capacity_gb * GB:
+            found.append((change, peak))
+            kinds.add(kind)
+    return found
+
+
+def check_memory(config, capacity_gb: float) -> None:
+    """Refuse a run whose actor step cannot fit the GPU: a ValueError naming the mode, the numbers, and each change
+    under which it fits (`fitting`), or, none alone fitting, what all of them together project."""
+    projected = projection(config, capacity_gb)
     peak = projected.peak()
     if peak <= capacity_gb * GB:
         return
     step = f"OPOB {projected.mode} step" if projected.opob else "plain step"
-    if projected.layout.strategy == "megatron":  # verl's Megatron engine recomputes by its transformer config
-        transformer = "++actor_rollout_ref.actor.megatron.override_transformer_config"
-        hints = ["more trainer GPUs"]
-        if not (projected.opob and projected.layout.pipeline_parallel > 1):  # OPOB refuses it there (megatron_opob_refusals)
-            hints.append(f"{transformer}.recompute_granularity=full {transformer}.recompute_method=uniform "
-                         f"{transformer}.recompute_num_layers=1")
-    else:
-        hints = ["more trainer GPUs", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu lower",
-                 "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
-    if projected.opob and projected.mode == "single":
-        hints.insert(0, "+actor_rollout_ref.actor.policy_loss.opob_mode=two_pass")
+    found = fitting(config, capacity_gb)
+    if found:
+        way = "it fits with any one of: " + "; ".join(f"{' '.join(change)} ({fits / GB:.1f} GB)" for change, fits in found)
+    else:  # applied in order, the smallest token budget and the most GPUs win
+        together = tuple(override for change in remedies(config, projected) for override in change)
+        combined = projection(with_overrides(config, together), capacity_gb).peak()
+        way = (f"no one change fits; all together ({' '.join(together)}) project {combined / GB:.1f} GB"
+               + ("" if combined <= capacity_gb * GB else ", still more: a GPU with more memory"))
     raise ValueError(f"the actor's {step} is projected at {peak / GB:.1f} GB per trainer GPU, more than the "
-                     f"{capacity_gb:g} GB of --gpu-memory-gb; try {', or '.join(hints)}")
+                     f"{capacity_gb:g} GB of --gpu-memory-gb; {way}")
 
 
-__all__ = ["DEFAULT_GPU_MEMORY_GB", "GB", "GPU_MEMORY_GB", "gpu_memory_gb", "Projection", "check_memory", "megatron_sequence_parallel",
-           "model_shape", "projection"]
+__all__ = ["DEFAULT_GPU_MEMORY_GB", "GB", "GPU_MEMORY_GB", "gpu_memory_gb", "Projection", "check_memory", "fitting",
+           "gpu_neighbours", "megatron_sequence_parallel", "model_shape", "offloaded_between_steps", "optimizer_cpu_fraction",
+           "projection", "remedies", "with_overrides"]
 

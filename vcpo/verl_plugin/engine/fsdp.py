@@ -73,14 +73,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Any
 
 import torch
 from tensordict import TensorDict
+from verl.utils import torch_functional
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from vcpo.actor_memory import Layout, ModelShape, StepShape, hf_attention, split_buffers
+from vcpo.actor_memory import Layout, ModelShape, StepShape, hf_attention, split_buffers, verl_log_probs
 from vcpo.core import PerSequenceGradients
 from vcpo.core.per_sequence_grads.reductions import NORMS_ONLY
 from vcpo.methods import StepRule
@@ -189,7 +191,10 @@ class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):
                         compute_bytes=torch.empty(0, dtype=compute).element_size(),
                         gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False)),
                         attention=hf_attention(first.device.type, getattr(self.module.config, "_attn_implementation", None),
-                                               bool(self.use_remove_padding)))
+                                               bool(self.use_remove_padding)),
+                        # verl's own test of flash-attn's cross-entropy; were it renamed, the two-copy path, the larger
+                        log_probs=verl_log_probs(getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False), os.environ),
+                        device=first.device.type)
         buffers = split_buffers(data["vcpo_reward"].cpu(), data["vcpo_group"].cpu())
         return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=buffers)
 

@@ -116,7 +116,8 @@ class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
         layout = Layout(strategy="megatron", data_parallel=mpu.get_data_parallel_world_size(), tensor_parallel=tp,
                         pipeline_parallel=pp, compute_bytes=2, gradient_checkpointing=checkpointing,
                         distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)),
-                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), attention=attention)
+                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), attention=attention,
+                        device=next(self.module[0].parameters()).device.type)
         groups = int(torch.unique(data["vcpo_group"].cpu()).numel())
         longest = int(sequence_lengths(data).max())
         return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest)
