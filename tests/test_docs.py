@@ -717,6 +717,30 @@ def test_the_docs_projection_table_is_the_launchers():
     assert block(PER_SEQUENCE, "projections") == recipe_table()
 
 
+def test_the_docs_memory_terms_are_the_models():
+    """The paragraphs under the projection table quote the memory model's constants, the changes the dry run names for
+    SimpleTIR on Megatron (each projected again), and docs/verl.md MATH's Megatron step as the launcher projects it."""
+    pytest.importorskip("verl")
+    from vcpo import actor_memory
+    from vcpo.launch import compose, make_run
+    from vcpo.launch.memory import fitting, gpu_memory_gb, projection
+
+    text = section(PER_SEQUENCE, "<!-- /projections -->", "## In the simulator's learner")
+    assert_quoted(text, f"{actor_memory.CUDA_OVERHEAD_BYTES / 1e9:.0f} GB", f"{actor_memory.FRAGMENTATION_MARGIN:.0%}",
+                  f"{actor_memory.LOCAL_ATTENTION_BACKWARD_BYTES} bytes a score", f"{actor_memory.LOCAL_ATTENTION_BUFFER_BYTES}-byte",
+                  "2,048 MiB")
+    simpletir = make_run("simpletir", "vcpo", strategy="megatron")
+    capacity = gpu_memory_gb(simpletir.task.paper)
+    config = compose(simpletir)
+    assert projection(config, capacity).peak() > capacity * 1e9
+    changes = [" ".join(change) for change, _ in fitting(config, capacity)]
+    assert [("recompute_granularity=full" in changes[0]), ("optimizer_cpu_offload=true" in changes[1])] == [True, True]
+    assert_quoted(text, f"{int(changes[2].split('=')[1])} trainer GPUs")
+    math = make_run("math", "vcpo", strategy="megatron")
+    assert_quoted(section("docs/verl.md", "The dry run prints what this costs", "The table of every recipe"),
+                  f"MATH {projection(compose(math), gpu_memory_gb(math.task.paper)).peak() / 1e9:.1f} GB")
+
+
 def test_the_docs_measurement_table_is_the_benchmarks():
     """The CPU table in the docs is the committed benchmark's, re-rendered from its rows, at every G for both models."""
     spec = importlib.util.spec_from_file_location("opob_memory", ROOT / "benchmarks/opob_memory.py")
