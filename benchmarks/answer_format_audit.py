@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.locks import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tables" / "real_model" / "answer_audit"
 TASKS = ("sums", "chain_sums")
@@ -120,8 +123,13 @@ def main(argv=None) -> int:
                                                 answer_format="lenient")["reason"]
     labels = {entry["id"]: entry for entry in map(json.loads, (args.out / "labels.jsonl").read_text().splitlines())}
     result = audit(samples, labels)
-    (args.out / "audit.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "audit.md").write_text(markdown(result))
+    earlier = args.out / "audit.json"
+    recorded = {"the audit": json.loads(earlier.read_text())["responses"]} if earlier.exists() else {}
+    if problem := shrink_problem(earlier, recorded, {"the audit": result["responses"]}, "pass --out for a folder of your own",
+                                 unit="responses"):
+        sys.exit(f"error: {problem}")
+    write_atomic(earlier, json.dumps(result, indent=1) + "\n")
+    write_atomic(args.out / "audit.md", markdown(result))
     print(markdown(result))
     return 0
 

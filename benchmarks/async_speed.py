@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
+from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, utc_now
 from vcpo.reporting.run_data import read_metrics
 from vcpo.sim.config import SimConfig
@@ -49,7 +52,8 @@ def run(task: str, method: str, lag: int, steps: int, out: Path, **settings) -> 
     command = [sys.executable, "-m", "vcpo.sim", "train", "--task", task, "--method", method, "--lag", str(lag),
                "--steps", str(steps), "--seed", "0", "--out", str(out), *[f"{k}={v}" for k, v in overrides.items()]]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=dies_with_this_thread)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)}\nfailed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     wall = time.perf_counter() - started
@@ -105,6 +109,32 @@ def task_part(root: Path, task: str, steps: int, methods: list[str], lags: list[
         arms.append(result)
     return {"steps": steps, "repeats": repeats, "sync": {str(t): r for t, r in sync.items()}, "best_sync_threads": best["settings"]["threads"],
             "arms": arms}  # fmt: skip
+
+
+def configurations(report: dict) -> dict[str, int]:
+    """Each configuration a report (``async_speed.json``) measured, and in how many rounds."""
+    measured = {"overlap": 1} if "overlap" in report else {}
+    for task, part in report["tasks"].items():
+        repeats = part.get("repeats", 1)
+        measured |= {f"{task} sync threads={threads}": repeats for threads in part["sync"]}
+        measured |= {f"{task} {arm['method']} k={arm['lag']}": repeats for arm in part["arms"]}
+    return measured
+
+
+def planned(args: argparse.Namespace) -> dict[str, tuple[int, list[int]]]:
+    """Each task's steps and the lags it reaches (a lag above the steps is left out)."""
+    plan = {}
+    for task in args.tasks:
+        steps = args.steps or STEPS[task]
+        plan[task] = (steps, [lag for lag in args.lags if lag <= steps])
+    return plan
+
+
+def planned_configurations(args: argparse.Namespace) -> dict[str, int]:
+    skeleton = {"tasks": {task: {"repeats": args.repeats, "sync": {str(threads): {} for threads in args.sync_threads},
+                                 "arms": [{"method": method, "lag": lag} for method in args.methods for lag in lags]}
+                          for task, (_, lags) in planned(args).items()}}
+    return configurations(skeleton | ({} if args.skip_overlap else {"overlap": {}}))
 
 
 def spread(values: list[float]) -> str:
@@ -173,6 +203,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    earlier = args.out / "async_speed.json"
+    if earlier.exists() and (problem := shrink_problem(earlier, configurations(json.loads(earlier.read_text())),
+                                                        planned_configurations(args), "pass --out for a folder of your own",
+                                                        rows="configurations", unit="rounds")):
+        sys.exit(f"error: {problem}")
     load_at_start = os.getloadavg()
     report = {"machine": {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                           "python": platform.python_version()},
@@ -183,15 +218,14 @@ def main(argv=None) -> int:
         root = Path(scratch)
         if not args.skip_overlap:
             report["overlap"] = overlap_part(root)
-        for task in args.tasks:
-            steps = args.steps or STEPS[task]
-            report["tasks"][task] = task_part(root, task, steps, args.methods, [lag for lag in args.lags if lag <= steps], args.repeats,
-                                              tuple(args.sync_threads), args.settings)
+        for task, (steps, lags) in planned(args).items():
+            report["tasks"][task] = task_part(root, task, steps, args.methods, lags, args.repeats, tuple(args.sync_threads),
+                                              args.settings)
     report["finished"] = utc_now()
     report["load_average"] = {"started": load_at_start, "finished": os.getloadavg()}  # other work on the machine shows here
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "async_speed.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "async_speed.md").write_text(markdown(report))
+    write_atomic(earlier, json.dumps(report, indent=2) + "\n")
+    write_atomic(args.out / "async_speed.md", markdown(report))
     print(markdown(report))
     return 0
 

@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
+from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name, library_versions
 from vcpo.reporting.run_data import read_metrics
 from vcpo.runs import TEST_ACCURACY, final_eval
@@ -54,6 +57,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    earlier = args.out / "kernel_pinning.json"
+    recorded = {name: len(setting["seconds"]) for name, setting in json.loads(earlier.read_text())["settings"].items()} \
+        if earlier.exists() else {}
+    if problem := shrink_problem(earlier, recorded, dict.fromkeys(SETTINGS, args.repeats), "pass --out for a folder of your own",
+                                 rows="settings", unit="repeats"):
+        sys.exit(f"error: {problem}")
     clean = {key: value for key, value in os.environ.items() if key not in {k for s in SETTINGS.values() for k in s}}
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -63,7 +72,8 @@ def main() -> None:
                 out = Path(scratch) / f"{name}-{repeat}"
                 started = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "vcpo.sim", "train", *RUN, "--out", str(out)], check=True,
-                               env={**clean, **pins}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env={**clean, **pins}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=dies_with_this_thread)
                 seconds.append(time.perf_counter() - started)
                 prints.append(fingerprint(out))
             results[name] = {"env": pins, "seconds": seconds, "repeats_identical": all(p == prints[0] for p in prints),
@@ -75,7 +85,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"cpu": cpu_name(), "versions": library_versions(), "command": " ".join(["python -m vcpo.sim train", *RUN]),
               "settings": results}
-    (args.out / "kernel_pinning.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(earlier, json.dumps(report, indent=2) + "\n")
     print(f"-> {args.out / 'kernel_pinning.json'}")
 
 

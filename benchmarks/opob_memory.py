@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
+from vcpo.locks import write_atomic
 from vcpo.resident_memory import MEASURING_ENV, reset_peak, status_bytes
 
 MODELS = {  # Qwen2 shapes (random init, tied embeddings), as benchmarks/opob_engine.py's
@@ -128,10 +131,22 @@ def measure_point(args: argparse.Namespace, model: str, kind: str, groups: int) 
     }
 
 
+def points(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(model, kind, groups) of every point, in the order they run (the plain step once per model: it does not depend
+    on the groups)."""
+    first_groups = int(args.groups.split(",")[0])
+    return [(model, kind, groups) for model in args.models.split(",") for groups in map(int, args.groups.split(","))
+            for kind in args.kinds.split(",") if kind != "plain" or groups == first_groups]
+
+
+def point_names(rows: list[dict]) -> dict[str, int]:
+    return {f"{row['model']} {row['kind']} G={row['groups']}": 1 for row in rows}
+
+
 def run_point(model: str, kind: str, groups: int, argv: list[str]) -> dict:
     env = {**os.environ, **MEASURING_ENV}
     done = subprocess.run([sys.executable, __file__, *argv, "--point", model, kind, str(groups)], env=env,
-                          capture_output=True, text=True, check=False, timeout=POINT_TIMEOUT_S)
+                          capture_output=True, text=True, check=False, timeout=POINT_TIMEOUT_S, preexec_fn=dies_with_this_thread)
     if done.returncode:
         raise SystemExit(f"point {model} {kind} G={groups} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -174,18 +189,19 @@ def main(argv=None) -> list[dict]:
         del point_argv[point_argv.index("--out") : point_argv.index("--out") + 2]
     from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 
+    if args.out and (args.out / "results.json").exists() and (problem := shrink_problem(
+            args.out / "results.json", point_names(json.loads((args.out / "results.json").read_text())["rows"]),
+            point_names([{"model": model, "kind": kind, "groups": groups} for model, kind, groups in points(args)]),
+            "pass --out for a folder of your own", rows="points")):
+        sys.exit(f"error: {problem}")
     started = utc_now()
     rows = []
-    for model in args.models.split(","):
-        for groups in map(int, args.groups.split(",")):
-            for kind in args.kinds.split(","):
-                if kind == "plain" and groups != int(args.groups.split(",")[0]):
-                    continue  # the plain step does not depend on the groups
-                row = run_point(model, kind, groups, point_argv)
-                rows.append(row)
-                print(f"{model:6s} {kind:8s} G={groups:3d} buffers={row['buffers']:3d}  measured "
-                      f"{row['measured_bytes'] / row['copy_bytes']:6.2f} C  projected {row['projected_bytes'] / row['copy_bytes']:6.2f} C"
-                      f"  ratio {row['projected_bytes'] / row['measured_bytes']:.3f}  ({row['seconds']:.1f} s)", flush=True)
+    for model, kind, groups in points(args):
+        row = run_point(model, kind, groups, point_argv)
+        rows.append(row)
+        print(f"{model:6s} {kind:8s} G={groups:3d} buffers={row['buffers']:3d}  measured "
+              f"{row['measured_bytes'] / row['copy_bytes']:6.2f} C  projected {row['projected_bytes'] / row['copy_bytes']:6.2f} C"
+              f"  ratio {row['projected_bytes'] / row['measured_bytes']:.3f}  ({row['seconds']:.1f} s)", flush=True)
     rows = with_extras(rows)
     worst = {kind: max(abs(row["projected_bytes"] / row["measured_bytes"] - 1) for row in rows if row["kind"] == kind)
              for kind in dict.fromkeys(row["kind"] for row in rows)}
@@ -198,8 +214,8 @@ def main(argv=None) -> list[dict]:
                   "finished": utc_now(), **code_state(), "cpu": cpu_name(), "cores": os.cpu_count(),
                   "versions": library_versions(), "settings": {k: v for k, v in vars(args).items() if k not in ("out", "point")},
                   "largest_relative_error": worst, "rows": rows}
-        (args.out / "results.json").write_text(json.dumps(record, indent=1))
-        (args.out / "results.md").write_text(
+        write_atomic(args.out / "results.json", json.dumps(record, indent=1))
+        write_atomic(args.out / "results.md",
             f"# OPOB step memory on CPU: measured and projected\n\n`{record['command']}`, {started} to {record['finished']}, "
             f"commit {record['commit']} (dirty: {record['dirty']}), {record['cpu']}, {record['cores']} cores.\n\n"
             f"C = one float32 copy of the model. Measured: the step's peak resident memory above the resident memory "

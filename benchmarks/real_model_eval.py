@@ -25,14 +25,15 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
 from vcpo.evaluation.metrics import per_problem_means
-from vcpo.lifetimes import die_with_parent
+from vcpo.lifetimes import dies_with_this_thread
 from vcpo.local_models import packaged_model
+from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies.statistics import bootstrap_mean_interval, wilson_interval
@@ -82,9 +83,9 @@ def main(argv=None) -> int:
         spec = {**settings["defaults"], **settings["benchmarks"][name]}
         problems = sum(1 for _ in (args.data / name / "test.jsonl").open())
         sizes[name] = min(subset_size(problems, spec["n"], plan), args.limit or problems)
-        if name in rows and sizes[name] < rows[name]["problems"]:
-            parser.error(f"{results_file} has {name} over {rows[name]['problems']} problems and this run would have "
-                         f"{sizes[name]}: nothing written; pass --tables for a folder of your own")
+    recorded = {name: rows[name]["problems"] for name in names if name in rows}  # the other benchmarks' rows stay
+    if problem := shrink_problem(results_file, recorded, sizes, "pass --tables for a folder of your own", unit="problems"):
+        parser.error(problem)
     model = packaged_model(plan["model"])
     args.tables.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
             origin = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions()}
             origin_file.write_text(json.dumps(origin, indent=2) + "\n")
             env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
-            subprocess.run(command, check=True, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+            subprocess.run(command, check=True, env=env, preexec_fn=dies_with_this_thread)
             origin_file.write_text(json.dumps({**origin, "end": utc_now()}, indent=2) + "\n")
         summary = json.loads(summary_file.read_text())
         interval = plan["interval"]
@@ -116,8 +117,8 @@ def main(argv=None) -> int:
         row["provenance"] = {**json.loads(origin_file.read_text()), "other_work": args.other_work}  # as the run began and ended
         rows[name] = row
         provenance = {"model": plan["model"], "registration": "recipes/real_model.yaml"}
-        results_file.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")  # after each benchmark
-        (args.tables / "base_eval.md").write_text(table(rows))
+        write_atomic(results_file, json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")  # after each benchmark
+        write_atomic(args.tables / "base_eval.md", table(rows))
     print(table(rows))
     return 0
 

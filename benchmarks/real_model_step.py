@@ -35,6 +35,10 @@ from pathlib import Path
 
 import torch
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
+from vcpo.locks import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 THREADS = 1  # the rollout server's BLAS threads (the CPU recipe's)
 TRAINER_THREADS = os.cpu_count() or 1  # the trainer's, for a pretrained model (vcpo.verl_plugin.cpu.recipe.environment)
@@ -118,9 +122,20 @@ def log_prob_error(model_dir: Path, prompts: list[list[int]], outputs, responses
     return {"mean_abs": float(errors.mean()), "max_abs": float(errors.max()), "tokens": int(errors.numel())}
 
 
+# part 2's settings: (name, dtype, requests decoded at once)
+GENERATIONS = (("one at a time, float32", "float32", 1), ("batched, float32", "float32", 64),
+               ("batched, bfloat16", "bfloat16", 64))
+
+
+def measured(report: dict) -> dict[str, int]:
+    """What a report measured, each with its size: each generation setting, and the verl run over its steps."""
+    return dict.fromkeys(report.get("generation", {}), 1) | ({"the verl run": report["run"]["steps"]} if "run" in report else {})
+
+
 def verl_run(args, work: Path) -> dict:
     """One run through verl's trainer: start-up, the per-step phases after the pipeline filled, the staleness."""
     from vcpo.data import load_rows
+    from vcpo.launch import overwriting
     from vcpo.recipes import read_yaml, recipes_dir
     from vcpo.reporting.run_data import read_metrics
     from vcpo.studies.real_model_lag import real_model_run_command
@@ -133,8 +148,9 @@ def verl_run(args, work: Path) -> dict:
                                           val, work / f"{args.method}_lag{args.lag}", work / "data",
                                           extra=("trainer.test_freq=-1", "trainer.val_before_train=false", *args.override))
     started = time.perf_counter()
-    with open(work / f"{out.name}.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    with open(work / f"{out.name}.log", "w") as log:  # every run of the benchmark measures a fresh one
+        code = subprocess.run(overwriting(command), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                              preexec_fn=dies_with_this_thread).returncode
     wall = time.perf_counter() - started
     lines = [line for line in read_metrics(out) if "timing_s/step" in line]
     if code or not lines:
@@ -187,7 +203,7 @@ def finish_run(args, report: dict, limits: dict, training: dict, parameters: int
     report["provenance"]["end"] = utc_now()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_atomic(args.json, json.dumps(report, indent=1, default=str) + "\n")
     return 0
 
 
@@ -208,6 +224,12 @@ def main(argv=None) -> int:
                         help="a Hydra override appended to the verl run's (repeatable)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    planned = ({} if args.skip_generation else {name: 1 for name, _, _ in GENERATIONS}) | (
+        {} if args.skip_run else {"the verl run": args.steps})
+    if args.json and args.json.exists() and (problem := shrink_problem(
+            args.json, measured(json.loads(args.json.read_text())), planned, "pass --json for a file of your own",
+            rows="parts", unit="steps")):
+        sys.exit(f"error: {problem}")
     torch.set_num_threads(THREADS)
     plan = read_yaml(recipes_dir() / "real_model.yaml")
     training = plan["training"]
@@ -240,8 +262,7 @@ def main(argv=None) -> int:
     prompts = training_prompts(model_dir, task, training["prompts_per_step"])
     responses, max_tokens = training["responses_per_prompt"], training["max_response_length"]
     generation = {}
-    for name, dtype, max_batch in (("one at a time, float32", "float32", 1), ("batched, float32", "float32", 64),
-                                   ("batched, bfloat16", "bfloat16", 64)):
+    for name, dtype, max_batch in GENERATIONS:
         result = generate_once(model_dir, prompts, responses, max_tokens, dtype, max_batch)
         bytes_per_step = weight_bytes / (2 if dtype == "bfloat16" else 1)
         bound = result["decode_steps"] * bytes_per_step / limits["read_bytes_per_s"]

@@ -22,8 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
 from vcpo.data import load_rows
+from vcpo.lifetimes import dies_with_this_thread
 from vcpo.local_models import packaged_model
+from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, output_record, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies.real_model_lag import choice_conflict, chosen_task, evaluate_candidate, real_model_run_command
@@ -119,8 +122,11 @@ def training_command(arm: str, seed: int, work: Path, tables: Path = TABLES) -> 
     if choice["chosen"] is None:
         raise SystemExit("tables/real_model/task_choice.json chose no task: there is nothing to train on")
     val = load_rows(choice["chosen"], plan["task_choice"]["split"])[: training["validation"]["problems"]]
-    return real_model_run_command(spec["method"], spec["lag"], seed, training, choice["chosen"], choice["answer_format"],
-                                  val, work / f"{arm}_s{seed}", work / "data")
+    from vcpo.launch import overwriting
+
+    command, out = real_model_run_command(spec["method"], spec["lag"], seed, training, choice["chosen"],
+                                          choice["answer_format"], val, work / f"{arm}_s{seed}", work / "data")
+    return overwriting(command), out  # a run killed before its end is trained again from its start (verl cannot resume it)
 
 
 # verl's metric names: the training reward, the step's time split, and VCPO's own
@@ -166,15 +172,17 @@ def report(work: Path, tables: Path = TABLES, other_work: dict[str, str] | None 
                    "provenance": run_origin(folder, recorded.get("arms", {}).get(name, {}))}
             for name, folder in runs.items() if (folder / "metrics.jsonl").exists()}
     choice = json.loads((tables / "task_choice.json").read_text())
-    if missing := sorted(set(recorded.get("arms", {})) - set(arms)):
-        raise SystemExit(f"{earlier} holds runs {', '.join(missing)} that {work} lacks: nothing written; pass --work "
-                         "with every run, or --tables for a folder of your own")
+    steps = {name: arm["steps"] for name, arm in recorded.get("arms", {}).items()}
+    if problem := shrink_problem(earlier, steps, {name: arm["steps"] for name, arm in arms.items()},
+                                 f"pass --work with every run (not {work}), or --tables for a folder of your own",
+                                 rows="runs", unit="steps"):
+        raise SystemExit(problem)
     other_work = {**recorded.get("other_work", {}), **(other_work or {})}
     result = {"plan": plan, "task": choice["chosen"], "answer_format": choice["answer_format"], "arms": arms,
               "other_work": {name: text for name, text in other_work.items() if name in arms},
               "provenance": {**code_state(), "written": utc_now(), "cpu": cpu_name()}}
-    (tables / "training.json").write_text(json.dumps(result, indent=1) + "\n")
-    (tables / "training.md").write_text(training_markdown(result))
+    write_atomic(tables / "training.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(tables / "training.md", training_markdown(result))
     draw_training(result, tables / "training.png")
     print(training_markdown(result))
     return result
@@ -320,11 +328,14 @@ def main(argv=None) -> int:
     if args.print:
         print(" ".join(command))
         return 0
+    if (out / RUN_PROVENANCE).exists() and json.loads((out / RUN_PROVENANCE).read_text())["exit"] == 0:
+        raise SystemExit(f"{out} holds this arm's finished run ({RUN_PROVENANCE}: exit 0): nothing to do; delete the "
+                         "folder to train it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = utc_now()
-    returncode = subprocess.run(command, check=False).returncode
+    returncode = subprocess.run(command, check=False, preexec_fn=dies_with_this_thread).returncode
     # the launcher's run folder records no commit or times: the run's own, beside its metrics, for the report
-    (out / RUN_PROVENANCE).write_text(json.dumps({**output_record(started), "exit": returncode}, indent=1) + "\n")
+    write_atomic(out / RUN_PROVENANCE, json.dumps({**output_record(started), "exit": returncode}, indent=1) + "\n")
     return returncode
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from vcpo.cli import shrink_problem
+from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.sim.config import apply_overrides, load_config_file
 from vcpo.sim.learner import Learner, collate, warmup_stable_decay
@@ -108,7 +110,21 @@ def write_json(path: Path | None, result: dict) -> None:
     """``--json``: the result, where one was asked for."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_atomic(path, json.dumps(result, indent=1) + "\n")
+
+
+def measured(result: dict) -> dict[str, int]:
+    """Each variant a ``--json`` result timed, and over how many updates (a profile's: each method's repeats)."""
+    if "self_ms" in result:
+        return dict.fromkeys(result["self_ms"], result["repeats"])
+    return dict.fromkeys(result["median_s"], result["repeats"] * result["batches"])
+
+
+def planned(args: argparse.Namespace) -> dict[str, int]:
+    if args.profile:
+        return measured({"self_ms": dict.fromkeys(METHODS), "repeats": args.repeats})
+    return measured({"median_s": dict.fromkeys(label for label, _, _ in VARIANTS), "repeats": args.repeats,
+                     "batches": args.batches})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*", help="key=value settings over the config file (default lag=12)")
     args = parser.parse_args(argv)
+    if args.json is not None and args.json.exists() and (problem := shrink_problem(
+            args.json, measured(json.loads(args.json.read_text())), planned(args), "pass --json for a file of your own",
+            rows="variants", unit="updates")):
+        sys.exit(f"error: {problem}")
     torch.set_num_threads(1)
     settings = {"lag": "12", "lag_model": "pipeline_overlap", "method": "vcpo", "threads": "1", "progress": "false",
                 "opob_combination": "deferred", **dict(item.split("=", 1) for item in args.overrides)}

@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
+from vcpo.locks import write_atomic
 from vcpo.provenance import cpu_name
 from vcpo.reporting.run_data import read_metrics
 from vcpo.verl_plugin.cpu.recipe import write_data
@@ -35,7 +38,7 @@ def launch(out: Path, lag: int, steps: int, model: Path, data: dict[str, Path], 
     if lag:
         command += ["--lag", str(lag)]
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, preexec_fn=dies_with_this_thread)
     wall = time.perf_counter() - started
     if result.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
@@ -84,18 +87,25 @@ def main(argv=None) -> int:
     lags = [int(lag) for lag in args.lags.split(",")]
     if lags[0] != 0:
         parser.error("--lags must start with 0 (sync), the reference of the ratios")
+    earlier = args.out / "verl_async_speed.json"
+    recorded = {f"lag {run['lag']}": run["timed_steps"] for run in json.loads(earlier.read_text())["runs"]} \
+        if earlier.exists() else {}
+    if problem := shrink_problem(earlier, recorded, {f"lag {lag}": args.steps - args.warmup for lag in lags},
+                                 "pass --out for a folder of your own", rows="runs", unit="timed steps"):
+        sys.exit(f"error: {problem}")
     report = {"machine": cpu_name(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "steps": args.steps,
               "warmup": args.warmup, "command": sys.argv, "runs": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="verl-async-speed-") as scratch:
         root = Path(scratch)
         model = root / "model"
-        subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL,
+                       preexec_fn=dies_with_this_thread)
         data = write_data(root / "data")
         for lag in lags:
             report["runs"].append(launch(root / f"lag{lag}", lag, args.steps, model, data, args.warmup))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "verl_async_speed.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "verl_async_speed.md").write_text(markdown(report))
+    write_atomic(earlier, json.dumps(report, indent=2) + "\n")
+    write_atomic(args.out / "verl_async_speed.md", markdown(report))
     print(markdown(report))
     return 0
 

@@ -333,13 +333,25 @@ def test_the_training_report_never_drops_a_recorded_run_and_train_names_its_arms
     module = _benchmark_module("real_model_task")
     tables = tmp_path / "tables"
     tables.mkdir()
-    recorded = json.dumps({"arms": {"sync_s0": {}, "vcpo_s0": {}}})
+    recorded = json.dumps({"arms": {"sync_s0": {"steps": 30}, "vcpo_s0": {"steps": 30}}})
     (tables / "training.json").write_text(recorded)
     (tables / "task_choice.json").write_text(json.dumps({"chosen": "sums", "answer_format": "lenient"}))
-    with pytest.raises(SystemExit, match="holds runs sync_s0, vcpo_s0 that .* lacks: nothing written"):
+    with pytest.raises(SystemExit, match="holds runs sync_s0, vcpo_s0 that this run lacks: nothing written; pass --work"):
         module.report(tmp_path / "empty", tables)
+    work = tmp_path / "work"
+    for name, steps in (("sync_s0", 30), ("vcpo_s0", 12)):  # vcpo_s0 killed at step 12 and trained again from its start
+        (work / name).mkdir(parents=True)
+        (work / name / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "data": {"critic/score/mean": 0.5}}) + "\n"
+                                                           for step in range(1, steps + 1)))
+    with pytest.raises(SystemExit, match="has vcpo_s0 over 30 steps and this run would have 12: nothing written"):
+        module.report(work, tables)
     assert (tables / "training.json").read_text() == recorded and not (tables / "training.png").exists()
     with pytest.raises(SystemExit, match="--arm bogus: not a registered arm"):
         module.training_command("bogus", 0, tmp_path / "work", tables)
     with pytest.raises(SystemExit, match="no task choice yet"):
         module.training_command("sync", 0, tmp_path / "work", tmp_path)
+    command, out = module.training_command("sync", 0, work, tables)
+    assert command[command.index("--") - 1] == "--overwrite"  # a run killed before its end starts clean
+    (out / module.RUN_PROVENANCE).write_text(json.dumps({"exit": 0}))
+    with pytest.raises(SystemExit, match=f"^{out} holds this arm's finished run .*: nothing to do; delete the folder"):
+        module.main(["train", "--arm", "sync", "--work", str(work), "--tables", str(tables)])

@@ -1,8 +1,9 @@
-"""Argument checks the command-line entry points share (the simulator, the evaluation)."""
+"""Argument checks the command-line entry points share (the simulator, the evaluation, the scripts that write tables)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -14,4 +15,19 @@ def output_folder_problem(path: Path) -> str | None:
         return f"{existing} is a file, not a folder"
     if existing is not None and not os.access(existing, os.W_OK):
         return f"{existing} is not writable"
+    return None
+
+
+def shrink_problem(table: Path, recorded: Mapping[str, int], new: Mapping[str, int], remedy: str, rows: str = "rows",
+                   unit: str = "rows") -> str | None:
+    """Why writing ``new`` over the table file ``table`` would lose what it holds (None: it would not), in one line that
+    ends with ``remedy`` (how to write elsewhere). ``recorded`` and ``new`` map each of the table's ``rows`` to its size
+    in ``unit`` (the problems a row was evaluated on, the rounds it was measured in: 1 where a row has no size); a row
+    dropped, or one of fewer ``unit``, is a loss: committed tables are replaced only by runs that did as much."""
+    if missing := [name for name in recorded if name not in new]:
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return f"{table} holds {rows} {named} that this run lacks: nothing written; {remedy}"
+    for name, size in recorded.items():
+        if new[name] < size:
+            return f"{table} has {name} over {size} {unit} and this run would have {new[name]}: nothing written; {remedy}"
     return None

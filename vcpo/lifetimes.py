@@ -28,6 +28,12 @@ def die_with_parent(signum: int) -> None:
         pass
 
 
+def dies_with_this_thread() -> None:
+    """A script's ``preexec_fn`` for a child it starts: SIGKILL when the thread that started it ends, however it ends,
+    so that nothing a killed script started computes on (or writes) without it."""
+    die_with_parent(signal.SIGKILL)
+
+
 def die_with(pid: int, signum: int = signal.SIGTERM) -> None:
     """``signum`` to this process when process ``pid`` ends (at once if it has ended already)."""
     try:

@@ -32,6 +32,7 @@ from vcpo.launch.composition import (
     composed_cache_file,
     launch_record,
     launching_into,
+    overwriting,
     verl_config_dir,
     verl_configs_fingerprint,
     write_launch_record,
@@ -52,6 +53,6 @@ __all__ = [
     "EXTERNAL_MODULES", "OVERWRITE_HELP", "STRATEGIES", "LaunchError", "Run", "actor_strategy", "asynchrony_overrides",
     "check", "check_added_keys", "command",
     "compose", "composed_cache_file", "get_task_recipe", "gpus_needed", "launch_record", "launching_into", "load_tasks",
-    "make_run", "megatron_overrides", "megatron_setup", "overrides", "run_environment", "shell_command", "strategy_of",
+    "make_run", "megatron_overrides", "megatron_setup", "overrides", "overwriting", "run_environment", "shell_command", "strategy_of",
     "verl_config_dir", "verl_configs_fingerprint", "write_launch_record",
 ]

@@ -25,6 +25,14 @@ OVERWRITE_HELP = ("start over in a folder that holds a run (its launch record, m
                   "first); without it, such a folder is refused unless this launch resumes its run")
 
 
+def overwriting(command: list[str]) -> list[str]:
+    """A ``python -m vcpo.launch.cpu`` command (its Hydra overrides after ``--``) that starts its run over in a folder
+    that holds an earlier one: what a benchmark that measures a fresh run, or a driver that trains a killed run again
+    from its start, launches."""
+    cut = command.index("--") if "--" in command else len(command)
+    return [*command[:cut], "--overwrite", *command[cut:]]
+
+
 def launch_record(run: Run, config, verl_command: list[str], environment: dict[str, str]) -> dict:
     """What starts the run, with the GPUs its composed config holds (the tables cost runs by them, and read a run with
     this record as a verl run)."""

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from vcpo.cli import shrink_problem
+from vcpo.lifetimes import dies_with_this_thread
 from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, output_record, utc_now
 from vcpo.reporting.run_data import read_metrics
-from vcpo.runs import VAL_ACCURACY, exit_with, is_finished
+from vcpo.runs import VAL_ACCURACY, exit_with, is_finished, read_json
 from vcpo.sim.config import load_config_file
 from vcpo.studies.design import (
     Design,
@@ -37,7 +39,7 @@ from vcpo.studies.design import (
     run_folder,
     run_settings,
 )
-from vcpo.studies.evidence import arm_summary, compare, missing_seeds, read_rows, rows_by_arm, run_row
+from vcpo.studies.evidence import arm_summary, compare, keep_every_run, missing_seeds, read_rows, rows_by_arm, run_row
 from vcpo.studies.statistics import ALPHA, equivalence, holm
 
 DESIGN = Path("recipes/sim/across_lags.yaml")
@@ -98,6 +100,7 @@ def write_rows(design: Design, archive: Path, table: Path) -> list[dict]:
         row["counts"] = counts(row)
         row["target"] = target["target"] if target and row["study_task"] == "countdown" else None
         row["steps_to_target"] = steps_to_target(row["validation_curve"], row["target"]) if row["target"] is not None else None
+    keep_every_run(table, rows)
     table.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
     left_out = [f"{row['study_task']}/{row['arm']} seed {row['seed']}" for row in rows if not row["counts"]]
@@ -277,7 +280,7 @@ def run_timing(design: Design, out: Path, table: Path) -> dict:
     for name in timing_arms(design):
         command = timing_command(design, name, out)
         print(f"timing {name}: {' '.join(command[1:])}", flush=True)
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, preexec_fn=dies_with_this_thread)
         steps = [line["timing_s/step"] for line in read_metrics(out / name) if "timing_s/step" in line and line["step"] >= TIMING_FROM_STEP]
         seconds[name] = float(np.mean(steps))
         print(f"  {seconds[name]:.3f} s per step", flush=True)
@@ -339,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         timing_table = json.loads(args.timing.read_text()) if args.timing.exists() else None
         rows = read_rows(args.table)
         stats = {**report(rows, design, timing_table), "provenance": output_record(started)}
+        earlier = args.out / "stats.json"
+        if earlier.exists() and (problem := shrink_problem(earlier, {"the report": read_json(earlier)["rows"]},
+                                                            {"the report": stats["rows"]}, "pass --out for a folder of your own",
+                                                            unit="runs")):
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         write_report(stats, rows, args.out)
         if args.table == TABLE:  # the committed study: its prose in the docs and the README is generated here
             replace_block(Path("docs/studies.md"), "across_lags_results", results_markdown(stats))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vcpo.cli import shrink_problem
 from vcpo.locks import FolderInUse, write_atomic
 from vcpo.provenance import cpu_name, git_additions, output_record, unrecorded, utc_now
 from vcpo.recipes import recipes_dir
@@ -212,12 +213,33 @@ def write_rows(design: Design, root: Path, table: Path) -> list[dict]:
     finished = [(arm, seed) for arm in design.arms for seed in design.seeds_of(arm.task) if is_finished(run_folder(root, arm, seed))]
     rows = [run_row(design, arm, seed, root) for arm, seed in finished]
     declare_unrecorded(rows, [run_folder(root, arm, seed) for arm, seed in finished], root, recipes_dir() / REGISTRATION)
+    keep_every_run(table, rows)
     table.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(table, "".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
 
+def keep_every_run(table: Path, rows: list[dict]) -> None:
+    """SystemExit in one line, nothing written, when ``rows`` lack a run the table file ``table`` holds (an archive
+    without every run, a fresh clone's)."""
+    if table.exists() and (problem := shrink_problem(table, dict.fromkeys(map(run_key, read_rows(table)), 1),
+                                                      dict.fromkeys(map(run_key, rows), 1),
+                                                      "pass --archive with every run, or --table for a file of your own",
+                                                      rows="runs")):
+        raise SystemExit(f"error: {problem}")
+
+
 # -- the report -------------------------------------------------------------------------------------
+def run_key(row: dict) -> str:
+    """A row's run, task/arm/seed (the study's task where a study names its own)."""
+    return "/".join(map(str, (row.get("study_task", row["task"]), row["arm"], row["seed"])))
+
+
+def arm_seeds(stats: dict) -> dict[str, int]:
+    """Each task's arm a report summarises, and over how many seeds."""
+    return {f"{task}/{arm}": summary["n"] for task, entry in stats["tasks"].items() for arm, summary in entry["arms"].items()}
+
+
 def read_rows(table: Path) -> list[dict]:
     """The rows of a study's runs.jsonl; RunFileProblem naming the file and line when one cannot be read, or when a
     run, (task, arm, seed), has two rows (it would count twice)."""
@@ -227,11 +249,11 @@ def read_rows(table: Path) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-            key = (row.get("study_task", row["task"]), row["arm"], row["seed"])
+            key = run_key(row)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise RunFileProblem(f"{table} line {number} is not a run's row") from None
         if key in seen:
-            raise RunFileProblem(f"{table} lines {seen[key]} and {number} are the same run ({'/'.join(map(str, key))})")
+            raise RunFileProblem(f"{table} lines {seen[key]} and {number} are the same run ({key})")
         seen[key] = number
         rows.append(row)
     return rows
@@ -431,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(write_rows(design, args.archive, args.table))} archived runs -> {args.table}")
         return 0
     started = utc_now()
-    write_report({**report(read_rows(args.table), design), "provenance": output_record(started)}, args.out)
+    stats = {**report(read_rows(args.table), design), "provenance": output_record(started)}
+    earlier = args.out / "stats.json"
+    if earlier.exists() and (problem := shrink_problem(earlier, arm_seeds(read_json(earlier)), arm_seeds(stats),
+                                                        "pass --out for a folder of your own", rows="arms", unit="seeds")):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    write_report(stats, args.out)
     return 0
 
 

@@ -11,8 +11,11 @@ over seeds, the line their mean.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.locks import write_atomic
 from vcpo.reporting.figures import (
     PANEL_NAMES,
     draw_lag_sweep_axes,
@@ -73,6 +76,16 @@ def summary_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_table_rows(markdown: str) -> list[dict]:
+    """The method, lag and seeds of each row of a `summary_markdown` table."""
+    cells = [line.strip("|").split("|") for line in markdown.splitlines()[2:] if line.startswith("|")]
+    return [{"method": row[0].strip(), "lag": int(row[1]), "seeds": int(row[2])} for row in cells]
+
+
+def seeds_by_row(rows: list[dict]) -> dict[str, int]:
+    return {f"{row['method']} at lag {row['lag']}": row["seeds"] for row in rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vcpo.studies.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
@@ -86,18 +99,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", type=Path, help="also write a markdown summary table here")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
-    if args.lags:
-        lags = [int(lag) for lag in args.lags.split(",")]
-        print(plot_lag_sweep(args.root, args.task, methods[0], lags, args.out))
-        if args.table:
-            args.table.write_text(summary_markdown(lag_sweep_rows(args.root, args.task, methods[0], lags)))
-        return
-    if args.lag is None:
+    lags = [int(lag) for lag in args.lags.split(",")] if args.lags else None
+    if lags is None and args.lag is None:
         parser.error("--lag or --lags is required")
-    print(plot_sweep(args.root, args.task, args.lag, methods, args.out, args.smooth, args.title))
+    if args.table:
+        rows = lag_sweep_rows(args.root, args.task, methods[0], lags) if lags else summary_rows(args.root, args.task, args.lag, methods)
+        recorded = seeds_by_row(summary_table_rows(args.table.read_text())) if args.table.exists() else {}
+        if problem := shrink_problem(args.table, recorded, seeds_by_row(rows), "pass --table and --out for files of your own",
+                                     unit="seeds"):
+            sys.exit(f"error: {problem}")
+    if lags:
+        print(plot_lag_sweep(args.root, args.task, methods[0], lags, args.out))
+    else:
+        print(plot_sweep(args.root, args.task, args.lag, methods, args.out, args.smooth, args.title))
     if args.table:
         args.table.parent.mkdir(parents=True, exist_ok=True)
-        args.table.write_text(summary_markdown(summary_rows(args.root, args.task, args.lag, methods)))
+        write_atomic(args.table, summary_markdown(rows))
         print(args.table)
 
 

@@ -1,0 +1,146 @@
+"""A script that writes a table under tables/ never replaces it with one that holds less: fewer rows, or a row over
+fewer problems, runs, seeds or rounds is refused in one line before anything runs or is written; --out (or --json,
+--table, --tables) writes elsewhere."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_local_models import _benchmark_module
+
+from vcpo.cli import shrink_problem
+
+TABLES = Path(__file__).resolve().parents[1] / "tables"
+
+
+def test_a_table_loses_nothing_a_run_would_drop():
+    recorded = {"gsm8k": 65, "math500": 500}
+    assert shrink_problem(Path("t.json"), recorded, {"gsm8k": 65, "math500": 500, "aime24": 30}, "pass --tables") is None
+    assert shrink_problem(Path("t.json"), recorded, {"gsm8k": 65}, "pass --tables", rows="benchmarks") == (
+        "t.json holds benchmarks math500 that this run lacks: nothing written; pass --tables")
+    assert shrink_problem(Path("t.json"), recorded, {"gsm8k": 1, "math500": 500}, "pass --tables", unit="problems") == (
+        "t.json has gsm8k over 65 problems and this run would have 1: nothing written; pass --tables")
+    many = shrink_problem(Path("t.json"), dict.fromkeys("abcde", 1), {}, "pass --out")
+    assert many == "t.json holds rows a, b, c and 2 more that this run lacks: nothing written; pass --out"
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    """A benchmark that refuses starts none of its runs."""
+    for start in ("run", "Popen"):
+        monkeypatch.setattr(subprocess, start, lambda command, *args, **kwargs: pytest.fail(f"started {command}"))
+
+
+def refused(run, folder: Path) -> str:
+    """The one line with which ``run()`` refuses, having written nothing under ``folder``."""
+    before = folder_files(folder)
+    with pytest.raises(SystemExit) as stopped:
+        run()
+    assert folder_files(folder) == before
+    message = str(stopped.value.code)
+    assert message.startswith("error: ") and "\n" not in message and ": nothing written; pass --" in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("script", "recorded", "name", "argv", "expected"),
+    [
+        ("async_speed", "async_speed/async_speed.json", "async_speed.json", ["--out", "{out}", "--lags", "4"],
+         "holds configurations countdown seq_tis_c8 k=1, countdown seq_tis_c8 k=2, countdown seq_tis_c8 k=12 and 13 more"),
+        ("verl_async_speed", "verl_async_speed/verl_async_speed.json", "verl_async_speed.json",
+         ["--out", "{out}", "--lags", "0,1"], "holds runs lag 2 that this run lacks"),
+        ("verl_async_speed", "verl_async_speed/verl_async_speed.json", "verl_async_speed.json",
+         ["--out", "{out}", "--steps", "6"], "has lag 0 over 10 timed steps and this run would have 2"),
+        ("sim_update_cost", "opob_sim/update_cost.json", "update_cost.json", ["--json", "{out}/update_cost.json"],
+         "has seq_tis_c8 over 32 updates and this run would have 12"),
+        ("opob_memory", "opob_memory/results.json", "results.json", ["--out", "{out}", "--models", "small"],
+         "holds points 50m plain G=1, 50m single G=1, 50m two_pass G=1 and 10 more"),
+        ("real_model_step", "real_model/step/lag12_final.json", "lag12_final.json",
+         ["--json", "{out}/lag12_final.json", "--skip-run"], "holds parts the verl run that this run lacks"),
+    ],
+)
+def test_a_benchmark_run_that_would_measure_less_is_refused_before_it_starts(tmp_path, no_processes, script, recorded, name,
+                                                                               argv, expected):
+    module = _benchmark_module(script)
+    shutil.copy(TABLES / recorded, tmp_path / name)
+    message = refused(lambda: module.main([part.format(out=tmp_path) for part in argv]), tmp_path)
+    assert message.startswith(f"error: {tmp_path / name} ") and expected in message
+    assert "pass --out for a folder of your own" in message or "pass --json for a file of your own" in message
+
+
+def test_kernel_pinning_refuses_fewer_repeats(tmp_path, monkeypatch, no_processes):
+    module = _benchmark_module("kernel_pinning")
+    shutil.copy(TABLES / "kernel_pinning" / "kernel_pinning.json", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["kernel_pinning.py", "--out", str(tmp_path), "--repeats", "1"])
+    assert "has native over 2 repeats and this run would have 1: nothing written; pass --out" in refused(
+        module.main, tmp_path)
+
+
+def test_the_answer_audit_refuses_a_report_over_fewer_responses(tmp_path):
+    module = _benchmark_module("answer_format_audit")
+    response = {"id": "sums/0/0", "task": "sums", "question": "2 + 3?", "ground_truth": "5", "response": "5", "ended": True,
+                "tokens": 1, "scores": {"strict": "correct", "lenient": "correct"}}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(response) + "\n")
+    (tmp_path / "labels.jsonl").write_text(json.dumps({"id": "sums/0/0", "label": "correct"}) + "\n")
+    shutil.copy(TABLES / "real_model" / "answer_audit" / "audit.json", tmp_path)
+    message = refused(lambda: module.main(["report", "--out", str(tmp_path)]), tmp_path)
+    assert message == (f"error: {tmp_path / 'audit.json'} has the audit over 384 responses and this run would have 1: "
+                       "nothing written; pass --out for a folder of your own")
+
+
+def test_a_summary_table_is_not_replaced_by_one_over_fewer_runs(tmp_path):
+    from vcpo.studies.plots import main
+
+    shutil.copy(TABLES / "sim_study" / "core_k12.md", tmp_path)
+    argv = [str(tmp_path / "no_runs"), "--lag", "12", "--out", str(tmp_path / "core.png"), "--table", str(tmp_path / "core_k12.md")]
+    message = refused(lambda: main(argv), tmp_path)
+    assert "holds rows sync at lag 0, seq_tis_c8 at lag 12, vcpo at lag 12 that this run lacks" in message
+
+
+@pytest.mark.parametrize("study", ["evidence", "across_lags"])
+def test_a_study_table_keeps_every_run_and_its_report_every_run_it_counted(tmp_path, capsys, study):
+    """The table of rows from an archive without every run (a fresh clone's, say), and a report from a table with fewer
+    runs than the one that wrote the report there: one line each, nothing written."""
+    import importlib
+
+    main = importlib.import_module(f"vcpo.studies.{study}").main
+    lines = (TABLES / study / "runs.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "runs.jsonl").write_text("".join(lines[:20]))
+    (tmp_path / "archive").mkdir()
+    message = refused(lambda: main(["rows", "--archive", str(tmp_path / "archive"), "--table", str(tmp_path / "runs.jsonl")]),
+                      tmp_path)
+    assert message.startswith(f"error: {tmp_path / 'runs.jsonl'} holds runs ") and "and 17 more that this run lacks" in message
+    (tmp_path / "out").mkdir()
+    shutil.copy(TABLES / study / "stats.json", tmp_path / "out")
+    before = folder_files(tmp_path)
+    argv = ["report", "--table", str(tmp_path / "runs.jsonl"), "--out", str(tmp_path / "out")]
+    assert main(argv + (["--any-analysis-commit"] if study == "across_lags" else [])) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"error: {tmp_path / 'out' / 'stats.json'} ") and folder_files(tmp_path) == before
+    expected = "has the report over 272 runs and this run would have 20" if study == "across_lags" else "holds arms countdown/"
+    assert expected in error[0]
+
+
+def test_a_driver_kills_its_child_when_it_dies(tmp_path):
+    """dies_with_this_thread, as the table scripts start their children: a SIGKILLed driver's child ends with it."""
+    driver = ("import subprocess, sys, time; from vcpo.lifetimes import dies_with_this_thread; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], preexec_fn=dies_with_this_thread); "
+              "print(child.pid, flush=True); time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    child = Path(f"/proc/{int(process.stdout.readline())}")
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 60  # a guard against a hang only: left alone, the child sleeps ten minutes
+    while child.exists() and child.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child outlived its driver"
+        time.sleep(0.05)
