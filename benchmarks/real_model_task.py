@@ -11,7 +11,8 @@ every candidate's mean reward with its bootstrap interval, and the chosen task (
 evaluated in --work is read back, not rerun.
 
 ``train`` runs one arm of the registered training (``training`` in recipes/real_model.yaml) on the chosen task
-through verl's own trainer (``python -m vcpo.launch.cpu``), into <work>/<arm>_s<seed>/ (metrics.jsonl).
+through verl's own trainer (``python -m vcpo.launch.cpu``), into <work>/<arm>_s<seed>/ (metrics.jsonl), from its start
+whatever the folder holds (verl cannot resume the real model's runs).
 """
 
 from __future__ import annotations
@@ -328,9 +329,6 @@ def main(argv=None) -> int:
     if args.print:
         print(" ".join(command))
         return 0
-    if (out / RUN_PROVENANCE).exists() and json.loads((out / RUN_PROVENANCE).read_text())["exit"] == 0:
-        raise SystemExit(f"{out} holds this arm's finished run ({RUN_PROVENANCE}: exit 0): nothing to do; delete the "
-                         "folder to train it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     returncode = subprocess.run(command, check=False, preexec_fn=dies_with_this_thread).returncode
