@@ -141,7 +141,7 @@ def test_the_first_level_modules_import_only_the_layers_below_them():
 SIM_ORDER = [
     "vcpo.sim.config", "vcpo.sim.rollout", "vcpo.sim.tasks", "vcpo.sim.heldout", "vcpo.sim.base", "vcpo.sim.validation",
     "vcpo.sim.learner",
-    "vcpo.sim.concurrent", "vcpo.sim.train", "vcpo.sim.sweep", "vcpo.sim.__main__",
+    "vcpo.sim.concurrent", "vcpo.sim.run_folder", "vcpo.sim.train", "vcpo.sim.sweep", "vcpo.sim.__main__",
     # the pre-registered commands' aliases of moved studies (they run vcpo.studies.* by name, importing nothing)
     "vcpo.sim.evidence", "vcpo.sim.across_lags", "vcpo.sim.stability",
 ]  # fmt: skip

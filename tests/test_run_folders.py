@@ -166,18 +166,19 @@ def test_a_crash_during_the_resumes_rewrite_keeps_the_history(base, tmp_path, un
     out = tmp_path / "run"
     interrupted_run(base, out, 5)
     before = (out / METRICS_FILE).read_text()
-    import vcpo.sim.train as train_module
+    import vcpo.sim.run_folder as run_folder_module
     from vcpo.sim.config import SimConfig, apply_overrides
+    from vcpo.sim.train import Trainer
 
     def crash(path, text):
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         partial.write_text(text[: len(text) // 2])
         raise OSError("disk full")  # before the rename
 
-    monkeypatch.setattr(train_module, "write_atomic", crash)
+    monkeypatch.setattr(run_folder_module, "write_atomic", crash)
     config = apply_overrides(SimConfig(), {**RESUME, "base": str(base), "out": str(out)})
     with pytest.raises(OSError, match="disk full"):
-        train_module.Trainer(config).run()
+        Trainer(config).run()
     assert (out / METRICS_FILE).read_text() == before
     monkeypatch.undo()
     subprocess.run(command(base, out), check=True, capture_output=True)

@@ -15,6 +15,7 @@ import torch
 from vcpo.local_models import save_random_model
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides
+from vcpo.sim.run_folder import RunFolder
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
 from vcpo.sim.validation import validate
 
@@ -57,7 +58,7 @@ class Stop(Exception):
 def run_stopped_after(trainer: Trainer, lines: int, monkeypatch) -> None:
     """Run until ``lines`` metrics lines are written, then stop as an exception would (a crash, Ctrl-C)."""
     written = []
-    log = Trainer._log
+    log = RunFolder.log
 
     def stopping(self, metrics):
         log(self, metrics)
@@ -66,7 +67,7 @@ def run_stopped_after(trainer: Trainer, lines: int, monkeypatch) -> None:
             raise Stop
 
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_log", stopping)
+        patch.setattr(RunFolder, "log", stopping)
         with pytest.raises(Stop):
             trainer.run()
 

@@ -139,10 +139,15 @@ def test_control_arms_wait_for_their_sources_then_read_them(tmp_path):
     assert settings["lr"] == pytest.approx(1e-4) and settings["base_seed"] == 1 and settings["seed"] == 1
 
 
-def test_a_replayed_step_factor_drives_the_optimizer_step(base, tmp_path):
+def test_a_replayed_step_factor_drives_the_optimizer_step(base, tmp_path, monkeypatch):
+    import vcpo.sim.validation as validation
+
     write_metrics(tmp_path / "source", [0.5, 0.25, 0.125])
     config = small_config(base, tmp_path / "run", method="seq_tis_c8", steps=3, lr_scale_from=str(tmp_path / "source"))
+    reads, read = [], validation.metric_records
+    monkeypatch.setattr(validation, "metric_records", lambda run, report: reads.append(run) or read(run, report))
     out = Trainer(config).run()
+    assert len(reads) == 1  # the replayed run's metrics are read once, when the run is resolved
     lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert [line["actor/lr_scale"] for line in lines] == [0.5, 0.25, 0.125]
     for line in lines:

@@ -1,5 +1,6 @@
 """The simulator end to end: every preset runs, bad input fails early, outputs, resume after a kill."""
 
+import dataclasses
 import json
 import math
 import os
@@ -18,8 +19,9 @@ from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.runs import METRICS_FILE
 from vcpo.sim.__main__ import main as sim_main
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides
+from vcpo.sim.tasks import get_sim_task
 from vcpo.sim.train import TIMING_PREFIXES, Trainer
-from vcpo.sim.validation import check_inputs, check_settings, default_lag, validate
+from vcpo.sim.validation import check_inputs, check_settings, default_lag, resolve, validate
 
 SMALL = {
     "steps": 2,
@@ -294,6 +296,9 @@ def test_the_settings_are_checked_apart_from_the_files_they_name(tmp_path):
     (tmp_path / "no_base" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="'lr_scale_from': no .*metrics.jsonl"):
         validate(config)
+    run = resolve(dataclasses.replace(config, lr_scale_from=None))
+    assert run.config == dataclasses.replace(checked, lr_scale_from=None)
+    assert (run.task, run.replayed_lr_scales) == (get_sim_task("countdown"), None)
 
 
 def test_the_default_lag_names_the_key_at_fault():

@@ -25,7 +25,7 @@ from vcpo.lifetimes import die_with_the_named_runner
 from vcpo.runs import TRAIN_LOG
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, start_config
 from vcpo.sim.sweep import run_sweep, sweep_configs
-from vcpo.sim.validation import default_lag, validate
+from vcpo.sim.validation import check_settings, default_lag
 
 COMMON = ("task", "method", "lag", "seed", "steps", "lag_model", "out")
 
@@ -35,8 +35,9 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> SimConfig:
     config = apply_overrides(apply_overrides(start_config(args.config), given), overrides)
     lag_given = "lag" in given or any(item.split("=", 1)[0] == "lag" for item in overrides)
     # a config file's lag is for the lagged methods; a preset that fixes its lag (sync) keeps its own,
-    # and a lag asked for on the command line that it cannot honour is refused by validate
-    return validate(config if lag_given else dataclasses.replace(config, lag=default_lag(config.method, config.lag)))
+    # and a lag asked for on the command line that it cannot honour is refused; what the settings name on the
+    # disk is checked (and read) once, by the trainer's validation.resolve
+    return check_settings(config if lag_given else dataclasses.replace(config, lag=default_lag(config.method, config.lag)))
 
 
 def _csv(kind):
@@ -87,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(trainer.run())
             except KeyboardInterrupt:
                 print(f"interrupted at step {trainer.step} of {trainer.config.steps} (last checkpoint: step "
-                      f"{trainer.checkpointed_step}); the same command resumes it", file=sys.stderr)
+                      f"{trainer.folder.checkpointed_step}); the same command resumes it", file=sys.stderr)
                 return 130
             except GeneratorDied as died:
-                print(f"error: {died} (last checkpoint: step {trainer.checkpointed_step}); the same command resumes it",
+                print(f"error: {died} (last checkpoint: step {trainer.folder.checkpointed_step}); the same command resumes it",
                       file=sys.stderr)
                 return 1
             return 0

@@ -1,11 +1,13 @@
 """Checks of a simulator run's configuration before any work starts: its settings alone (`check_settings`, which
-also fills in the task's defaults), then what they read from the disk (`check_inputs`); `validate` does both.
+also fills in the task's defaults), then what they read from the disk (`check_inputs`). `resolve` does both and
+returns the run as the trainer takes it (`ResolvedRun`); `validate` keeps only its settings, for who plans runs.
 Every problem is a ``ConfigError`` naming the key."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from vcpo.core.per_sequence_grads.reductions import COMBINATIONS
@@ -22,24 +24,38 @@ from vcpo.sim.config import (
     ConfigError,
     SimConfig,
 )
-from vcpo.sim.tasks import SIM_TASKS, get_sim_task
+from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task
 
 
-def validate(config: SimConfig) -> SimConfig:
-    """The run's settings resolved once and what they read from the disk checked: `check_settings`, then
-    `check_inputs`. Idempotent; a copy changed afterwards (``dataclasses.replace``) must be validated again."""
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run as the trainer takes it: its checked settings with the task's defaults filled in, the task they
+    name, and the step-size scales it replays (``lr_scale_from``'s, read once; None: it replays none)."""
+
+    config: SimConfig
+    task: SimTask
+    replayed_lr_scales: list[float] | None
+
+
+def resolve(config: SimConfig) -> ResolvedRun:
+    """The run of ``config``: `check_settings`, then `check_inputs`. Idempotent on ``.config``; a copy changed
+    afterwards (``dataclasses.replace``) must be resolved again."""
     return check_inputs(check_settings(config))
 
 
-def check_inputs(config: SimConfig) -> SimConfig:
-    """What the settings read from the disk: the SFT base folder, and the run whose step-size scale is replayed;
-    raise ConfigError naming the key."""
+def validate(config: SimConfig) -> SimConfig:
+    """The settings of `resolve`'s run: for who checks runs before handing them on (a sweep, the workflow)."""
+    return resolve(config).config
+
+
+def check_inputs(config: SimConfig) -> ResolvedRun:
+    """What `check_settings`' settings read from the disk, read once: the SFT base folder is checked, and the
+    step-size scales of the run replayed kept; raise ConfigError naming the key."""
     if config.base is not None and not (Path(config.base) / "config.json").is_file():
         raise ConfigError(f"config key 'base': no SFT base model at {config.base!r} (expected a save_pretrained folder "
                           "with config.json)")
-    if config.lr_scale_from is not None:
-        replayed_lr_scales(config.lr_scale_from, config.steps)
-    return config
+    scales = None if config.lr_scale_from is None else replayed_lr_scales(config.lr_scale_from, config.steps)
+    return ResolvedRun(config, get_sim_task(config.task), scales)
 
 
 def check_settings(config: SimConfig) -> SimConfig:
