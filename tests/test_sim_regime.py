@@ -54,7 +54,7 @@ def test_the_committed_regime_runs_a_few_steps(base, tmp_path, method):
                      "--out", str(out), f"base={base}", *SHORT, *lag]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["config_file"] == "recipes/sim/regime.yaml" and config["lr"] == 2.0e-4 and config["task"] == "countdown"
-    assert config["effective_lag"] == (0 if is_synchronous(method) else 2)
+    assert config["lag"] == (0 if is_synchronous(method) else 2)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2]
 
@@ -183,7 +183,7 @@ def _write_run(root, method, lag, seed, accuracy, ess, lr=1.5e-4):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "final" / "eval.json").write_text(json.dumps(lines[-1]))
     (folder / "config.json").write_text(json.dumps({
-        "task": "countdown", "method": method, "effective_lag": lag, "seed": seed, "lr": lr, "model_size": "tiny",
+        "task": "countdown", "method": method, "lag": lag, "seed": seed, "lr": lr, "model_size": "tiny",
         "steps": max(accuracy), "config_file": "regime.yaml",
     }))
 
@@ -227,3 +227,16 @@ def test_a_config_file_carries_notes_that_runs_record(base, tmp_path, capsys):
     regime.write_text("extra: [1, 2]\n")
     with pytest.raises(ConfigError, match="'extra' must be a mapping"):
         load_config_file(regime)
+
+
+def test_an_archived_run_recorded_before_lag_stood_alone_is_judged_at_its_lag():
+    """A run folder of the studies also recorded the lag as ``effective_lag`` (always equal to ``lag``); the
+    rows read ``lag``, which every recorded config.json holds."""
+    from pathlib import Path
+
+    from vcpo.studies.stability import judge_root
+
+    archived = Path(__file__).resolve().parents[1] / "tables/across_lags/runs/countdown/seq_tis_k12/seed0"
+    config = json.loads((archived / "config.json").read_text())
+    assert config["effective_lag"] == config["lag"] == 12
+    assert [row["lag"] for row in judge_root(archived)] == [12]

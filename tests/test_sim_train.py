@@ -94,7 +94,7 @@ def test_sync_preset_refuses_a_lag_and_trains_on_policy(base, tmp_path, capsys):
     out = Trainer(small_config(base, tmp_path / "sync", method="sync", lag=0)).run()
     lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert all(line["async/lag_max"] == 0 and line["rollout_corr/seq_ess_ratio"] == pytest.approx(1, abs=1e-5) for line in lines)
-    assert json.loads((out / "config.json").read_text())["effective_lag"] == 0
+    assert json.loads((out / "config.json").read_text())["lag"] == 0
 
 
 def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path):

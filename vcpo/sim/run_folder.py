@@ -148,7 +148,6 @@ class RunFolder:
         resolved = {
             **config.recorded(),
             "base": str(base),
-            "effective_lag": config.lag,  # what the study tables read (the same as lag since validation enforces it)
             "base_lr": config.base_lr,
             "resolved_rollout_dtype": config.resolved_rollout_dtype,
             "method_preset": config.method_preset.spec,

@@ -98,7 +98,7 @@ def judge_root(root: Path, task: str | None = None) -> list[dict]:
             {
                 "task": config["task"],
                 "method": config["method"],
-                "lag": config["effective_lag"],
+                "lag": config["lag"],
                 "seed": config["seed"],
                 "lr": config["lr"],
                 "model_size": config["model_size"],
