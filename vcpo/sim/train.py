@@ -65,13 +65,6 @@ def tool_metrics(trajectories: list[Trajectory], log: ToolLog, step_seconds: flo
     return metrics
 
 
-def load_base(run: ResolvedRun) -> Path:
-    config = run.config
-    if config.base is not None:
-        return Path(config.base)
-    return sft_base(run.task, config.model_size, seed=config.base_seed, progress=config.progress)
-
-
 class Trainer:
     """Builds every part of a run from its config; ``run()`` trains to ``config.steps``."""
 
@@ -93,7 +86,9 @@ class Trainer:
             torch.set_num_threads(config.threads)
         self.out = self.folder.out
         self.task = run.task
-        self.base = load_base(run)
+        # the given SFT base, else the cached one of (task, model_size, base_seed), built on first use
+        self.base = Path(config.base) if config.base is not None else sft_base(
+            run.task, config.model_size, seed=config.base_seed, progress=config.progress)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base)
         learner_dtype = getattr(torch, config.learner_dtype)
         torch.manual_seed(config.seed)
