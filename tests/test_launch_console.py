@@ -103,3 +103,32 @@ def test_run_quietly_keeps_verls_output_in_its_log_and_the_terminal_short(tmp_pa
     assert "No supported accelerator" not in terminal.out and "step 1/1  1.5 s" in terminal.out
     assert "No supported accelerator detected" in (tmp_path / console.VERL_LOG).read_text()
     assert ("exited with 2" in terminal.err) == bool(code)
+
+
+def test_a_launcher_killed_outright_takes_verls_trainer_with_it(tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: the trainer standing in for verl (it writes its pid, then
+    sleeps an hour) must die with it all the same."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = "import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep(3600)"
+    launcher = ("import sys; from pathlib import Path; from vcpo.launch.console import run_quietly; "
+                f"run_quietly([sys.executable, '-c', {child!r}], {{}}, Path({str(tmp_path)!r}), 1)")
+    process = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.DEVNULL)
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 120  # a guard against a hang, not a bound on the time it takes
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    trainer = int(pid_file.read_text())
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    while time.monotonic() < deadline:
+        try:
+            os.kill(trainer, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"verl's stand-in (pid {trainer}) outlived its killed launcher")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vcpo.lifetimes import dies_with_this_thread
 from vcpo.runs import (
     LR_SCALE,
     METRICS_FILE,
@@ -125,7 +126,9 @@ def run_quietly(command: list[str], env: dict[str, str], out: Path, total_steps:
     """Run verl's trainer with its output in ``out/main_ppo.log`` and this module's lines on the terminal."""
     print(f"verl's trainer is starting (start-up takes minutes on CPU); its output: {out / VERL_LOG}", flush=True)
     with open(out / VERL_LOG, "wb") as handle:
-        process = subprocess.Popen(command, env=env, cwd=out, stdout=handle, stderr=subprocess.STDOUT)
+        # killed without a chance to clean up (SIGKILL), this launcher still takes verl's trainer with it
+        process = subprocess.Popen(command, env=env, cwd=out, stdout=handle, stderr=subprocess.STDOUT,
+                                   preexec_fn=dies_with_this_thread)
         try:
             code = follow(process, out, total_steps, say=lambda text: print(text, flush=True))
         except BaseException:  # Ctrl-C or a kill of this launcher: verl's trainer must not run on alone

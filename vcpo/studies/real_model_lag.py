@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vcpo.data import DATASETS, load_rows
-from vcpo.lifetimes import run_jobs_with_snakemake
+from vcpo.lifetimes import dies_with_this_thread, run_jobs_with_snakemake
 from vcpo.locks import run_folder_lock, write_atomic
 from vcpo.provenance import code_state, cpu_name, is_committed, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
@@ -337,7 +337,7 @@ def run_one(run: Run, work: Path, tables: Path, commit: bool) -> dict:
     log = work / "runs" / f"{run.name}.log"
     print(f"{run.name}: {training['steps']} steps; log {log}", flush=True)
     with open(log, "w") as handle:
-        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, preexec_fn=dies_with_this_thread).returncode
     if code:
         raise RuntimeError(f"{run.name}: verl's trainer exited with {code}; see {log}")
     lines = read_metrics(out)
