@@ -269,6 +269,9 @@ def test_cli_offline_reports_the_file_to_provide(tmp_path, listener):
 
 
 def test_unreachable_hub_fails_fast_without_offline_mode(monkeypatch, connections):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # read at import: CI's HF_HUB_OFFLINE=1 set it
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")

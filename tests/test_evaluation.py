@@ -447,6 +447,11 @@ def test_a_verl_run_folder_is_evaluated_at_its_last_checkpoints_hugging_face_wei
     assert verl_hf_checkpoint(run) == verl_hf_checkpoint(run / "checkpoints") == last
     assert verl_hf_checkpoint(run / "checkpoints" / "global_step_1") == last.parents[2] / "global_step_1" / "actor" / "huggingface"
     assert verl_hf_checkpoint(tmp_path) is None
+    megatron = tmp_path / "megatron" / "checkpoints" / "global_step_3" / "actor" / "model" / "huggingface"
+    megatron.mkdir(parents=True)  # Megatron's engine exports its Hugging Face weights under model/
+    (megatron / "config.json").write_text("{}")
+    (megatron.parents[3] / "latest_checkpointed_iteration.txt").write_text("3")
+    assert verl_hf_checkpoint(tmp_path / "megatron") == megatron
     args = parse_args(["--model", str(run), "--benchmarks", "gsm8k", "--out", str(tmp_path / "out")])
     assert args.model == str(last)
     with pytest.raises(SystemExit):

@@ -379,6 +379,7 @@ def test_the_readmes_real_model_path_fetches_trains_evaluates_and_draws(tmp_path
     evaluation's accuracy is the mean of its samples rescored by vcpo.rewards, and the curves are drawn."""
     from PIL import Image
 
+    from vcpo.data import load_rows
     from vcpo.rewards import RESPONSE_ENDED, compute_score
     from vcpo.runs import verl_hf_checkpoint, weights_dtype
 
@@ -409,9 +410,10 @@ def test_the_readmes_real_model_path_fetches_trains_evaluates_and_draws(tmp_path
     result = summary["results"][benchmark]
     samples = [json.loads(line) for line in (out / benchmark / "samples.jsonl").read_text().splitlines()]
     assert result["num_problems"] == len(samples) == 2
-    rescored = [compute_score(benchmark, sample["completion"], sample["ground_truth"],
+    problems = load_rows(result["task"], result["split"])[:2]  # one sample each, in the problems' order
+    rescored = [compute_score(problem["data_source"], sample["completion"], sample["ground_truth"],
                               {RESPONSE_ENDED: not sample["truncated"]}, answer_format=result["answer_format"])["acc"]
-                for sample in samples]
+                for problem, sample in zip(problems, samples, strict=True)]
     assert result["mean_at_n"] == pytest.approx(sum(map(bool, rescored)) / 2)
 
     drawn = subprocess.run(smallest(curves), cwd=tmp_path, capture_output=True, text=True, check=True, timeout=300)

@@ -32,7 +32,8 @@ TRAIN_LOG = "train.log"  # a runner's record of the training's output, beside it
 # what verl's trainer saves under a run folder (trainer.default_local_dir): global_step_N/actor/huggingface
 VERL_CHECKPOINTS = "checkpoints"
 VERL_LATEST_STEP = "latest_checkpointed_iteration.txt"
-VERL_HF_WEIGHTS = ("actor", "huggingface")
+# the Hugging Face weights of a checkpoint's actor: FSDP's engine writes them beside its shards, Megatron's under model/
+VERL_HF_WEIGHTS = (("actor", "huggingface"), ("actor", "model", "huggingface"))
 
 # metric names read by more than the module that logs them (verl's names; SEQ_ESS_RATIO is vcpo.core's)
 VAL_ACCURACY = "val/accuracy"
@@ -71,8 +72,8 @@ def verl_hf_checkpoint(folder: str | Path) -> Path | None:
         folder = folder / VERL_CHECKPOINTS
     if (folder / VERL_LATEST_STEP).is_file():
         folder = folder / f"global_step_{(folder / VERL_LATEST_STEP).read_text().strip()}"
-    weights = folder.joinpath(*VERL_HF_WEIGHTS)
-    return weights if (weights / CONFIG_FILE).is_file() else None
+    return next((folder.joinpath(*parts) for parts in VERL_HF_WEIGHTS if (folder.joinpath(*parts) / CONFIG_FILE).is_file()),
+                None)
 
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -94,7 +95,8 @@ def label_checkpoint_dtypes(run: str | Path) -> list[Path]:
     """Make each verl checkpoint's Hugging Face ``config.json`` say the dtype its weights have (verl saves the config
     with bfloat16 whatever the weights are: float32 on CPU); returns the configs changed."""
     changed = []
-    for weights in sorted((Path(run) / VERL_CHECKPOINTS).glob(f"global_step_*/{'/'.join(VERL_HF_WEIGHTS)}")):
+    for weights in sorted(path for parts in VERL_HF_WEIGHTS
+                          for path in (Path(run) / VERL_CHECKPOINTS).glob(f"global_step_*/{'/'.join(parts)}")):
         config_file, dtype = weights / CONFIG_FILE, weights_dtype(weights)
         if dtype is None or not config_file.is_file():
             continue
