@@ -417,7 +417,7 @@ def test_the_readmes_real_model_path_fetches_trains_evaluates_and_draws(tmp_path
     assert result["mean_at_n"] == pytest.approx(sum(map(bool, rescored)) / 2)
 
     drawn = subprocess.run(smallest(curves), cwd=tmp_path, capture_output=True, text=True, check=True, timeout=300)
-    image = Image.open(drawn.stdout.strip().splitlines()[-1]).convert("L")
+    image = Image.open(tmp_path / drawn.stdout.strip().splitlines()[-1]).convert("L")  # printed relative to its cwd
     assert image.size[0] > 1000 and len(set(image.getdata())) > 10  # a drawn figure, not a blank canvas
 
 
