@@ -40,10 +40,12 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from vcpo.cli import shrink_problem
 from vcpo.provenance import output_record, utc_now
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +58,8 @@ EXACTNESS_TESTS = [
 # The tests of those files that build everything from the model and batch helpers (so they follow
 # VCPO_TEST_DEVICE); the others check argument errors and pure functions on CPU tensors.
 EXACTNESS_SELECTION = "matches_per_sequence_loop or other_loss_aggregations or packed_matches or packed_equals_padded or autograds_own_error"
+PARTS = ("overhead", "blocks", "calibrate", "exactness", "megatron")
+TIMED_PARTS = ("overhead", "blocks", "megatron")  # each times --repeats steps
 
 
 def run_part(name: str, command: list[str], out: Path, timeout_s: int, env: dict | None = None) -> dict:
@@ -148,6 +152,22 @@ def megatron(args: argparse.Namespace, out: Path) -> dict:
     return part
 
 
+def part_sizes(parts: Iterable[str], device: str, model: str, seq_len: int | str, repeats: int) -> dict[str, int]:
+    """Each part named with what it measured (device, model, sequence length), and the steps it timed (1: untimed)."""
+    return {f"{part} on {device}, model {model}, {seq_len} tokens": repeats if part in TIMED_PARTS else 1 for part in parts}
+
+
+def recorded_sizes(report: dict) -> dict[str, int]:
+    """``part_sizes`` of a gpu_check.json, its setting read from the overhead part's command (every run has one)."""
+    command = report["overhead"]["command"]
+
+    def option(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    parts = [name for name, part in report.items() if isinstance(part, dict) and "exit" in part]
+    return part_sizes(parts, report["device"], option("--model"), option("--seq-len"), int(option("--repeats")))
+
+
 def environment(device: str) -> dict:
     import transformers
 
@@ -180,6 +200,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    earlier = args.out / "gpu_check.json"  # a CPU dry check, or fewer repeats, never replaces a GPU's numbers
+    if earlier.exists() and (problem := shrink_problem(
+            earlier, recorded_sizes(json.loads(earlier.read_text())),
+            part_sizes(PARTS, args.device, args.model, args.seq_len, args.repeats),
+            "pass --out for a folder of your own", rows="parts", unit="repeats")):
+        sys.exit(f"error: {problem}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     result = {"environment": environment(args.device), "device": args.device}
@@ -188,11 +214,10 @@ def main(argv=None) -> int:
     result["calibrate"] = calibrate(args, args.out)
     result["exactness"] = exactness(args, args.out)
     result["megatron"] = megatron(args, args.out)
-    parts = ("overhead", "blocks", "calibrate", "exactness", "megatron")
     result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in parts}, indent=2, default=str))
-    return 0 if all(result[part]["exit"] in (0, "skipped") for part in parts) else 1
+    print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in PARTS}, indent=2, default=str))
+    return 0 if all(result[part]["exit"] in (0, "skipped") for part in PARTS) else 1
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
 from vcpo.lifetimes import dies_with_this_thread
 from vcpo.locks import write_atomic
 from vcpo.provenance import library_versions, output_record, utc_now
@@ -170,6 +171,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def point_name(point: dict) -> str:
+    """A measured point (a row of results.json) by its engine, model and step."""
+    return f"{point['engine']} {point['model']} {point['kind']}"
+
+
 def main(argv=None) -> None:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
@@ -184,17 +190,21 @@ def main(argv=None) -> None:
             write_atomic(Path(result), json.dumps(ranks))
         dist.destroy_process_group()
         return
+    points = [{"engine": engine, "model": model, "kind": kind} for engine in args.engines.split(",")
+              for model in args.models.split(",") for kind in args.kinds.split(",")]
+    if args.out and (earlier := args.out / "results.json").exists() and (problem := shrink_problem(
+            earlier, dict.fromkeys(map(point_name, json.loads(earlier.read_text())["rows"]), 1),
+            dict.fromkeys(map(point_name, points), 1), "pass --out for a folder of your own", rows="points")):
+        sys.exit(f"error: {problem}")
     point_argv = [a for i, a in enumerate(raw_argv) if a != "--out" and (i == 0 or raw_argv[i - 1] != "--out")]
     started, rows = utc_now(), []
     with tempfile.TemporaryDirectory(prefix="memory_model_check_") as workdir:
-        for engine_name in args.engines.split(","):
-            for model in args.models.split(","):
-                for kind in args.kinds.split(","):
-                    row = run_point(engine_name, model, kind, point_argv, Path(workdir))
-                    rows.append(row)
-                    print(f"{engine_name:8s} {model:6s} {kind:8s} " + "  ".join(
-                        f"rank {r['rank']}: measured {r['measured_bytes'] / 1e6:.1f} MB, projected {r['projected_bytes'] / 1e6:.1f} MB"
-                        for r in row["ranks"]), flush=True)
+        for point in points:
+            row = run_point(point["engine"], point["model"], point["kind"], point_argv, Path(workdir))
+            rows.append(row)
+            print(f"{point['engine']:8s} {point['model']:6s} {point['kind']:8s} " + "  ".join(
+                f"rank {r['rank']}: measured {r['measured_bytes'] / 1e6:.1f} MB, projected {r['projected_bytes'] / 1e6:.1f} MB"
+                for r in row["ranks"]), flush=True)
     print(table(rows))
     largest = worst(rows)
     print(f"largest |projected / measured - 1|: {largest:.3f} (criterion: <= {TOLERANCE})")

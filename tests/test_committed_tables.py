@@ -144,3 +144,87 @@ def test_a_driver_kills_its_child_when_it_dies(tmp_path):
     while child.exists() and child.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.monotonic() < deadline, "the child outlived its driver"
         time.sleep(0.05)
+
+
+def test_the_regime_report_refuses_a_runs_folder_without_every_run_it_judged(tmp_path):
+    """A fresh clone's empty runs folder, and a run over fewer steps: one line, no figure or table written."""
+    from vcpo.studies.regime_report import keep_every_run, main
+
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    out.mkdir(), runs.mkdir()
+    shutil.copy(TABLES / "regime_study" / "outcomes.json", out)
+    message = refused(lambda: main([str(runs), "--out", str(out)]), tmp_path)
+    assert message.startswith(f"error: {out / 'outcomes.json'} holds runs dsv32_mis at lag 48 seed 0, ")
+    judged = json.loads((out / "outcomes.json").read_text())["runs"]
+    keep_every_run(out / "outcomes.json", judged)  # the same runs: nothing to refuse
+    shorter = [{**judged[0], "steps": judged[0]["steps"] // 2}, *judged[1:]]
+    with pytest.raises(SystemExit, match=r"has dsv32_mis at lag 48 seed 0 over 200 steps and this run would have 100: "):
+        keep_every_run(out / "outcomes.json", shorter)
+
+
+def test_the_gpu_check_refuses_a_cpu_dry_check_or_fewer_repeats_over_a_gpus_numbers(tmp_path, no_processes):
+    module = _benchmark_module("gpu_check")
+    shutil.copy(TABLES / "gpu_check" / "gpu_check.json", tmp_path)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--model", "0.1m", "--seq-len", "64", "--repeats", "1"]
+    message = refused(lambda: module.main(argv), tmp_path)
+    assert message.startswith(f"error: {tmp_path / 'gpu_check.json'} holds parts overhead on cuda, model 0.5b, 2048 tokens, ")
+    recorded = module.recorded_sizes(json.loads((tmp_path / "gpu_check.json").read_text()))
+    assert shrink_problem(tmp_path, recorded, module.part_sizes(module.PARTS, "cuda", "0.5b", 2048, 5), "") is None
+    assert "has overhead on cuda, model 0.5b, 2048 tokens over 5 repeats and this run would have 2: " in shrink_problem(
+        tmp_path, recorded, module.part_sizes(module.PARTS, "cuda", "0.5b", 2048, 2), "", unit="repeats")
+
+
+def test_the_across_lags_timing_refuses_fewer_arms_before_it_runs_any(tmp_path, monkeypatch, no_processes):
+    from vcpo.studies import across_lags
+
+    design = across_lags.load_design(across_lags.DESIGN)
+    shutil.copy(TABLES / "across_lags" / "timing.json", tmp_path)
+    recorded = json.loads((tmp_path / "timing.json").read_text())["seconds_per_step"]
+    assert list(recorded) == across_lags.timing_arms(design)  # the design's arms are the table's
+    monkeypatch.setattr(across_lags, "timing_arms", lambda design: list(recorded)[:-1])
+    argv = ["timing", "--out", str(tmp_path / "runs"), "--table", str(tmp_path / "timing.json")]
+    assert refused(lambda: across_lags.main(argv), tmp_path) == (
+        f"error: {tmp_path / 'timing.json'} holds arms seq_tis_lr5e-5_k96 that this run lacks: nothing written; "
+        "pass --table for a file of your own")
+
+
+def test_the_tool_use_search_is_written_again_only_with_every_cell(tmp_path, capsys):
+    """The committed rows write the committed outcome again, byte for byte; rows of one rate only (complete at that
+    rate) are refused in one line, the outcome left as it was."""
+    from vcpo.studies.across_lags import main
+
+    shutil.copy(TABLES / "across_lags" / "tir_search.md", tmp_path)
+    assert main(["search", "--out", str(tmp_path / "tir_search.md")]) == 0
+    assert (tmp_path / "tir_search.md").read_bytes() == (TABLES / "across_lags" / "tir_search.md").read_bytes()
+    rows = [line for line in (TABLES / "across_lags" / "runs.jsonl").read_text().splitlines(keepends=True)
+            if json.loads(line)["study_task"] != "tir_search" or json.loads(line)["lr"] == 2e-4]
+    (tmp_path / "runs.jsonl").write_text("".join(rows))
+    capsys.readouterr()
+    before = folder_files(tmp_path)
+    assert main(["search", "--table", str(tmp_path / "runs.jsonl"), "--out", str(tmp_path / "tir_search.md")]) == 2
+    assert folder_files(tmp_path) == before
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'tir_search.md'} holds cells lr 5e-4 at lag 4, lr 5e-4 at lag 8, "
+                                       "lr 5e-4 at lag 16 that this run lacks: nothing written; pass --out for a file of "
+                                       "your own\n")
+
+
+def test_the_memory_model_check_refuses_fewer_points(tmp_path, no_processes):
+    module = _benchmark_module("memory_model_check")
+    points = [{"engine": "fsdp2", "model": model, "kind": "plain", "ranks": []} for model in ("small", "50m")]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": points}))
+    argv = ["--out", str(tmp_path), "--engines", "fsdp2", "--models", "small", "--kinds", "plain"]
+    assert refused(lambda: module.main(argv), tmp_path) == (
+        f"error: {tmp_path / 'results.json'} holds points fsdp2 50m plain that this run lacks: nothing written; "
+        "pass --out for a folder of your own")
+
+
+def test_table1_refuses_a_table_over_fewer_seeds(tmp_path):
+    from vcpo.reporting.__main__ import main
+
+    (tmp_path / "runs").mkdir()
+    shutil.copy(TABLES / "tir" / "table1_smoke.json", tmp_path / "table1.json")
+    argv = ["table1", "--runs", str(tmp_path / "runs"), "--scale", "smoke", "--task", "countdown", "--task", "simpletir=tir",
+            "--out", str(tmp_path / "table1.md")]
+    assert refused(lambda: main(argv), tmp_path) == (
+        f"error: {tmp_path / 'table1.json'} has countdown sync over 3 seeds and this run would have 0: nothing written; "
+        "pass --out for a file of your own")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from vcpo.cli import shrink_problem
 from vcpo.provenance import output_record, utc_now
 from vcpo.recipes import base_path, load_tasks
 from vcpo.reporting.figures import SCALES
@@ -223,15 +224,25 @@ def table1_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def arm_seeds(data: dict) -> dict[str, int]:
+    """Each task's sync and async arms with the seeds they hold, as Table 1's JSON lists them."""
+    return {f"{task} {arm}": len(row[arm]["seeds"]) for task, row in data["tasks"].items() for arm in ("sync", "async")}
+
+
 def write_table1(
     root: Path, scale: str, out: Path, tasks: dict[str, str] | None = None, lag: int | None = None,
     lag_map: dict[int, int] | None = None,
 ) -> Path:
-    """Write the markdown to ``out`` and the same numbers as JSON beside it (``out`` with ``.json``)."""
+    """Write the markdown to ``out`` and the same numbers as JSON beside it (``out`` with ``.json``); SystemExit in one
+    line, nothing written, where that JSON holds an arm this table lacks or one over more seeds."""
     started = utc_now()
     data = table1_data(root, scale, tasks, lag, lag_map)
-    data["provenance"] = output_record(started)  # the table's writing; each run's own is in its row's "runs"
     out = Path(out)
+    earlier = out.with_suffix(".json")
+    if earlier.exists() and (problem := shrink_problem(earlier, arm_seeds(json.loads(earlier.read_text())), arm_seeds(data),
+                                                       "pass --out for a file of your own", rows="arms", unit="seeds")):
+        raise SystemExit(f"error: {problem}")
+    data["provenance"] = output_record(started)  # the table's writing; each run's own is in its row's "runs"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table1_markdown(data))
     out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")

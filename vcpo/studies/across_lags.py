@@ -275,6 +275,10 @@ def timing_command(design: Design, name: str, out: Path) -> list[str]:
 
 
 def run_timing(design: Design, out: Path, table: Path) -> dict:
+    recorded = read_json(table, keys=("seconds_per_step",))["seconds_per_step"] if table.exists() else {}
+    if problem := shrink_problem(table, dict.fromkeys(recorded, 1), dict.fromkeys(timing_arms(design), 1),
+                                 "pass --table for a file of your own", rows="arms"):
+        raise SystemExit(f"error: {problem}")
     started = {**code_state(), "start": utc_now(), "load_average_start": os.getloadavg()}
     seconds = {}
     for name in timing_arms(design):
@@ -320,12 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         run_timing(design, args.out, args.table)
     elif args.command == "search":
         # the report's modules (matplotlib) only for the commands that write it
-        from vcpo.studies.across_lags_report import search_markdown
+        from vcpo.studies.across_lags_report import outcome_cells, search_markdown, written_cells
 
         outcome = search_report([row for row in read_rows(args.table) if row["counts"] and row["study_task"] == "tir_search"])
         if not outcome["complete"]:
             print("error: the tool-use search is not complete: nothing chosen, nothing written", file=sys.stderr)
             return 1
+        if args.out.exists() and (problem := shrink_problem(args.out, dict.fromkeys(written_cells(args.out.read_text()), 1),
+                                                             dict.fromkeys(outcome_cells(outcome), 1),
+                                                             "pass --out for a file of your own", rows="cells")):
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         write_atomic(args.out, search_markdown(outcome))
         print(f"{'chosen: ' + json.dumps(outcome['chosen']) if outcome['chosen'] else 'no cell qualifies'} -> {args.out}")
     else:

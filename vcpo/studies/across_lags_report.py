@@ -92,6 +92,22 @@ def time_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def cell_label(rate: str, lag: int | str) -> str:
+    """A search cell by its rate and lag, as tir_search.md's first two columns show them."""
+    return f"lr {rate} at lag {lag}"
+
+
+def outcome_cells(search: dict) -> list[str]:
+    """The cells (``cell_label``) of ``search_report``'s outcome."""
+    return [cell_label(rate_label(cell["lr"]), cell["lag"]) for cell in search["cells"]]
+
+
+def written_cells(markdown: str) -> list[str]:
+    """The cells (``cell_label``) of a tir_search.md table: its rows start with a rate."""
+    rows = [line.strip("| ").split(" | ") for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    return [cell_label(rate, lag) for rate, lag, *_ in rows]
+
+
 def search_lines(search: dict) -> list[str]:
     lines = ["| lr | lag | sync holds | seq-TIS collapses | seq-TIS end / best | VCPO mean step factor | end: sync / seq-TIS / VCPO, % | qualifies |",
              "|---:|---:|---:|---:|---:|---:|---|---|"]

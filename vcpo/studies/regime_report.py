@@ -15,6 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
+from vcpo.cli import shrink_problem
+from vcpo.locks import write_atomic
+from vcpo.provenance import output_record, utc_now
 from vcpo.recipes import run_path
 from vcpo.reporting.figures import draw_curves, draw_lag_sweep
 from vcpo.reporting.run_data import read_metrics, series, summary_rows
@@ -90,9 +93,26 @@ def ess_mean_markdown(rows: list[dict], runs: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_steps(rows: list[dict]) -> dict[str, int]:
+    """Each judged run's steps, named by method, lag and seed as outcomes.json lists it."""
+    return {f"{row['method']} at lag {row['lag']} seed {row['seed']}": row["steps"] for row in rows}
+
+
+def keep_every_run(outcomes: Path, rows: list[dict]) -> None:
+    """SystemExit in one line, nothing written, when ``rows`` lack a run the outcomes file ``outcomes`` judged or hold
+    one over fewer steps (a runs folder without every run, a fresh clone's)."""
+    if outcomes.exists() and (problem := shrink_problem(outcomes, run_steps(json.loads(outcomes.read_text())["runs"]),
+                                                         run_steps(rows), "pass --out for a folder of your own",
+                                                         rows="runs", unit="steps")):
+        raise SystemExit(f"error: {problem}")
+
+
 def report(runs: Path, regime: Path, out: Path) -> list[Path]:
+    started = utc_now()
     config = load_config_file(regime)
     task, lag = config.task, config.lag
+    rows = [row for row in judge_root(runs, task) if row["lag"] in (0, lag) or row["method"] == "seq_tis_c8"]
+    keep_every_run(out / "outcomes.json", rows)
     out.mkdir(parents=True, exist_ok=True)
     label = config.extra.get("label")
     name = f"{regime}" + (f" ({label})" if label else "")
@@ -111,20 +131,20 @@ def report(runs: Path, regime: Path, out: Path) -> list[Path]:
     ]
     methods = ["sync", "seq_tis_c8", "vcpo", "tis_ess", "tis_opob", *METHOD_ROWS]
     summary = out / "summary.md"
-    summary.write_text(f"Regime: `{name}` (task {task}, lag {lag}).\n\n" + summary_markdown(summary_rows(runs, task, lag, methods)))
-    rows = [row for row in judge_root(runs, task) if row["lag"] in (0, lag) or row["method"] == "seq_tis_c8"]
+    write_atomic(summary, f"Regime: `{name}` (task {task}, lag {lag}).\n\n" + summary_markdown(summary_rows(runs, task, lag, methods)))
     predictor = ess_predictor([row for row in rows if row["lag"] == lag])
-    (out / "outcomes.md").write_text(
-        f"Regime: `{name}`. Every run judged by the pre-registered criteria (`vcpo/studies/stability.py`).\n\n"
+    write_atomic(
+        out / "outcomes.md", f"Regime: `{name}`. Every run judged by the pre-registered criteria (`vcpo/studies/stability.py`).\n\n"
         + markdown(rows) + "\n" + predictor_markdown(predictor)
         + "\nThe mean ESS ratio of each run at the regime's lag, sorted, beside its outcome:\n\n"
         + ess_mean_markdown([row for row in rows if row["lag"] == lag], runs)
     )
-    (out / "outcomes.json").write_text(json.dumps({
+    write_atomic(out / "outcomes.json", json.dumps({
         "regime": name,
         "runs": [{**{k: v for k, v in row.items() if k != "outcome"}, **vars(row["outcome"]),
                   "holds": row["outcome"].holds, "collapsed": row["outcome"].collapsed} for row in rows],
         "ess_predictor_at_regime_lag": predictor,
+        "provenance": output_record(started),  # the code's commit, when the report ran, and the CPU
     }, indent=1) + "\n")
     return [*written, summary, out / "outcomes.md", out / "outcomes.json"]
 
