@@ -342,6 +342,39 @@ def test_a_relaunch_resumes_only_a_run_verl_resumes_and_overwrite_starts_over(tm
     assert json.loads((out / "launch.json").read_text())["command"] == started[-1]
 
 
+def test_a_launch_builds_its_run_once_and_writes_its_model_and_prompts_once(tmp_path, capsys, monkeypatch):
+    """One composition, one check (one line of verl's validate_config), and the random model and prompts written once,
+    in the run folder, after which the files the run reads are checked: a --train that is not there is refused."""
+    import vcpo.launch.cpu as launcher
+    from vcpo.verl_plugin.cpu import recipe
+
+    calls: dict[str, int] = {}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(launcher, "compose", counted("compose", launcher.compose))
+    monkeypatch.setattr(launcher, "check", counted("check", launcher.check))
+    monkeypatch.setattr(launcher, "write_random_model", counted("model", lambda folder: folder.mkdir(parents=True)))
+    monkeypatch.setattr(recipe, "write_data", counted("prompts", recipe.write_data))
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps: 0)
+    out = tmp_path / "run"
+    assert launcher.main(["--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert calls == {"compose": 1, "check": 1, "model": 1, "prompts": 1}
+    assert (printed.out + printed.err).count("[validate_config]") == 1
+    assert (out / "model").is_dir() and (out / "data" / "train.parquet").exists() and (out / "launch.json").exists()
+    argv = ["--out", str(tmp_path / "other"), "--train", str(tmp_path / "none.parquet"), "--val", str(tmp_path / "none.parquet")]
+    assert launcher.main(argv) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[validate_config]")]
+    assert error == [f"error: missing files (build data with `python -m vcpo.data build <task> --out DATA_DIR`): "
+                     f"data.train_files: {tmp_path / 'none.parquet'}; data.val_files: {tmp_path / 'none.parquet'}"]
+    assert not (tmp_path / "other" / "launch.json").exists()
+
+
 def test_the_shaped_reward_adds_the_dense_term():
     from vcpo.verl_plugin.cpu.recipe import shaped_reward
 

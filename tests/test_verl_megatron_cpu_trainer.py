@@ -49,7 +49,7 @@ def test_the_cpu_recipe_composes_verls_megatron_trainer_with_a_slot_per_rank(tmp
     paths = write_data(tmp_path / "data")
     args = argparse.Namespace(out=str(tmp_path), task="gsm8k", method="vcpo", lag=1, seed=0, steps=STEPS, save_every=None, print=False,
                               keep_optimizer=False, model=str(save_random_model(tmp_path / "model")), train=str(paths["train"]), val=str(paths["val"]))
-    _, config, command, env = build(args, ["actor_rollout_ref.actor.strategy=megatron", *extra])
+    _, config, command, env, _ = build(args, ["actor_rollout_ref.actor.strategy=megatron", *extra])
     assert "--config-name=ppo_megatron_trainer" in command
     actor, engine = config.actor_rollout_ref.actor, config.actor_rollout_ref.actor.megatron
     assert (actor.strategy, config.actor_rollout_ref.model.model_type) == ("megatron", "vcpo_language_model")

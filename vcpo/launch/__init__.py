@@ -24,7 +24,7 @@ gathers what the command line and the workflow call.
 """
 
 
-from vcpo.launch.checks import check, gpus_needed, megatron_setup
+from vcpo.launch.checks import check, check_files, gpus_needed, megatron_setup
 from vcpo.launch.composition import (
     OVERWRITE_HELP,
     check_added_keys,
@@ -51,7 +51,7 @@ from vcpo.verl_contract import EXTERNAL_MODULES
 
 __all__ = [
     "EXTERNAL_MODULES", "OVERWRITE_HELP", "STRATEGIES", "LaunchError", "Run", "actor_strategy", "asynchrony_overrides",
-    "check", "check_added_keys", "command",
+    "check", "check_added_keys", "check_files", "command",
     "compose", "composed_cache_file", "get_task_recipe", "gpus_needed", "launch_record", "launching_into", "load_tasks",
     "make_run", "megatron_overrides", "megatron_setup", "overrides", "overwriting", "run_environment", "shell_command", "strategy_of",
     "verl_config_dir", "verl_configs_fingerprint", "write_launch_record",

@@ -250,19 +250,24 @@ def check(run: Run, config, available_gpus: int | None = None, check_paths: bool
     except ValueError as error:
         raise LaunchError(str(error)) from None
     if check_paths:
-        missing = [
-            f"{key}: {path}"
-            for key in ("data.train_files", "data.val_files")
-            for path in _select(config, key)
-            if not Path(path).exists()
-        ]
-        model = Path(os.path.expanduser(config.actor_rollout_ref.model.path))
-        if (model.is_absolute() or str(model).startswith(".")) and not model.exists():
-            missing.append(f"actor_rollout_ref.model.path: {model}")
-        if missing:
-            raise LaunchError(
-                "missing files (build data with `python -m vcpo.data build <task> --out DATA_DIR`): " + "; ".join(missing)
-            )
+        check_files(config)
+
+
+def check_files(config) -> None:
+    """Raise `LaunchError` naming each data file and local model folder ``config`` reads that does not exist."""
+    missing = [
+        f"{key}: {path}"
+        for key in ("data.train_files", "data.val_files")
+        for path in _select(config, key)
+        if not Path(path).exists()
+    ]
+    model = Path(os.path.expanduser(config.actor_rollout_ref.model.path))
+    if (model.is_absolute() or str(model).startswith(".")) and not model.exists():
+        missing.append(f"actor_rollout_ref.model.path: {model}")
+    if missing:
+        raise LaunchError(
+            "missing files (build data with `python -m vcpo.data build <task> --out DATA_DIR`): " + "; ".join(missing)
+        )
 
 
 def _select(config, key: str):

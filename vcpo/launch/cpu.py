@@ -22,6 +22,9 @@ import shlex
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
@@ -33,6 +36,7 @@ from vcpo.launch import (
     actor_strategy,
     check,
     check_added_keys,
+    check_files,
     command,
     compose,
     launch_record,
@@ -70,52 +74,75 @@ def quiet_verl_import() -> None:
     warnings.filterwarnings("ignore", message=r".*(engine is not available|Apex|Transformer Engine)")
 
 
-def build(args: argparse.Namespace, extra: list[str], write: bool = True):
-    """The run, its checked config, command and environment (writes the random model and data if missing, unless
-    ``write`` is False: then only their paths)."""
+@dataclass(frozen=True)
+class Inputs:
+    """The model and prompts a run reads, and the writers of those the launcher makes under --out (called once the
+    folder is the run's, so that a refused or printed launch writes nothing)."""
+
+    model: Path | str
+    train: Path | str
+    val: Path | str
+    pretrained: bool
+    task_overrides: list[str]  # the pretrained model's registered task: its reward, lengths, group and validation
+    writers: tuple[Callable[[], object], ...]
+
+
+def write_random_model(folder: Path) -> None:
+    """A new random ``vcpo.local_models`` model in ``folder``, unless one is there (a relaunch trains the same one)."""
+    if not (folder / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "vcpo.local_models", str(folder)], check=True, stdout=subprocess.DEVNULL)
+
+
+def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
+    """What the run reads: ``--model`` (a folder, a pretrained model by name: the cached folder, fetched once; else a
+    random model under ``out``) and ``--train`` / ``--val`` (else the registered task's for a pretrained model, else
+    short prompts under ``out``)."""
     from vcpo.verl_plugin.cpu.recipe import (  # imports verl: after quiet_verl_import when run as the launcher
-        cpu_overrides,
         data_paths,
-        environment,
-        megatron_layout,
         pretrained_task_overrides,
         write_data,
         write_task_data,
     )
 
+    model, pretrained, writers = args.model, args.model in PACKAGED_MODELS, []
+    if pretrained:
+        model = packaged_model(model)
+    if model is None:
+        model = out / "model"
+        writers.append(partial(write_random_model, model))
+    if pretrained and args.train is None and args.val is None:
+        default = read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
+        val_rows = load_rows(default["task"], default["validation_split"])[: default["training"]["validation"]["problems"]]
+        paths = write_task_data(default["task"], val_rows, out / "data", write=False)
+        writers.append(partial(write_task_data, default["task"], val_rows, out / "data"))
+        return Inputs(model, paths["train"], paths["val"], pretrained,
+                      pretrained_task_overrides(default["training"], default["answer_format"]), tuple(writers))
+    if args.train is None or args.val is None:
+        paths = data_paths(out / "data")
+        writers.append(partial(write_data, out / "data"))
+        return Inputs(model, args.train or paths["train"], args.val or paths["val"], pretrained, [], tuple(writers))
+    return Inputs(model, args.train, args.val, pretrained, [], tuple(writers))
+
+
+def build(args: argparse.Namespace, extra: list[str]):
+    """The run, its config (composed and checked once; the files it reads are checked by `check_files` once `Inputs`
+    has written them), command, environment and `Inputs`. Writes nothing."""
+    from vcpo.verl_plugin.cpu.recipe import cpu_overrides, environment, megatron_layout  # imports verl, as above
+
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
     # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
     run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-    model, pretrained = args.model, args.model in PACKAGED_MODELS
-    if pretrained:  # a pretrained model by name: the cached folder, fetched once
-        model = packaged_model(model)
-    if model is None:
-        model = out / "model"
-        if write and not (model / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "vcpo.local_models", str(model)], check=True, stdout=subprocess.DEVNULL)
-    task_overrides = []
-    if pretrained and args.train is None and args.val is None:  # the real model's registered task, its settings
-        default = read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
-        val_rows = load_rows(default["task"], default["validation_split"])[: default["training"]["validation"]["problems"]]
-        paths = write_task_data(default["task"], val_rows, out / "data", write=write)
-        train, val = paths["train"], paths["val"]
-        task_overrides = pretrained_task_overrides(default["training"], default["answer_format"])
-    elif args.train is None or args.val is None:
-        paths = write_data(out / "data") if write else data_paths(out / "data")
-        train, val = args.train or paths["train"], args.val or paths["val"]
-    else:
-        train, val = args.train, args.val
-    env = environment(out, run_environment(run), pretrained=pretrained)
+    inputs = run_inputs(args, out)
+    env = environment(out, run_environment(run), pretrained=inputs.pretrained)
     strategy = actor_strategy(run)
     # Megatron: the task's layout (recipes/megatron.yaml) unless the user's overrides change it; it sets the trainer's slots
     layout = megatron_layout([*megatron_overrides(run), *extra]) if strategy == "megatron" else None
-    overrides = cpu_overrides(model, train, val, steps=args.steps, separate=run.lag > 0, strategy=strategy, layout=layout,
-                              pretrained=pretrained, keep_optimizer=args.keep_optimizer)
+    overrides = cpu_overrides(inputs.model, inputs.train, inputs.val, steps=args.steps, separate=run.lag > 0,
+                              strategy=strategy, layout=layout, pretrained=inputs.pretrained,
+                              keep_optimizer=args.keep_optimizer)
     overrides += [
-        *task_overrides,
+        *inputs.task_overrides,
         *([f"trainer.save_freq={args.save_every}"] if args.save_every else []),
         f"trainer.default_local_dir={out / 'checkpoints'}",
         # Ray workers get the driver's module list (CPU platform first), not the launcher's engine-only one
@@ -124,8 +151,8 @@ def build(args: argparse.Namespace, extra: list[str], write: bool = True):
     ]
     config = compose(run, overrides)
     check_added_keys(config, extra)
-    check(run, config, check_paths=write)  # what a run writes first is not there when nothing is written
-    return run, config, command(run, overrides), env
+    check(run, config, check_paths=False)  # what the run writes first is not there yet
+    return run, config, command(run, overrides), env, inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: {problem}")
     quiet_verl_import()
     try:
-        run, config, cmd, env = build(args, extra, write=False)
+        run, config, cmd, env, inputs = build(args, extra)
     except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -171,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     try:
         with launching_into(out, launch_record(run, config, cmd, run_environment(run)), config, args.overwrite):
-            build(args, extra)  # the random model and prompts, if missing, once the folder is this run's
+            for write in inputs.writers:  # the random model and prompts, once the folder is this run's
+                write()
+            check_files(config)
             write_launch_record(run, out, config, cmd, run_environment(run))
             code = run_quietly(cmd, env, out, args.steps)
     except (LaunchError, PackagedModelError) as error:
