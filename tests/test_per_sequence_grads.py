@@ -391,6 +391,21 @@ def test_zero_coefficients_keep_exact_norms():
     assert relative_error(grads, expected_grads) < TOLERANCE
 
 
+@pytest.mark.parametrize("combination", COMBINATIONS)
+@pytest.mark.parametrize("mode", ["materialize", "ghost"])
+def test_a_micro_batch_whose_coefficients_are_all_zero_adds_only_its_norms(mode, combination):
+    """Every sequence of the second micro-batch has c^R = c^S = 0 (split keeps no row for it): the update is still
+    exact and its sequences' norms are counted."""
+    model = tiny_model("qwen2")
+    batch = make_batch(seed=14)
+    batch["coef_r"][3:] = batch["coef_s"][3:] = 0.0
+    expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode, combination=combination)
+    assert bool((norms[3:] > 0).all())
+    assert_norms_close(norms, expected_norms)
+    assert relative_error(grads, expected_grads) < TOLERANCE
+
+
 @pytest.mark.parametrize("mode", ["materialize", "ghost"])
 def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
     """autograd adds nothing itself: after a micro-batch p.grad = previous + Σ c^R_i g_i."""

@@ -570,8 +570,8 @@ class Coefficients(NamedTuple):
 
     @classmethod
     def of(cls, matrix: torch.Tensor, spans: list | None = None) -> Coefficients:
-        if spans is None:
-            return cls(matrix, list(matrix.split(1)))
+        if spans is None:  # not matrix.split(1), which gives a (0, B) matrix one empty row
+            return cls(matrix, [matrix[j : j + 1] for j in range(matrix.shape[0])])
         return cls(matrix, [matrix[j : j + 1, start:stop] for j, (start, stop) in enumerate(spans)])
 
 
