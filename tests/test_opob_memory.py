@@ -79,6 +79,22 @@ def test_fsdp2_terms_by_hand():
     assert memory.peak("plain") == memory.allocated("plain") == 3 * P + memory.step("plain")  # on CPU nothing else
 
 
+def test_the_norms_scratch_takes_the_engines_block_on_the_layouts_device():
+    """Without a block size, the two-pass step's norms scratch counts two blocks of the size the engine picks on
+    the layout's device (vcpo.core.per_sequence_grads.reductions.DEFAULT_BLOCK_BYTES): 2 MiB on a CPU, 128 MiB on a
+    GPU (a CPU projection once counted a GPU's blocks: 3.5x the measured step)."""
+    layout = replace(CPU, data_parallel=1, param_bytes=4, compute_bytes=4, gradient_checkpointing=False)
+    step = StepShape(tokens_per_micro_batch=100, buffers=2)
+    scratch = {}
+    for device, block_bytes in (("cpu", 2 << 20), ("cuda", 128 << 20)):
+        on_device = replace(layout, device=device)
+        memory = step_memory(SHAPE, on_device, step)
+        assert memory.two_pass == step_memory(SHAPE, on_device, replace(step, block_bytes=block_bytes)).two_pass
+        scratch[device] = memory.two_pass["pass 1 beyond pass 2 (norms scratch)"]
+    assert scratch["cpu"] > 0
+    assert scratch["cuda"] - scratch["cpu"] == 2 * ((128 << 20) - (2 << 20))
+
+
 def test_the_logits_by_log_prob_path():
     """1,000 tokens over a vocabulary of 100: flash-attn's cross-entropy keeps the bf16 logits once (its gradient in
     place), verl's log-softmax twice, in float32 (the CPU benchmark) twice at 4 bytes; megatron at TP 2 its half of the
@@ -218,8 +234,8 @@ def test_the_optimizer_step_holds_a_float32_copy_of_its_shard():
 def test_a_gpu_adds_its_context_the_weight_sync_and_a_fragmentation_margin():
     """On a GPU, outside the caching allocator: 3 GB of CUDA context, cuBLAS and NCCL (the larger end of 1-3 GB),
     and on trainer rank 0 of an nccl weight sync two 2,048 MiB cupy buckets (4,294,967,296 bytes); the allocator's
-    peak raised by 10%. The step's own terms are the CPU's."""
-    step = StepShape(tokens_per_micro_batch=1000, buffers=6)
+    peak raised by 10%. The step's own terms, at one block size for the norms, are the CPU's."""
+    step = StepShape(tokens_per_micro_batch=1000, buffers=6, block_bytes=128 << 20)
     cpu = step_memory(SHAPE, replace(CPU, data_parallel=4), step)
     gpu = step_memory(SHAPE, Layout(data_parallel=4, weight_sync_bucket_bytes=2048 * 2**20), step)
     assert gpu.outside_allocator == {CONTEXT: 3e9, "weight-sync send and receive buckets (cupy, trainer rank 0)": 4_294_967_296}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES
+from vcpo.core.per_sequence_grads.reductions import DEFAULT_BLOCK_BYTES, device_default
 
 GB = 1e9
 OPOB_MODES = ("single", "two_pass")
@@ -207,11 +207,12 @@ class StepShape:
 
     ``buffers``: float32 full-model buffers the single mode keeps until `combine` (split: a success and a
     failure buffer per group present on the rank: at most 2 x groups per rank; the `buffers` combination: one
-    per group); ``block_bytes``: one block of per-sequence gradients (the norms' scratch)."""
+    per group); ``block_bytes``: one block of per-sequence gradients (the norms' scratch; None: the engine's default
+    on the layout's device)."""
 
     tokens_per_micro_batch: int
     buffers: int
-    block_bytes: int = DEFAULT_BLOCK_BYTES["cuda"]
+    block_bytes: int | None = None
     # buffers already open when the last micro-batch's backward starts (its activations at their largest); at most
     # ``buffers``, which is what a step whose first micro-batches touch every group has
     buffers_before_last: int | None = None
@@ -455,7 +456,8 @@ def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemor
 def norms_scratch(shape: ModelShape, layout: Layout, step: StepShape) -> float:
     """The norms-only backward's working set beyond a plain backward: one block of per-sequence gradients, and
     the float32 (sequences, length, hidden) copies the embedding and norm handlers lay a micro-batch out in."""
-    return 2 * step.block_bytes + 3 * step.tokens_per_micro_batch * shape.hidden * 4 / layout.tensor_parallel
+    block_bytes = step.block_bytes or device_default(DEFAULT_BLOCK_BYTES, layout.device)
+    return 2 * block_bytes + 3 * step.tokens_per_micro_batch * shape.hidden * 4 / layout.tensor_parallel
 
 
 def norm_hook_bytes(shape: ModelShape, layout: Layout, tokens: int) -> float:

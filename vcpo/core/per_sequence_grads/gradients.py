@@ -113,6 +113,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     LOW_PRECISION,
     MODES,
     NORMS_ONLY,
+    device_default,
     PackedSegments,
     check_cu_seqlens,
     wide_dtype,
@@ -189,13 +190,13 @@ class PerSequenceGradients:
         self._grouped: bool | None = None
 
     def block_bytes(self, like: torch.Tensor) -> int:
-        return self._block_bytes or _device_default(DEFAULT_BLOCK_BYTES, like)
+        return self._block_bytes or device_default(DEFAULT_BLOCK_BYTES, like.device.type)
 
     def block_row_multiple(self, like: torch.Tensor) -> int:
-        return self._block_row_multiple or _device_default(DEFAULT_BLOCK_ROW_MULTIPLE, like)
+        return self._block_row_multiple or device_default(DEFAULT_BLOCK_ROW_MULTIPLE, like.device.type)
 
     def pass_cost(self, like: torch.Tensor) -> float:
-        return self._pass_cost or _device_default(DEFAULT_PASS_COST, like)
+        return self._pass_cost or device_default(DEFAULT_PASS_COST, like.device.type)
 
     def active_micro_batch(self, name: str) -> _MicroBatch:
         if self._active is None:
@@ -430,11 +431,6 @@ class PerSequenceGradients:
         self._open_labels = []
         self._open_micro_batches = []
         self._grouped = None
-
-
-def _device_default(per_device: dict, like: torch.Tensor):
-    """A per-device-type default for ``like``'s device (a device type without its own entry takes CUDA's)."""
-    return per_device.get(like.device.type, per_device["cuda"])
 
 
 def _unhandled_gradient_guard(grad: torch.Tensor | None) -> None:

@@ -45,6 +45,11 @@ DEFAULT_BLOCK_ROW_MULTIPLE = {"cpu": 1, "cuda": 64}
 DEFAULT_PASS_COST = {"cpu": 64.0, "cuda": 1143.0}
 
 
+def device_default(per_device: dict, device_type: str):
+    """A per-device-type default for a device type (one without its own entry takes CUDA's)."""
+    return per_device.get(device_type, per_device["cuda"])
+
+
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for float16 / bfloat16; other dtypes unchanged."""
