@@ -27,9 +27,11 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
-from vcpo.cli import shrink_problem
+from vcpo.cli import output_folder_problem, shrink_problem
+from vcpo.evaluation.harness import EvaluationInputError, benchmark_rows, load_benchmarks
 from vcpo.evaluation.metrics import per_problem_means
 from vcpo.lifetimes import dies_with_this_thread
 from vcpo.local_models import packaged_model
@@ -55,6 +57,13 @@ def per_problem(samples_file: Path, answer_format: str) -> list[float]:
     return per_problem_means(records, lambda record: record["by_answer_format"][answer_format]["acc"])
 
 
+def finished(origin: dict, summary_file: Path) -> dict:
+    """An evaluation's record as it began and ended: a driver killed after its evaluation wrote ``summary_file`` but
+    before it recorded the end leaves the end as the time of that summary."""
+    written = datetime.fromtimestamp(summary_file.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+    return {"end": written, **origin}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="benchmark files: <benchmark>/test.jsonl")
@@ -74,39 +83,43 @@ def main(argv=None) -> int:
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit {args.limit}: at least 1")
     plan = read_yaml(recipes_dir() / "real_model.yaml")
-    settings = read_yaml(recipes_dir() / "benchmarks.yaml")
     names = args.benchmarks.split(",") if args.benchmarks else plan["benchmarks"]
+    try:  # what the evaluation would refuse, found by its own rules before any model is looked up
+        benchmarks = {b.name: b for b in load_benchmarks(recipes_dir() / "benchmarks.yaml", names)}
+        problems = {name: len(benchmark_rows(benchmark, source_dir=args.data)) for name, benchmark in benchmarks.items()}
+    except EvaluationInputError as error:
+        parser.error(str(error))
+    if problem := output_folder_problem(args.work):
+        parser.error(f"--work {args.work}: {problem}")
     results_file = args.tables / "base_eval.json"
     rows = json.loads(results_file.read_text())["rows"] if results_file.exists() else {}
-    sizes = {}
-    for name in names:
-        spec = {**settings["defaults"], **settings["benchmarks"][name]}
-        problems = sum(1 for _ in (args.data / name / "test.jsonl").open())
-        sizes[name] = min(subset_size(problems, spec["n"], plan), args.limit or problems)
+    sizes = {name: min(subset_size(problems[name], benchmarks[name].sampling.n, plan), args.limit or problems[name])
+             for name in names}
     recorded = {name: rows[name]["problems"] for name in names if name in rows}  # the other benchmarks' rows stay
     if problem := shrink_problem(results_file, recorded, sizes, "pass --tables for a folder of your own", unit="problems"):
         parser.error(problem)
     model = packaged_model(plan["model"])
     args.tables.mkdir(parents=True, exist_ok=True)
     for name in names:
-        spec = {**settings["defaults"], **settings["benchmarks"][name]}
-        problems, k = sum(1 for _ in (args.data / name / "test.jsonl").open()), sizes[name]
+        k = sizes[name]
         out = args.work / name
         command = [sys.executable, "-m", "vcpo.evaluation", "--model", str(model), "--benchmarks", name, "--out", str(out),
                    "--source-dir", str(args.data), "--limit", str(k), "--max-new-tokens", str(plan["sampling"]["max_new_tokens"]),
                    "--backend", "hf", "--batch-size", str(plan["sampling"]["batch_size"])]
         summary_file, origin_file = out / name / "summary.json", out / "provenance.json"
         if not summary_file.exists():
-            print(f"{name}: the first {k} of {problems} problems, n = {spec['n']}", flush=True)
+            print(f"{name}: the first {k} of {problems[name]} problems, n = {benchmarks[name].sampling.n}", flush=True)
             out.mkdir(parents=True, exist_ok=True)
             origin = {**code_state(), "start": utc_now(), "cpu": cpu_name(), "threads": plan["threads"], "libraries": library_versions()}
             origin_file.write_text(json.dumps(origin, indent=2) + "\n")
             env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
-            subprocess.run(command, check=True, env=env, preexec_fn=dies_with_this_thread)
+            if code := subprocess.run(command, env=env, preexec_fn=dies_with_this_thread).returncode:
+                sys.exit(f"error: {name}: python -m vcpo.evaluation ended with exit {code} (its message above); "
+                         "the same command resumes it")
             origin_file.write_text(json.dumps({**origin, "end": utc_now()}, indent=2) + "\n")
         summary = json.loads(summary_file.read_text())
         interval = plan["interval"]
-        row = {"problems": k, "of": problems, "n": summary["sampling"]["n"], "max_new_tokens": summary["sampling"]["max_new_tokens"],
+        row = {"problems": k, "of": problems[name], "n": summary["sampling"]["n"], "max_new_tokens": summary["sampling"]["max_new_tokens"],
                "mean_response_tokens": summary["mean_response_tokens"], "truncated": summary["truncated"],
                "tokens_per_s": summary["num_samples"] * summary["mean_response_tokens"] / summary["generation_seconds"],
                "generation_s": summary["generation_seconds"], "command": " ".join(["python", *command[1:]])}
@@ -114,7 +127,7 @@ def main(argv=None) -> int:
             values = per_problem(out / name / "samples.jsonl", answer_format)
             low, high = bootstrap_mean_interval(values, interval["level"], interval["resamples"], interval["seed"])
             row[answer_format] = {"mean_at_n": sum(values) / len(values), "low": low, "high": high}
-        row["provenance"] = {**json.loads(origin_file.read_text()), "other_work": args.other_work}  # as the run began and ended
+        row["provenance"] = {**finished(json.loads(origin_file.read_text()), summary_file), "other_work": args.other_work}
         rows[name] = row
         provenance = {"model": plan["model"], "registration": "recipes/real_model.yaml"}
         write_atomic(results_file, json.dumps({"provenance": provenance, "rows": rows}, indent=2) + "\n")  # after each benchmark

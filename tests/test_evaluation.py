@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -427,6 +428,66 @@ def test_the_base_evaluation_never_replaces_a_row_with_one_over_fewer_problems(t
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "over 65 problems and this run would have 1: nothing written; pass --tables" in message
     assert (tables / "base_eval.json").read_text() == recorded and not (tmp_path / "work").exists()
+
+
+def base_evaluation_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_model_eval", REPO / "benchmarks" / "real_model_eval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--data", "{tmp}/none"], "benchmark 'gsm8k': {tmp}/none/gsm8k/test.jsonl does not exist"),
+    (["--data", "{tmp}/damaged"], "source {tmp}/damaged/gsm8k/test.jsonl, line 2: not a JSON object"),
+    (["--benchmarks", "nope"], "unknown benchmark(s) ['nope']"),
+    (["--work", "{tmp}/a_file"], "--work {tmp}/a_file: {tmp}/a_file is a file, not a folder"),
+], ids=["missing-data", "damaged-line", "unknown-benchmark", "work-a-file"])
+def test_the_base_evaluation_answers_bad_input_in_one_line_before_looking_up_the_model(tmp_path, monkeypatch, capsys,
+                                                                                     arguments, message):
+    """Each once a traceback (an empty cache first fetched the model): the evaluation's own rules, checked before the
+    model is looked up or anything is written."""
+    script = base_evaluation_script()
+    monkeypatch.setattr(script, "packaged_model", lambda name: pytest.fail("the model was looked up"))
+    line = '{"question": "Q", "answer": "#### 1"}\n'
+    for folder, text in (("data", line), ("damaged", line + '{"question": \n')):
+        (tmp_path / folder / "gsm8k").mkdir(parents=True)
+        (tmp_path / folder / "gsm8k" / "test.jsonl").write_text(text)
+    (tmp_path / "a_file").write_text("")
+    given = {"--data": str(tmp_path / "data"), "--benchmarks": "gsm8k", "--work": str(tmp_path / "work"),
+             "--tables": str(tmp_path / "tables"),
+             **dict(zip(arguments[::2], [a.format(tmp=tmp_path) for a in arguments[1::2]], strict=True))}
+    with pytest.raises(SystemExit) as stopped:
+        script.main([item for pair in given.items() for item in pair])
+    said = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in said and message.format(tmp=tmp_path) in said.splitlines()[-1]
+    assert not (tmp_path / "work").exists() and not (tmp_path / "tables").exists()
+
+
+def test_the_base_evaluation_ends_in_one_line_when_its_evaluation_fails_and_reads_a_killed_drivers_end(tmp_path,
+                                                                                                  monkeypatch):
+    """The evaluation's own exit is named (it printed its message), not raised as CalledProcessError; a driver killed
+    after its evaluation's summary but before it recorded the end leaves that summary's time as the end."""
+    import subprocess
+
+    script = base_evaluation_script()
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "data" / "gsm8k" / "test.jsonl").write_text('{"question": "Q", "answer": "#### 1"}\n')
+    monkeypatch.setattr(script, "packaged_model", lambda name: tmp_path / "model")
+    monkeypatch.setattr(script.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 3))
+    argv = ["--data", str(tmp_path / "data"), "--benchmarks", "gsm8k", "--work", str(tmp_path / "work"),
+            "--tables", str(tmp_path / "tables")]
+    with pytest.raises(SystemExit, match=r"^error: gsm8k: python -m vcpo.evaluation ended with exit 3 \(its message "
+                                         r"above\); the same command resumes it$"):
+        script.main(argv)
+    assert not (tmp_path / "tables" / "base_eval.json").exists()
+    summary = tmp_path / "summary.json"
+    summary.write_text("{}")
+    os.utime(summary, (0, 0))
+    assert script.finished({"start": "s"}, summary) == {"end": "1970-01-01T00:00:00+00:00", "start": "s"}
+    assert script.finished({"start": "s", "end": "e"}, summary)["end"] == "e"
 
 
 def test_a_verl_run_folder_is_evaluated_at_its_last_checkpoints_hugging_face_weights(tmp_path, monkeypatch):
