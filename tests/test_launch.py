@@ -545,6 +545,7 @@ def test_a_strategy_the_launcher_does_not_compose_is_refused():
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=-1", "-1"),
     ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=0", "0"),
     ("actor_rollout_ref.actor.megatron.context_parallel_size=0", "0"),
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=abc", "'abc'"),
     ("data.train_batch_size=abc", "'abc'"),
     ("actor_rollout_ref.rollout.n=0", "0"),
 ])
@@ -556,6 +557,16 @@ def test_a_layout_or_batch_integer_below_one_is_refused_naming_its_key(override,
     key = override.split("=")[0]
     assert code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {key}={shown}: must be a positive integer")
+
+
+@pytest.mark.parametrize("size", ["tensor_model_parallel_size=-1", "pipeline_model_parallel_size=-2"])
+def test_a_real_launch_of_a_negative_layout_writes_nothing_and_starts_nothing(tmp_path, monkeypatch, capsys, size):
+    """A TP of -1 once wrote launch.json and reached verl with --gpus 8: refused before the run folder is made."""
+    code, started = launch_math(tmp_path, monkeypatch, "--", "actor_rollout_ref.actor.strategy=megatron",
+                                f"actor_rollout_ref.actor.megatron.{size}")
+    assert (code, started) == (2, []) and not list(tmp_path.rglob("launch.json"))
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: actor_rollout_ref.actor.megatron.{size}: must be a positive integer")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "abc"])
