@@ -98,7 +98,7 @@ def test_the_timing_runs_use_both_cores_as_registered(tmp_path):
     sync = timing_command(design, "sync_lr2e-4", tmp_path)
     vcpo = timing_command(design, "vcpo_k48", tmp_path)
     assert "threads=2" in sync and "threads=1" not in sync and "execution=concurrent" not in sync
-    assert "threads=1" in vcpo and "execution=concurrent" in vcpo and "lag=48" in vcpo and "lr=0.0002" in vcpo
+    assert "threads=1" in vcpo and "execution=concurrent" in vcpo and "lag=48" in vcpo and "reference_lr=0.0002" in vcpo
     assert all("eval_every=0" in c and "lag_model=pipeline_overlap" in c for c in (sync, vcpo))
 
 
@@ -261,7 +261,7 @@ def test_an_archive_cut_short_is_refused_naming_the_file_and_the_missing_steps(a
     ("final/eval.json", "{not json", r"final/eval.json cannot be read as JSON \(JSONDecodeError"),
     ("final/eval.json", "{}", "final/eval.json lacks test/accuracy"),
     ("final/eval.json", "[1, 2]", "final/eval.json holds a JSON list, not an object"),
-    ("config.json", '{"steps": 80}', "config.json lacks task, lag, lr, base_seed"),
+    ("config.json", '{"steps": 80}', "config.json lacks task, lag, reference_lr, base_seed"),
 ])
 def test_a_damaged_run_file_is_one_sentence_naming_it(archived_copy, file, content, message):
     from vcpo.runs import RunFileProblem

@@ -161,13 +161,13 @@ def test_a_sim_config_file_is_where_every_run_starts(tmp_path):
     from vcpo.workflow_plan import sim_base_args, sim_start
 
     regime = tmp_path / "regime.yaml"
-    regime.write_text("lr: 1.5e-4\nmodel_size: small\nbase_seed: 3\n")
+    regime.write_text("reference_lr: 1.5e-4\nmodel_size: small\nbase_seed: 3\n")
     with_file = broken("ci", sim_config=str(regime))
-    assert sim_start(with_file).lr == 1.5e-4 and sim_base_args(with_file) == "--size small --seed 3"
+    assert sim_start(with_file).reference_lr == 1.5e-4 and sim_base_args(with_file) == "--size small --seed 3"
     assert sim_base_args(broken("ci", sim_config=str(regime), sim={"model_size": "tiny"})) == "--size tiny --seed 3"
     assert sim_base_args(config("ci")) == "--size tiny --seed 0"
     plan(with_file)
-    regime.write_text("lr: 1.5e-4\nlag_modle: fixed\n")
+    regime.write_text("reference_lr: 1.5e-4\nlag_modle: fixed\n")
     with pytest.raises(WorkflowConfigError, match=re.escape(f"config file {str(regime)!r}: unknown config key 'lag_modle'")):
         plan(with_file)
     regime.write_text("warmup_steps: 50\n")  # more than the CI runs' 12-20 steps

@@ -230,7 +230,7 @@ def test_rerunning_a_finished_run_keeps_its_metrics_and_a_failed_setup_frees_the
     Trainer(small_config(base, out, eval_every=1)).run()  # the same command again: nothing to redo, nothing lost
     assert (out / METRICS_FILE).read_text() == before
     with pytest.raises(ConfigError, match="holds a checkpoint of a run with other settings"):
-        Trainer(small_config(base, out, eval_every=1, lr=1e-3))
+        Trainer(small_config(base, out, eval_every=1, reference_lr=1e-3))
     with run_folder_lock(out):  # the refused setup did not keep the lock
         pass
     trainer = Trainer(small_config(base, out, eval_every=1))
@@ -355,8 +355,8 @@ def test_a_resume_is_checked_against_the_checkpoint_without_config_json(base, tm
     from vcpo.sim.__main__ import main as sim_main
 
     command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "threads=1", "progress=false"]
-    assert sim_main([*command, "lr=1e-4"]) == 2
-    assert "(checkpoint.pt) holds a checkpoint of a run with other settings (lr: 5e-05 -> 0.0001)" in capsys.readouterr().err
+    assert sim_main([*command, "lr=1e-4"]) == 2  # reference_lr under its old name
+    assert "(checkpoint.pt) holds a checkpoint of a run with other settings (reference_lr: 5e-05 -> 0.0001)" in capsys.readouterr().err
 
 
 def test_a_full_disk_says_so_and_leaves_no_partial_file(base, tmp_path, monkeypatch, capsys):

@@ -22,26 +22,26 @@ def base(tmp_path_factory):
 
 def test_config_file_values_then_flags_then_key_values(base, tmp_path):
     regime = tmp_path / "regime.yaml"
-    regime.write_text("lr: 2.5e-4  # the file's value\nsteps: 7\nlag: 3\nbetas: [0.8, 0.99]\nrho_on: null\n")
+    regime.write_text("reference_lr: 2.5e-4  # the file's value\nsteps: 7\nlag: 3\nbetas: [0.8, 0.99]\nrho_on: null\n")
     out = tmp_path / "run"
     code = sim_main(["train", "--config", str(regime), "--method", "seq_tis_c8", "--steps", "2", "--out", str(out),
                      f"base={base}", "lag=1", *SHORT])
     assert code == 0
     config = json.loads((out / "config.json").read_text())
     assert config["config_file"] == str(regime)
-    assert config["lr"] == 2.5e-4 and config["betas"] == [0.8, 0.99]  # from the file
+    assert config["reference_lr"] == 2.5e-4 and config["betas"] == [0.8, 0.99]  # from the file
     assert config["steps"] == 2 and config["lag"] == 1  # the flag and the key=value win over the file
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_sweep_reads_the_config_file_and_records_it(base, tmp_path):
     regime = tmp_path / "regime.yaml"
-    regime.write_text("lr: 3.0e-4\nlag: 2\n")
+    regime.write_text("lr: 3.0e-4\nlag: 2\n")  # the key's old name, read as reference_lr
     code = sim_main(["sweep", "--config", str(regime), "--methods", "seq_tis_c8", "--lags", "2", "--steps", "2",
                      "--out", str(tmp_path / "runs"), f"base={base}", *SHORT])
     assert code == 0
     config = json.loads((tmp_path / "runs/countdown/seq_tis_c8/lag2/seed0/config.json").read_text())
-    assert config["config_file"] == str(regime) and config["lr"] == 3.0e-4
+    assert config["config_file"] == str(regime) and config["reference_lr"] == 3.0e-4 and "lr" not in config
 
 
 @pytest.mark.parametrize("method", ["sync", "seq_tis_c8", "vcpo"])
@@ -53,7 +53,7 @@ def test_the_committed_regime_runs_a_few_steps(base, tmp_path, method):
     assert sim_main(["train", "--config", "recipes/sim/regime.yaml", "--method", method, "--steps", "3",
                      "--out", str(out), f"base={base}", *SHORT, *lag]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["config_file"] == "recipes/sim/regime.yaml" and config["lr"] == 2.0e-4 and config["task"] == "countdown"
+    assert config["config_file"] == "recipes/sim/regime.yaml" and config["reference_lr"] == 2.0e-4 and config["task"] == "countdown"
     assert config["lag"] == (0 if is_synchronous(method) else 2)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2]
@@ -62,9 +62,10 @@ def test_the_committed_regime_runs_a_few_steps(base, tmp_path, method):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("lr: 1e-4\nlag_modle: fixed\n", "unknown config key 'lag_modle' (did you mean 'lag_model'?)"),
+        ("reference_lr: 1e-4\nlag_modle: fixed\n", "unknown config key 'lag_modle' (did you mean 'lag_model'?)"),
         ("steps: many\n", "config key 'steps': cannot read 'many'"),
-        ("- lr\n", "expected a mapping"),
+        ("- reference_lr\n", "expected a mapping"),
+        ("lr: 1e-4\nreference_lr: 2e-4\n", "'lr' and 'reference_lr' are one key (renamed)"),
         ("config_file: other.yaml\n", "'config_file' cannot be set"),
     ],
 )
@@ -183,7 +184,7 @@ def _write_run(root, method, lag, seed, accuracy, ess, lr=1.5e-4):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "final" / "eval.json").write_text(json.dumps(lines[-1]))
     (folder / "config.json").write_text(json.dumps({
-        "task": "countdown", "method": method, "lag": lag, "seed": seed, "lr": lr, "model_size": "tiny",
+        "task": "countdown", "method": method, "lag": lag, "seed": seed, "reference_lr": lr, "model_size": "tiny",
         "steps": max(accuracy), "config_file": "regime.yaml",
     }))
 
@@ -216,7 +217,7 @@ def test_the_regime_report_judges_every_run_and_names_the_regime(tmp_path):
 
 def test_a_config_file_carries_notes_that_runs_record(base, tmp_path, capsys):
     regime = tmp_path / "regime.yaml"
-    regime.write_text("lr: 2.0e-4\nextra:\n  label: closest candidate\n")
+    regime.write_text("reference_lr: 2.0e-4\nextra:\n  label: closest candidate\n")
     assert load_config_file(regime).extra == {"label": "closest candidate"}
     out = tmp_path / "run"
     assert sim_main(["train", "--config", str(regime), "--method", "seq_tis_c8", "--lag", "1", "--steps", "2",

@@ -38,7 +38,7 @@ class Run:
         self.model = build_random_model(tokenizer, hidden_size=32, num_layers=2).double().train()
         self.config = SimConfig(
             method=method, lag=lag, lag_model=lag_model, prompts_per_step=GROUPS,
-            responses_per_prompt=GROUP_SIZE, micro_batch_size=2 * GROUP_SIZE, lr=3e-3,
+            responses_per_prompt=GROUP_SIZE, micro_batch_size=2 * GROUP_SIZE, reference_lr=3e-3,
         )
         self.learner = Learner(self.model, get_method(method), self.config)
         sampling = Sampling(max_response_tokens=max_tokens, temperature=1.0, eos_token_ids=(0, 2), pad_token_id=0)

@@ -122,7 +122,7 @@ def test_low_precision_rollouts_are_a_training_inference_mismatch(base, tmp_path
         ({"method": "fp16"}, "rollout_dtype"),
         ({"learner_dtype": "bfloat16"}, "learner_dtype"),
         ({"responses_per_prompt": 1}, "responses_per_prompt"),
-        ({"lr": float("inf")}, "lr"),
+        ({"reference_lr": float("inf")}, "reference_lr"),
         ({"grad_clip": float("nan")}, "grad_clip"),
         ({"betas": (1.5, 0.9)}, "betas"),
         ({"weight_decay": -1.0}, "weight_decay"),
@@ -143,6 +143,37 @@ def test_unknown_key_is_named_with_a_suggestion():
         apply_overrides(SimConfig(), ["lag_modle=fixed"])
     with pytest.raises(ConfigError, match="'steps'.*cannot read 'many'"):
         apply_overrides(SimConfig(), ["steps=many"])
+
+
+def test_a_config_written_with_the_rates_old_name_trains_the_same_run(base, tmp_path):
+    """``lr`` was reference_lr's name before the rename: a config file, a key=value and a recorded config.json that
+    use it give the same settings, the same optimizer rate and the same metrics as the current name."""
+    from vcpo.sim.config import load_config_file, read_recorded, settings_changed
+
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text("lr: 2.0e-4\nlag: 3\n")
+    new.write_text("reference_lr: 2.0e-4\nlag: 3\n")
+    from_old, from_new = load_config_file(old), load_config_file(new)
+    assert dataclasses.replace(from_old, config_file=None) == dataclasses.replace(from_new, config_file=None)
+    assert from_old.reference_lr == 2.0e-4 and from_old.base_lr == 2.0e-4  # seq_tis_c8 is at the paper's rate
+    assert apply_overrides(SimConfig(), ["lr=1e-4"]) == apply_overrides(SimConfig(), ["reference_lr=1e-4"])
+    assert apply_overrides(SimConfig(method="low_lr"), ["lr=1e-4"]).base_lr == pytest.approx(1e-5)  # 1e-7 / 1e-6 of it
+
+    ends = {}
+    for name in ("lr", "reference_lr"):
+        out = tmp_path / name
+        assert sim_main(["train", *[f"{k}={v}" for k, v in SMALL.items()], f"base={base}", f"out={out}", f"{name}=3e-3"]) == 0
+        ends[name] = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING_PREFIXES)}
+                      for line in (out / METRICS_FILE).read_text().splitlines()]
+    assert ends["lr"] == ends["reference_lr"] and len(ends["lr"]) == SMALL["steps"]
+
+    recorded = json.loads((tmp_path / "reference_lr" / "config.json").read_text())
+    archived = tmp_path / "archived"
+    archived.mkdir()
+    (archived / "config.json").write_text(json.dumps({("lr" if k == "reference_lr" else k): v for k, v in recorded.items()}))
+    assert read_recorded(archived)["reference_lr"] == 3e-3 and "lr" not in read_recorded(archived)
+    config = validate(small_config(base, tmp_path / "reference_lr", reference_lr=3e-3))
+    assert settings_changed(json.loads((archived / "config.json").read_text()), config) == []
 
 
 def test_cli_reports_bad_input_before_work(base, tmp_path, capsys):
@@ -228,10 +259,10 @@ def test_a_restart_with_other_settings_is_refused_naming_them(base, tmp_path, ca
     command = ["train", *[f"{k}={v}" for k, v in RESUME.items()], f"base={base}", f"out={out}", "steps=2", "lag=2"]
     assert sim_main(command) == 0
     before = (out / METRICS_FILE).read_text()
-    assert sim_main([*command, "method=sync", "lag=0", "lr=1e-4"]) == 2
+    assert sim_main([*command, "method=sync", "lag=0", "reference_lr=1e-4"]) == 2
     error = capsys.readouterr().err
     assert "holds a checkpoint of a run with other settings" in error
-    assert "method: 'vcpo' -> 'sync'" in error and "lag: 2 -> 0" in error and "lr: 5e-05 -> 0.0001" in error
+    assert "method: 'vcpo' -> 'sync'" in error and "lag: 2 -> 0" in error and "reference_lr: 5e-05 -> 0.0001" in error
     assert (out / METRICS_FILE).read_text() == before and json.loads((out / "config.json").read_text())["method"] == "vcpo"
     assert sim_main([*command, "threads=2"]) == 2  # the thread count changes the reductions' order
     assert "threads: 1 -> 2" in capsys.readouterr().err

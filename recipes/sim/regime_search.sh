@@ -19,15 +19,15 @@ COMMON=(--task "$TASK" --steps 200 --jobs "$JOBS" "${EXTRA[@]}")
 
 if [ "$STAGE" = seed0 ]; then
   for lr in $LRS; do
-    python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
-    python -m vcpo.sim sweep "${COMMON[@]}" --methods "$METHOD" --lags "$LAGS" --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
+    python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "reference_lr=$lr"
+    python -m vcpo.sim sweep "${COMMON[@]}" --methods "$METHOD" --lags "$LAGS" --seeds 0 --out "$RUNS/lr$lr" "reference_lr=$lr"
   done
 elif [ "$STAGE" = sync0 ]; then
   for lr in $LRS; do
-    python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "lr=$lr"
+    python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 0 --out "$RUNS/lr$lr" "reference_lr=$lr"
   done
 else
   lr=$3 lag=$4
-  python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 1,2 --out "$RUNS/lr$lr" "lr=$lr"
-  python -m vcpo.sim sweep "${COMMON[@]}" --methods seq_tis_c8 --lags "$lag" --seeds 1,2 --out "$RUNS/lr$lr" "lr=$lr"
+  python -m vcpo.sim sweep "${COMMON[@]}" --methods sync --lags 0 --seeds 1,2 --out "$RUNS/lr$lr" "reference_lr=$lr"
+  python -m vcpo.sim sweep "${COMMON[@]}" --methods seq_tis_c8 --lags "$lag" --seeds 1,2 --out "$RUNS/lr$lr" "reference_lr=$lr"
 fi

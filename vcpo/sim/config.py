@@ -16,6 +16,7 @@ from typing import Any
 
 from vcpo.methods import PRECISION_DTYPES, Method, get_method
 from vcpo.recipes import optimizer_table
+from vcpo.runs import CONFIG_FILE, RunFileProblem, read_json
 
 EXECUTIONS = ("serial", "concurrent")
 LAG_MODELS = ("pipeline", "pipeline_overlap", "fixed", "minibatch")  # vcpo.sim.rollout
@@ -27,9 +28,13 @@ KV_CACHE_MODES = ("recompute", "keep")  # vcpo.sim.rollout's module docstring
 SIM_TOOL_TIMEOUT_S = 5.0
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 ROLLOUT_DTYPES = (*DTYPES, "preset")
-# The learning rate every preset is written relative to (VCPO Table 2): a preset's lr / this is the
-# factor applied to the simulator's own reference learning rate (low_lr: 1e-7 -> x0.1).
+# The paper's learning rate (VCPO Table 2). A preset's optimizer.lr is a rate at the paper's scale in both backends:
+# verl trains at it; the simulator, whose tiny models want larger steps, trains at reference_lr x (that rate / this),
+# so a preset at the paper's rate trains at reference_lr and low_lr's 1e-7 at a tenth of it.
 PAPER_REFERENCE_LR = 1.0e-6
+# Configuration keys renamed since runs were recorded (old name -> current name): a config file, a command line or
+# a recorded config.json that uses an old name is read through this map, so archived runs keep their meaning.
+RENAMED_KEYS = {"lr": "reference_lr"}
 
 
 def table_2(key: str):
@@ -68,7 +73,9 @@ class SimConfig:
     tool_timeout_s: float = SIM_TOOL_TIMEOUT_S
     tool_workers: int = 4  # tool calls of one generation round run at once (docs/simulator.md: calls/s and latency)
     # optimizer: AdamW with VCPO Table 2's settings (recipes/optimizer.yaml, as the verl launcher uses them)
-    lr: float = 5.0e-5  # stands for the paper's 1e-6 at this scale (sync pilot, docs/simulator.md); presets scale it by lr / 1e-6
+    # the simulator's rate for a preset at the paper's rate (PAPER_REFERENCE_LR), chosen by the sync pilot
+    # (docs/simulator.md); base_lr is the rate the optimizer starts from
+    reference_lr: float = 5.0e-5
     weight_decay: float = field(default_factory=table_2("weight_decay"))
     betas: tuple[float, float] = field(default_factory=table_2("betas"))
     eps: float = field(default_factory=table_2("eps"))
@@ -118,7 +125,9 @@ class SimConfig:
 
     @property
     def base_lr(self) -> float:
-        return self.lr * self.method_preset.spec["optimizer"]["lr"] / PAPER_REFERENCE_LR
+        """The optimizer's rate before the warm-up/decay schedule and the ESS scale: the preset's paper-scale rate
+        carried to the simulator's scale."""
+        return self.reference_lr * self.method_preset.spec["optimizer"]["lr"] / PAPER_REFERENCE_LR
 
     @property
     def resolved_rollout_dtype(self) -> str:
@@ -144,9 +153,30 @@ BEFORE_THE_KEY = {"opob_combination": "buffers"}
 RESUMABLE_CHANGES = ("progress", "wandb", "checkpoint_every", "out", "config_file", "extra", "tool_workers", "execution")
 
 
+def current_keys(settings: dict[str, Any], where: str = "settings") -> dict[str, Any]:
+    """``settings`` with each renamed key (RENAMED_KEYS) under its current name; ``where`` names them when a key
+    is given under both names."""
+    both = [old for old, new in RENAMED_KEYS.items() if old in settings and new in settings]
+    if both:
+        raise ConfigError(f"{where}: {', '.join(f'{old!r} and {RENAMED_KEYS[old]!r}' for old in both)} are one key "
+                          f"(renamed); give it once, as {RENAMED_KEYS[both[0]]!r}")
+    return {RENAMED_KEYS.get(key, key): value for key, value in settings.items()}
+
+
+def read_recorded(run_dir: str | Path, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A simulator run's ``config.json`` under the current key names, with ``keys``
+    (vcpo.runs.RunFileProblem naming the file when it cannot be read or lacks one)."""
+    path = Path(run_dir) / CONFIG_FILE
+    recorded = current_keys(read_json(path), str(path))
+    if missing := [key for key in keys if key not in recorded]:
+        raise RunFileProblem(f"{path} lacks {', '.join(missing)}")
+    return recorded
+
+
 def settings_changed(recorded: dict[str, Any], config: SimConfig) -> list[str]:
     """``key: recorded -> now`` for every result-changing key where ``config`` differs from a run's
-    recorded ``config.json``."""
+    recorded ``config.json`` (recorded under any of its keys' names)."""
+    recorded = current_keys(recorded, "the recorded settings")
     now = config.recorded()
     if config.base is None:  # the cached SFT base of (task, model_size, base_seed), which are compared
         del now["base"]
@@ -184,10 +214,12 @@ def _parse_value(key: str, text: str) -> Any:
 
 
 def apply_overrides(config: SimConfig, overrides: list[str] | dict[str, Any]) -> SimConfig:
-    """A copy of ``config`` with ``key=value`` strings (or a mapping) applied; unknown keys raise."""
+    """A copy of ``config`` with ``key=value`` strings (or a mapping) applied; a renamed key is read under its
+    current name (RENAMED_KEYS), an unknown key raises."""
     items = overrides.items() if isinstance(overrides, dict) else [_split(item) for item in overrides]
     changes = {}
     for key, value in items:
+        key = RENAMED_KEYS.get(key, key)
         if key == "extra":
             raise ConfigError("config key 'extra' (free-form notes) is set only as a mapping in a --config file")
         if key not in FIELD_TYPES:
@@ -217,6 +249,7 @@ def load_config_file(path: str | Path) -> SimConfig:
         raise ConfigError(f"config file {str(path)!r}: expected a mapping of configuration keys, got {type(settings).__name__}")
     if "config_file" in settings:
         raise ConfigError(f"config file {str(path)!r}: key 'config_file' cannot be set inside a config file")
+    settings = current_keys(settings, f"config file {str(path)!r}")
     notes = settings.pop("extra", {})
     if not isinstance(notes, dict):
         raise ConfigError(f"config file {str(path)!r}: key 'extra' must be a mapping of notes, got {notes!r}")

@@ -116,7 +116,7 @@ def check_settings(config: SimConfig) -> SimConfig:
         fail("responses_per_prompt", "group baselines need at least 2 responses per prompt")
     if config.micro_batch_size < config.responses_per_prompt or config.micro_batch_size % config.responses_per_prompt:
         fail("micro_batch_size", f"must hold whole groups: a multiple of responses_per_prompt ({config.responses_per_prompt})")
-    for key in ("lr", "temperature", "eval_temperature", "eps", "grad_clip", "tool_timeout_s"):
+    for key in ("reference_lr", "temperature", "eval_temperature", "eps", "grad_clip", "tool_timeout_s"):
         value = getattr(config, key)
         if not (math.isfinite(value) and value > 0):
             fail(key, f"must be a positive finite number, got {value}")

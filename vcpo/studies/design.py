@@ -44,10 +44,10 @@ class Arm:
     name: str
     method: str
     phase: int
-    lr: float | None = None  # None: the task config's
+    reference_lr: float | None = None  # None: the task config's (vcpo.sim.config.SimConfig.reference_lr)
     lag: int | None = None  # None: the task config's (sync: 0)
     lr_scale_from: str | None = None  # an arm of the same task: replay its run of the same seed
-    lr_from_mean_scale_of: str | None = None  # an arm of the same task: its lr x the mean actor/lr_scale of its runs
+    lr_from_mean_scale_of: str | None = None  # an arm of the same task: its reference_lr x the mean actor/lr_scale of its runs
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None
         settings["lag"] = arm.lag
     elif arm.method == "sync":
         settings["lag"] = 0
-    if arm.lr is not None:
-        settings["lr"] = arm.lr
+    if arm.reference_lr is not None:
+        settings["reference_lr"] = arm.reference_lr
     if arm.lr_scale_from:
         source = run_folder(root, design.arm(arm.task, arm.lr_scale_from), seed)
         if not is_finished(source):
@@ -149,8 +149,8 @@ def run_settings(design: Design, arm: Arm, seed: int, root: Path) -> dict | None
         folders = [run_folder(root, source_arm, s) for s in design.seeds_of(arm.task)]
         if not all(is_finished(folder) for folder in folders):
             return None
-        nominal = source_arm.lr if source_arm.lr is not None else load_config_file(design.configs[arm.task]).lr
-        settings["lr"] = float(f"{nominal * mean_step_scale(folders):.4g}")
+        nominal = source_arm.reference_lr if source_arm.reference_lr is not None else load_config_file(design.configs[arm.task]).reference_lr
+        settings["reference_lr"] = float(f"{nominal * mean_step_scale(folders):.4g}")
     return settings
 
 

@@ -45,7 +45,7 @@ from vcpo.runs import (
     read_json,
 )
 from vcpo.sim.base import sft_base
-from vcpo.sim.config import SimConfig
+from vcpo.sim.config import SimConfig, read_recorded
 from vcpo.sim.heldout import heldout_accuracy
 from vcpo.sim.rollout import sandbox_tool
 from vcpo.sim.tasks import get_sim_task
@@ -148,14 +148,14 @@ def finished_time(recorded: dict) -> dict:
 
 
 # what a run's config.json must record for its row
-RECORDED_KEYS = ("task", "lag", "lr", "base_seed", "steps", "test_problems", "test_samples", "config_file", "threads")
+RECORDED_KEYS = ("task", "lag", "reference_lr", "base_seed", "steps", "test_problems", "test_samples", "config_file", "threads")
 
 
 def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] | None = None) -> dict:
     """One finished run as a row of runs.jsonl; ``end`` is its final test accuracy (final/eval.json).
     ``lines``: its metrics, when the caller has read them already."""
     folder = run_folder(root, arm, seed)
-    recorded = read_json(folder / CONFIG_FILE, RECORDED_KEYS)
+    recorded = read_recorded(folder, RECORDED_KEYS)
     final = final_eval(folder)
     lines = archived_metrics(folder) if lines is None else lines
     judged = outcome(lines)
@@ -169,7 +169,7 @@ def run_row(design: Design, arm: Arm, seed: int, root: Path, lines: list[dict] |
     step_lines = [line for line in lines if LR_SCALE in line]
     tool_lines = [line for line in step_lines if "tool/calls_per_response" in line]
     return {
-        "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["lr"],
+        "task": recorded["task"], "arm": arm.name, "method": arm.method, "lag": recorded["lag"], "lr": recorded["reference_lr"],
         "lag_model": recorded.get("lag_model", SimConfig().lag_model),  # recorded before the key: its default
         "seed": seed, "base_seed": recorded["base_seed"], "steps": recorded["steps"],
         "base": judged.base, "best": judged.best, "best_step": judged.best_step,

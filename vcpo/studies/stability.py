@@ -22,13 +22,13 @@ as the lag-0 row), each cell marked with the criterion it meets (collapsed, or h
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from vcpo.methods import is_synchronous
 from vcpo.reporting.run_data import ACCURACY, read_metrics, series
-from vcpo.runs import CONFIG_FILE, FINAL_EVAL, SEQ_ESS_RATIO
+from vcpo.runs import FINAL_EVAL, SEQ_ESS_RATIO
+from vcpo.sim.config import read_recorded
 
 SYNC_MIN_GAIN = 0.05
 SYNC_KEEP = 0.8
@@ -90,7 +90,7 @@ def judge_root(root: Path, task: str | None = None) -> list[dict]:
     rows = []
     for final in sorted(Path(root).rglob(FINAL_EVAL)):
         run = final.parent.parent
-        config = json.loads((run / CONFIG_FILE).read_text())
+        config = read_recorded(run)
         if task is not None and config["task"] != task:
             continue
         result = outcome(read_metrics(run))
@@ -100,7 +100,7 @@ def judge_root(root: Path, task: str | None = None) -> list[dict]:
                 "method": config["method"],
                 "lag": config["lag"],
                 "seed": config["seed"],
-                "lr": config["lr"],
+                "lr": config["reference_lr"],
                 "model_size": config["model_size"],
                 "steps": config["steps"],
                 "outcome": result,
