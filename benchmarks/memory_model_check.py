@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -119,7 +120,12 @@ def measure_rank(args: argparse.Namespace, engine_name: str, model: str, kind: s
         config = standalone.actor_config(method, args.batch, args.group, args.micro, megatron_engine=megatron, opob_mode=mode)
         return functools.partial(ppo_loss, config=config)
 
-    sequences = dict(dtype=torch.float32, rows=rows, min_prompt=args.prompt, min_response=args.response)
+    # behaviour log-probs of the random model's near-uniform policy: sequence weights near 1, so that every sequence
+    # has nonzero coefficients and the single step opens its buffers (actor_batch's far off-policy default underflows
+    # every weight of a long response to 0, and the step then forms no buffer at all)
+    near_policy = torch.full((args.batch, args.response), -math.log(MODELS[model]["vocab_size"]), dtype=torch.float64)
+    sequences = dict(dtype=torch.float32, rows=rows, min_prompt=args.prompt, min_response=args.response,
+                     behaviour_log_probs=near_policy)
     td, raw = standalone.actor_batch(*batch, **sequences)
     with engine.train_mode():
         engine.train_batch(td, loss("plain"))  # Adam's moments
