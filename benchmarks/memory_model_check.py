@@ -73,10 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(engine_name: str, model_dir: Path):
     """verl's engine of ``engine_name`` on this process group, bf16, as `vcpo.verl_plugin.cpu.standalone` builds it."""
     # verl and torch load only in a point's ranks, after the CPU platform is selected
+    from vcpo.verl_contract import ENGINE_MODEL_TYPE
     from vcpo.verl_plugin.cpu import standalone
 
-    if engine_name == "megatron":
-        return standalone.build_megatron_engine(model_dir, tensor_parallel=RANKS, lr=1e-6)
+    if engine_name == "megatron":  # vcpo's Megatron engine (the one OPOB runs in), as tests/verl_megatron_vcpo_worker.py builds it
+        return standalone.build_megatron_engine(model_dir, tensor_parallel=RANKS, lr=1e-6, model_type=ENGINE_MODEL_TYPE)
     return standalone.build_engine(model_dir, remove_padding=True, lr=1e-6, mixed_precision=BF16_MIXED_PRECISION)
 
 
