@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vcpo.local_models import save_random_model
+from vcpo.locks import run_folder_lock
 from vcpo.methods import list_methods, run_lag
 from vcpo.provenance import KERNEL_ENV, code_state
 from vcpo.runs import METRICS_FILE
@@ -193,6 +194,28 @@ def test_sweep_runs_and_skips_finished(base, tmp_path, capsys):
         assert (tmp_path / "countdown" / method / f"lag{lag}" / "seed0" / "final" / "eval.json").exists()
     assert sim_main(args + overrides) == 0
     assert "2 already finished, 0 to run" in capsys.readouterr().out
+
+
+def test_a_second_sweep_into_a_running_sweeps_folder_is_refused_in_one_line(base, tmp_path, capsys):
+    """The first sweep holds its folder's lock; the second names its holder and runs nothing (it once printed
+    "failed: <run>" for runs that were fine, each refused by its folder's lock)."""
+    with run_folder_lock(tmp_path):
+        code = sim_main(["sweep", "--methods", "sync", "--lags", "2", "--out", str(tmp_path), f"base={base}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"{tmp_path} is in use by process {os.getpid()}" in err and "failed" not in err
+    assert not (tmp_path / "countdown").exists()
+
+
+def test_a_sweep_from_a_folder_where_snakemake_cannot_keep_its_state_is_refused_before_any_work(base, tmp_path,
+                                                                                            monkeypatch, capsys):
+    (tmp_path / ".snakemake").write_text("")  # a file where Snakemake makes its folder: as a read-only mount would
+    monkeypatch.chdir(tmp_path)
+    code = sim_main(["sweep", "--methods", "sync", "--lags", "2", "--out", str(tmp_path / "sweep"), f"base={base}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"Snakemake keeps its state in {tmp_path / '.snakemake'}" in err and "run from a writable folder" in err
+    assert not (tmp_path / "sweep").exists()
 
 
 def _metrics_without_timing(path: Path) -> list[dict]:

@@ -18,6 +18,18 @@ def output_folder_problem(path: Path) -> str | None:
     return None
 
 
+def snakemake_state_problem(folder: Path | None = None) -> str | None:
+    """Why Snakemake cannot keep its state (``.snakemake``) in ``folder`` (default: the working folder, where it keeps
+    it), or None; tried by making that folder, since a read-only mount refuses even root, whom os.access lets by."""
+    state = (Path.cwd() if folder is None else Path(folder)) / ".snakemake"
+    try:
+        state.mkdir(exist_ok=True)
+    except OSError as error:
+        return (f"Snakemake keeps its state in {state}, which cannot be made ({error.strerror or error}): "
+                "run from a writable folder")
+    return None
+
+
 def shrink_problem(table: Path, recorded: Mapping[str, int], new: Mapping[str, int], remedy: str, rows: str = "rows",
                    unit: str = "rows") -> str | None:
     """Why writing ``new`` over the table file ``table`` would lose what it holds (None: it would not), in one line that

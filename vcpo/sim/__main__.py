@@ -20,8 +20,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from vcpo.cli import output_folder_problem
+from vcpo.cli import output_folder_problem, snakemake_state_problem
 from vcpo.lifetimes import die_with_the_named_runner
+from vcpo.locks import FolderInUse
 from vcpo.runs import TRAIN_LOG
 from vcpo.sim.config import ConfigError, SimConfig, apply_overrides, start_config
 from vcpo.sim.sweep import run_sweep, sweep_configs
@@ -99,12 +100,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--jobs {args.jobs}: must be >= 1")
         if problem := output_folder_problem(args.out):
             raise ConfigError(f"--out {args.out}: {problem}")
+        if problem := snakemake_state_problem():
+            raise ConfigError(problem)
         configs = sweep_configs(args.config, overrides, args.methods, args.lags, args.seeds, args.out,
                                 task=args.task, lag_model=args.lag_model, steps=args.steps)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    failed = run_sweep(configs, args.out, args.jobs)
+    try:
+        failed = run_sweep(configs, args.out, args.jobs)
+    except FolderInUse as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for out in failed:
         print(f"failed: {out} (see {out / TRAIN_LOG})", file=sys.stderr)
     return 1 if failed else 0

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from vcpo.lifetimes import run_jobs_with_snakemake
-from vcpo.locks import write_atomic
+from vcpo.locks import run_folder_lock, write_atomic
 from vcpo.recipes import run_path
 from vcpo.runs import is_finished, train_logged
 from vcpo.sim.config import SimConfig, apply_overrides, as_override_text, start_config
@@ -58,12 +58,14 @@ def train(out: Path, arguments: list[str]) -> None:
 
 
 def run_sweep(configs: list[SimConfig], out: Path, jobs: int) -> list[Path]:
-    """The runs of ``configs`` not finished yet, ``jobs`` at a time; returns the folders of those that did not finish."""
-    todo = {str(Path(config.out).resolve()): train_arguments(config) for config in configs if not is_finished(Path(config.out))}
-    print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {jobs} at a time")
-    if todo:
-        plan = Path(out) / PLAN_FILE
-        plan.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(plan, json.dumps({"runs": todo}))
-        run_jobs_with_snakemake(SNAKEFILE, plan, jobs)
-    return [Path(folder) for folder in todo if not is_finished(folder)]
+    """The runs of ``configs`` not finished yet, ``jobs`` at a time; returns the folders of those that did not finish.
+    A second sweep into ``out`` while this one runs is refused (`FolderInUse`), where its runs would each fail on
+    their folder's lock."""
+    with run_folder_lock(out):
+        todo = {str(Path(config.out).resolve()): train_arguments(config) for config in configs if not is_finished(Path(config.out))}
+        print(f"sweep: {len(configs)} runs, {len(configs) - len(todo)} already finished, {len(todo)} to run, {jobs} at a time")
+        if todo:
+            plan = Path(out) / PLAN_FILE
+            write_atomic(plan, json.dumps({"runs": todo}))
+            run_jobs_with_snakemake(SNAKEFILE, plan, jobs)
+        return [Path(folder) for folder in todo if not is_finished(folder)]
