@@ -162,6 +162,36 @@ def test_the_regime_report_refuses_a_runs_folder_without_every_run_it_judged(tmp
         keep_every_run(out / "outcomes.json", shorter)
 
 
+@pytest.mark.parametrize("part_exit", [0, 1])
+def test_a_gpu_check_replaces_the_committed_check_only_when_every_part_passes(tmp_path, monkeypatch, part_exit):
+    """Parts stood in for by functions that write their log and exit with ``part_exit``: a failing check leaves the
+    committed folder byte-identical and its own files beside it; a passing one replaces the folder."""
+    module = _benchmark_module("gpu_check")
+    out = tmp_path / "gpu_check"
+    shutil.copytree(TABLES / "gpu_check", out)
+    committed = folder_files(out)
+
+    def part(name):
+        def run(args, folder):
+            (folder / f"{name}.log").write_text(f"new {name}")
+            return {"command": [name], "exit": part_exit, "seconds": 0.0}
+        return run
+
+    for name in module.PARTS:
+        monkeypatch.setattr(module, name, part(name))
+    monkeypatch.setattr(module, "shrink_problem", lambda *args, **kwargs: None)  # sizes are the other test's
+    code = module.main(["--out", str(out), "--device", "cpu", "--model", "0.1m", "--seq-len", "64", "--repeats", "1"])
+    assert code == part_exit
+    written = {f"{name}.log" for name in module.PARTS} | {"gpu_check.json"}
+    if part_exit:
+        assert folder_files(out) == committed
+        assert {path.name for path in (tmp_path / "gpu_check.failed").iterdir()} == written
+    else:
+        assert {path.name for path in out.iterdir()} == written and not (tmp_path / "gpu_check.failed").exists()
+        assert (out / "overhead.log").read_text() == "new overhead"
+    assert not (tmp_path / ".gpu_check.before").exists()
+
+
 def test_the_gpu_check_refuses_a_cpu_dry_check_or_fewer_repeats_over_a_gpus_numbers(tmp_path, no_processes):
     module = _benchmark_module("gpu_check")
     shutil.copy(TABLES / "gpu_check" / "gpu_check.json", tmp_path)
