@@ -266,7 +266,7 @@ def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, f
 def setup_engine_settings(args: argparse.Namespace) -> dict:
     """The engines' settings: the route, CUDA's block settings and cost model with ``--cuda-blocks``, the block size
     and row multiple with ``--block-mb`` and ``--block-row-multiple``; the device's defaults otherwise."""
-    settings = dict(mode=args.mode)
+    settings = dict(norm_method=args.mode)
     if args.cuda_blocks:
         settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"],
                          block_row_multiple=DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
@@ -365,7 +365,7 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     batch, tokens = args.micro_batch_size, args.seq_len
     x = torch.randn(batch, tokens, shape["hidden_size"], device=args.device, dtype=dtype)
     delta = torch.randn(batch, tokens, shape["intermediate_size"], device=args.device, dtype=dtype)
-    engine = PerSequenceGradients(layer, mode="materialize")
+    engine = PerSequenceGradients(layer, norm_method="materialize")
     ones = torch.ones(batch, device=args.device)
 
     def plain():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss
 
-from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_sequence_scores
+from vcpo.core.aggregation import LOSS_AGGREGATIONS, OPOB_AGGREGATIONS, LossAggregation, opob_sequence_scores
 
 
 def random_loss(seed, B=5, T=7):
@@ -15,7 +15,7 @@ def random_loss(seed, B=5, T=7):
     return loss_mat, mask
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize(
     "global_info",
     [{}, {"dp_size": 4, "batch_num_tokens": 57, "global_batch_size": 19}, {"loss_scale_factor": 3}],
@@ -27,7 +27,7 @@ def test_matches_verl_agg_loss(mode, global_info):
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-7, atol=0)
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 def test_empty_mask_gives_zero_loss_and_zero_gradient(mode):
     loss_mat = torch.full((3, 4), -torch.inf).requires_grad_(True)  # padding garbage must not leak
     loss = LossAggregation(mode)(loss_mat, torch.zeros(3, 4, dtype=torch.bool))
@@ -45,7 +45,7 @@ def test_distributed_modes_require_global_counts():
         LossAggregation("mean")
 
 
-@pytest.mark.parametrize("mode", OPOB_AGG_MODES)
+@pytest.mark.parametrize("mode", OPOB_AGGREGATIONS)
 def test_opob_scores_over_the_batch_normaliser_are_verls_aggregated_loss(mode):
     # The single-backward OPOB loss Σ_i c_i l_i with c_i = 1/N must be verl's aggregation of the
     # token matrix: N = the valid tokens (token-mean) or the valid sequences (seq-mean-token-mean).

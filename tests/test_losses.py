@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vcpo.core import losses
-from vcpo.core.aggregation import LOSS_AGG_MODES, LossAggregation
+from vcpo.core.aggregation import LOSS_AGGREGATIONS, LossAggregation
 from vcpo.core.baselines import baseline_advantages, opob_baseline
 
 import reference as ref
@@ -24,7 +24,7 @@ def assert_matches(loss, grad, ref_loss, ref_grad, rtol=1e-9):
     torch.testing.assert_close(grad, torch.tensor(ref_grad, dtype=grad.dtype), rtol=rtol, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("bound,lo,hi", [("truncate", 0.0, 2.0), ("truncate", 0.3, 1.5), ("mask", 0.5, 2.0), ("mask", 0.8, 1.25)])
 def test_reinforce_is_matches_reference(mode, level, bound, lo, hi):
@@ -86,7 +86,7 @@ def prox_batch(seed, drift, dtype=torch.float64):
     return (log_prob, behav, advantages, mask), prox
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("drift", [0.05, 1.0])  # e_prox > e_b, then e_prox < e_b
 def test_p3o_two_anchor_matches_reference(mode, drift):
     batch, prox = prox_batch(seed=11, drift=drift)
@@ -117,7 +117,7 @@ def test_p3o_two_anchor_with_one_on_policy_anchor_matches_reference(mode):
     assert ess == 1.0 and metrics["actor/p3o_kl"].item() == 0.0
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("prox", ["current", "behaviour", "none"])
 def test_p3o_two_anchor_reduces_to_p3o(mode, prox):
     """π_prox = π_θ (r_prox ≡ 1, e_prox = 1; also the ``None`` default) or π_prox = π_b: P3O exactly."""
@@ -137,7 +137,7 @@ def test_p3o_two_anchor_is_finite_with_large_log_ratios_in_float32():
     far = torch.where(mask, behav + 40.0 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)), behav)
     log_prob = far.clone().requires_grad_(True)
     prox = torch.where(mask, prox - 100.0, prox)
-    for mode in LOSS_AGG_MODES:
+    for mode in LOSS_AGGREGATIONS:
         loss, grad, metrics = run(losses.p3o_two_anchor_loss, (log_prob, behav, advantages, mask), mode, kl_log_clamp=10.0, prox_log_prob=prox)
         assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
         assert all(torch.isfinite(value) for value in metrics.values())

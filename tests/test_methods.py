@@ -214,7 +214,7 @@ def test_the_step_rule_is_read_from_the_preset_once():
 
 def test_the_preset_schemas_enums_are_the_codes_constants():
     """The schema's choices are the ones the code implements, each named once in Python."""
-    from vcpo.core.aggregation import LOSS_AGG_MODES
+    from vcpo.core.aggregation import LOSS_AGGREGATIONS
     from vcpo.core.ess import STEP_SIZE_RULES
     from vcpo.methods import ADVANTAGE_ESTIMATORS, PRECISION_DTYPES
     from vcpo.recipes import read_yaml, recipes_dir
@@ -227,7 +227,7 @@ def test_the_preset_schemas_enums_are_the_codes_constants():
             node = node[key]
         return node["enum"]
 
-    assert enum_of("properties", "loss", "properties", "agg") == list(LOSS_AGG_MODES)
+    assert enum_of("properties", "loss", "properties", "agg") == list(LOSS_AGGREGATIONS)
     assert enum_of("properties", "advantage", "properties", "estimator") == list(ADVANTAGE_ESTIMATORS)
     assert enum_of("properties", "step_size", "properties", "params", "properties", "form") == list(STEP_SIZE_RULES)
     assert enum_of("properties", "precision") == list(PRECISION_DTYPES)

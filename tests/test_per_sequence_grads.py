@@ -182,7 +182,7 @@ def test_matches_per_sequence_loop_float64(kind, padding, mode, combination):
     model = tiny_model(kind)
     batch = make_batch(seed=1, padding=padding)
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, mode=mode, combination=combination)
+    norms, grads = run_engine(model, batch, norm_method=mode, combination=combination)
     assert float(expected_norms.min()) == 0.0 and float(expected_norms.max()) > 0.0  # one-token sequence
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
@@ -195,7 +195,7 @@ def test_matches_per_sequence_loop_float32(kind, mode, combination):
     model = tiny_model(kind, torch.float32, seed=2)
     batch = make_batch(seed=2, lengths=[12, 5, 9, 3], padding="left")
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, mode=mode, combination=combination)
+    norms, grads = run_engine(model, batch, norm_method=mode, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -216,7 +216,7 @@ def test_many_small_blocks(kind):
     model = tiny_model(kind)
     batch = make_batch(seed=4)
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, mode="materialize", block_bytes=1)
+    norms, grads = run_engine(model, batch, norm_method="materialize", block_bytes=1)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -230,7 +230,7 @@ def test_blocks_of_a_row_multiple(combination):
     groups = torch.tensor([0, 1, 0, 1, 1])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
     norms, grads = run_engine(model, batch, micro_batches=(slice(0, 2), slice(2, 5)), groups=groups,
-                              mode="materialize", combination=combination, block_bytes=1, block_row_multiple=32)
+                              norm_method="materialize", combination=combination, block_bytes=1, block_row_multiple=32)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -307,7 +307,7 @@ def test_batch_scope_accumulates_across_micro_batches(mode, combination):
     model = tiny_model("gpt2")
     batch = make_batch(seed=8)
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode, combination=combination)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), norm_method=mode, combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -320,7 +320,7 @@ def test_group_scope_with_group_aligned_micro_batches(mode, combination):
     batch = make_batch(seed=9, lengths=[9, 4, 7, 6, 5, 8, 3, 7])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    norms, grads = run_engine(model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode,
+    norms, grads = run_engine(model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, norm_method=mode,
                               combination=combination)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
@@ -347,7 +347,7 @@ def test_split_reads_each_sequence_of_binary_rewards_for_one_buffer(mode, groupe
     batch["coef_r"][2] = batch["coef_s"][2] = 0.0
     groups = torch.tensor([5, 7, 7, 5, 7, 5]) if grouped else None
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    engine = PerSequenceGradients(model, mode=mode, combination="split")
+    engine = PerSequenceGradients(model, norm_method=mode, combination="split")
     members, norms = [], []
     for rows in (slice(0, 4), slice(4, 6)):
         with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], None if groups is None else groups[rows]):
@@ -374,7 +374,7 @@ def test_split_with_rewards_of_every_kind(mode, grouped):
     batch["coef_r"] = batch["coef_s"] * batch["rewards"]
     groups = torch.tensor([3, 3, 3, 4, 4, 4]) if grouped else None
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    norms, grads = run_engine(model, batch, groups=groups, mode=mode, combination="split")
+    norms, grads = run_engine(model, batch, groups=groups, norm_method=mode, combination="split")
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
 
@@ -400,7 +400,7 @@ def test_a_micro_batch_whose_coefficients_are_all_zero_adds_only_its_norms(mode,
     batch = make_batch(seed=14)
     batch["coef_r"][3:] = batch["coef_s"][3:] = 0.0
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch)
-    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), mode=mode, combination=combination)
+    norms, grads = run_engine(model, batch, micro_batches=(slice(0, 3), slice(3, 5)), norm_method=mode, combination=combination)
     assert bool((norms[3:] > 0).all())
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
@@ -415,7 +415,7 @@ def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
     previous = [torch.randn_like(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), previous, strict=True):
         p.grad = g.clone()
-    engine = PerSequenceGradients(model, mode=mode)
+    engine = PerSequenceGradients(model, norm_method=mode)
     with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
         batched_scores(model, batch).sum().backward()
     expected = [
@@ -437,7 +437,7 @@ def test_deferred_ghost_norms_form_a_shared_inputs_gram_once(monkeypatch):
     counts = {}
     for combination in COMBINATIONS:
         formed.clear()
-        run_engine(model, batch, mode="ghost", combination=combination)
+        run_engine(model, batch, norm_method="ghost", combination=combination)
         counts[combination] = len(formed)
     # every Linear's output-gradient Gram, and the inputs: per layer q/k/v's, o's, gate/up's, down's; the head's
     assert counts == {"buffers": 2 * linears, "deferred": linears + 4 * layers + 1, "split": 2 * linears}
@@ -609,8 +609,8 @@ def test_forward_with_another_batch_size_raises():
 
 def test_argument_validation():
     model = tiny_model("qwen2")
-    with pytest.raises(ValueError, match="mode"):
-        PerSequenceGradients(model, mode="fast")
+    with pytest.raises(ValueError, match="norm_method"):
+        PerSequenceGradients(model, norm_method="fast")
     with pytest.raises(ValueError, match="block_bytes"):
         PerSequenceGradients(model, block_bytes=0)
     engine = PerSequenceGradients(model)
@@ -655,7 +655,7 @@ def test_larger_float32_model_with_groups_and_micro_batches(kind, mode):
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
     norms, grads = run_engine(
-        model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, mode=mode, block_bytes=4096
+        model, batch, (slice(0, 4), slice(4, 8)), groups=groups, combine_each=True, norm_method=mode, block_bytes=4096
     )
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < TOLERANCE
@@ -768,7 +768,7 @@ def test_two_pass_matches_per_sequence_loop_float64(kind, padding, mode):
     batch = make_batch(seed=1, lengths=[9, 4, 1, 7, 6, 8], padding=padding)
     groups = torch.tensor([5, 7, 5, 7, 7, 5])
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    norms, after_norms, grads = run_two_pass(model, batch, (slice(0, 2), slice(2, 6)), groups=groups, mode=mode)
+    norms, after_norms, grads = run_two_pass(model, batch, (slice(0, 2), slice(2, 6)), groups=groups, norm_method=mode)
     assert all(grad is None for grad in after_norms)
     assert_norms_close(norms, expected_norms)
     assert relative_error(grads, expected_grads) < (1e-12 if kind == "gpt2" else TOLERANCE)

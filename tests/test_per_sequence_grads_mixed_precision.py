@@ -46,7 +46,7 @@ def precision_context(precision: str):
 
 
 def engine_update(model, batch, layout: str, precision: str, mode: str, combination: str):
-    engine = PerSequenceGradients(model, mode=mode, combination=combination)
+    engine = PerSequenceGradients(model, norm_method=mode, combination=combination)
     model.zero_grad(set_to_none=True)
     packed = batch["cu_seqlens"] if layout == "packed" else None
     with engine.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=packed):
@@ -110,7 +110,7 @@ def test_materialised_blocks_fill_block_bytes_once_widened(monkeypatch, precisio
     budget = 16 * 1024
     model = float64_model("qwen2").to(PRECISIONS[precision][0])
     batch = make_batch(seed=4)
-    engine = PerSequenceGradients(model, mode="materialize", block_bytes=budget)
+    engine = PerSequenceGradients(model, norm_method="materialize", block_bytes=budget)
     with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
         with precision_context(precision):
             padded_scores(model, batch).float().sum().backward()

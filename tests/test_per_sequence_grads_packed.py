@@ -191,7 +191,7 @@ def test_packed_matches_per_sequence_backward(kind, mode, combination):
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
     assert float(expected_norms[2]) == 0.0 and float(expected_norms.min()) == 0.0 and float(expected_norms.max()) > 0
 
-    norms, g_r, baseline, final = run_engine(model, batch, packed_scores, mode=mode, combination=combination)
+    norms, g_r, baseline, final = run_engine(model, batch, packed_scores, norm_method=mode, combination=combination)
     assert_norms_close(norms, expected_norms, TOLERANCE)
     if combination == "buffers":  # deferred, nothing reaches p.grad before combine
         assert relative_error(g_r, weighted_sum(batch["coef_r"], gradients)) < TOLERANCE
@@ -209,7 +209,7 @@ def test_packed_split_with_binary_rewards(mode, grouped):
     groups = torch.tensor([0, 0, 0, 1, 1]) if grouped else None
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination="split")
+    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, norm_method=mode, combination="split")
     assert_norms_close(norms, expected_norms, TOLERANCE)
     expected_final = weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)
     assert relative_error(final, expected_final) < TOLERANCE
@@ -226,7 +226,7 @@ def test_packed_with_groups(mode, combination):
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
 
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination=combination)
+    norms, _, baseline, final = run_engine(model, batch, packed_scores, groups=groups, norm_method=mode, combination=combination)
     assert_norms_close(norms, expected_norms, TOLERANCE)
     expected_baseline = opob_baseline(batch["rewards"], expected_norms, batch["seq_log_weights"], groups)
     assert torch.allclose(baseline, expected_baseline, rtol=TOLERANCE)
@@ -241,7 +241,7 @@ def test_linear_inputs_are_views_of_the_packed_row():
     spans = [(0, 6), (6, 15), (15, 18), (18, 21)]  # two trailing padding tokens
     segments = PackedSegments.from_cu_seqlens(torch.tensor([0, 6, 15, 18, 21]))
     micro_batch = per_sequence_sites._MicroBatch(
-        engine=types.SimpleNamespace(combination="buffers"), coefficients=torch.ones(2, 4), keys=[None, (None, 0)],
+        owner=types.SimpleNamespace(combination="buffers"), coefficients=torch.ones(2, 4), keys=[None, (None, 0)],
         sq_norms=torch.zeros(4), segments=segments,
     )
     rows = micro_batch.rows(packed)
@@ -272,7 +272,7 @@ def test_trailing_padding_tokens_are_left_out(mode):
     batch = make_batch(seed=4, trailing=5)
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
-    norms, _, baseline, final = run_engine(model, batch, packed_scores, mode=mode)
+    norms, _, baseline, final = run_engine(model, batch, packed_scores, norm_method=mode)
     assert_norms_close(norms, expected_norms, TOLERANCE)
     assert relative_error(final, weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)) < TOLERANCE
 
@@ -283,8 +283,8 @@ def test_packed_equals_padded(kind):
     model = tiny_model(kind)
     batch = make_batch(seed=5)
     for mode in ("materialize", "ghost"):
-        packed_norms, _, _, packed_final = run_engine(model, batch, packed_scores, mode=mode)
-        padded_norms, _, _, padded_final = run_engine(model, batch, padded_scores, packed=False, mode=mode)
+        packed_norms, _, _, packed_final = run_engine(model, batch, packed_scores, norm_method=mode)
+        padded_norms, _, _, padded_final = run_engine(model, batch, padded_scores, packed=False, norm_method=mode)
         assert_norms_close(packed_norms, padded_norms, TOLERANCE)
         assert relative_error(packed_final, padded_final) < TOLERANCE
 
@@ -351,7 +351,7 @@ def test_packed_two_pass_equals_the_single_backward_update(kind, mode):
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
 
-    engine = PerSequenceGradients(model, mode=mode, combination=NORMS_ONLY)
+    engine = PerSequenceGradients(model, norm_method=mode, combination=NORMS_ONLY)
     model.zero_grad(set_to_none=True)
     with engine.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=batch["cu_seqlens"]):
         packed_scores(model, batch).sum().backward()
@@ -365,5 +365,5 @@ def test_packed_two_pass_equals_the_single_backward_update(kind, mode):
     assert_norms_close(norms, expected_norms, TOLERANCE)
     tolerance = TOLERANCE if kind == "gpt2" else 1e-5
     assert relative_error(two_pass, weighted_sum(batch["coef_r"] - baseline * batch["coef_s"], gradients)) < tolerance
-    _, _, _, single = run_engine(model, batch, packed_scores, groups=groups, mode=mode, combination="split")
+    _, _, _, single = run_engine(model, batch, packed_scores, groups=groups, norm_method=mode, combination="split")
     assert relative_error(two_pass, single) < tolerance

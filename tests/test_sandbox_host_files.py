@@ -1,7 +1,7 @@
 """The sandboxed program cannot see the host's files, other processes or the caller's environment.
 
 Every program here runs with the audit hook switched off (``run_unhooked``), so what refuses is the
-kernel: the minimal root of namespaces mode and the Landlock rules of every mode.
+kernel: the minimal root of namespaces isolation and the Landlock rules of every isolation.
 """
 
 import errno
@@ -165,7 +165,7 @@ def test_hooks_mode_without_landlock_refuses_to_start_unless_told(monkeypatch, c
     monkeypatch.delenv("VCPO_SANDBOX_ALLOW_HOST_FILES", raising=False)
     with pytest.raises(RuntimeError, match="Landlock.*hide_host_files=False"):
         run_python("print('ran')", isolation="hooks")
-    # What the refusal protects: without Landlock, hooks mode reads the planted secret.
+    # What the refusal protects: without Landlock, hooks isolation reads the planted secret.
     exposed = run_unhooked(read_attempts(str(planted_secret)), "hooks", hide_host_files=False)
     assert exposed.stdout == SECRET + "\n"
     monkeypatch.setenv("VCPO_SANDBOX_ALLOW_HOST_FILES", "1")
@@ -240,7 +240,7 @@ def test_the_verl_tool_and_the_multi_turn_simulator_use_the_hardened_sandbox(pla
 
 @pytest.mark.skipif(sandbox._landlock_abi() < 6, reason="TCP rules need Landlock ABI 4, signal scoping ABI 6")
 def test_landlock_alone_refuses_tcp_and_signals_to_the_caller(listener):
-    # Without the seccomp filter and with the audit hook off, only Landlock stands in hooks mode.
+    # Without the seccomp filter and with the audit hook off, only Landlock stands in hooks isolation.
     port, accepted = listener
     code = (
         test_sandbox.tcp_connect_program(port)

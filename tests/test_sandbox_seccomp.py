@@ -12,7 +12,7 @@ import test_sandbox
 from vcpo.tools import sandbox
 from vcpo.tools.sandbox import SandboxStatus, run_python
 
-# The fixtures of test_sandbox: every isolation mode, checking that no process or directory is left
+# The fixtures of test_sandbox: every isolation, checking that no process or directory is left
 # behind; a TCP server on the caller's loopback.
 isolation = test_sandbox.isolation
 

@@ -126,7 +126,7 @@ def test_the_generators_failure_is_raised_in_the_learner_with_its_traceback(base
     trainer = Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent"))
     with pytest.raises(RuntimeError, match=r"(?s)generator process failed at step 2.*ValueError: the sampler broke"):
         trainer.run()
-    assert len(results(tmp_path / "run")) == 2 and trainer.engine is None
+    assert len(results(tmp_path / "run")) == 2 and trainer.generator_process is None
 
 
 def child_pids(pid: int) -> list[int]:
@@ -229,8 +229,8 @@ def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, 
             while not waits and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert waits, "the generator never waited for weights"
-            os.kill(self.engine.process.pid, signal.SIGKILL)
-            self.engine.process.join()
+            os.kill(self.generator_process.process.pid, signal.SIGKILL)
+            self.generator_process.process.join()
         return train_step(self)
 
     monkeypatch.setattr(Trainer, "train_step", killing)
@@ -240,7 +240,7 @@ def test_the_generator_killed_while_it_waits_for_weights_ends_the_learner(base, 
             trainer.run()
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    assert trainer.engine is None
+    assert trainer.generator_process is None
 
 
 def test_the_generator_killed_while_the_learner_works_ends_the_learner_there(base, tmp_path, monkeypatch):
@@ -253,7 +253,7 @@ def test_the_generator_killed_while_the_learner_works_ends_the_learner_there(bas
 
     def working_on(self):
         if self.step == 2:
-            os.kill(self.engine.process.pid, signal.SIGKILL)
+            os.kill(self.generator_process.process.pid, signal.SIGKILL)
             deadline = time.monotonic() + 600  # a guard against a hang only: without the interrupt the work runs to it
             while time.monotonic() < deadline:
                 sum(range(1000))
@@ -264,7 +264,7 @@ def test_the_generator_killed_while_the_learner_works_ends_the_learner_there(bas
     trainer = Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent"))
     with pytest.raises(GeneratorDied, match=r"^the generator process ended \(exit code -9\) before step 2's batch$"):
         trainer.run()
-    assert worked == [] and trainer.engine is None and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    assert worked == [] and trainer.generator_process is None and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     monkeypatch.setattr(Trainer, "train_step", train_step)
     Trainer(config(base, tmp_path / "run", lag_model="fixed", execution="concurrent")).run()
     assert results(tmp_path / "run") == results(Trainer(config(base, tmp_path / "serial", lag_model="fixed")).run())

@@ -104,13 +104,13 @@ def test_behaviour_log_prob_is_that_of_the_generating_version(tokenizer, lag_mod
 
 
 @pytest.mark.parametrize("lag_model, admitted", [("pipeline", 3 * GROUPS + 2), ("pipeline_overlap", 2 * GROUPS + 2)])
-def test_the_engine_holds_k_and_a_half_batches_or_one_fewer_when_it_overlaps(tokenizer, lag_model, admitted):
+def test_the_server_holds_k_and_a_half_batches_or_one_fewer_when_it_overlaps(tokenizer, lag_model, admitted):
     """At k = 3 with 3 groups a step: `pipeline` keeps 3.5 batches admitted and unconsumed (rounded up), the
-    overlapping engine, whose groups wait one step less for the learner, 2.5."""
+    overlapping server, whose groups wait one step less for the learner, 2.5."""
     run = Run(tokenizer, lag_model=lag_model)
     for step in range(5):
         _, batch = run.batch()
-        # (the overlapping engine's batch 0 is generated whole before the learner starts)
+        # (the overlapping server's batch 0 is generated whole before the learner starts)
         assert len(run.rollouts.held) + GROUPS == (admitted if step or lag_model == "pipeline" else GROUPS)
         run.update(batch)
 
@@ -158,7 +158,7 @@ def test_opob_update_equals_the_registry_loss_gradient(tokenizer):
     model, learner = run.model, run.learner
     learner.actor_config.global_batch_info.update(dp_size=1, batch_num_tokens=int(batch.mask.sum()), global_batch_size=batch.size)
     learner._opob_backward(batch, batch.rewards.double(), {})
-    engine_grad = [p.grad.clone() for p in model.parameters()]
+    learner_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
     sq_norms = per_sequence_sq_norms(model, batch)
@@ -171,10 +171,10 @@ def test_opob_update_equals_the_registry_loss_gradient(tokenizer):
     advantages = ((rewards - baseline) / std).unsqueeze(-1) * batch.mask
     loss, _ = learner._call_loss(batch, log_prob, advantages, None)
     loss.backward()
-    # verl's seq-mean-token-mean divides by T_i + 1e-8, the engine by T_i: agreement to ~1e-8 relative.
-    for engine, reference in zip(engine_grad, [p.grad for p in model.parameters()], strict=True):
-        assert torch.allclose(engine, reference, rtol=1e-6, atol=1e-7 * float(reference.abs().max()))
-    assert any(float(g.abs().max()) > 0 for g in engine_grad)
+    # verl's seq-mean-token-mean divides by T_i + 1e-8, the learner by T_i: agreement to ~1e-8 relative.
+    for learner, reference in zip(learner_grad, [p.grad for p in model.parameters()], strict=True):
+        assert torch.allclose(learner, reference, rtol=1e-6, atol=1e-7 * float(reference.abs().max()))
+    assert any(float(g.abs().max()) > 0 for g in learner_grad)
 
 
 def test_multi_turn_tool_tokens_are_masked_and_rewarded(tokenizer):

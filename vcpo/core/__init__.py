@@ -9,7 +9,13 @@
 - losses, registry: every policy loss, by name (§1, §5-§10); aggregation: verl's loss_agg_mode
 """
 
-from vcpo.core.aggregation import LOSS_AGG_MODES, OPOB_AGG_MODES, LossAggregation, opob_normaliser, opob_sequence_scores
+from vcpo.core.aggregation import (
+    LOSS_AGGREGATIONS,
+    OPOB_AGGREGATIONS,
+    LossAggregation,
+    opob_normaliser,
+    opob_sequence_scores,
+)
 from vcpo.core.baselines import (
     OpobCoefficients,
     baseline_advantages,
@@ -40,10 +46,10 @@ from vcpo.core.ratios import importance_weights, offpolicy_diagnostics, sequence
 from vcpo.core.registry import POLICY_LOSSES, get_policy_loss
 
 __all__ = [
-    "LOSS_AGG_MODES",
+    "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "LossAggregation",
-    "OPOB_AGG_MODES",
+    "OPOB_AGGREGATIONS",
     "OpobCoefficients",
     "PerSequenceGradients",
     "baseline_advantages",

@@ -1,6 +1,6 @@
 """Reduction of a per-token loss matrix to the scalar loss, with verl's ``loss_agg_mode`` semantics.
 
-The modes and the global-batch normalisers (dp_size, batch_num_tokens, global_batch_size,
+The aggregations and the global-batch normalisers (dp_size, batch_num_tokens, global_batch_size,
 loss_scale_factor) follow ``verl.trainer.ppo.core_algos.agg_loss`` exactly (a test compares the two),
 so a loss gives the same value in the CPU simulator and in verl. One difference is deliberate: a
 batch with no valid token reduces to an exact zero that keeps the autograd graph, never NaN.
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # Aggregations the single-backward OPOB update supports: the loss is Σ_i c_i l_i with one batch-wide
 # normaliser (the valid tokens for token-mean, the valid sequences for seq-mean-token-mean) inside c_i.
-OPOB_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+OPOB_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -42,14 +42,14 @@ def opob_sequence_scores(log_prob: torch.Tensor, mask: torch.Tensor, agg: str) -
         return masked_sum(log_prob, mask, dim=-1)
     if agg == "seq-mean-token-mean":
         return masked_row_mean(log_prob, mask)
-    raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGG_MODES}, got {agg!r}")
+    raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGGREGATIONS}, got {agg!r}")
 
 
 def opob_normaliser(agg: str, valid_tokens: int, valid_sequences: int) -> float:
     """N, the batch-wide normaliser OPOB's coefficients carry: the valid tokens under token-mean, the
     valid sequences under seq-mean-token-mean; at least 1 (an all-masked batch has zero coefficients)."""
-    if agg not in OPOB_AGG_MODES:
-        raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGG_MODES}, got {agg!r}")
+    if agg not in OPOB_AGGREGATIONS:
+        raise ValueError(f"OPOB supports the loss aggregations {OPOB_AGGREGATIONS}, got {agg!r}")
     return float(max(1, valid_tokens if agg == "token-mean" else valid_sequences))
 
 
@@ -68,34 +68,34 @@ class LossAggregation:
     left ``None`` they default to this micro-batch's own counts.
     """
 
-    mode: str = "token-mean"
+    agg: str = "token-mean"  # verl's loss_agg_mode
     dp_size: int = 1
     batch_num_tokens: int | None = None
     global_batch_size: int | None = None
     loss_scale_factor: float | None = None
 
     def __post_init__(self):
-        if self.mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.mode!r}")
-        if self.dp_size > 1 and self.mode == "token-mean" and self.batch_num_tokens is None:
+        if self.agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGGREGATIONS}, got {self.agg!r}")
+        if self.dp_size > 1 and self.agg == "token-mean" and self.batch_num_tokens is None:
             raise ValueError("batch_num_tokens (global) is required for token-mean when dp_size > 1")
-        if self.dp_size > 1 and self.mode.startswith("seq-mean") and self.global_batch_size is None:
-            raise ValueError("global_batch_size is required for seq-mean modes when dp_size > 1")
+        if self.dp_size > 1 and self.agg.startswith("seq-mean") and self.global_batch_size is None:
+            raise ValueError("global_batch_size is required for the seq-mean aggregations when dp_size > 1")
 
     def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.mode == "token-mean":
+        if self.agg == "token-mean":
             tokens = mask.sum() if self.batch_num_tokens is None else self.batch_num_tokens
             return masked_sum(loss_mat, mask) / _at_least_one(tokens) * self.dp_size
-        if self.mode == "token-sum":
+        if self.agg == "token-sum":
             return masked_sum(loss_mat, mask) * self.dp_size
         token_counts = mask.sum(-1)
         seq_losses = masked_sum(loss_mat, mask, dim=-1)
-        if self.mode == "seq-mean-token-mean":
+        if self.agg == "seq-mean-token-mean":
             seq_losses = seq_losses / token_counts.clamp_min(1)
         has_tokens = token_counts > 0
         sequences = has_tokens.sum() if self.global_batch_size is None else self.global_batch_size
         loss = masked_sum(seq_losses, has_tokens) / _at_least_one(sequences) * self.dp_size
-        if self.mode == "seq-mean-token-sum-norm":
+        if self.agg == "seq-mean-token-sum-norm":
             loss = loss / (mask.shape[-1] if self.loss_scale_factor is None else self.loss_scale_factor)
         return loss
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vcpo.core.aggregation import OPOB_AGG_MODES
+from vcpo.core.aggregation import OPOB_AGGREGATIONS
 from vcpo.core.baselines import OPOB_WEIGHT_LEVELS
 from vcpo.core.registry import POLICY_LOSSES
 from vcpo.recipes import load_folder, recipes_dir
@@ -98,8 +98,8 @@ def _check_opob(spec: dict[str, Any], path: Path) -> None:
             f"{path}: OPOB combines per-sequence gradients with one weight per sequence; loss {loss['name']!r} "
             f"does not give one. OPOB losses: {admitted}"
         )
-    if loss["agg"] not in OPOB_AGG_MODES:
-        raise ValueError(f"{path}: OPOB supports the loss aggregations {OPOB_AGG_MODES}, got agg {loss['agg']!r}")
+    if loss["agg"] not in OPOB_AGGREGATIONS:
+        raise ValueError(f"{path}: OPOB supports the loss aggregations {OPOB_AGGREGATIONS}, got agg {loss['agg']!r}")
     if scope not in OPOB_SCOPES:
         raise ValueError(f"{path}: OPOB scope must be one of {OPOB_SCOPES}, got {scope!r}")
 

@@ -1,4 +1,4 @@
-"""Generation and learning at once (``execution=concurrent``): the rollout engine in a process of its own.
+"""Generation and learning at once (``execution=concurrent``): the simulated rollout server in a process of its own.
 
 PipelineRL's layout on two cores. A generator process produces the batches of steps start .. steps-1
 (generation, then rewards) while the learner trains on them; after every optimizer step the learner
@@ -18,7 +18,7 @@ learner's (the lock, the next batch) has a timeout and checks that the generator
 waits the learner may train, evaluate or checkpoint for minutes on a loaded machine (or wait for the rest of a
 batch its generator died sending), a thread watching the generator's pidfd interrupts the learner's main thread
 the moment the generator dies (``GeneratorInterrupt``, turned into `GeneratorDied`). Batches travel back pickled
-at once, in a queue: the engine's state keeps changing after a batch is sent. The generator dies with the
+at once, in a queue: the server's state keeps changing after a batch is sent. The generator dies with the
 learner (PR_SET_PDEATHSIG), ignores Ctrl-C (the learner stops it), and reports its own failure as a traceback
 the learner raises.
 """
@@ -68,7 +68,7 @@ class Produced:
     results: list[dict]  # the reward function's result per trajectory
     tool_log: object | None  # vcpo.sim.rollout.ToolLog of the batch's generation (multi-turn), else None
     timings: dict[str, float] = field(default_factory=dict)
-    rollout_state: dict | None = None  # the engine's state after this batch, where the learner checkpoints next
+    rollout_state: dict | None = None  # the server's state after this batch, where the learner checkpoints next
 
 
 @dataclass
@@ -137,7 +137,7 @@ def _generate(produce: Callable[[int], Produced], bind: Callable, first: int, st
     channel.join_thread()
 
 
-class ConcurrentEngine:
+class GeneratorProcess:
     """The learner's end of a generator process: ``next_batch(step)`` and ``publish(version, weights)``.
 
     ``produce(step)`` must compute a step's batch exactly as the serial loop does; in the generator process
@@ -147,7 +147,7 @@ class ConcurrentEngine:
     def __init__(self, produce: Callable[[int], Produced], bind: Callable[[Callable[[int], dict]], None],
                  template: dict[str, torch.Tensor], slots: int, published: dict[int, dict[str, torch.Tensor]],
                  first: int, steps: int):
-        context = multiprocessing.get_context("fork")  # the engine's state as it is, without pickling a model
+        context = multiprocessing.get_context("fork")  # the server's state as it is, without pickling a model
         self.weights = SharedWeights(template, slots, context)
         for version, state in sorted(published.items()):
             self.weights.publish(version, state)

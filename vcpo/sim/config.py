@@ -21,7 +21,7 @@ from vcpo.runs import CONFIG_FILE, RunFileProblem, read_json
 EXECUTIONS = ("serial", "concurrent")
 LAG_MODELS = ("pipeline", "pipeline_overlap", "fixed", "minibatch")  # vcpo.sim.rollout
 OVERLAPPING_LAG_MODELS = ("pipeline_overlap", "fixed")  # generation can run while the learner updates
-KV_CACHE_MODES = ("recompute", "keep")  # vcpo.sim.rollout's module docstring
+KV_CACHE_POLICIES = ("recompute", "keep")  # vcpo.sim.rollout's module docstring
 # The simulator's tool calls are one-line programs of a tiny policy that finish in ~40 ms; 5 s bounds
 # what a stuck program costs a step at half the paper-scale tool's 10 s (recipes/tools/python_sandbox.yaml,
 # written for a 7B model's longer programs).

@@ -2,7 +2,7 @@
 
 Writes into ``out`` (through `vcpo.sim.run_folder`): ``config.json`` (the resolved configuration, method preset
 included), ``metrics.jsonl`` (one object per optimizer step, verl metric names plus the paper's diagnostics),
-``checkpoint.pt`` (everything needed to continue: weights, optimizer, the rollout engine's queue,
+``checkpoint.pt`` (everything needed to continue: weights, optimizer, the rollout server's queue,
 the snapshots the lag model still needs) and, at the end, ``final/`` (a save_pretrained model that
 ``python -m vcpo.evaluation`` reads). A run restarted with the same ``out`` continues from its checkpoint and
 writes the same metrics an uninterrupted run would (generation seeds derive from (seed, step)).
@@ -23,7 +23,7 @@ from vcpo.evaluation.generation import end_token_ids
 from vcpo.rewards import score_batch
 from vcpo.runs import FINAL_DIR, SEQ_ESS_RATIO
 from vcpo.sim.base import sft_base
-from vcpo.sim.concurrent import ConcurrentEngine, GeneratorDied, GeneratorInterrupt, Produced
+from vcpo.sim.concurrent import GeneratorDied, GeneratorInterrupt, GeneratorProcess, Produced
 from vcpo.sim.config import SimConfig
 from vcpo.sim.heldout import heldout_accuracy, validation_metrics
 from vcpo.sim.learner import Learner, collate, response_log_probs, token_lags, warmup_stable_decay
@@ -137,8 +137,8 @@ class Trainer:
         self.step = 0
         self._ran = False
         self._prox_model = None
-        self.engine: ConcurrentEngine | None = None  # execution=concurrent: the generator process, while run() runs
-        self._rollout_state: dict | None = None  # the engine's state after the last batch trained on, at checkpoint steps
+        self.generator_process: GeneratorProcess | None = None  # execution=concurrent, while run() runs
+        self._rollout_state: dict | None = None  # the server's state after the last batch trained on, at checkpoint steps
 
     # -- snapshots of policy versions ---------------------------------------------------------------
     def snapshot(self, version: int) -> dict:
@@ -233,7 +233,7 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def produce(self, step: int) -> Produced:
         """The generator side of a step: the batch of ``step`` and its rewards (in the generator process
-        under execution=concurrent), with the engine's state where the learner will checkpoint."""
+        under execution=concurrent), with the server's state where the learner will checkpoint."""
         started = time.perf_counter()
         trajectories = self.rollouts.batch(step)
         generated = time.perf_counter()
@@ -256,11 +256,11 @@ class Trainer:
         metrics: dict = {"step": self.step, "training/global_step": self.step}
         if config.eval_every and self.step % config.eval_every == 0:
             metrics.update(self.evaluate())
-        if self.engine is None:
+        if self.generator_process is None:
             produced = self.produce(self.step)
         else:
             waiting = time.perf_counter()
-            produced = self.engine.next_batch(self.step)
+            produced = self.generator_process.next_batch(self.step)
             metrics["timing_s/wait_gen"] = time.perf_counter() - waiting
         metrics.update(produced.timings)
         if produced.rollout_state is not None:
@@ -277,8 +277,8 @@ class Trainer:
 
         self.step += 1
         self._keep_snapshots()
-        if self.engine is not None:
-            self.engine.publish(self.step, self.model.state_dict())
+        if self.generator_process is not None:
+            self.generator_process.publish(self.step, self.model.state_dict())
         elapsed = time.perf_counter() - started
         metrics["timing_s/step"] = elapsed
         metrics["perf/throughput"] = int(batch.mask.sum()) / elapsed
@@ -325,7 +325,7 @@ class Trainer:
             self._start()
             if config.execution == "concurrent" and self.step < config.steps:
                 published = {**self.snapshots, self.step: self.model.state_dict()}
-                self.engine = ConcurrentEngine(self.produce, self._read_weights_through, self.model.state_dict(),
+                self.generator_process = GeneratorProcess(self.produce, self._read_weights_through, self.model.state_dict(),
                                                slots=self.lag + 1, published=published, first=self.step, steps=config.steps)
             bar = tqdm(total=config.steps, initial=self.step, desc=f"{config.method} k={self.lag} seed={config.seed}",
                        unit="step", disable=not config.progress, dynamic_ncols=True)
@@ -345,9 +345,9 @@ class Trainer:
                 raise GeneratorDied(str(interrupt)) from None
             finally:
                 bar.close()
-                if self.engine is not None:
-                    self.engine.close()
-                    self.engine = None
+                if self.generator_process is not None:
+                    self.generator_process.close()
+                    self.generator_process = None
             if not self.folder.finished:
                 result = {"step": self.step, **(self.evaluate() if config.eval_every else {}), **self.evaluate("test")}
                 self.model.save_pretrained(self.out / FINAL_DIR)

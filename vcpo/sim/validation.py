@@ -17,7 +17,7 @@ from vcpo.sim.base import MODEL_SIZES
 from vcpo.sim.config import (
     DTYPES,
     EXECUTIONS,
-    KV_CACHE_MODES,
+    KV_CACHE_POLICIES,
     LAG_MODELS,
     OVERLAPPING_LAG_MODELS,
     ROLLOUT_DTYPES,
@@ -74,8 +74,8 @@ def check_settings(config: SimConfig) -> SimConfig:
         fail("method", str(error))
     if config.opob_combination not in COMBINATIONS:
         fail("opob_combination", f"must be one of {COMBINATIONS}, got {config.opob_combination!r}")
-    if config.kv_cache not in KV_CACHE_MODES:
-        fail("kv_cache", f"must be one of {KV_CACHE_MODES}, got {config.kv_cache!r}")
+    if config.kv_cache not in KV_CACHE_POLICIES:
+        fail("kv_cache", f"must be one of {KV_CACHE_POLICIES}, got {config.kv_cache!r}")
     if config.lag_model not in LAG_MODELS:
         fail("lag_model", f"must be one of {LAG_MODELS}, got {config.lag_model!r}")
     if config.execution not in EXECUTIONS:

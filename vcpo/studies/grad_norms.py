@@ -48,15 +48,15 @@ def exact_and_proxy(model, batch, temperature: float) -> tuple[np.ndarray, np.nd
         logits.append(output.logits)
         return output
 
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     ones = torch.ones(batch.size, dtype=torch.float64)
-    with engine.micro_batch(ones, torch.zeros_like(ones)):
+    with per_sequence.micro_batch(ones, torch.zeros_like(ones)):
         response_log_probs(forward, batch, temperature).sum().backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         scaled = logits[0].detach()[:, batch.prompt_width - 1 : -1] / temperature
         proxy = logit_energy_proxy(scaled, batch.response_ids, batch.mask)
-    return engine.sq_norms.numpy(), proxy.numpy()
+    return per_sequence.sq_norms.numpy(), proxy.numpy()
 
 
 def correlations(x: np.ndarray, y: np.ndarray) -> dict[str, float]:

@@ -52,7 +52,7 @@ _SECCOMP_PRIVILEGED_SYSCALLS = (
     # pidfd, memory placement, kernel-object comparison. userfaultfd mostly serves kernel exploits.
     "pidfd_open", "pidfd_getfd", "process_madvise", "kcmp", "move_pages", "migrate_pages", "userfaultfd",
 )  # fmt: skip
-# File metadata, which Landlock does not govern: without these rules a program in hooks mode could
+# File metadata, which Landlock does not govern: without these rules a program in hooks isolation could
 # chmod, chown, touch or tag any file the calling user owns.
 _SECCOMP_METADATA_SYSCALLS = (
     "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",

@@ -15,7 +15,7 @@ wall time                  parent kills the process group /
                            the whole PID namespace
 the caller's death         parent-death signals down the tree
                            (6); the guard removes the folder
-disk (all files together)  size-limited tmpfs (2); hooks mode:
+disk (all files together)  size-limited tmpfs (2); hooks isolation:
                            parent polls the folder's size
 memory                     RLIMIT_AS (allocation -> MemoryError)
 file sizes                 RLIMIT_FSIZE, output caps in parent
@@ -36,7 +36,7 @@ root's powers (uid 0)      every capability dropped (5)
 
 (1) The kernel exempts real uid 0 from RLIMIT_NPROC, even inside a user namespace. Run as root, the
     seccomp filter and the hook still refuse new processes (threads stay limited by RLIMIT_AS), and
-    in ``namespaces`` mode the PID namespace still takes every process down at the end.
+    in ``namespaces`` isolation the PID namespace still takes every process down at the end.
 (2) ``namespaces`` isolation only: ``unshare --user --map-root-user --mount --net --pid --ipc``,
     then a shell builds the program's root from read-only bind mounts of what Python needs (the
     system's programs and libraries under /usr, /bin, /lib*, ``/etc/ld.so.cache``; this interpreter's
@@ -46,8 +46,8 @@ root's powers (uid 0)      every capability dropped (5)
     before starting the interpreter. Home directories, /etc, /tmp, /run, /sys and other processes do
     not exist there. This works as root and, where unprivileged user namespaces are allowed, as an
     ordinary user. Where they are not (some hardened CI hosts and clusters), ``isolation="auto"``
-    falls back to ``hooks`` mode with a warning.
-(3) Every mode: before the program's first line the child loads a seccomp-bpf filter, which the
+    falls back to ``hooks`` isolation with a warning.
+(3) Every isolation: before the program's first line the child loads a seccomp-bpf filter, which the
     kernel enforces on native code too. execve/execveat, fork/vfork, clone without CLONE_THREAD
     (threads still work), socket/connect/bind/listen/accept (socketpair stays: asyncio needs it),
     ptrace, mount and the new mount API, unshare/setns/chroot, set*id, capset, module loading, bpf,
@@ -56,15 +56,15 @@ root's powers (uid 0)      every capability dropped (5)
     EPERM (clone3 with ENOSYS, so that glibc falls back to clone); a syscall of a foreign ABI kills
     the process. If the filter cannot be loaded, the sandbox refuses to start (RuntimeError) unless
     the caller passes ``syscall_filter=False`` or sets ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``.
-(4) Every mode where the kernel has Landlock (Linux >= 5.13, enabled in most distributions' kernels):
+(4) Every isolation where the kernel has Landlock (Linux >= 5.13, enabled in most distributions' kernels):
     the child restricts itself, irrevocably and without privileges, to reading the same host paths
     as (2), reading its own /proc entry and using its work directory; every other path, whoever owns
     it (root's /etc/shadow included), fails with EACCES. From Landlock ABI 4 TCP bind/connect is
-    refused too, from ABI 6 signals and abstract Unix sockets outside the sandbox. In ``hooks`` mode
+    refused too, from ABI 6 signals and abstract Unix sockets outside the sandbox. In ``hooks`` isolation
     this is the only layer between the program and the caller's files, so without Landlock the
     sandbox refuses to start (RuntimeError) unless the caller passes ``hide_host_files=False`` or
-    sets ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``; ``namespaces`` mode hides them with its root alone.
-(5) Every mode: the child empties its capability sets (and, as root, its bounding set) before the
+    sets ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``; ``namespaces`` isolation hides them with its root alone.
+(5) Every isolation: the child empties its capability sets (and, as root, its bounding set) before the
     filter, so a program run as root cannot raise its resource limits, renice below the caller,
     schedule itself in real time, make device nodes, change the host name or read the kernel log.
     pidfd_open/pidfd_getfd, process_madvise, kcmp, move_pages/migrate_pages and userfaultfd, which
@@ -120,19 +120,19 @@ from vcpo.tools import _sandbox_child
 
 logger = logging.getLogger(__name__)
 
-ISOLATION_MODES = ("auto", "namespaces", "hooks")
+ISOLATIONS = ("auto", "namespaces", "hooks")
 _MAIN_FILE = "main.py"
 _TEMP_PREFIX = "vcpo-sandbox-"
 _FOLDER_NAME = re.compile(rf"{_TEMP_PREFIX}(\d+)-[a-z0-9_]{{8}}")  # tempfile.mkdtemp(prefix=_folder_prefix(pid))
 _CHILD_SOURCE = Path(_sandbox_child.__file__).read_text(encoding="utf-8")
 _READ_CHUNK = 64 * 1024
 _POLL_S = 0.02
-# How often hooks mode measures the work directory against max_disk_mb: a program writing at disk speed
+# How often hooks isolation measures the work directory against max_disk_mb: a program writing at disk speed
 # can exceed the quota by that speed times this interval before it is stopped.
 _DISK_POLL_S = 0.05
 # How long output is still read after the program exits, for a descendant that keeps the pipes open.
 _DRAIN_AFTER_EXIT_S = 0.5
-# Tasks that exist in namespaces mode besides the program: the supervising shell and the interpreter.
+# Tasks that exist in namespaces isolation besides the program: the supervising shell and the interpreter.
 _SUPERVISOR_TASKS = 2
 _NICENESS = 10
 _ALLOW_NO_SECCOMP_ENV = "VCPO_SANDBOX_ALLOW_NO_SECCOMP"
@@ -226,7 +226,7 @@ class SandboxStatus(str, enum.Enum):
     ERROR = "error"  # non-zero exit status (an uncaught exception exits with 1)
     TIMEOUT = "timeout"  # wall-clock limit; the parent killed it
     OUTPUT_LIMIT = "output_limit"  # stdout or stderr exceeded max_output_bytes; the parent killed it
-    DISK_LIMIT = "disk_limit"  # hooks mode: its files exceeded max_disk_mb or max_files; the parent killed it
+    DISK_LIMIT = "disk_limit"  # hooks isolation: its files exceeded max_disk_mb or max_files; the parent killed it
     CPU_LIMIT = "cpu_limit"  # RLIMIT_CPU (SIGXCPU)
     MEMORY_LIMIT = "memory_limit"  # MemoryError reached the top level
     KILLED = "killed"  # any other signal
@@ -242,7 +242,7 @@ class SandboxResult:
     stdout_truncated: bool
     stderr_truncated: bool
     wall_time_s: float
-    isolation: str  # "namespaces" or "hooks": the mode that actually ran
+    isolation: str  # "namespaces" or "hooks": the isolation that actually ran
 
     @property
     def ok(self) -> bool:
@@ -284,11 +284,11 @@ def run_python(
         memory_mb: address-space limit of the interpreter (RLIMIT_AS).
         max_output_bytes: bytes kept per stream; more output stops the program (status output_limit).
         max_file_mb: largest file the program may write (RLIMIT_FSIZE).
-        max_disk_mb: all its files together: in namespaces mode the size of its tmpfs work directory
-            (a write beyond it fails with ENOSPC), in hooks mode the parent polls the directory's size
+        max_disk_mb: all its files together: in namespaces isolation the size of its tmpfs work directory
+            (a write beyond it fails with ENOSPC), in hooks isolation the parent polls the directory's size
             every ``_DISK_POLL_S`` and stops the program above it (status disk_limit).
         max_files: files, folders and links it may create (each costs the kernel memory, whatever its size):
-            the tmpfs's inodes in namespaces mode (ENOSPC beyond), polled with the size in hooks mode.
+            the tmpfs's inodes in namespaces isolation (ENOSPC beyond), polled with the size in hooks isolation.
         max_processes: tasks (processes and threads) the program may add (RLIMIT_NPROC).
         max_open_files: RLIMIT_NOFILE.
         stdin: text fed to the program's standard input.
@@ -299,8 +299,8 @@ def run_python(
         syscall_filter: load the seccomp-bpf filter in the child (required: RuntimeError where it
             cannot be loaded, unless ``VCPO_SANDBOX_ALLOW_NO_SECCOMP=1``); False runs without it.
         hide_host_files: show the program only its interpreter, libraries and directory (required:
-            RuntimeError in hooks mode on a kernel without Landlock, unless
-            ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``); False loads no Landlock rules (namespaces mode
+            RuntimeError in hooks isolation on a kernel without Landlock, unless
+            ``VCPO_SANDBOX_ALLOW_HOST_FILES=1``); False loads no Landlock rules (namespaces isolation
             still builds its minimal root).
     """
     cpu_time_s = cpu_time_s if cpu_time_s is not None else max(1, math.ceil(timeout_s))
@@ -434,8 +434,8 @@ def _check_guard() -> None:
 
 
 def _use_namespaces(isolation: str) -> bool:
-    if isolation not in ISOLATION_MODES:
-        raise ValueError(f"run_python: isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"run_python: isolation must be one of {ISOLATIONS}, got {isolation!r}")
     if isolation == "hooks":
         return False
     available = _probe_namespaces()
@@ -543,7 +543,7 @@ def _count_tasks_of_user(uid: int) -> int:
 @contextmanager
 def _private_dirs() -> Iterator[tuple[Path, Path]]:
     """A fresh temporary directory with the program's work directory and an empty mount point, on
-    which namespaces mode builds the program's root; deleted afterwards. Folders of callers that died before
+    which namespaces isolation builds the program's root; deleted afterwards. Folders of callers that died before
     their guard could remove them (a kill between the folder and the guard's start) are removed first."""
     _remove_dead_callers_folders()
     base = Path(tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()))).resolve()
@@ -699,7 +699,7 @@ def _landlock_wanted(hide_host_files: bool, use_namespaces: bool) -> bool:
         _warn_once("sandbox: the program can read every file the calling user can (no Landlock, no namespaces)")
         return False
     raise RuntimeError(
-        "run_python: in hooks mode only Landlock can keep the program away from the host's files (home "
+        "run_python: in hooks isolation only Landlock can keep the program away from the host's files (home "
         "directories, credentials, other processes' /proc entries, the caller's environment), and this "
         "kernel does not provide it (Linux >= 5.13 with landlock in the lsm= list). Use namespaces "
         "isolation, or opt in explicitly with hide_host_files=False or "
@@ -898,7 +898,7 @@ def _has_exited(process: subprocess.Popen) -> bool:
 
 
 def _kill_process_group(process: subprocess.Popen) -> None:
-    """SIGKILL everything left in the program's process group (in namespaces mode, its PID namespace
+    """SIGKILL everything left in the program's process group (in namespaces isolation, its PID namespace
     dies with it), then reap the child and close the pipes."""
     try:
         os.killpg(process.pid, signal.SIGKILL)

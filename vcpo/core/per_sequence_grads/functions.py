@@ -9,7 +9,7 @@ from torch import nn
 
 # HF RMSNorm classes whose forward is  weight * (x·rsqrt(mean(x²) + eps)) computed in float32.
 # Matched by name so that vcpo.core does not import transformers; every matched module is
-# checked against its own forward when the engine is built.
+# checked against its own forward when PerSequenceGradients is built.
 HF_RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 def _out_in(weight: torch.Tensor, transposed: bool) -> torch.Tensor:

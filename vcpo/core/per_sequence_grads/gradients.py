@@ -40,11 +40,11 @@ raises an error: the norms are never silently wrong.
 
 Usage (scope "batch": one baseline for the whole minibatch)::
 
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     for mb in micro_batches:
-        with engine.micro_batch(mb.coef_r, mb.coef_s):
+        with per_sequence.micro_batch(mb.coef_r, mb.coef_s):
             per_sequence_scores(model(mb.input_ids, attention_mask=mb.mask), mb).sum().backward()
-    engine.combine(opob_baseline(rewards, engine.sq_norms, seq_log_weights))
+    per_sequence.combine(opob_baseline(rewards, per_sequence.sq_norms, seq_log_weights))
     with scaled_learning_rate(optimizer, ess_step_scale(ess_ratio(seq_log_weights))):
         optimizer.step()
 
@@ -85,7 +85,7 @@ per group of the micro-batch for scope "group"), plus one block of per-sequence 
 for one sequence at a time). Deferred: no score buffers, but every open micro-batch's layer inputs and output
 gradients until `combine`, and the Gram matrices of one layer input (shared by the weights that read it).
 
-Limits: the engine cannot see the attention, and sequences must not interact through it (rows of a
+Limits: the handlers cannot see the attention, and sequences must not interact through it (rows of a
 padded batch; the block-diagonal mask of a packed row, which HF transformers 5 builds from position_ids
 restarting at 0 only with attention_mask=None and use_cache=False). Under data parallelism (paper App. C) defer the gradient all-reduce:
 gather the B norms across ranks for the baseline, `combine` locally, then all-reduce p.grad once.
@@ -111,11 +111,11 @@ from vcpo.core.per_sequence_grads.reductions import (
     DEFAULT_BLOCK_ROW_MULTIPLE,
     DEFAULT_PASS_COST,
     LOW_PRECISION,
-    MODES,
+    NORM_METHODS,
     NORMS_ONLY,
-    device_default,
     PackedSegments,
     check_cu_seqlens,
+    device_default,
     wide_dtype,
 )
 from vcpo.core.per_sequence_grads.sites import Target, _check_same_forward, _MicroBatch, _Site
@@ -131,7 +131,7 @@ class PerSequenceGradients:
     Args:
         model: any torch module built from supported module kinds (module docstring); every
             trainable parameter must belong to one. Modules without trainable parameters are untouched.
-        mode: "auto" picks ghost norms or materialised per-sequence gradients per call from the cost
+        norm_method: "auto" picks ghost norms or materialised per-sequence gradients per call from the cost
             model `prefers_ghost`; "materialize" / "ghost" force one route (both exact).
         block_bytes: size of one block of materialised per-sequence gradients; default per device
             type (``DEFAULT_BLOCK_BYTES``).
@@ -159,11 +159,11 @@ class PerSequenceGradients:
     """
 
     def __init__(
-        self, model: nn.Module, mode: str = "auto", block_bytes: int | None = None, pass_cost: float | None = None,
+        self, model: nn.Module, norm_method: str = "auto", block_bytes: int | None = None, pass_cost: float | None = None,
         combination: str = "buffers", block_row_multiple: int | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if norm_method not in NORM_METHODS:
+            raise ValueError(f"norm_method must be one of {NORM_METHODS}, got {norm_method!r}")
         if combination not in (*COMBINATIONS, NORMS_ONLY):
             raise ValueError(f"combination must be one of {(*COMBINATIONS, NORMS_ONLY)}, got {combination!r}")
         if block_bytes is not None and not block_bytes > 0:
@@ -172,7 +172,7 @@ class PerSequenceGradients:
             raise ValueError(f"block_row_multiple must be positive, got {block_row_multiple}")
         if pass_cost is not None and not (math.isfinite(pass_cost) and pass_cost > 0):
             raise ValueError(f"pass_cost must be a positive finite number, got {pass_cost}")
-        self.mode = mode
+        self.norm_method = norm_method
         self.combination = combination
         self._block_bytes = block_bytes
         self._pass_cost = pass_cost
@@ -283,7 +283,7 @@ class PerSequenceGradients:
                 c_B on are padding that belongs to no sequence: they are left out of every norm and of
                 p.grad and the score buffers (their gradient, zero for a loss that ignores them, is
                 dropped). The attention must not cross sequences (e.g. HF position_ids restarting at 0
-                with attention_mask=None and use_cache=False, or flash-attn varlen): the engine cannot check it.
+                with attention_mask=None and use_cache=False, or flash-attn varlen): the handlers cannot check it.
         """
         if self._active is not None:
             raise RuntimeError("micro_batch blocks cannot be nested")
@@ -299,7 +299,7 @@ class PerSequenceGradients:
                 raise
             segments = PackedSegments.from_cu_seqlens(offsets, device)
         micro_batch = _MicroBatch(
-            engine=self,
+            owner=self,
             coefficients=coefficients,
             keys=keys,
             sq_norms=torch.zeros(coefficients.shape[1], dtype=torch.float64, device=device),
@@ -442,7 +442,7 @@ def _unhandled_gradient_guard(grad: torch.Tensor | None) -> None:
         )
 
 
-def _collect_sites(engine: PerSequenceGradients, model: nn.Module) -> tuple[list[_Site], set[int]]:
+def _collect_sites(owner: PerSequenceGradients, model: nn.Module) -> tuple[list[_Site], set[int]]:
     """A site for every module with trainable parameters, and the ids of tied weights.
 
     Rejects anything not handled exactly: unknown module kinds, unsupported options, and parameters
@@ -463,7 +463,7 @@ def _collect_sites(engine: PerSequenceGradients, model: nn.Module) -> tuple[list
         _check_module_options(name, kind, module)
         if "forward" in vars(module):
             raise ValueError(f"module {name!r} has an instance-level forward (a wrapper); not supported")
-        site = _Site(engine, name, module, kind)
+        site = _Site(owner, name, module, kind)
         if kind in ("rms_norm", "conv1d"):
             _check_same_forward(name, site)
         sites.append(site)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "materialize", "ghost")
+NORM_METHODS = ("auto", "materialize", "ghost")  # how PerSequenceGradients computes the norms
 # How the per-sequence gradients are combined: during the backward into G_R and the score buffers, once
 # the baseline is known into Ĝ, or during the backward into each group's success and failure buffers
 # (PerSequenceGradients).

@@ -32,11 +32,11 @@ from vcpo.core.per_sequence_grads.reductions import (
 )
 
 
-class Engine(Protocol):
+class SiteOwner(Protocol):
     """What a site reads of its ``PerSequenceGradients`` (which builds the sites, so this module cannot
     import it)."""
 
-    mode: str
+    norm_method: str
     combination: str
     tied_params: set[int]
 
@@ -51,7 +51,7 @@ class Engine(Protocol):
 class _Site:
     """One handled module: installs its per-sequence forward and routes its backward to the micro-batch."""
 
-    engine: Engine
+    owner: SiteOwner
     name: str
     module: nn.Module
     kind: str
@@ -71,7 +71,7 @@ class _Site:
         if len(args) != 1 or kwargs:
             raise ValueError(f"module {self.name!r}: the per-sequence forward takes exactly one input tensor")
         (x,) = args
-        micro_batch = self.engine.active_micro_batch(self.name)
+        micro_batch = self.owner.active_micro_batch(self.name)
         if torch.is_grad_enabled():
             micro_batch.forward_ran(self.name)
         if micro_batch.segments is not None:
@@ -117,20 +117,20 @@ class _Site:
     # Backward handlers: each forms the per-sequence gradients of its parameters.
 
     def outer_product_backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        micro_batch = self.engine.active_micro_batch(self.name)
+        micro_batch = self.owner.active_micro_batch(self.name)
         inputs, delta = micro_batch.rows(x), micro_batch.rows(grad_out)
         weight, bias = self.module.weight, self.module.bias
         if weight.requires_grad:
             rows, cols = (inputs, delta) if self.transposed else (delta, inputs)
             micro_batch.add_outer_products(self.name, weight, rows, cols, shared=inputs)
             if micro_batch.is_tied(weight):
-                block_bytes = self.engine.block_bytes(weight)
+                block_bytes = self.owner.block_bytes(weight)
                 micro_batch.add_tied_part(weight, lambda ids: delta.rows_at_ids(inputs, ids, block_bytes))
         if bias is not None and bias.requires_grad:
             micro_batch.add_dense(self.name, bias, delta.sums())
 
     def embedding_backward(self, ids: torch.Tensor, grad_out: torch.Tensor) -> None:
-        micro_batch = self.engine.active_micro_batch(self.name)
+        micro_batch = self.owner.active_micro_batch(self.name)
         if micro_batch.segments is not None:
             ids, grad_out = micro_batch.per_sequence(ids), micro_batch.per_sequence(grad_out)
         padding_idx = self.module.padding_idx
@@ -141,7 +141,7 @@ class _Site:
             micro_batch.add_tied_part(weight, lambda _ids: rows)
 
     def affine_backward(self, x_hat: torch.Tensor, grad_out: torch.Tensor) -> None:
-        micro_batch = self.engine.active_micro_batch(self.name)
+        micro_batch = self.owner.active_micro_batch(self.name)
         weight, bias = self.module.weight, getattr(self.module, "bias", None)
         if weight.requires_grad:
             weighted = grad_out * x_hat
@@ -275,7 +275,7 @@ class _TiedState:
 class _MicroBatch:
     """Accumulates one micro-batch: squared norms, and k combinations into p.grad and the score buffers."""
 
-    engine: Engine
+    owner: SiteOwner
     # (k, B) float64, one row per buffer: keys[j] None = G_R (p.grad), (label, v) = a score buffer. "buffers" and
     # "deferred": row 0 = c^R, then c^S of each label's sequences; "split": c^R and c^S − c^R of each label's
     coefficients: torch.Tensor
@@ -309,7 +309,7 @@ class _MicroBatch:
         self._cast.clear()
         self.members = self.order = self.spans = None
         self.combinations_per_sequence = coefficients.shape[0]
-        if self.engine.combination == "split":
+        if self.owner.combination == "split":
             self.members = [row.nonzero().flatten().tolist() for row in coefficients.cpu()]
             order = _consecutive_order(self.members, [label for label, _ in keys], self.batch_size)
             position = {sequence: j for j, sequence in enumerate(order)}
@@ -339,7 +339,7 @@ class _MicroBatch:
         (q, k and v; gate and up) run their backward one after another, so the last input's Grams are kept for
         the next: formed once, and one input's at a time held (its values are kept for `combine` anyway; the
         reference kept here also stops its storage being reused while the Grams are)."""
-        if self.engine.combination not in NORMS_IN_BACKWARD:
+        if self.owner.combination not in NORMS_IN_BACKWARD:
             return gram(values[start:stop])
         identity = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values.stride(),
                     values.dtype)
@@ -361,9 +361,9 @@ class _MicroBatch:
         Σ_i coefficients[j, i] P_i to targets[j] (a `Target`): now into the buffers of the rows (combinations
         "buffers", "split"; ``ordered``: P in `order`; ``targets``: those of the part's first block), or kept for
         `combine`, which applies it once with c^R − b c^S into G_R ("deferred"), or dropped (norms only)."""
-        if self.engine.combination == NORMS_ONLY:
+        if self.owner.combination == NORMS_ONLY:
             return
-        if self.engine.combination == "deferred":
+        if self.owner.combination == "deferred":
             self.pending.append((param, combine_into))
         else:
             combine_into(self.ordered_coefficients_as if ordered else self.coefficients_as, self.targets(param) if targets is None else targets)
@@ -388,7 +388,7 @@ class _MicroBatch:
         self.forwards.add(name)
 
     def is_tied(self, param: torch.Tensor) -> bool:
-        return id(param) in self.engine.tied_params
+        return id(param) in self.owner.tied_params
 
     def record_tied_ids(self, param: torch.Tensor, ids: torch.Tensor) -> None:
         if self.is_tied(param):
@@ -411,7 +411,7 @@ class _MicroBatch:
         a score buffer it makes is new for all of that part's blocks."""
         targets = []
         for key in self.keys:
-            buffer, new = (self.engine.reward_buffer(param), False) if key is None else self.engine.score_buffer(key, param)
+            buffer, new = (self.owner.reward_buffer(param), False) if key is None else self.owner.score_buffer(key, param)
             targets.append(Target(buffer.view(1, -1), new))
         return targets
 
@@ -430,7 +430,7 @@ class _MicroBatch:
         kernel (one vectorised pass; vecdot multiplies into a temporary first) and keep each block's norms for
         `fold_block_norms`, which squares and adds all of them at once: one kernel per block, not four."""
         per_sample = widened(per_sample.reshape(per_sample.shape[0], -1))
-        if self.engine.combination == "buffers":
+        if self.owner.combination == "buffers":
             self._add_sq_norms(torch.linalg.vecdot(per_sample, per_sample))
         else:
             self.block_norms.setdefault((ordered, per_sample.dtype), []).append(torch.linalg.vector_norm(per_sample, dim=1))
@@ -465,30 +465,30 @@ class _MicroBatch:
         Deferred, the combination is one weight-gradient product by either route (`combine` knows the
         single coefficient row), so a materialised block only gives its norms."""
         self._receive(name, param)
-        mode, deferred = self.engine.mode, self.engine.combination in NORMS_IN_BACKWARD
+        method, deferred = self.owner.norm_method, self.owner.combination in NORMS_IN_BACKWARD
         weighted_products = functools.partial(_add_weighted_products, rows=rows, cols=cols, members=self.members)
-        if mode == "ghost" or (
-            mode == "auto"
+        if method == "ghost" or (
+            method == "auto"
             and prefers_ghost(
-                rows.lengths, rows.width, cols.width, self.combinations_per_sequence, self.engine.pass_cost(param),
+                rows.lengths, rows.width, cols.width, self.combinations_per_sequence, self.owner.pass_cost(param),
                 deferred,
             )
         ):
             def grams(values: torch.Tensor, start: int, stop: int) -> torch.Tensor:
                 return self.input_gram(values, start, stop) if values is shared.values else gram(values[start:stop])
 
-            self._add_sq_norms(rows.ghost_sq_norms(cols, self.engine.block_bytes(param), grams))
+            self._add_sq_norms(rows.ghost_sq_norms(cols, self.owner.block_bytes(param), grams))
             self._combination(param, weighted_products)
             return
         # Blocks of weight rows small enough to stay in cache between the matmul and the reductions, which
         # read each block widened (bf16 / fp16 activations to fp32, whatever the parameter's dtype).
         num_rows, num_cols = rows.width, cols.width
         block_rows = rows_per_block(num_rows, rows.batch_size, num_cols, wide_dtype(rows.dtype).itemsize,
-                                    self.engine.block_bytes(param), self.engine.block_row_multiple(param))
+                                    self.owner.block_bytes(param), self.owner.block_row_multiple(param))
         # split, packed: each block's sequences in `order`, free (one matmul per sequence view either way); one row
         # per sequence, a reordered copy of the inputs cost more than the combinations read less (measured)
         ordered = self.order is not None and rows.offsets is not None
-        targets = None if deferred or self.engine.combination == NORMS_ONLY else self.targets(param)
+        targets = None if deferred or self.owner.combination == NORMS_ONLY else self.targets(param)
         # each target split into its blocks once (a view per block, not a slice per block and target)
         target_blocks = [] if targets is None else [
             (target.values,) if block_rows >= num_rows else target.values.split(block_rows * num_cols, 1)
@@ -542,7 +542,7 @@ class _MicroBatch:
         if missing:
             raise RuntimeError(
                 f"modules {missing[:3]} ran a forward inside `micro_batch` but their backward did not run inside "
-                "it; call backward() inside the `with engine.micro_batch(...)` block"
+                "it; call backward() inside the `with per_sequence.micro_batch(...)` block of its PerSequenceGradients"
             )
 
 

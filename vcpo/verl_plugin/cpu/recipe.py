@@ -3,7 +3,7 @@
 Why it exists: one place that says how verl 0.9.1's real trainer is run on a 2-core CPU machine
 (a small random ``vcpo.local_models`` model, 4 prompts x 2 responses, 16-token responses), so that the slow test, the
 launcher ``python -m vcpo.launch.cpu`` share one list. It is applied on top of a ``vcpo.launch`` run
-(task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout engine
+(task x method x lag), so what runs on CPU is the production recipe with its sizes, model, rollout server
 and device replaced. Every override is explained next to it in :func:`cpu_overrides`.
 
 The actor runs FSDP2 in float32 by default; a run that asks for ``actor_rollout_ref.actor.strategy=megatron`` gets
