@@ -1,6 +1,11 @@
-"""Countdown puzzles generated offline with Reasoning Gym, split into train and validation (VCPO App. F).
+"""Countdown: the puzzles, drawn offline from Reasoning Gym's generator, and the paper's set (VCPO App. F).
 
-One seeded set of ``size`` distinct puzzles (default 10,000) is generated; the last tenth is the
+Countdown comes in three forms, one generator with three sets of ranges (`CountdownRanges`): the paper's puzzles
+(`PAPER_COUNTDOWN`, Reasoning Gym's defaults), the simulator's ``countdown`` task (`SIM_COUNTDOWN`, small enough for a
+tiny model: ``vcpo.sim.tasks`` says why) and the starter task ``countdown3`` (`STARTER_COUNTDOWN`, for a small
+pretrained model). All three are scored by one reward, ``vcpo.rewards.countdown``.
+
+The paper's set: one seeded set of ``size`` distinct puzzles (default 10,000) is generated; the last tenth is the
 validation split (1,000) and the rest the train split (9,000). Puzzles are identified by their
 numbers (as a multiset) and target, and duplicates are skipped during generation, so the two splits
 can never share a puzzle.
@@ -14,13 +19,40 @@ import json
 import multiprocessing
 import os
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from vcpo.data.draws import reasoning_gym_draws
 from vcpo.locks import cache_dir, write_atomic
 from vcpo.recipes import load_tasks
+
+
+@dataclass(frozen=True)
+class CountdownRanges:
+    """What a Countdown puzzle is drawn from: how many numbers (inclusive range), their values and the target's."""
+
+    numbers: tuple[int, int]
+    values: tuple[int, int]
+    targets: tuple[int, int]
+
+    def config(self) -> dict[str, int]:
+        """The ranges as Reasoning Gym's ``countdown`` configuration."""
+        return {"min_numbers": self.numbers[0], "max_numbers": self.numbers[1], "min_value": self.values[0],
+                "max_value": self.values[1], "min_target": self.targets[0], "max_target": self.targets[1]}
+
+
+PAPER_COUNTDOWN = CountdownRanges(numbers=(4, 6), values=(1, 100), targets=(100, 999))  # Reasoning Gym's defaults
+SIM_COUNTDOWN = CountdownRanges(numbers=(3, 3), values=(1, 20), targets=(1, 50))
+STARTER_COUNTDOWN = CountdownRanges(numbers=(3, 3), values=(1, 10), targets=(1, 30))
+
+
+def countdown_draws(ranges: CountdownRanges, size: int, seed: int) -> Sequence[dict[str, Any]]:
+    """``size`` seeded Countdown puzzles drawn from ``ranges`` (entry i depends on the seed and i alone)."""
+    return reasoning_gym_draws("countdown", ranges.config(), size, seed)
 
 VALIDATION_FRACTION = 0.1
 # Reasoning Gym draws each puzzle from its own seed + index; skipping duplicates needs a few spare indices.
@@ -84,10 +116,8 @@ def _cached_distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
 
 
 def _generate(seed: int, indices: range) -> list[dict[str, Any]]:
-    import reasoning_gym
-
-    generator = reasoning_gym.create_dataset("countdown", size=indices.stop, seed=seed)
-    return [generator[index] for index in indices]
+    draws = countdown_draws(PAPER_COUNTDOWN, indices.stop, seed)
+    return [draws[index] for index in indices]
 
 
 def _distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vcpo.data.countdown import STARTER_COUNTDOWN
+
 GSM8K_TEMPLATE = '{question} Let\'s think step by step and output the final answer after "####".'
 MATH_TEMPLATE = "{question} Let's think step by step and output the final answer within \\boxed{{}}."
 # the starter tasks (a small pretrained model's first RL task): the answer after "####", without asking for
@@ -125,8 +127,7 @@ DATASETS: dict[str, DatasetSpec] = {
         _starter_task("sums_2digit_brief", "basic_arithmetic", SUMS_2DIGIT, template=BRIEF_TEMPLATE),
         _starter_task("sums_2to3_brief", "basic_arithmetic", SUMS_2TO3, template=BRIEF_TEMPLATE),
         _starter_task("chain_sums_brief", "chain_sum", CHAIN_SUMS, template=BRIEF_TEMPLATE),
-        _starter_task("countdown3", "countdown", {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 10,
-                                                  "min_target": 1, "max_target": 30}, template=COUNTDOWN_TEMPLATE,
+        _starter_task("countdown3", "countdown", STARTER_COUNTDOWN.config(), template=COUNTDOWN_TEMPLATE,
                       reward_source="countdown"),
     ]
 }

@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 from vcpo.data.datasets import DatasetSpec, get_dataset
+from vcpo.data.draws import reasoning_gym_draws
 from vcpo.rewards.countdown import countdown_ground_truth
 
 DRAWS = 2000
@@ -41,13 +42,11 @@ def generated_gold(spec: DatasetSpec, entry: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=16)
 def _distinct(task: str, size: int, seed: int) -> tuple[dict, ...]:
     """The entries of one seeded draw of ``size``, each question once, in draw order."""
-    import reasoning_gym
-
     spec = get_dataset(task)
-    generator = reasoning_gym.create_dataset(spec.generator, size=size, seed=seed, **spec.generator_config)
+    draws = reasoning_gym_draws(spec.generator, spec.generator_config, size, seed)
     distinct: dict[str, dict] = {}
     for index in range(size):
-        entry = generator[index]
+        entry = draws[index]
         distinct.setdefault(entry["question"], entry)
     return tuple(distinct.values())
 

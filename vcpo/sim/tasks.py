@@ -14,7 +14,7 @@ instruction as easily as a long one. With the 512-token tokenizer that ``vcpo.si
 the task's own text (digits one token each, as Qwen2 splits them), a rendered prompt, chat markup
 included, takes 31-36 tokens (Countdown) or 23-27 (arithmetic), under ``max_prompt_tokens`` = 40.
 
-``countdown``: Reasoning Gym ``countdown`` with 3 numbers in 1..20 and a target in 1..50, all four
+``countdown``: Reasoning Gym ``countdown`` with 3 numbers in 1..20 and a target in 1..50 (``SIM_COUNTDOWN``), all four
 operators; the SFT solution is Reasoning Gym's own expression in ``<answer>`` tags (scored by the
 Countdown rule: every number once, value equal to the target). Why this size: with 3 numbers the
 expression has 2 operators and a handful of orders, so a policy that has learnt the format finds
@@ -72,6 +72,8 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vcpo.data.countdown import SIM_COUNTDOWN, puzzle_key
+from vcpo.data.draws import reasoning_gym_draws
 from vcpo.locks import cache_dir, cache_entry_lock, write_atomic
 from vcpo.recipes import load_tasks
 from vcpo.rewards import REWARD_BY_DATA_SOURCE, countdown_ground_truth
@@ -161,7 +163,7 @@ class SimTask:
 def _countdown_fields(entry: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
     numbers, target = entry["metadata"]["numbers"], entry["metadata"]["target"]
     fields = {"numbers": ", ".join(map(str, numbers)), "target": target, "answer": entry["answer"]}
-    return (tuple(sorted(numbers)), target), fields, countdown_ground_truth(numbers, target)
+    return puzzle_key(entry), fields, countdown_ground_truth(numbers, target)
 
 
 def _chain_sum_fields(entry: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
@@ -194,12 +196,10 @@ UNCLOSED_PARENTHESIS = "SyntaxError: '(' was never closed"
 def _problem_dicts(task: SimTask, test_size: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, validation, test): the first distinct problems in generation order, validation first; a
     test split (``test_size`` > 0) takes the ones after the train split, so the other two are unchanged."""
-    import reasoning_gym
-
     needed = task.validation_size + task.train_size + test_size
     style = random.Random(task.seed)
     limit = needed * _MAX_DRAWS_PER_PROBLEM
-    dataset = reasoning_gym.create_dataset(task.generator, size=limit, seed=task.seed, **task.config)
+    dataset = reasoning_gym_draws(task.generator, task.config, limit, task.seed)
     build = _FIELDS[task.generator]
     problems: list[dict] = []
     keys: list = []
@@ -295,14 +295,7 @@ SIM_TASKS: dict[str, SimTask] = {
                 "a reward that sampling finds often enough to learn from"
             ),
             generator="countdown",
-            generator_config=(
-                ("min_numbers", 3),
-                ("max_numbers", 3),
-                ("min_value", 1),
-                ("max_value", 20),
-                ("min_target", 1),
-                ("max_target", 50),
-            ),
+            generator_config=tuple(SIM_COUNTDOWN.config().items()),
             prompt_template="Use {numbers} once each to make {target}. Answer in <answer></answer>.",
             solution_templates=("<answer>{answer}</answer>",),
         ),
