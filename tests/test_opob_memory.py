@@ -69,9 +69,10 @@ def test_fsdp2_terms_by_hand():
     activations = 1000 * per_token_layer * 2 + 2 * 1000 * 100 * 2
     largest_unit = max(SHAPE.layer_parameters, SHAPE.embedding_parameters) * 2
     assert memory.step("plain") == P + 2 * largest_unit + activations
-    # single: the model unsharded (bf16), a float32 G_R, and the 6 buffers beside the activations (all open at once
-    # by default), or at combine with the flat all-reduce copy and the shard
-    assert memory.step("single") == 2 * P + 4 * P + max(6 * 4 * P + activations, 6 * 4 * P + 4 * P + P)
+    # single (split: G_R is its first buffer): the model unsharded (bf16) and the 6 buffers beside the activations
+    # (all open before the last micro-batch, by default); at combine the buffers and the bf16 combined gradient; at
+    # the all-reduce the gradient, its float32 copies and the flat float32 buffer
+    assert memory.step("single") == 2 * P + max(6 * 4 * P + activations, 6 * 4 * P + 2 * P, 2 * P + 4 * P + 4 * P)
     # two_pass: the plain step, plus what the norms pass (activations, two blocks and three float32 copies of the
     # micro-batch's hidden states, and no gradient) needs beyond it
     scratch = 2 * 1024 + 3 * 1000 * 64 * 4
@@ -131,10 +132,52 @@ def test_single_grows_by_one_copy_per_buffer_and_two_pass_not_at_all():
 
 
 def test_buffers_opened_before_the_last_micro_batch():
+    """Two of 8 buffers open in the last micro-batch's backward: only their output layer's part (vocabulary x hidden
+    = 6,400 values, float32) meets its activations at their largest (4,000 tokens: the backward's start)."""
     layout = replace(CPU, data_parallel=1, compute_bytes=4, gradient_checkpointing=False)
     late = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=4000, buffers=8, buffers_before_last=6))
     early = step_memory(SHAPE, layout, StepShape(tokens_per_micro_batch=4000, buffers=8))
-    assert early.step("single") - late.step("single") == 2 * 4 * SHAPE.parameters
+    assert early.step("single") - late.step("single") == 2 * 4 * SHAPE.parameters - 2 * 4 * 100 * 64
+
+
+def test_fsdp2_single_phases_by_hand():
+    """FSDP2 single, bf16 compute on 2 ranks, P = 80,704, 4 buffers, 2 of them open before the last micro-batch
+    (benchmarks/memory_model_check.py measured each phase's peak: the last backward, then combine, then the all-reduce;
+    `combination="split"` opens no G_R of its own, which the model once counted as a float32 copy, +35% to +46% of the
+    measured step):
+
+      last backward  the unsharded model (2P), the 2 earlier buffers (2 x 4P) and the micro-batch's widest backward
+                     phase; at its start (the logits alive) the 2 new buffers' output-layer rows (2 x 4 x 100 x 64);
+                     at the top layer's backward those and that layer's (2 x 4 x 37,120); at its end the 2 new buffers
+                     whole (2 x 4P) beside one layer's activations
+      combine        2P + 4 x 4P, and the bf16 gradient written one parameter at a time beside them (2P)
+      all-reduce     after the buffers are freed: 2P + the bf16 gradient 2P + its float32 copies 4P + the flat 4P
+    The `buffers` combination opens a float32 G_R in the backward besides."""
+    from vcpo.actor_memory import fsdp2_single_phases
+
+    P, tokens = SHAPE.parameters, 1000
+    layout = replace(CPU, data_parallel=2, param_bytes=4, compute_bytes=2, gradient_checkpointing=False)
+    step = StepShape(tokens_per_micro_batch=tokens, buffers=4, buffers_before_last=2)
+    phases = activation_phases(SHAPE, layout, tokens)
+    layer = tokens * (12 * 64 + 4 * 128 + 3 * 32) * 2
+    kept, logits = 2 * layer, 2 * tokens * 100 * 2
+    assert sum(phases["backward's start"].values()) == kept + logits
+    assert sum(phases["one layer's backward"].values()) == kept
+    single = fsdp2_single_phases(SHAPE, layout, step, phases)
+    last = 2 * P + 2 * 4 * P + max(kept + logits + 2 * 4 * 6400, kept + 2 * 4 * (6400 + 37120), 2 * 4 * P + layer)
+    assert sum(single["last micro-batch's backward"].values()) == last
+    assert sum(single["combine"].values()) == 2 * P + 4 * 4 * P + 2 * P
+    assert sum(single["all-reduce"].values()) == 2 * P + 2 * P + 4 * P + 4 * P
+    assert step_memory(SHAPE, layout, step).step("single") == max(last, 20 * P, 12 * P)
+    many = replace(SHAPE, vocab=10)  # the new buffers whole beside one layer: the backward's end is the widest
+    wide = fsdp2_single_phases(many, layout, replace(step, tokens_per_micro_batch=10), activation_phases(many, layout, 10))
+    assert wide["last micro-batch's backward"]["its new group buffers: every parameter's (float32)"] == 2 * 4 * many.parameters
+    buffers = fsdp2_single_phases(SHAPE, layout, replace(step, combination="buffers"), phases)
+    assert buffers["combine"]["G_R (float32)"] == buffers["last micro-batch's backward"]["G_R (float32)"] == 4 * P
+    one_rank = fsdp2_single_phases(SHAPE, replace(layout, data_parallel=1, compute_bytes=4), step, phases)
+    assert "all-reduce" not in one_rank and one_rank["combine"]["combined gradient (compute dtype)"] == 0  # p.grad is a buffer
+    with pytest.raises(ValueError, match="combination must be split or buffers"):
+        StepShape(tokens_per_micro_batch=1, buffers=1, combination="deferred")
 
 
 def test_split_buffers_by_hand():

@@ -207,8 +207,10 @@ class StepShape:
 
     ``buffers``: float32 full-model buffers the single mode keeps until `combine` (split: a success and a
     failure buffer per group present on the rank: at most 2 x groups per rank; the `buffers` combination: one
-    per group); ``block_bytes``: one block of per-sequence gradients (the norms' scratch; None: the engine's default
-    on the layout's device)."""
+    per group); ``combination``: the FSDP engine's `PerSequenceGradients` combination, "split" (the engine's: G_R is
+    the first buffer `combine` reaches, scaled in place) or "buffers" (G_R opened beside them in the backward, a
+    float32 copy of the model); ``block_bytes``: one block of per-sequence gradients (the norms' scratch; None: the
+    engine's default on the layout's device)."""
 
     tokens_per_micro_batch: int
     buffers: int
@@ -217,6 +219,11 @@ class StepShape:
     # ``buffers``, which is what a step whose first micro-batches touch every group has
     buffers_before_last: int | None = None
     sequence_length: int | None = None  # the longest sequence (Megatron's ghost norms: a T x T Gram matrix per sequence)
+    combination: str = "split"
+
+    def __post_init__(self):
+        if self.combination not in ("split", "buffers"):
+            raise ValueError(f"StepShape.combination must be split or buffers, got {self.combination!r}")
 
     @property
     def buffers_with_activations(self) -> int:
@@ -427,7 +434,7 @@ def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemor
     if layout.strategy == "megatron":
         return _megatron_memory(shape, layout, step)
     P, N = shape.parameters, layout.data_parallel
-    full, compute = P * layout.param_bytes, P * layout.compute_bytes
+    full = P * layout.param_bytes
     unit = max(shape.layer_parameters, shape.embedding_parameters) * layout.compute_bytes  # largest FSDP unit
     on_gpu = 0 if layout.fsdp_offload_policy else 1  # CPUOffloadPolicy: the shards, their gradients and Adam on the CPU
     state = {"parameters (sharded)": ("parameters", on_gpu * full / N), "Adam moments (sharded)": ("optimizer", on_gpu * 2 * full / N)}
@@ -437,20 +444,51 @@ def step_memory(shape: ModelShape, layout: Layout, step: StepShape) -> StepMemor
     phases = activation_phases(shape, layout, step.tokens_per_micro_batch, step.sequence_length)
     # FSDP2 all-gathers into storage of its own (one rank too): two units unsharded at a time in a plain step
     plain = widest(*({**gradients, "unsharded units (two at a time)": 2 * unit, **phase} for phase in phases.values()), optimizer)
-    # single: the model is held unsharded from the first forward to `combine`; the buffers open as the backward
-    # reaches their groups, so the last micro-batch's activations meet the buffers opened before it, and `combine`
-    # all of them (the first becomes p.grad in place), then (more than one rank) the flat float32 all-reduce copy
-    # and each rank's shard of the result
-    held = {"whole model unsharded": compute, "float32 G_R": P * 4 if layout.compute_bytes < 4 else 0}
+    single = widest(*fsdp2_single_phases(shape, layout, step, phases).values(), optimizer)
     backward = sum(widest(*phases.values()).values())
-    during_backward = step.buffers_with_activations * P * 4 + backward
-    at_combine = step.buffers * P * 4 + ((P * 4 + full / N) if N > 1 else 0)
-    single = widest({**held, "group buffers (float32) with the activations, or at combine": max(during_backward, at_combine)}, optimizer)
     two_pass = dict(plain)
     norms_pass = backward + norms_scratch(shape, layout, step)  # no gradient exists yet in pass 1
     two_pass["pass 1 beyond pass 2 (norms scratch)"] = max(0.0, norms_pass - sum(plain.values()))
     return StepMemory(persistent, plain, single, two_pass, outside_allocator(layout), between_steps(layout, state),
                       0.0 if layout.device == "cpu" else FRAGMENTATION_MARGIN)
+
+
+def fsdp2_single_phases(shape: ModelShape, layout: Layout, step: StepShape,
+                        phases: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The FSDP2 single step's phases (``phases``: the micro-batch's `activation_phases`), which never coexist. The
+    model is held unsharded (compute dtype) from the first forward to the shards of the combined gradient, with G_R
+    where the combination opens it in the backward (``buffers``; split's G_R is its first buffer, scaled in place).
+
+      last backward  the buffers opened before the last micro-batch (``buffers_before_last``) beside its activations;
+                     its new buffers open as its backward reaches each parameter while the layers above free theirs:
+                     at its start the output layer's (vocabulary x hidden, tied or not), at the top layer's backward
+                     that layer's too, at its end every parameter's beside one layer's activations (what is alive is
+                     linear in the layers reached, so its largest is at one of these ends)
+      combine        every buffer, and (compute dtype below float32) the combined gradient written in that dtype, one
+                     parameter at a time while the buffers are alive (float32: the first buffer becomes p.grad)
+      all-reduce     (more than one rank) after the buffers are freed: the gradient, a float32 copy of each
+                     (`widened`, below float32) and the flat float32 buffer they are concatenated into
+    """
+    P, c = shape.parameters, layout.compute_bytes
+    held = {"whole model unsharded": P * c}
+    if step.combination == "buffers":
+        held["G_R (float32)"] = P * 4
+    opened = step.buffers_with_activations
+    new = step.buffers - opened
+    head, layer_params = shape.vocab * shape.hidden, shape.layer_parameters
+    before = {**held, "group buffers opened before the last micro-batch (float32)": opened * P * 4}
+    start, top = phases["backward's start"], phases["one layer's backward"]
+    last = widest({**start, "its new group buffers: the output layer's (float32)": new * head * 4},
+                  {**top, "its new group buffers: the output layer's and the top layer's (float32)": new * (head + layer_params) * 4},
+                  {"its new group buffers: every parameter's (float32)": new * P * 4,
+                   "activations: one layer": step.tokens_per_micro_batch * layer_bytes(shape, layout)})
+    result = {"last micro-batch's backward": {**before, **last},
+              "combine": {**held, "group buffers (float32)": step.buffers * P * 4,
+                          "combined gradient (compute dtype)": P * c if c < 4 else 0}}
+    if layout.data_parallel > 1:
+        result["all-reduce"] = {"whole model unsharded": P * c, "combined gradient (compute dtype)": P * c,
+                                "flat float32 all-reduce copy, and the float32 copies it is made of": P * 4 * (2 if c < 4 else 1)}
+    return result
 
 
 def norms_scratch(shape: ModelShape, layout: Layout, step: StepShape) -> float:

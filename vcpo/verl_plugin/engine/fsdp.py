@@ -78,6 +78,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
 from verl.utils import torch_functional
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -195,8 +196,15 @@ class VcpoFSDPEngineWithLMHead(VcpoEngine, FSDPEngineWithLMHead):
                         # verl's own test of flash-attn's cross-entropy; were it renamed, the two-copy path, the larger
                         log_probs=verl_log_probs(getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False), os.environ),
                         device=first.device.type)
-        buffers = split_buffers(data["vcpo_reward"].cpu(), data["vcpo_group"].cpu())
-        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=buffers)
+        rewards, groups = data["vcpo_reward"].cpu(), data["vcpo_group"].cpu()
+        before_last = None  # dynamic batch sizes: verl regroups the sequences, so every buffer may be open (the larger)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
+            micro = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=len(data)))
+            last = micro * ((len(data) - 1) // micro)  # verl's micro-batches: runs of `micro` consecutive sequences
+            before_last = split_buffers(rewards[:last], groups[:last])
+        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=split_buffers(rewards, groups),
+                                        buffers_before_last=before_last,
+                                        combination="buffers" if self.opob_combination == "buffers" else "split")
 
     # -- OPOB --------------------------------------------------------------------------------------
     def _per_sequence_gradients(self, fsdp2: bool) -> PerSequenceGradients:
