@@ -352,7 +352,18 @@ class MegatronSequenceNorms:
         else:
             handler = self._norm_gradient
             inputs = normalized(inputs, module)
-        out.register_hook(lambda grad: handler(record, module, inputs, grad.detach()))
+        # the hook hands the input over and lets it go: megatron's schedule keeps a micro-batch's output (and with it
+        # its graph's hooks) until the next micro-batch's forward has run, so an input held here would meet that
+        # forward's activations (every watched layer's input of a micro-batch, after its backward had freed them)
+        kept = [inputs]
+
+        def on_gradient(grad: torch.Tensor) -> None:
+            if not kept:
+                raise RuntimeError(f"a second backward through {type(module).__name__}'s output in one micro-batch: its "
+                                   "per-sequence norms would count it twice")
+            handler(record, module, kept.pop(), grad.detach())
+
+        out.register_hook(on_gradient)
 
     def _linear_gradient(self, record: _MicroBatch, module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
         local_delta = delta  # under sequence parallelism a row-parallel output holds this rank's tokens
@@ -393,6 +404,7 @@ class MegatronSequenceNorms:
             record.embedding_rows = rows
         elif module.weight is self.tied and record.head_rows is not None:
             self._add(record, module.weight, 2.0 * torch.einsum("btd,btd->b", record.head_rows, rows))
+            record.head_rows = None  # a float64 (sequences, tokens, hidden) copy, otherwise kept to the step's end
 
     def _norm_gradient(self, record: _MicroBatch, module: nn.Module, x_hat: torch.Tensor, delta: torch.Tensor) -> None:
         """(tokens, sequences, [heads,] width): summed over the tokens and, for a QK layer norm, the heads."""
