@@ -249,6 +249,36 @@ def test_megatron_score_matrices_by_hand():
     assert not [name for kind in ("persistent", "plain", "two_pass") for name in getattr(fused, kind) if "attention" in name]
 
 
+def test_megatron_single_phases_by_hand():
+    """Megatron single at TP 2, 200 tokens (2 sequences of 100), 3 groups on the rank and 1 per micro-batch: G_R and
+    the 3 buffers (4 x P / 2 float32) throughout; `MegatronSequenceNorms` forms a micro-batch's k = 1 + 1 combinations
+    of each linear (float32 products and their stack: 2k out x in / TP) and of the embedding (a float64 scatter and
+    its float32 copy: 12 k V h / TP bytes). The output layer's meet the logits at the backward's start (V h / TP =
+    3,200), fc1's (2I x h / TP = 8,192) a layer's backward, the embedding's come last, every activation freed.
+    Counting every group in the micro-batch (the model once did, in float64: +28% of the measured 50M step) is the
+    bound where the micro-batches are not known."""
+    from vcpo.actor_memory import megatron_single_phases
+
+    P, tokens = SHAPE.parameters, 200
+    step = StepShape(tokens_per_micro_batch=tokens, buffers=3, sequence_length=100, groups_per_micro_batch=1)
+    hooks = {"norm hooks' normalised inputs (every norm)": norm_hook_bytes(SHAPE, MEGATRON, tokens)}
+    norms = {"ghost": 1.0}
+    buffers = {"G_R and group buffers (float32)": 4 * P / 2 * 4}
+    phases = megatron_single_phases(SHAPE, MEGATRON, step, hooks, norms, buffers)
+    plain = activation_phases(SHAPE, MEGATRON, tokens, 100, hooks)
+    assert sum(phases["backward's start"].values()) == 4 * P / 2 * 4 + sum(plain["backward's start"].values()) + 1 + 2 * 2 * 3200 * 4
+    assert sum(phases["one layer's backward"].values()) == 4 * P / 2 * 4 + sum(plain["one layer's backward"].values()) + 1 + 2 * 2 * 8192 * 4
+    assert phases["embedding's backward"] == {**buffers, "embedding's k combinations (float64 scatter, float32 copy)": 2 * 3200 * 12}
+    every = megatron_single_phases(SHAPE, MEGATRON, replace(step, groups_per_micro_batch=None), hooks, norms, buffers)
+    assert every["embedding's backward"]["embedding's k combinations (float64 scatter, float32 copy)"] == 4 * 3200 * 12
+    # in the model: the ghost norms' float32 inputs of the widest layer (max(V, I) / TP = 64 wide, and h) and two
+    # Gram matrices per 100-token sequence
+    ghost = {"float32 ghost-norm inputs (widest layer) and Gram matrices": 200 * (64 + 64) * 4 + 2 * 200 * 100 * 4}
+    memory = step_memory(SHAPE, MEGATRON, step)
+    assert memory.single == max([*megatron_single_phases(SHAPE, MEGATRON, step, hooks, ghost, buffers).values(), memory.plain],
+                                key=lambda phase: sum(phase.values()))
+
+
 def test_megatron_norm_hooks_keep_every_normalised_input():
     """OPOB's norm hooks keep each norm's normalised input until its backward: 200 tokens, h = 64, bf16, 2 layers:
     (2 x 2 + the final) norms x 200 x 64 x 2 bytes; under full recompute the recomputed layer's 2 and the final;

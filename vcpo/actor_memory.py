@@ -220,10 +220,17 @@ class StepShape:
     buffers_before_last: int | None = None
     sequence_length: int | None = None  # the longest sequence (Megatron's ghost norms: a T x T Gram matrix per sequence)
     combination: str = "split"
+    # Megatron: the most groups one micro-batch holds (its combinations are formed per micro-batch); None: ``buffers``,
+    # the larger
+    groups_per_micro_batch: int | None = None
 
     def __post_init__(self):
         if self.combination not in ("split", "buffers"):
             raise ValueError(f"StepShape.combination must be split or buffers, got {self.combination!r}")
+
+    @property
+    def combinations_per_micro_batch(self) -> int:
+        return self.buffers if self.groups_per_micro_batch is None else min(self.buffers, self.groups_per_micro_batch)
 
     @property
     def buffers_with_activations(self) -> int:
@@ -530,13 +537,38 @@ def _megatron_memory(shape: ModelShape, layout: Layout, step: StepShape) -> Step
     widest_layer = max(shape.vocab, shape.intermediate) / layout.tensor_parallel
     norms = {"float32 ghost-norm inputs (widest layer) and Gram matrices": tokens * (widest_layer + shape.hidden) * 4
              + 2 * tokens * length * 4}
-    largest_linear = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate) / layout.tensor_parallel
-    single = widest({**activations, **norms,
-                     "G_R and group buffers (float32)": (1 + step.buffers) * local * 4,
-                     "per-linear (1 + g, out, in) float64 stack": (1 + step.buffers) * largest_linear * 8}, optimizer)
+    buffers = {"G_R and group buffers (float32)": (1 + step.buffers) * local * 4}
+    single = widest(*megatron_single_phases(shape, layout, step, hooks, norms, buffers).values(), optimizer)
     two_pass = widest({**activations, **norms}, plain)  # the norms pass, then megatron's plain step
     return StepMemory(persistent, plain, single, two_pass, outside_allocator(layout), between_steps(layout, state),
                       0.0 if layout.device == "cpu" else FRAGMENTATION_MARGIN)
+
+
+def megatron_single_phases(shape: ModelShape, layout: Layout, step: StepShape, hooks: dict[str, float],
+                           norms: dict[str, float], buffers: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The Megatron single step's phases beside G_R and the group buffers (``buffers``, open from the first micro-batch's
+    backward to the step's end): `MegatronSequenceNorms` forms each linear's k = 1 + g combinations of the micro-batch
+    (g: its groups, `StepShape.groups_per_micro_batch`) as k float32 (out, in) products and their stack, and the
+    embedding's as a float64 (k, vocabulary / TP, hidden) scatter and its float32 copy:
+
+      backward's start   the layers' kept activations, the hooks' inputs and the logits, the ghost norms' float32
+                         inputs, and the output layer's combinations (2 k V h / TP float32)
+      a layer's backward the layers' kept activations (one recomputed layer's working set) and the ghost norms, and
+                         the layer's widest linear's combinations (fc1's 2I x h / TP: 2 k of them, float32)
+      the embedding's    last in the backward, every layer's activations freed: its float64 scatter and float32 copy
+                         (k V h / TP x 12)
+
+    The wide dtype is float32 for bf16 parameters (`wide_dtype`)."""
+    tokens, length = step.tokens_per_micro_batch, step.sequence_length or step.tokens_per_micro_batch
+    k = 1 + step.combinations_per_micro_batch
+    tp, h = layout.tensor_parallel, shape.hidden
+    phases = activation_phases(shape, layout, tokens, length, hooks)
+    widest_linear = max(2 * shape.intermediate, h + 2 * shape.kv_width) * h / tp
+    return {"backward's start": {**buffers, **phases["backward's start"], **norms,
+                                 "output layer's k float32 combinations and their stack": 2 * k * shape.vocab * h / tp * 4},
+            "one layer's backward": {**buffers, **phases["one layer's backward"], **norms,
+                                     "widest linear's k float32 combinations and their stack": 2 * k * widest_linear * 4},
+            "embedding's backward": {**buffers, "embedding's k combinations (float64 scatter, float32 copy)": k * shape.vocab * h / tp * 12}}
 
 
 def split_buffers(rewards, groups) -> int:

@@ -118,9 +118,15 @@ class VcpoMegatronEngineWithLMHead(VcpoEngine, MegatronEngineWithLMHead):
                         distributed_optimizer=bool(getattr(self.engine_config, "use_distributed_optimizer", True)),
                         sequence_parallel=bool(getattr(config, "sequence_parallel", False)), attention=attention,
                         device=next(self.module[0].parameters()).device.type)
-        groups = int(torch.unique(data["vcpo_group"].cpu()).numel())
+        labels = data["vcpo_group"].cpu()
+        groups = int(torch.unique(labels).numel())
+        per_micro_batch = None  # dynamic batch sizes: verl regroups the sequences (every group, the larger)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False):
+            micro = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=len(data)))
+            per_micro_batch = max(int(torch.unique(labels[start : start + micro]).numel()) for start in range(0, len(data), micro))
         longest = int(sequence_lengths(data).max())
-        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest)
+        return shape, layout, StepShape(tokens_per_micro_batch=micro_batch_tokens(data), buffers=groups, sequence_length=longest,
+                                        groups_per_micro_batch=per_micro_batch)
 
     def _second_pass(self, data: TensorDict, state: StepState) -> None:
         """two_pass: megatron's plain step of Σ_i c^S_i (R_i − b_i) l_i (the last stage's loss; times the data-parallel
