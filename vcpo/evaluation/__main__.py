@@ -27,6 +27,7 @@ from vcpo.upstream import require
 BENCHMARKS_FILE = recipes_dir() / "benchmarks.yaml"  # the paper's sampling settings per benchmark
 
 
+# Over 80 lines as one parser: the command's flags with their help, which a reader looks up in one place.
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m vcpo.evaluation", description=__doc__.split("\n\n")[1])
     parser.add_argument(

@@ -229,8 +229,6 @@ def task_tokenizer(sim_task: SimTask, vocab_size: int, *, seed: int = 0):
 
 def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: bool = True, device: str = "cpu"):
     """``(model, tokenizer, info)``: a fresh tokenizer and model of ``size``, fine-tuned on the train split."""
-    from tqdm.auto import tqdm
-
     # the held-out evaluation's tool (multi-turn tasks) with the simulator's default timeout; made first, so that a
     # machine that cannot run the sandbox is told so before the fine-tuning, not after it
     tool = {"tool": sandbox_tool(SIM_TOOL_TIMEOUT_S), "max_turns": sim_task.max_turns} if sim_task.max_turns else {}
@@ -248,10 +246,45 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
         seed=seed,
     ).to(device)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    examples = []
-    for problem in train:
-        prompt_ids = tokenizer.encode(render_prompt(tokenizer, problem), add_special_tokens=False)
-        examples.append((prompt_ids, *solution_tokens(tokenizer, problem.solution, im_end)))
+    examples = [(tokenizer.encode(render_prompt(tokenizer, problem), add_special_tokens=False),
+                 *solution_tokens(tokenizer, problem.solution, im_end)) for problem in train]
+    losses = _fine_tune(model, examples, tokenizer.pad_token_id, dims, steps=steps, seed=seed, device=device,
+                        progress_label=f"SFT {sim_task.name}/{size}" if progress else None)
+    train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+
+    model.eval()
+    if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
+        model = model.cpu()
+    heldout = _heldout(model, tokenizer, sim_task, seed, tool)
+    prompt_tokens = [len(prompt) for prompt, *_ in examples]
+    info = {
+        "task": sim_task.name,
+        "size": size,
+        "seed": seed,
+        "steps": steps,
+        "parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "final_loss": sum(losses[-50:]) / len(losses[-50:]),
+        "heldout_accuracy": heldout["temperature_1"]["mean_at_n"],
+        "heldout_accuracy_greedy": heldout["greedy"]["mean_at_n"],
+        **({"heldout_accuracy_no_tool": heldout["temperature_1_no_tool"]["mean_at_n"]} if tool else {}),
+        "heldout": heldout,
+        "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
+        "max_prompt_tokens": max(prompt_tokens),
+        "sft_seconds": train_seconds,  # tokenizer, tokenization and training (wall clock)
+        "sft_cpu_seconds": train_cpu_seconds,  # the same in CPU time of this process (all threads)
+        "seconds": time.perf_counter() - started,  # the held-out evaluation included
+        "cpu_seconds": time.process_time() - cpu_started,
+        "threads": torch.get_num_threads(),
+        "device": device,
+    }
+    return model.cpu(), tokenizer, info
+
+
+def _fine_tune(model, examples: list, pad_token_id: int, dims: dict, *, steps: int, seed: int, device: str,
+               progress_label: str | None) -> list[float]:
+    """``steps`` AdamW steps of the SFT loss on batches of ``examples`` drawn in seeded epochs (warm-up, then a
+    cosine decay to a tenth of the size's rate); the loss of every step."""
+    from tqdm.auto import tqdm
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=dims["lr"], betas=(0.9, 0.95), weight_decay=0.01)
@@ -266,13 +299,13 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
     model.train()
     order: list[int] = []
     losses: list[float] = []
-    bar = tqdm(range(steps), desc=f"SFT {sim_task.name}/{size}", disable=not progress, unit="step", mininterval=2.0)
+    bar = tqdm(range(steps), desc=progress_label, disable=progress_label is None, unit="step", mininterval=2.0)
     for _ in bar:
         if len(order) < dims["batch_size"]:
             order += torch.randperm(len(examples), generator=generator).tolist()
         batch = [examples[index] for index in order[: dims["batch_size"]]]
         del order[: dims["batch_size"]]
-        input_ids, labels, attention_mask = (tensor.to(device) for tensor in _collate(batch, tokenizer.pad_token_id))
+        input_ids, labels, attention_mask = (tensor.to(device) for tensor in _collate(batch, pad_token_id))
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
@@ -285,39 +318,18 @@ def train_sft(sim_task: SimTask, size: str, *, seed: int, steps: int, progress: 
         losses.append(loss.item())
         # refresh=False: redrawn every mininterval like the count, not every step (a log file's size).
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
-    train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    return losses
 
-    model.eval()
+
+def _heldout(model, tokenizer, sim_task: SimTask, seed: int, tool: dict) -> dict:
+    """The base's held-out accuracy on the first EVAL_PROBLEMS validation problems, sampled at T = 1 and greedy; with
+    a tool, sampled at T = 1 without it too (does the tool matter?)."""
     validation = sim_task.problems("validation")[:EVAL_PROBLEMS]
-    if tool:  # the multi-turn sampler (vcpo.sim.rollout) runs on the CPU, as the simulator does
-        model = model.cpu()
-    sampled = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool)
-    greedy = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=0.0, seed=seed, **tool)
-    heldout = {"temperature_1": sampled, "greedy": greedy}
-    if tool:  # the same base on the same problems with the tool switched off: does the tool matter?
+    heldout = {"temperature_1": heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed, **tool),
+               "greedy": heldout_accuracy(model, tokenizer, sim_task, validation, temperature=0.0, seed=seed, **tool)}
+    if tool:
         heldout["temperature_1_no_tool"] = heldout_accuracy(model, tokenizer, sim_task, validation, temperature=1.0, seed=seed)
-    prompt_tokens = [len(prompt) for prompt, *_ in examples]
-    info = {
-        "task": sim_task.name,
-        "size": size,
-        "seed": seed,
-        "steps": steps,
-        "parameters": sum(parameter.numel() for parameter in model.parameters()),
-        "final_loss": sum(losses[-50:]) / len(losses[-50:]),
-        "heldout_accuracy": sampled["mean_at_n"],
-        "heldout_accuracy_greedy": greedy["mean_at_n"],
-        **({"heldout_accuracy_no_tool": heldout["temperature_1_no_tool"]["mean_at_n"]} if tool else {}),
-        "heldout": heldout,
-        "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
-        "max_prompt_tokens": max(prompt_tokens),
-        "sft_seconds": train_seconds,  # tokenizer, tokenization and training (wall clock)
-        "sft_cpu_seconds": train_cpu_seconds,  # the same in CPU time of this process (all threads)
-        "seconds": time.perf_counter() - started,  # the held-out evaluation included
-        "cpu_seconds": time.process_time() - cpu_started,
-        "threads": torch.get_num_threads(),
-        "device": device,
-    }
-    return model.cpu(), tokenizer, info
+    return heldout
 
 
 def solution_tokens(tokenizer, solution: str, im_end: int) -> tuple[list[int], list[bool]]:

@@ -304,43 +304,18 @@ def run_python(
             still builds its minimal root).
     """
     cpu_time_s = cpu_time_s if cpu_time_s is not None else max(1, math.ceil(timeout_s))
-    _check_limits(
-        timeout_s=timeout_s,
-        cpu_time_s=cpu_time_s,
-        memory_mb=memory_mb,
-        max_output_bytes=max_output_bytes,
-        max_file_mb=max_file_mb,
-        max_disk_mb=max_disk_mb,
-        max_files=max_files,
-        max_processes=max_processes,
-        max_open_files=max_open_files,
-    )
+    _check_limits(timeout_s=timeout_s, cpu_time_s=cpu_time_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
+                  max_file_mb=max_file_mb, max_disk_mb=max_disk_mb, max_files=max_files, max_processes=max_processes,
+                  max_open_files=max_open_files)
     _check_guard()
     use_namespaces = _use_namespaces(isolation)
     seccomp = _seccomp_config(syscall_filter)
     confine_files = _landlock_wanted(hide_host_files, use_namespaces)
-    rlimits = {
-        "RLIMIT_CPU": [cpu_time_s, cpu_time_s + 1],
-        "RLIMIT_AS": [memory_mb << 20] * 2,
-        "RLIMIT_FSIZE": [max_file_mb << 20] * 2,
-        "RLIMIT_NPROC": [_process_budget(max_processes, use_namespaces)] * 2,
-        "RLIMIT_NOFILE": [max_open_files] * 2,
-        "RLIMIT_CORE": [0, 0],
-    }
+    rlimits = _rlimits(cpu_time_s, memory_mb, max_file_mb, _process_budget(max_processes, use_namespaces), max_open_files)
     with _private_dirs() as (workdir, root), _stdin_file(stdin) as stdin_handle:
         (workdir / _MAIN_FILE).write_text(code, encoding="utf-8", errors="replace")
-        config = {
-            "workdir": str(workdir),
-            "main": _MAIN_FILE,
-            "rlimits": rlimits,
-            "niceness": _NICENESS,
-            "seccomp": seccomp,
-            "landlock": _landlock_rules(workdir) if confine_files else None,
-        }
-        command = _interpreter_command(config, site_packages)
-        if use_namespaces:
-            command = _in_namespaces(command, workdir, root, max_disk_mb, max_files)
-        command = [*_GUARD_START, "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
+        child = {"rlimits": rlimits, "seccomp": seccomp, "landlock": _landlock_rules(workdir) if confine_files else None}
+        command = _guarded_command(workdir, root, child, site_packages, use_namespaces, max_disk_mb, max_files)
         disk_used = None if use_namespaces else functools.partial(_directory_usage, workdir)
         started = time.monotonic()
         process = subprocess.Popen(
@@ -359,6 +334,31 @@ def run_python(
             _kill_process_group(process)
         wall_time_s = time.monotonic() - started
     return _make_result(capture, process.returncode, use_namespaces, wall_time_s)
+
+
+def _rlimits(cpu_time_s: int, memory_mb: int, max_file_mb: int, processes: int, max_open_files: int) -> dict:
+    """The child's resource limits (soft, hard), which it sets on itself before the program starts; no core dumps."""
+    return {
+        "RLIMIT_CPU": [cpu_time_s, cpu_time_s + 1],
+        "RLIMIT_AS": [memory_mb << 20] * 2,
+        "RLIMIT_FSIZE": [max_file_mb << 20] * 2,
+        "RLIMIT_NPROC": [processes] * 2,
+        "RLIMIT_NOFILE": [max_open_files] * 2,
+        "RLIMIT_CORE": [0, 0],
+    }
+
+
+def _guarded_command(workdir: Path, root: Path, child: dict, site_packages: bool, use_namespaces: bool,
+                     max_disk_mb: int, max_files: int) -> list[str]:
+    """The command that runs the program: the interpreter with the child's bootstrap configuration (``child``: its
+    rlimits, seccomp filter and Landlock rules), inside the namespaces where they are used, under the guard that
+    deletes ``workdir``'s folder whatever happens to the caller."""
+    config = {"workdir": str(workdir), "main": _MAIN_FILE, "rlimits": child["rlimits"], "niceness": _NICENESS,
+              "seccomp": child["seccomp"], "landlock": child["landlock"]}
+    command = _interpreter_command(config, site_packages)
+    if use_namespaces:
+        command = _in_namespaces(command, workdir, root, max_disk_mb, max_files)
+    return [*_GUARD_START, "sh", "-c", _GUARD_SCRIPT, "sandbox-guard", str(workdir.parent), *command]
 
 
 def namespaces_available() -> bool:

@@ -175,6 +175,25 @@ class RawBatch:
         return RawBatch(**{k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
 
 
+def _random_sequences(g: torch.Generator, batch: int, prompt: int, response: int, vocab: int, *, min_prompt: int,
+                      min_response: int) -> tuple[torch.Tensor, ...]:
+    """Random token ids (3 and up, below ``vocab``) of random lengths, prompts left-padded to ``prompt`` and
+    responses right-padded to ``response``: prompts, responses, attention mask, response mask, response lengths."""
+    prompt_lens = torch.randint(min_prompt, prompt + 1, (batch,), generator=g)
+    response_lens = torch.randint(min_response, response + 1, (batch,), generator=g)
+    prompts = torch.zeros(batch, prompt, dtype=torch.long)
+    responses = torch.zeros(batch, response, dtype=torch.long)
+    attention = torch.zeros(batch, prompt + response, dtype=torch.long)
+    response_mask = torch.zeros(batch, response, dtype=torch.long)
+    for i in range(batch):
+        p, r = int(prompt_lens[i]), int(response_lens[i])
+        prompts[i, prompt - p :] = torch.randint(3, vocab, (p,), generator=g)
+        responses[i, :r] = torch.randint(3, vocab, (r,), generator=g)
+        attention[i, prompt - p : prompt + r] = 1
+        response_mask[i, :r] = 1
+    return prompts, responses, attention, response_mask, response_lens
+
+
 def actor_batch(
     batch: int,
     group: int,
@@ -199,18 +218,8 @@ def actor_batch(
     data-parallel rank's share of the TensorDict; the `RawBatch` is always the whole batch.
     """
     g = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(min_prompt, prompt + 1, (batch,), generator=g)
-    response_lens = torch.randint(min_response, response + 1, (batch,), generator=g)
-    prompts = torch.zeros(batch, prompt, dtype=torch.long)
-    responses = torch.zeros(batch, response, dtype=torch.long)
-    attention = torch.zeros(batch, prompt + response, dtype=torch.long)
-    response_mask = torch.zeros(batch, response, dtype=torch.long)
-    for i in range(batch):
-        p, r = int(prompt_lens[i]), int(response_lens[i])
-        prompts[i, prompt - p :] = torch.randint(3, vocab, (p,), generator=g)
-        responses[i, :r] = torch.randint(3, vocab, (r,), generator=g)
-        attention[i, prompt - p : prompt + r] = 1
-        response_mask[i, :r] = 1
+    prompts, responses, attention, response_mask, response_lens = _random_sequences(
+        g, batch, prompt, response, vocab, min_prompt=min_prompt, min_response=min_response)
     input_ids = torch.cat([prompts, responses], 1)
     position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
     old = -(torch.rand(batch, response, generator=g, dtype=torch.float64) * 3.9 + 0.1)
