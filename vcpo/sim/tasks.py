@@ -21,33 +21,18 @@ expression has 2 operators and a handful of orders, so a policy that has learnt 
 the target by sampling often enough for a reward signal from the first step, and what remains to
 learn is the choice of operators and order, which RL improves (a choice among a few plausible
 candidates, the kind of decision policy gradients move quickly). The ranges are the smallest with
-enough distinct puzzles: 3 numbers in 1..12 with targets up to 40 give only 3,279 distinct puzzles
-(counted by enumeration), 1..20 and 1..50 give 11,693, of which 5,200 distinct ones come from the
-first ~8,200 draws (about 25 s). Measured with the tiny SFT base (800 steps): 21.5% of held-out
-puzzles solved at T=1, 31% greedy; a synchronous GRPO run of ``vcpo.sim`` (8 prompts x 8 responses,
-200 steps) raised the T=1 accuracy to 35%.
+enough distinct puzzles (3 numbers in 1..12 with targets up to 40 give only 3,279; these give 11,693).
 
 ``arithmetic``: Reasoning Gym ``chain_sum``, 4-5 single-digit terms joined by + and -, answer after
 ``####`` (GSM8K rule, data_source ``gsm8k``). Every SFT solution is correct and in that format, in
 one of two styles drawn per problem with equal odds: the running sums (``7-9=-2, -2+3=1, 1+0=1 ####
-1``, 20-32 tokens) or the bare answer (``#### 1``, 4-5 tokens). A tiny model computes single-digit
-steps well and the whole sum in one go badly (measured on the tiny base of seed 0: 34% of worked
-responses right at T=1, 6% of bare answers), and the base picks either style about half the time, so
-it solves 20-35% at T=1 (seeds 0, 1, 2); RL learns to work the sum out (the mean response length
-grows from ~16 to ~29 tokens) and to get the steps right: a synchronous GRPO run of ``vcpo.sim``
-(200 steps of 8 x 8) raised the T=1 accuracy from 24% to 41% (from 21% to 50% for a base with 400
-SFT steps). With the running sums alone (no bare answers) the base's
-accuracy rose from 6% to 61% between 250 and 400 SFT steps, and RL at the simulator's learning rate
-added only 2-4 points at most: the remaining errors were slips in confident steps, which a policy
-gradient corrects slowly. The 2-3 term, 1-2 digit version behaved the same (28% at T=1, no gain
-from RL in 200 steps).
+1``) or the bare answer (``#### 1``). A tiny model computes single-digit steps well and the whole sum
+in one go badly, so RL has something to learn: to work the sum out, and to get the steps right. With the
+running sums alone the remaining errors are slips in confident steps, which a policy gradient corrects slowly.
 
 ``arithmetic_long``: the same generator with 9-10 terms and the running sums only, so every response
-works the sum out over 8-9 steps: 57-82 tokens (mean 68) in the SFT solutions, 39-42 tokens of prompt,
-about 5x Countdown's response length at the same per-token difficulty. It is the long-response task of
-the stability map (the sequence log-ratio sums over ~5x more tokens). Measured with the tiny base of
-seed 0 (T=1, 200 held-out problems): 4.0% after 400 SFT steps, 24.5% after 500 (greedy 54.5%, 69
-response tokens), 67% after 600; hence 500 steps (``vcpo.sim.base.SFT_STEPS``).
+works the sum out over 8-9 steps, about 5x Countdown's response length at the same per-token difficulty:
+the long-response task of the stability map (the sequence log-ratio sums over ~5x more tokens).
 
 ``tir``: tool-integrated reasoning, the smoke-scale stand-in of SimpleTIR (``paper_task``: its ρ_on and
 turn budget come from ``recipes/tasks/simpletir.yaml``). Reasoning Gym ``products``, two factors of 2-3
@@ -60,6 +45,9 @@ an unclosed parenthesis (the sandbox's ``SyntaxError`` line), then the corrected
 answer (4 in 8), which a tiny model cannot compute. The tool outputs written in the solutions are what
 the sandbox returns for those programs (tested). What RL can learn here: to call the tool instead of
 guessing, to retry after a failed program, and to copy the digits right.
+
+What each task's SFT base reaches, and what a synchronous run adds to it, is measured in docs/simulator.md
+("Tasks and SFT bases").
 """
 
 from __future__ import annotations

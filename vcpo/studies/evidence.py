@@ -364,7 +364,7 @@ def report(rows: list[dict], design: Design) -> dict:
 
 
 def learning_rate_report(by_arm: dict[str, dict[int, dict]], arms: dict[str, dict], design: Design) -> dict:
-    """Item 4: each method's best fixed rate (highest mean end among its arms), VCPO at 2e-4 against the
+    """Question 3 (recipes/sim/evidence.md): each method's best fixed rate (highest mean end among its arms), VCPO at 2e-4 against the
     best fixed-rate seq-TIS, sync at its best rate and the two controls (paired, Holm over the four), and
     each method's stable range (rates where no seed collapsed and the mean end is >= its base + 0.05)."""
     def arms_of(method: str, controls: bool = False) -> list[str]:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 METHOD_LABELS = {"seq_tis_c8": "seq-TIS (c = 8)", "sync": "sync (k = 0)", "vcpo": "VCPO"}
-# item 4's controls (recipes/sim/evidence.yaml), drawn apart from their method's learning-rate line
+# question 3's controls (recipes/sim/evidence.yaml), drawn apart from their method's learning-rate line
 CONTROLS = {"seq_tis_vcpo_mean_lr": ("s", "seq-TIS at VCPO's mean rate"),
             "seq_tis_vcpo_replay": ("D", "seq-TIS replaying VCPO's factor (nominal lr)")}
 
