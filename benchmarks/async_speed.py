@@ -190,7 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every sync and async run, in turn (median shown)")
     parser.add_argument("--sync-threads", default="1,2", help="the thread counts sync runs with (the faster is compared with)")
     parser.add_argument("--settings", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="vcpo.sim settings of every run (e.g. lr=2e-4, eval_every=10): one difference at a time")
+                        help="vcpo.sim settings of every run (e.g. reference_lr=2e-4, eval_every=10): one difference at a time")
     args = parser.parse_args(argv)
     args.sync_threads = [int(threads) for threads in args.sync_threads.split(",")]
     if any("=" not in item for item in args.settings):

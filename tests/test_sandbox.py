@@ -41,7 +41,7 @@ run_python("import time; print('started', flush=True); time.sleep(3600)", isolat
 
 def program_runs(caller: int) -> bool:
     """Whether the interpreter of ``caller``'s program has started, below its guard: the guard's trap is set and, in
-    namespaces mode, the setup that lays out its root (seconds on a loaded machine) is done. (The first call's
+    namespaces isolation, the setup that lays out its root (seconds on a loaded machine) is done. (The first call's
     probe of the syscall filter is an interpreter of the caller's own, not the program.)"""
     for pid in sandbox.leftover_sandboxes(caller)[0]:
         try:
@@ -73,8 +73,8 @@ def test_the_program_and_its_folder_die_with_the_caller(isolation, how):
 
 
 def test_a_disk_quota_bounds_all_files_together(isolation):
-    """Many files, each below the per-file limit: namespaces mode's tmpfs refuses the write past the
-    quota (ENOSPC), hooks mode stops the program (disk_limit); neither writes the 200 MB asked for."""
+    """Many files, each below the per-file limit: namespaces isolation's tmpfs refuses the write past the
+    quota (ENOSPC), hooks isolation stops the program (disk_limit); neither writes the 200 MB asked for."""
     code = """
     import os
     written = 0
@@ -96,8 +96,8 @@ def test_a_disk_quota_bounds_all_files_together(isolation):
 
 
 def test_the_quota_caps_the_number_of_files_too(isolation):
-    """Empty files cost no bytes but each costs the kernel an inode: past max_files, namespaces mode's tmpfs
-    refuses the next (ENOSPC), hooks mode stops the program (disk_limit); neither makes the 100,000 asked for."""
+    """Empty files cost no bytes but each costs the kernel an inode: past max_files, namespaces isolation's tmpfs
+    refuses the next (ENOSPC), hooks isolation stops the program (disk_limit); neither makes the 100,000 asked for."""
     code = """
     import os
     made = 0

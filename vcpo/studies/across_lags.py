@@ -130,7 +130,7 @@ def countdown_report(rows: list[dict], design: Design, timing: dict | None) -> d
         "primary": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
         "same_rate": compare(by_arm, [(f"vcpo_k{k}", f"seq_tis_k{k}") for k in LAGS]),
         "equivalence": equivalence_report(by_arm, arms),
-        # exploratory, beyond the registration (issue 51): the tuned arms against each other, VCPO's two rates, and which
+        # exploratory, beyond the registration: the tuned arms against each other, VCPO's two rates, and which
         # rate each method prefers at each lag (whether the premise of the transfer claim arises at all)
         "tuned": compare(by_arm, [(f"vcpo_lr1e-4_k{k}", f"seq_tis_lr5e-5_k{k}") for k in LAGS]),
         "vcpo_rates": compare(by_arm, [(f"vcpo_lr1e-4_k{k}", f"vcpo_k{k}") for k in LAGS]),
