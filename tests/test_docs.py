@@ -752,6 +752,18 @@ def test_the_docs_measurement_table_is_the_benchmarks():
         (model, g) for model in ("small", "50m") for g in (1, 2, 4, 8, 16, 32)}
 
 
+def test_the_docs_bf16_memory_check_is_the_committed_check():
+    """The largest deviation the docs quote for the two-rank bf16 check is tables/memory_model_check/results.json's,
+    and every point of both engines, models and steps was measured."""
+    record = json.loads((ROOT / "tables/memory_model_check/results.json").read_text())
+    paragraph = section(PER_SEQUENCE, "**In bf16 over two ranks, both engines**", "**Projected per trainer GPU")
+    assert f"over every point and rank is {record['largest_relative_error']:.3f}," in " ".join(paragraph.split())
+    assert {(row["engine"], row["model"], row["kind"]) for row in record["rows"]} == {
+        (engine, model, kind) for engine in ("fsdp2", "megatron") for model in ("small", "50m")
+        for kind in ("plain", "two_pass", "single")}
+    assert record["largest_relative_error"] <= 0.15  # what the paragraph says of it
+
+
 def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
     """The paragraph under the measured table quotes tables/opob_memory/results.json: the projections' deviations, the
     small model's constant gap, the extra of 32 buffers and two_pass's spread over the groups."""
