@@ -92,7 +92,7 @@ def real_model_run_command(method: str, lag: int, seed: int, training: dict, tas
     batch, lengths, temperature, steps and validation interval (a ``training`` block of recipes/real_model*.yaml), ``task``'s train
     split and reward in ``answer_format``, greedy validation on ``val_rows``; the parquet files under ``data``/task, the
     run into ``out``. ``extra``: Hydra overrides appended last."""
-    from vcpo.launch.cpu import quiet_verl_import
+    from vcpo.launch.cpu import quiet_verl_import  # the launcher's imports (Hydra, verl's config): where a run is built
 
     quiet_verl_import()  # the runner's console shows the runs' lines, not verl's import warnings
     from vcpo.verl_plugin.cpu.recipe import (  # imports verl: where a run is built
