@@ -136,22 +136,22 @@ def reference_update(gradients, batch, groups=None):
 
 
 def run_engine(model, batch, micro_batches=(slice(None),), groups=None, combine_each=False, **engine_kwargs):
-    """Engine over the given micro-batches; returns all sequences' norms and the final p.grad."""
-    engine = PerSequenceGradients(model, **engine_kwargs)
+    """PerSequenceGradients over the given micro-batches; returns all sequences' norms and the final p.grad."""
+    per_sequence = PerSequenceGradients(model, **engine_kwargs)
     model.zero_grad(set_to_none=True)
     norms = []
     for rows in micro_batches:
         group_rows = None if groups is None else groups[rows]
-        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=group_rows):
+        with per_sequence.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=group_rows):
             batched_scores(model, batch, rows).sum().backward()
         if combine_each:
-            norms.append(engine.sq_norms)
-            engine.combine(
-                opob_baseline(batch["rewards"][rows], engine.sq_norms, batch["seq_log_weights"][rows], engine.groups)
+            norms.append(per_sequence.sq_norms)
+            per_sequence.combine(
+                opob_baseline(batch["rewards"][rows], per_sequence.sq_norms, batch["seq_log_weights"][rows], per_sequence.groups)
             )
     if not combine_each:
-        norms.append(engine.sq_norms)
-        engine.combine(opob_baseline(batch["rewards"], engine.sq_norms, batch["seq_log_weights"], engine.groups))
+        norms.append(per_sequence.sq_norms)
+        per_sequence.combine(opob_baseline(batch["rewards"], per_sequence.sq_norms, batch["seq_log_weights"], per_sequence.groups))
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     return torch.cat(norms), grads
 
@@ -347,18 +347,18 @@ def test_split_reads_each_sequence_of_binary_rewards_for_one_buffer(mode, groupe
     batch["coef_r"][2] = batch["coef_s"][2] = 0.0
     groups = torch.tensor([5, 7, 7, 5, 7, 5]) if grouped else None
     expected_norms, expected_grads = reference_update(reference_gradients(model, batch), batch, groups)
-    engine = PerSequenceGradients(model, norm_method=mode, combination="split")
+    per_sequence = PerSequenceGradients(model, norm_method=mode, combination="split")
     members, norms = [], []
     for rows in (slice(0, 4), slice(4, 6)):
-        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], None if groups is None else groups[rows]):
+        with per_sequence.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], None if groups is None else groups[rows]):
             batched_scores(model, batch, rows).sum().backward()
-            members.append(sorted(i + rows.start for row in engine._active.members for i in row))
-            assert engine._active.combinations_per_sequence == 1
+            members.append(sorted(i + rows.start for row in per_sequence._active.members for i in row))
+            assert per_sequence._active.combinations_per_sequence == 1
     assert members == [[0, 1, 3], [4, 5]]
     labels = [5, 7] if grouped else [None]
-    assert set(engine._score_buffers) == {(label, v) for label in labels for v in (0, 1)}
-    norms = engine.sq_norms
-    engine.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], engine.groups))
+    assert set(per_sequence._score_buffers) == {(label, v) for label in labels for v in (0, 1)}
+    norms = per_sequence.sq_norms
+    per_sequence.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], per_sequence.groups))
     assert_norms_close(norms, expected_norms)
     assert relative_error([p.grad for p in model.parameters()], expected_grads) < TOLERANCE
 
@@ -415,8 +415,8 @@ def test_p_grad_holds_exactly_g_r_on_top_of_what_was_there(mode):
     previous = [torch.randn_like(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), previous, strict=True):
         p.grad = g.clone()
-    engine = PerSequenceGradients(model, norm_method=mode)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+    per_sequence = PerSequenceGradients(model, norm_method=mode)
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
         batched_scores(model, batch).sum().backward()
     expected = [
         prev + sum(c.item() * grads[k] for c, grads in zip(batch["coef_r"], gradients, strict=True))
@@ -451,11 +451,11 @@ def test_deferred_combination_adds_the_update_to_what_was_there_only_at_combine(
     previous = [torch.randn_like(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), previous, strict=True):
         p.grad = g.clone()
-    engine = PerSequenceGradients(model, combination="deferred")
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+    per_sequence = PerSequenceGradients(model, combination="deferred")
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
         batched_scores(model, batch).sum().backward()
     assert all(torch.equal(p.grad, prev) for p, prev in zip(model.parameters(), previous, strict=True))
-    engine.combine(opob_baseline(batch["rewards"], engine.sq_norms, batch["seq_log_weights"]))
+    per_sequence.combine(opob_baseline(batch["rewards"], per_sequence.sq_norms, batch["seq_log_weights"]))
     expected = [prev + part for prev, part in zip(previous, update, strict=True)]
     assert not any(p.grad.requires_grad for p in model.parameters())  # no graph through the kept activations
     assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
@@ -467,16 +467,16 @@ def test_combine_with_a_constant_baseline():
     model = tiny_model("qwen2")
     batch = make_batch(seed=13)
     gradients = reference_gradients(model, batch)
-    engine = PerSequenceGradients(model)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+    per_sequence = PerSequenceGradients(model)
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
         batched_scores(model, batch).sum().backward()
-    engine.combine(0.25)
+    per_sequence.combine(0.25)
     weights = batch["coef_r"] - 0.25 * batch["coef_s"]
     expected = [
         sum(w.item() * grads[k] for w, grads in zip(weights, gradients, strict=True)) for k in range(len(gradients[0]))
     ]
     assert relative_error([p.grad for p in model.parameters()], expected) < TOLERANCE
-    assert engine._score_buffers == {}
+    assert per_sequence._score_buffers == {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,13 +571,13 @@ class _CalledTwice(_FunctionalUse):
 @pytest.mark.parametrize("model_class", [_FunctionalUse, _CalledTwice])
 def test_uses_outside_the_handlers_raise(model_class):
     model = model_class()
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     ids = torch.randint(0, 10, (2, 3))
     with pytest.raises(RuntimeError, match="per-sequence norm would"):
-        with engine.micro_batch(torch.ones(2), torch.ones(2)):
+        with per_sequence.micro_batch(torch.ones(2), torch.ones(2)):
             model(ids).sum().backward()
     with pytest.raises(ValueError, match="no micro-batch"):
-        _ = engine.sq_norms  # the failed micro-batch was dropped
+        _ = per_sequence.sq_norms  # the failed micro-batch was dropped
 
 
 def test_weight_shared_between_two_linears_is_rejected():
@@ -590,9 +590,9 @@ def test_weight_shared_between_two_linears_is_rejected():
 def test_backward_outside_the_block_raises():
     model = tiny_model("qwen2")
     batch = make_batch(seed=14)
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     with pytest.raises(RuntimeError, match="backward did not run inside"):
-        with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+        with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
             scores = batched_scores(model, batch)
     with pytest.raises(RuntimeError, match="outside `micro_batch`"):
         scores.sum().backward()
@@ -601,9 +601,9 @@ def test_backward_outside_the_block_raises():
 def test_forward_with_another_batch_size_raises():
     model = tiny_model("llama")
     batch = make_batch(seed=15)
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     with pytest.raises(ValueError, match="ids must have shape"):
-        with engine.micro_batch(batch["coef_r"][:3], batch["coef_s"][:3]):
+        with per_sequence.micro_batch(batch["coef_r"][:3], batch["coef_s"][:3]):
             batched_scores(model, batch)
 
 
@@ -613,30 +613,30 @@ def test_argument_validation():
         PerSequenceGradients(model, norm_method="fast")
     with pytest.raises(ValueError, match="block_bytes"):
         PerSequenceGradients(model, block_bytes=0)
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     with pytest.raises(ValueError, match="coef_s"):
-        with engine.micro_batch(torch.ones(3), torch.ones(4)):
+        with per_sequence.micro_batch(torch.ones(3), torch.ones(4)):
             pass
     with pytest.raises(ValueError, match="coef_r must be finite"):
-        with engine.micro_batch(torch.tensor([1.0, math.nan]), torch.ones(2)):
+        with per_sequence.micro_batch(torch.tensor([1.0, math.nan]), torch.ones(2)):
             pass
     with pytest.raises(ValueError, match="integer labels"):
-        with engine.micro_batch(torch.ones(2), torch.ones(2), groups=torch.ones(2)):
+        with per_sequence.micro_batch(torch.ones(2), torch.ones(2), groups=torch.ones(2)):
             pass
     with pytest.raises(ValueError, match="combine"):
-        engine.combine(0.0)
+        per_sequence.combine(0.0)
 
 
 def test_baseline_must_be_constant_within_a_group():
     model = tiny_model("qwen2")
     batch = make_batch(seed=16)
-    engine = PerSequenceGradients(model)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+    per_sequence = PerSequenceGradients(model)
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
         batched_scores(model, batch).sum().backward()
     with pytest.raises(ValueError, match="constant within a group"):
-        engine.combine(torch.arange(5, dtype=torch.float64))
+        per_sequence.combine(torch.arange(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="baseline must be finite"):
-        engine.combine(math.inf)
+        per_sequence.combine(math.inf)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -699,22 +699,22 @@ def test_coefficients_set_after_the_forward_give_the_same_update(combination):
     """set_coefficients between forward and backward = passing the coefficients up front."""
     model, batch = tiny_model("qwen2"), make_batch()
     expected_norms, expected = run_engine(model, batch, combination=combination)
-    engine = PerSequenceGradients(model, combination=combination)
+    per_sequence = PerSequenceGradients(model, combination=combination)
     model.zero_grad(set_to_none=True)
     zeros = torch.zeros_like(batch["coef_r"])
-    with engine.micro_batch(zeros, zeros):
+    with per_sequence.micro_batch(zeros, zeros):
         scores = batched_scores(model, batch)
-        engine.set_coefficients(batch["coef_r"], batch["coef_s"])
+        per_sequence.set_coefficients(batch["coef_r"], batch["coef_s"])
         scores.sum().backward()
         with pytest.raises(RuntimeError, match="before the micro-batch's backward"):
-            engine.set_coefficients(batch["coef_r"], batch["coef_s"])
-    norms = engine.sq_norms
-    engine.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]))
+            per_sequence.set_coefficients(batch["coef_r"], batch["coef_s"])
+    norms = per_sequence.sq_norms
+    per_sequence.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]))
     assert torch.allclose(norms, expected_norms, rtol=1e-12)
     for actual, reference in zip([p.grad for p in model.parameters()], expected, strict=True):
         assert torch.allclose(actual, reference, rtol=1e-12, atol=1e-15)
     with pytest.raises(RuntimeError, match="outside `micro_batch`"):
-        engine.set_coefficients(batch["coef_r"], batch["coef_s"])
+        per_sequence.set_coefficients(batch["coef_r"], batch["coef_s"])
 
 
 def test_modules_wrapped_by_fsdp2_keep_their_handler():
@@ -743,13 +743,13 @@ def test_modules_wrapped_by_fsdp2_keep_their_handler():
 def run_two_pass(model, batch, micro_batches=(slice(None),), groups=None, **engine_kwargs):
     """Pass 1: the norms alone, micro-batch by micro-batch; pass 2: a plain backward of Σ_i (c^R_i − b_γ(i) c^S_i) l_i.
     Returns the norms, every p.grad after pass 1 (None expected) and the final p.grad."""
-    engine = PerSequenceGradients(model, combination=NORMS_ONLY, **engine_kwargs)
+    per_sequence = PerSequenceGradients(model, combination=NORMS_ONLY, **engine_kwargs)
     model.zero_grad(set_to_none=True)
     for rows in micro_batches:
-        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=None if groups is None else groups[rows]):
+        with per_sequence.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=None if groups is None else groups[rows]):
             batched_scores(model, batch, rows).sum().backward()
-    norms, labels = engine.sq_norms, engine.groups
-    engine.discard()
+    norms, labels = per_sequence.sq_norms, per_sequence.groups
+    per_sequence.discard()
     after_norms = [p.grad for p in model.parameters()]
     weights = batch["coef_r"] - opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], labels) * batch["coef_s"]
     for rows in micro_batches:
@@ -777,10 +777,10 @@ def test_two_pass_matches_per_sequence_loop_float64(kind, padding, mode):
 def test_norms_only_refuses_combine_and_keeps_nothing():
     model = tiny_model("qwen2_tied")
     batch = make_batch(seed=3)
-    engine = PerSequenceGradients(model, combination=NORMS_ONLY)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
-        assert engine._active.coefficients.shape == (0, len(LENGTHS))
+    per_sequence = PerSequenceGradients(model, combination=NORMS_ONLY)
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
+        assert per_sequence._active.coefficients.shape == (0, len(LENGTHS))
         batched_scores(model, batch).sum().backward()
-    assert engine._score_buffers == {} and engine._reward_buffers == {} and engine._open_micro_batches == []
+    assert per_sequence._score_buffers == {} and per_sequence._reward_buffers == {} and per_sequence._open_micro_batches == []
     with pytest.raises(ValueError, match="forms no gradient"):
-        engine.combine(0.0)
+        per_sequence.combine(0.0)

@@ -3,11 +3,11 @@ and with bf16 parameters (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``), p
 
 The truth is the float64 per-sequence loop on the same weights. Plain autograd is not exact in low
 precision either, so each case first measures autograd's own error: the same per-sequence loop run
-under the same precision, against the truth. The engine must then be within a few times that error
+under the same precision, against the truth. PerSequenceGradients must then be within a few times that error
 (`ERROR_RATIO`), for the norms ||g_i||² and for the OPOB update Σ_i (c^R_i − b c^S_i) g_i, never
 against a loosened absolute tolerance. Measured (CPU, these tiny models, all 48 cases): autograd's own
 relative error is 0.9e-3 to 4.8e-3 under bf16 autocast, 2.2e-4 to 5.7e-4 under fp16 autocast and
-4.5e-3 to 8.4e-3 with bf16 parameters (norms and update alike); the engine's is 0.7-1.4x autograd's,
+4.5e-3 to 8.4e-3 with bf16 parameters (norms and update alike); PerSequenceGradients' is 0.7-1.4x autograd's,
 except the ghost route's update at up to 2.1x (its combinations are one low-precision matmul over the
 coefficient-scaled rows of all sequences).
 """
@@ -37,7 +37,7 @@ PRECISIONS = {
     "autocast_fp16": (torch.float32, torch.float16),
     "bf16_params": (torch.bfloat16, None),
 }
-ERROR_RATIO = 4.0  # the engine's error may be this many times autograd's own
+ERROR_RATIO = 4.0  # PerSequenceGradients' error may be this many times autograd's own
 
 
 def precision_context(precision: str):
@@ -46,15 +46,15 @@ def precision_context(precision: str):
 
 
 def engine_update(model, batch, layout: str, precision: str, mode: str, combination: str):
-    engine = PerSequenceGradients(model, norm_method=mode, combination=combination)
+    per_sequence = PerSequenceGradients(model, norm_method=mode, combination=combination)
     model.zero_grad(set_to_none=True)
     packed = batch["cu_seqlens"] if layout == "packed" else None
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=packed):
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=packed):
         with precision_context(precision):
             scores = packed_scores(model, batch) if layout == "packed" else padded_scores(model, batch)
         scores.float().sum().backward()
-    norms = engine.sq_norms
-    engine.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]))
+    norms = per_sequence.sq_norms
+    per_sequence.combine(opob_baseline(batch["rewards"], norms, batch["seq_log_weights"]))
     return norms, [p.grad.clone() for p in model.parameters()]
 
 
@@ -110,8 +110,8 @@ def test_materialised_blocks_fill_block_bytes_once_widened(monkeypatch, precisio
     budget = 16 * 1024
     model = float64_model("qwen2").to(PRECISIONS[precision][0])
     batch = make_batch(seed=4)
-    engine = PerSequenceGradients(model, norm_method="materialize", block_bytes=budget)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"]):
+    per_sequence = PerSequenceGradients(model, norm_method="materialize", block_bytes=budget)
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"]):
         with precision_context(precision):
             padded_scores(model, batch).float().sum().backward()
     assert widened_sizes and 0.75 * budget < max(widened_sizes) <= budget

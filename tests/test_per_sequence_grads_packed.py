@@ -127,15 +127,15 @@ def weighted_sum(weights: torch.Tensor, gradients) -> list[torch.Tensor]:
 
 def run_engine(model, batch, scores, groups=None, packed=True, **engine_kwargs):
     """One micro-batch; returns the norms, p.grad before combine (G_R), the baseline and the final p.grad."""
-    engine = PerSequenceGradients(model, **engine_kwargs)
+    per_sequence = PerSequenceGradients(model, **engine_kwargs)
     model.zero_grad(set_to_none=True)
     cu_seqlens = batch["cu_seqlens"] if packed else None
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=cu_seqlens):
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=cu_seqlens):
         scores(model, batch).sum().backward()
-    norms = engine.sq_norms
+    norms = per_sequence.sq_norms
     g_r = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
-    baseline = opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], engine.groups)
-    engine.combine(baseline)
+    baseline = opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], per_sequence.groups)
+    per_sequence.combine(baseline)
     final = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     return norms, g_r, baseline, final
 
@@ -310,31 +310,31 @@ def test_bad_cu_seqlens_raise(cu_seqlens, message):
     with pytest.raises(ValueError, match=message):
         check_cu_seqlens(cu_seqlens, 3)
     model = tiny_model("qwen2")
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     with pytest.raises(ValueError, match=message):
-        with engine.micro_batch(torch.ones(3), torch.ones(3), cu_seqlens=cu_seqlens):
+        with per_sequence.micro_batch(torch.ones(3), torch.ones(3), cu_seqlens=cu_seqlens):
             pass
-    with engine.micro_batch(torch.ones(1), torch.ones(1), groups=torch.tensor([0])):  # nothing was left open
+    with per_sequence.micro_batch(torch.ones(1), torch.ones(1), groups=torch.tensor([0])):  # nothing was left open
         model(torch.randint(0, VOCAB, (1, 4)), use_cache=False).logits.sum().backward()
 
 
 def test_last_offset_beyond_the_token_dimension_raises():
     model = tiny_model("qwen2_tied")
     batch = make_batch(seed=6)
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     total = int(batch["cu_seqlens"][-1])
     too_long = batch["cu_seqlens"].clone()
     too_long[-1] = total + 1
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] = 28 is beyond the token dimension 27"):
-        with engine.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=too_long):
+        with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"], cu_seqlens=too_long):
             packed_scores(model, batch)
 
 
 def test_packed_input_with_several_rows_raises():
     model = tiny_model("qwen2")
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     with pytest.raises(ValueError, match=r"needs ids of shape \(1, tokens\), got \(2, 5\)"):
-        with engine.micro_batch(torch.ones(2), torch.ones(2), cu_seqlens=torch.tensor([0, 3, 5])):
+        with per_sequence.micro_batch(torch.ones(2), torch.ones(2), cu_seqlens=torch.tensor([0, 3, 5])):
             model(torch.randint(0, VOCAB, (2, 5)), use_cache=False)
 
 
@@ -342,7 +342,7 @@ def test_packed_input_with_several_rows_raises():
 @pytest.mark.parametrize("kind", MODELS)
 def test_packed_two_pass_equals_the_single_backward_update(kind, mode):
     """Norms alone from the packed row (groups, trailing padding), then a plain backward of Σ_i (c^R_i − b_i c^S_i) l_i:
-    the same norms and update as the per-sequence loop, and as the engine's single backward ("split"), to 1e-9
+    the same norms and update as the per-sequence loop, and as PerSequenceGradients' single backward ("split"), to 1e-9
     where the float64 forward stays float64 (HF's RMSNorm normalises in float32: a plain backward of Σ w_i l_i with
     cancelling w rounds at float32 precision there)."""
     model = tiny_model(kind)
@@ -351,12 +351,12 @@ def test_packed_two_pass_equals_the_single_backward_update(kind, mode):
     gradients = reference_gradients(model, batch)
     expected_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in gradients])
 
-    engine = PerSequenceGradients(model, norm_method=mode, combination=NORMS_ONLY)
+    per_sequence = PerSequenceGradients(model, norm_method=mode, combination=NORMS_ONLY)
     model.zero_grad(set_to_none=True)
-    with engine.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=batch["cu_seqlens"]):
+    with per_sequence.micro_batch(batch["coef_r"], batch["coef_s"], groups=groups, cu_seqlens=batch["cu_seqlens"]):
         packed_scores(model, batch).sum().backward()
-    norms = engine.sq_norms
-    engine.discard()
+    norms = per_sequence.sq_norms
+    per_sequence.discard()
     assert all(p.grad is None for p in model.parameters())
     baseline = opob_baseline(batch["rewards"], norms, batch["seq_log_weights"], groups)
     ((batch["coef_r"] - baseline * batch["coef_s"]) * packed_scores(model, batch)).sum().backward()

@@ -146,19 +146,19 @@ def per_sequence_loop_gradient(model, raw: cpu.RawBatch):
 
 def core_gradient(model, raw: cpu.RawBatch) -> list[torch.Tensor]:
     """vcpo.core's PerSequenceGradients on the plain model: padded rows, one group per micro-batch."""
-    engine = PerSequenceGradients(model)
+    per_sequence = PerSequenceGradients(model)
     params = [p for p in model.parameters() if p.requires_grad]
     std = group_reward_std(raw.rewards, raw.groups)
     s_all = []
     for start in range(0, B, GROUP):
         rows = raw.rows(slice(start, start + GROUP))
         zeros = torch.zeros(GROUP, dtype=torch.float64)
-        with engine.micro_batch(zeros, zeros, groups=rows.groups):
+        with per_sequence.micro_batch(zeros, zeros, groups=rows.groups):
             scores, s, coef_s = sequence_terms(model, rows, std[start : start + GROUP], B)
-            engine.set_coefficients(coef_s * rows.rewards, coef_s)
+            per_sequence.set_coefficients(coef_s * rows.rewards, coef_s)
             scores.sum().backward()
         s_all.append(s)
-    engine.combine(opob_baseline(raw.rewards, engine.sq_norms, torch.cat(s_all), raw.groups))
+    per_sequence.combine(opob_baseline(raw.rewards, per_sequence.sq_norms, torch.cat(s_all), raw.groups))
     grads = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
