@@ -17,7 +17,7 @@ ESS-scaled AdamW step (`scaled_learning_rate` + `ess_step_scale`), identical in 
 Timing: the variants run round-robin (each repeat runs all of them), so background load slows them
 alike; the median over repeats is reported, for the whole step and for forward + backward alone.
 ``--count-ops`` also counts the ATen operators one step of each variant dispatches (a GPU launches about one
-kernel per operator that computes, so where a step is launch-bound this is its cost); ``--cuda-blocks`` gives the engine CUDA's
+kernel per operator that computes, so where a step is launch-bound this is its cost); ``--cuda-blocks`` gives PerSequenceGradients CUDA's
 block size and cost model on any device, so that a CPU counts what a GPU would launch.
 Peak memory beyond the model and its optimizer state: on CUDA torch.cuda.max_memory_allocated; on CPU
 the resident-set high-water mark (VmHWM) of a fresh subprocess per variant, reset after a warm-up
@@ -144,17 +144,17 @@ def weighted_backward(model, batch: dict, args: argparse.Namespace, weights: tor
         (weights[rows].to(scores.dtype) * scores).sum().backward()
 
 
-class Engines(NamedTuple):
-    """The single backward's engine (norms and buffers) and the two-pass mode's norms-only one, on one model."""
+class SingleAndNormsOnly(NamedTuple):
+    """The single backward's PerSequenceGradients (norms and buffers) and the two-pass mode's norms-only one, on one model."""
 
     opob: PerSequenceGradients
     norms: PerSequenceGradients
 
 
-def opob_norms_and_buffers(engine, model, batch: dict, args: argparse.Namespace) -> None:
+def opob_norms_and_buffers(per_sequence, model, batch: dict, args: argparse.Namespace) -> None:
     for rows in micro_batches(args, batch):
         groups = None if batch["groups"] is None else batch["groups"][rows]
-        with engine.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=groups):
+        with per_sequence.micro_batch(batch["coef_r"][rows], batch["coef_s"][rows], groups=groups):
             sequence_scores(model, batch["input_ids"][rows], batch["mask"][rows]).sum().backward()
 
 
@@ -242,20 +242,20 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_step(variant, model, engine, batch, args) -> None:
+def run_step(variant, model, per_sequence, batch, args) -> None:
     """One variant's forward and backward, under ``--autocast`` when given (as verl runs its actor)."""
     if args.autocast is None:
-        STEPS[variant](model, engine, batch, args)
+        STEPS[variant](model, per_sequence, batch, args)
         return
     with torch.autocast(torch.device(args.device).type, dtype=getattr(torch, args.autocast)):
-        STEPS[variant](model, engine, batch, args)
+        STEPS[variant](model, per_sequence, batch, args)
 
 
-def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, float]:
+def timed_step(variant, model, per_sequence, optimizer, batch, args) -> tuple[float, float]:
     """(forward + backward seconds, whole-step seconds) of one step."""
     synchronize(args.device)
     start = time.perf_counter()
-    run_step(variant, model, engine, batch, args)
+    run_step(variant, model, per_sequence, batch, args)
     synchronize(args.device)
     backward_done = time.perf_counter()
     optimizer_step(optimizer, batch)
@@ -266,7 +266,7 @@ def timed_step(variant, model, engine, optimizer, batch, args) -> tuple[float, f
 def setup_engine_settings(args: argparse.Namespace) -> dict:
     """The engines' settings: the route, CUDA's block settings and cost model with ``--cuda-blocks``, the block size
     and row multiple with ``--block-mb`` and ``--block-row-multiple``; the device's defaults otherwise."""
-    settings = dict(norm_method=args.mode)
+    settings = dict(norm_method=args.norm_method)
     if args.cuda_blocks:
         settings |= dict(block_bytes=DEFAULT_BLOCK_BYTES["cuda"], pass_cost=DEFAULT_PASS_COST["cuda"],
                          block_row_multiple=DEFAULT_BLOCK_ROW_MULTIPLE["cuda"])
@@ -280,27 +280,27 @@ def setup_engine_settings(args: argparse.Namespace) -> dict:
 def setup(args: argparse.Namespace):
     model = build_model(args)
     settings = setup_engine_settings(args)
-    engine = Engines(PerSequenceGradients(model, combination=args.combination, **settings),
+    per_sequence = SingleAndNormsOnly(PerSequenceGradients(model, combination=args.combination, **settings),
                      PerSequenceGradients(model, combination=NORMS_ONLY, **settings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     batch = build_batch(args, model.config.vocab_size)
-    return model, engine, optimizer, batch
+    return model, per_sequence, optimizer, batch
 
 
-def final_gradients(variant, model, engine, batch, args) -> list[torch.Tensor]:
-    run_step(variant, model, engine, batch, args)
+def final_gradients(variant, model, per_sequence, batch, args) -> list[torch.Tensor]:
+    run_step(variant, model, per_sequence, batch, args)
     grads = [p.grad.detach().double().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
 
 
-def check_agreement(model, engine, batch, args) -> dict:
+def check_agreement(model, per_sequence, batch, args) -> dict:
     """Relative difference of each variant's final gradient from the single-backward one."""
-    reference = final_gradients("opob", model, engine, batch, args)
+    reference = final_gradients("opob", model, per_sequence, batch, args)
     reference_norm = torch.stack([g.norm() for g in reference]).norm()
     result = {}
     for variant in ("naive", "two_pass", "per_sequence"):
-        grads = final_gradients(variant, model, engine, batch, args)
+        grads = final_gradients(variant, model, per_sequence, batch, args)
         result[variant] = float(
             torch.stack([(g - r).norm() for g, r in zip(grads, reference, strict=True)]).norm() / reference_norm
         )
@@ -308,20 +308,20 @@ def check_agreement(model, engine, batch, args) -> dict:
 
 
 def time_variants(args: argparse.Namespace) -> dict:
-    model, engine, optimizer, batch = setup(args)
-    agreement = check_agreement(model, engine, batch, args)
+    model, per_sequence, optimizer, batch = setup(args)
+    agreement = check_agreement(model, per_sequence, batch, args)
     times = {variant: ([], []) for variant in args.variants}
     for repeat in range(args.warmup + args.repeats):
         for variant in args.variants:
-            backward_seconds, step_seconds = timed_step(variant, model, engine, optimizer, batch, args)
+            backward_seconds, step_seconds = timed_step(variant, model, per_sequence, optimizer, batch, args)
             if repeat >= args.warmup:
                 times[variant][0].append(backward_seconds)
                 times[variant][1].append(step_seconds)
     weight = next(model.parameters())
     return {
         "params": sum(p.numel() for p in model.parameters()),
-        "block_bytes": engine.opob.block_bytes(weight),
-        "block_row_multiple": engine.opob.block_row_multiple(weight),
+        "block_bytes": per_sequence.opob.block_bytes(weight),
+        "block_row_multiple": per_sequence.opob.block_row_multiple(weight),
         "agreement": agreement,
         "fwd_bwd_s": {v: statistics.median(t[0]) for v, t in times.items()},
         "step_s": {v: statistics.median(t[1]) for v, t in times.items()},
@@ -330,17 +330,17 @@ def time_variants(args: argparse.Namespace) -> dict:
 
 def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
     """Peak bytes above the model and optimizer state during one step of ``variant``."""
-    model, engine, optimizer, batch = setup(args)
-    timed_step(variant, model, engine, optimizer, batch, args)  # warm-up: optimizer state, lazy buffers
+    model, per_sequence, optimizer, batch = setup(args)
+    timed_step(variant, model, per_sequence, optimizer, batch, args)  # warm-up: optimizer state, lazy buffers
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         resting = torch.cuda.memory_allocated()
-        timed_step(variant, model, engine, optimizer, batch, args)
+        timed_step(variant, model, per_sequence, optimizer, batch, args)
         return torch.cuda.max_memory_allocated() - resting
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS is the live memory
     resting = reset_peak()
-    timed_step(variant, model, engine, optimizer, batch, args)
+    timed_step(variant, model, per_sequence, optimizer, batch, args)
     return status_bytes("VmHWM") - resting
 
 
@@ -365,16 +365,16 @@ def calibrate_pass_cost(args: argparse.Namespace) -> float:
     batch, tokens = args.micro_batch_size, args.seq_len
     x = torch.randn(batch, tokens, shape["hidden_size"], device=args.device, dtype=dtype)
     delta = torch.randn(batch, tokens, shape["intermediate_size"], device=args.device, dtype=dtype)
-    engine = PerSequenceGradients(layer, norm_method="materialize")
+    gradients = PerSequenceGradients(layer, norm_method="materialize")
     ones = torch.ones(batch, device=args.device)
 
     def plain():
         (layer(x) * delta).sum().backward()
 
     def per_sequence():
-        with engine.micro_batch(ones, ones):
+        with gradients.micro_batch(ones, ones):
             (layer(x) * delta).sum().backward()
-        engine.combine(0.0)
+        gradients.combine(0.0)
 
     times = {plain: [], per_sequence: []}
     for repeat in range(args.warmup + 5 * args.repeats):
@@ -411,13 +411,13 @@ def count_ops(args: argparse.Namespace) -> tuple[dict[str, dict[str, int]], dict
                 Counter.by_operator[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    model, engine, optimizer, batch = setup(args)
+    model, per_sequence, optimizer, batch = setup(args)
     counts, by_operator = {"dispatched": {}, "computing": {}}, {}
     for variant in args.variants:
-        timed_step(variant, model, engine, optimizer, batch, args)
+        timed_step(variant, model, per_sequence, optimizer, batch, args)
         Counter.dispatched, Counter.by_operator = 0, collections.Counter()
         with Counter():
-            run_step(variant, model, engine, batch, args)
+            run_step(variant, model, per_sequence, batch, args)
         counts["dispatched"][variant], counts["computing"][variant] = Counter.dispatched, Counter.by_operator.total()
         by_operator[variant] = Counter.by_operator
         model.zero_grad(set_to_none=True)
@@ -439,14 +439,14 @@ def profile_step(args: argparse.Namespace, variant: str, rows: int = 25) -> None
     two warm-up steps, so that a speed-up starts from a measured breakdown."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, engine, optimizer, batch = setup(args)
+    model, per_sequence, optimizer, batch = setup(args)
     for _ in range(2):
-        timed_step(variant, model, engine, optimizer, batch, args)
+        timed_step(variant, model, per_sequence, optimizer, batch, args)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as profiler:
-        timed_step(variant, model, engine, optimizer, batch, args)
+        timed_step(variant, model, per_sequence, optimizer, batch, args)
     sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
-    print(f"{variant}: one step, {args.model} {args.device}/{args.dtype}, batch {args.batch_size} x {args.seq_len}, mode {args.mode}")
+    print(f"{variant}: one step, {args.model} {args.device}/{args.dtype}, batch {args.batch_size} x {args.seq_len}, norm method {args.norm_method}")
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
 
 
@@ -457,7 +457,7 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
         f"autocast {args.autocast or 'off'}, "
         f"batch {args.batch_size} x {args.seq_len} tokens (lengths >= {args.min_length_fraction:g}·T), "
         f"micro-batch {args.micro_batch_size}, "
-        f"threads {torch.get_num_threads()}, repeats {args.repeats}, mode {args.mode}, "
+        f"threads {torch.get_num_threads()}, repeats {args.repeats}, norm method {args.norm_method}, "
         f"blocks of {timing['block_bytes'] / 2**20:g} MiB, rows a multiple of {timing['block_row_multiple']}"
     )
     header = f"{'variant':<14}{'step s':>9}{'step/plain':>12}{'fwd+bwd/plain':>15}{'peak MiB':>10}{'peak/plain':>12}"
@@ -505,10 +505,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--autocast", choices=("bfloat16", "float16"), help="run forward and backward under torch.autocast (mixed precision)"
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--mode", choices=("auto", "materialize", "ghost"), default="auto")
+    parser.add_argument("--norm-method", "--mode", dest="norm_method", choices=("auto", "materialize", "ghost"), default="auto")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--combination", choices=COMBINATIONS, default="buffers",
-                        help="the single backward's combination (the verl engine runs split)")
+                        help="the single backward's combination (the verl per_sequence runs split)")
     parser.add_argument("--grouped", action="store_true",
                         help="one baseline per prompt group (scope group, as the VCPO preset), not one per batch")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -519,7 +519,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--count-ops", action="store_true", help="also count each variant's dispatched ATen ops per step")
     parser.add_argument("--cuda-blocks", action="store_true",
-                        help="the engine's CUDA block size and cost model on any device (what a GPU would run)")
+                        help="the per_sequence's CUDA block size and cost model on any device (what a GPU would run)")
     parser.add_argument("--block-mb", type=float, default=None,
                         help="MiB per block of per-sequence gradients (default: the device's, DEFAULT_BLOCK_BYTES)")
     parser.add_argument("--block-row-multiple", type=int, default=None,
