@@ -263,3 +263,17 @@ def test_the_ladder_table_gives_each_runs_load_or_says_it_was_not_recorded():
     header, rule, *rows = ladder_markdown([older, newer])
     assert header.endswith("| load at start, finish |") and rule.count("|") == header.count("|")
     assert rows[0].endswith("| 130.0 s | not recorded |") and rows[1].endswith("| 130.0 s | 1.0, 8.0 |")
+
+
+def test_a_panel_no_run_logs_says_so(tmp_path, monkeypatch):
+    """The ladder has no VCPO run, so no line of its lr scale: that panel says no run logs it, the others draw."""
+    from vcpo.reporting import figures
+
+    saved = []
+    monkeypatch.setattr(figures, "save", lambda figure, out: saved.append(figure))
+    lines = [{"step": step, "critic/score/mean": 0.1 * step, figures.SEQ_ESS_RATIO: 0.5} for step in (1, 2, 3)]
+    figures.draw_runs({"seq_tis lr 1e-05": [lines]}, tmp_path / "ladder.png", "ladder")
+    panels = {axis.get_title(): axis for axis in saved[0].axes}
+    empty = {title for title, axis in panels.items() if any(text.get_text() == "no run here logs it" for text in axis.texts)}
+    assert empty == {label for key, label in figures.RUN_PANELS if key not in ("critic/score/mean", figures.SEQ_ESS_RATIO)}
+    assert len(panels["sequence ESS ratio"].lines) >= 1

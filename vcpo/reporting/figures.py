@@ -310,9 +310,11 @@ def draw_runs(groups: dict[str, list[list[dict]]], out: Path, title: str) -> Pat
     figure, axes = pyplot().subplots(2, 3, figsize=(14, 7.5))
     colors = method_colors(list(groups))
     for axis, (key, label) in zip(axes.flat, RUN_PANELS, strict=True):
+        drawn = False
         for name, runs in groups.items():
             curves = [series(lines, key) for lines in runs]
             curves = [(steps, values) for steps, values in curves if steps.size]
+            drawn = drawn or bool(curves)
             for steps, values in curves:
                 axis.plot(steps, values, color=colors[name], alpha=0.25 if len(runs) > 1 else 0.9, linewidth=0.8,
                           marker="o" if key == ACCURACY else None, markersize=2)
@@ -323,6 +325,8 @@ def draw_runs(groups: dict[str, list[list[dict]]], out: Path, title: str) -> Pat
                           markersize=3)
             if curves:
                 axis.plot([], [], color=colors[name], linewidth=2.2, label=f"{name} ({len(curves)})")
+        if not drawn:  # an empty panel would read as a failed plot
+            axis.text(0.5, 0.5, "no run here logs it", transform=axis.transAxes, ha="center", va="center", color="0.4")
         axis.set_title(label, fontsize=10)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
