@@ -32,7 +32,6 @@ Needs torch, transformers and pytest (``pip install -e ".[test]"``); not verl, v
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -42,7 +41,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -208,43 +207,45 @@ def main(argv=None) -> int:
             part_sizes(PARTS, args.device, args.model, args.seq_len, args.repeats),
             "pass --out for a folder of your own", rows="parts", unit="repeats")):
         sys.exit(f"error: {problem}")
-    with kept_unless_passed(args.out) as passed:
-        started = utc_now()
-        result = {"environment": environment(args.device), "device": args.device}
-        result["overhead"] = overhead(args, args.out)
-        result["blocks"] = blocks(args, args.out)
-        result["calibrate"] = calibrate(args, args.out)
-        result["exactness"] = exactness(args, args.out)
-        result["megatron"] = megatron(args, args.out)
-        result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
-        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in PARTS}, indent=2, default=str))
-        passed.append(all(result[part]["exit"] in (0, "skipped") for part in PARTS))
-    return 0 if passed[-1] else 1
+    return 0 if kept_unless_passed(args.out, lambda: run_parts(args)) else 1
 
 
-@contextlib.contextmanager
-def kept_unless_passed(out: Path) -> Iterator[list[bool]]:
-    """What ``out`` holds (a committed check) moved aside while the block writes its parts there, and put back unless
-    the block appends True to the list it is given: a check whose part failed, or that was stopped, leaves its own
-    files in ``out``.failed and the folder as it was."""
+def run_parts(args: argparse.Namespace) -> bool:
+    """Every part into --out and its summary gpu_check.json; whether every part passed (or was skipped)."""
+    started = utc_now()
+    result = {"environment": environment(args.device), "device": args.device}
+    result["overhead"] = overhead(args, args.out)
+    result["blocks"] = blocks(args, args.out)
+    result["calibrate"] = calibrate(args, args.out)
+    result["exactness"] = exactness(args, args.out)
+    result["megatron"] = megatron(args, args.out)
+    result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in PARTS}, indent=2, default=str))
+    return all(result[part]["exit"] in (0, "skipped") for part in PARTS)
+
+
+def kept_unless_passed(out: Path, check: Callable[[], bool]) -> bool:
+    """Run ``check`` into ``out`` with what ``out`` held (a committed check) moved aside, and put that back unless the
+    check passes: a check whose part failed, or that was stopped, leaves its own files in ``out``.failed and the
+    folder as it was. Returns whether it passed."""
     out.mkdir(parents=True, exist_ok=True)
     aside, failed = out.with_name(f".{out.name}.before"), out.with_name(f"{out.name}.failed")
     shutil.rmtree(aside, ignore_errors=True)
     out.rename(aside)
     out.mkdir()
-    passed: list[bool] = []
+    passed = False
     try:
-        yield passed
+        passed = check()
     finally:
-        if passed[-1:] == [True]:
+        if passed:
             shutil.rmtree(aside)
         else:
             shutil.rmtree(failed, ignore_errors=True)
             out.rename(failed)
             aside.rename(out)
             print(f"a part failed or the check was stopped: its files are in {failed}; {out} holds what it held", file=sys.stderr)
-
+    return passed
 
 if __name__ == "__main__":
     sys.exit(main())
