@@ -17,6 +17,12 @@ the start and finish and the host's CPU):
   exactness   the PerSequenceGradients exactness tests on this device (VCPO_TEST_DEVICE): float64 and
               float32 against the per-sequence backward loop, packed micro-batches, bf16/fp16 within 4x
               of autograd's own error;
+  memory      one plain and one OPOB step of the overhead part's shape under the caching allocator's expandable
+              segments (as verl's trainer sets them), each against the memory model's terms a CPU cannot check
+              (vcpo.actor_memory): the reserved peak over the allocated peak against FRAGMENTATION_MARGIN, the device
+              memory outside the allocator against CUDA_OVERHEAD_BYTES, and what the optimizer step adds against
+              foreach AdamW's square roots (`optimizer_temporaries`); the allocated peaks themselves are the bare
+              step's, not verl's engine's, whose projection benchmarks/memory_model_check.py checks on CPU;
   megatron    benchmarks/megatron_overhead.py: OPOB inside megatron-core's layers (MegatronSequenceNorms) on
               a 0.5B-like megatron GPT in bf16 with the layers OPOB trains on Megatron (the local spec, core
               attention recomputed, TP 1, one sequence per micro-batch), both modes' step time against a plain
@@ -46,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from vcpo.actor_memory import CUDA_OVERHEAD_BYTES, FRAGMENTATION_MARGIN, optimizer_temporaries
 from vcpo.cli import shrink_problem
 from vcpo.provenance import output_record, utc_now
 
@@ -59,8 +66,9 @@ EXACTNESS_TESTS = [
 # The tests of those files that build everything from the model and batch helpers (so they follow
 # VCPO_TEST_DEVICE); the others check argument errors and pure functions on CPU tensors.
 EXACTNESS_SELECTION = "matches_per_sequence_loop or other_loss_aggregations or packed_matches or packed_equals_padded or autograds_own_error"
-PARTS = ("overhead", "blocks", "calibrate", "exactness", "megatron")
+PARTS = ("overhead", "blocks", "calibrate", "exactness", "memory", "megatron")
 TIMED_PARTS = ("overhead", "blocks", "megatron")  # each times --repeats steps
+EXPANDABLE_SEGMENTS = "expandable_segments:True"  # the caching allocator's setting verl's trainer runs under
 
 
 def run_part(name: str, command: list[str], out: Path, timeout_s: int, env: dict | None = None) -> dict:
@@ -130,6 +138,41 @@ def exactness(args: argparse.Namespace, out: Path) -> dict:
         counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
         part |= counts | {"passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]}
     return part
+
+
+def memory(args: argparse.Namespace, out: Path) -> dict:
+    result_file = out / "memory.json"
+    command = [*engine_step(args), "--variants", "plain,opob", "--repeats", "1", "--warmup", "0", "--json", str(result_file)]
+    part = run_part("memory", command, out, args.part_timeout, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE_SEGMENTS})
+    if result_file.exists():
+        measured = json.loads(result_file.read_text())
+        if measured.get("cuda_allocator"):
+            part["against_projection"] = allocator_against_projection(measured["cuda_allocator"])
+            part["used_at_start"] = measured["cuda_used_at_start"]
+        else:
+            part["against_projection"] = f"no CUDA allocator on {args.device}"
+    return part
+
+
+def allocator_against_projection(records: dict) -> dict:
+    """Each step's allocator record (opob_overhead.py's `cuda_allocator_record`) beside the memory model's terms
+    for what only a GPU has: the reserved peak's excess over the allocated peak, over the step's two phases, against
+    the fragmentation margin; the memory outside the allocator against the CUDA overhead bound; what the optimizer
+    step adds against foreach AdamW's square roots."""
+    compared = {}
+    for variant, record in records.items():
+        phases = (record["backward"], record["optimizer_step"])
+        fragmentation = max(phase["reserved_peak"] for phase in phases) / max(phase["allocated_peak"] for phase in phases) - 1
+        temporaries = sum(optimizer_temporaries(record["parameters"], record["param_bytes"]).values())
+        compared[variant] = {
+            "fragmentation": fragmentation, "fragmentation_margin": FRAGMENTATION_MARGIN,
+            "fragmentation_within_margin": fragmentation <= FRAGMENTATION_MARGIN,
+            "outside_allocator": record["outside_allocator"], "cuda_overhead_bound": CUDA_OVERHEAD_BYTES,
+            "outside_allocator_within_bound": record["outside_allocator"] <= CUDA_OVERHEAD_BYTES,
+            "optimizer_step_added": record["optimizer_step_added"], "optimizer_temporaries_projected": temporaries,
+            "optimizer_step_over_projection": record["optimizer_step_added"] / temporaries,
+        }
+    return compared
 
 
 def megatron(args: argparse.Namespace, out: Path) -> dict:
@@ -218,6 +261,7 @@ def run_parts(args: argparse.Namespace) -> bool:
     result["blocks"] = blocks(args, args.out)
     result["calibrate"] = calibrate(args, args.out)
     result["exactness"] = exactness(args, args.out)
+    result["memory"] = memory(args, args.out)
     result["megatron"] = megatron(args, args.out)
     result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")

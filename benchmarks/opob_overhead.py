@@ -54,6 +54,7 @@ from vcpo.core.per_sequence_grads.reductions import (
     DEFAULT_PASS_COST,
     NORMS_ONLY,
 )
+from vcpo.provenance import output_record, utc_now
 from vcpo.resident_memory import reset_peak, status_bytes
 
 VARIANTS = ("plain", "opob", "naive", "two_pass", "per_sequence", "norms_pass", "input_grads")
@@ -330,18 +331,42 @@ def time_variants(args: argparse.Namespace) -> dict:
 
 def measure_peak_memory(args: argparse.Namespace, variant: str) -> int:
     """Peak bytes above the model and optimizer state during one step of ``variant``."""
+    if args.device.startswith("cuda"):
+        return cuda_allocator_record(args, variant)["peak_bytes"]
     model, per_sequence, optimizer, batch = setup(args)
     timed_step(variant, model, per_sequence, optimizer, batch, args)  # warm-up: optimizer state, lazy buffers
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        resting = torch.cuda.memory_allocated()
-        timed_step(variant, model, per_sequence, optimizer, batch, args)
-        return torch.cuda.max_memory_allocated() - resting
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS is the live memory
     resting = reset_peak()
     timed_step(variant, model, per_sequence, optimizer, batch, args)
     return status_bytes("VmHWM") - resting
+
+
+def cuda_allocator_record(args: argparse.Namespace, variant: str) -> dict:
+    """One step of ``variant`` as CUDA's caching allocator saw it, after a warm-up step with the cache emptied:
+    ``peak_bytes`` above the model and optimizer state; the allocated and reserved peaks (absolute) of the forward and
+    backward and of the optimizer step apart, with what the optimizer step adds above what it starts from (foreach
+    AdamW's temporaries); and after the step the device memory the allocator does not hold (this process's CUDA
+    context and libraries' workspaces, on a GPU no other process uses)."""
+    model, per_sequence, optimizer, batch = setup(args)
+    timed_step(variant, model, per_sequence, optimizer, batch, args)  # warm-up: optimizer state, lazy buffers
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # blocks cached by earlier steps would stand in the reserved peak
+    torch.cuda.reset_peak_memory_stats()
+    resting = torch.cuda.memory_allocated()
+    run_step(variant, model, per_sequence, batch, args)
+    torch.cuda.synchronize()
+    backward = {"allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved()}
+    optimizer_start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer_step(optimizer, batch)
+    torch.cuda.synchronize()
+    optimizer = {"allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved()}
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_bytes": max(backward["allocated_peak"], optimizer["allocated_peak"]) - resting,
+            "resting_allocated": resting, "backward": backward, "optimizer_step": optimizer,
+            "optimizer_step_added": optimizer["allocated_peak"] - optimizer_start,
+            "outside_allocator": total - free - torch.cuda.memory_reserved(),
+            "parameters": sum(p.numel() for p in model.parameters()), "param_bytes": next(model.parameters()).element_size()}
 
 
 def memory_in_subprocess(args: argparse.Namespace, variant: str) -> int:
@@ -472,14 +497,15 @@ def print_table(args: argparse.Namespace, timing: dict, memory: dict) -> None:
     print("final gradient vs opob (relative L2): " + ", ".join(f"{k} {v:.1e}" for k, v in timing["agreement"].items()))
 
 
-def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict) -> None:
-    """The measured times, peaks and their ratios to plain, for ``python -m vcpo.reporting figure fig3``."""
+def write_json(path: str, args: argparse.Namespace, timing: dict, memory: dict, records: dict) -> None:
+    """The measured times, peaks and their ratios to plain, for ``python -m vcpo.reporting figure fig3``; on CUDA the
+    allocator's record of each variant's step (`cuda_allocator_record`); and what produced them (``provenance``)."""
     ratios = {"step_time_ratio": {v: timing["step_s"][v] / timing["step_s"]["plain"] for v in args.variants}}
     if memory:
         ratios["memory_ratio"] = {v: memory[v] / memory["plain"] for v in args.variants}
     autocast = f" autocast {args.autocast}" if args.autocast else ""
     setting = f"{args.model}, {args.device}/{args.dtype}{autocast}, {args.batch_size} x {args.seq_len} tokens"
-    result = {"setting": setting, "args": vars(args), **timing, "peak_bytes": memory, "ratios": ratios}
+    result = {"setting": setting, "args": vars(args), **timing, "peak_bytes": memory, "ratios": ratios, **records}
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
 
@@ -545,6 +571,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    started = utc_now()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
@@ -556,15 +583,22 @@ def main(argv=None) -> None:
     if args.calibrate:
         print(f"pass_cost (κ of prefers_ghost) on {args.device}/{args.dtype}: {calibrate_pass_cost(args):.1f}")
         return
+    # the device memory in use once CUDA is initialised, before any tensor: the context (and any other process's)
+    used_at_start = (lambda free, total: total - free)(*torch.cuda.mem_get_info()) if args.device.startswith("cuda") else None
     timing = time_variants(args)
-    memory = {}
+    memory, allocator = {}, {}
     if not args.no_memory:
         for variant in args.variants:
             if args.device.startswith("cuda"):
-                memory[variant] = measure_peak_memory(args, variant)
+                allocator[variant] = cuda_allocator_record(args, variant)
+                memory[variant] = allocator[variant]["peak_bytes"]
             else:
                 memory[variant] = memory_in_subprocess(args, variant)
     print_table(args, timing, memory)
+    for variant, record in allocator.items():
+        print(f"{variant}: allocated peak {record['backward']['allocated_peak'] / 2**20:.0f} MiB, reserved peak "
+              f"{record['backward']['reserved_peak'] / 2**20:.0f} MiB (forward and backward); the optimizer step adds "
+              f"{record['optimizer_step_added'] / 2**20:.0f} MiB; outside the allocator {record['outside_allocator'] / 2**20:.0f} MiB")
     if args.count_ops:
         timing["aten_ops"], by_operator = count_ops(args)
         for kind, ops in timing["aten_ops"].items():
@@ -572,7 +606,8 @@ def main(argv=None) -> None:
                   + ", ".join(f"{v} {n} ({n / ops['plain']:.2f}x plain)" for v, n in ops.items()))
         print_extra_operators(by_operator)
     if args.json:
-        write_json(args.json, args, timing, memory)
+        cuda = {"cuda_allocator": allocator, "cuda_used_at_start": used_at_start} if allocator else {}
+        write_json(args.json, args, timing, memory, {**cuda, "provenance": output_record(started)})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,26 @@ def test_without_a_gpu_the_default_device_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_allocator_record_against_the_memory_models_gpu_terms():
+    """Hand numbers: 10 GB allocated at most (the backward), 10.6 GB reserved at most (the optimizer step's phase);
+    3.2 GB outside the allocator; a 0.5B bf16 model whose optimizer step added 1.2 GB."""
+    import importlib.util
+
+    from vcpo.actor_memory import CUDA_OVERHEAD_BYTES, FRAGMENTATION_MARGIN
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = {"backward": {"allocated_peak": 10e9, "reserved_peak": 10.2e9},
+              "optimizer_step": {"allocated_peak": 9e9, "reserved_peak": 10.6e9},
+              "optimizer_step_added": 1.2e9, "outside_allocator": 3.2e9, "parameters": 500_000_000, "param_bytes": 2}
+    compared = module.allocator_against_projection({"opob": record})["opob"]
+    assert compared["fragmentation"] == pytest.approx(0.06) and compared["fragmentation_within_margin"] is (0.06 <= FRAGMENTATION_MARGIN)
+    assert compared["outside_allocator_within_bound"] is (3.2e9 <= CUDA_OVERHEAD_BYTES)
+    assert compared["optimizer_temporaries_projected"] == 1e9  # one bf16 copy of 0.5B parameters
+    assert compared["optimizer_step_over_projection"] == pytest.approx(1.2)
+
+
 @pytest.mark.slow
 def test_the_cpu_dry_check_measures_every_part(tmp_path):
     result = gpu_check("--out", str(tmp_path), "--device", "cpu", "--model", "0.1m", "--seq-len", "64", "--repeats", "1")
@@ -44,6 +64,11 @@ def test_the_cpu_dry_check_measures_every_part(tmp_path):
     assert exactness["tests"] >= 80 and exactness["passed"] == exactness["tests"] and exactness["failures"] == 0
     # OPOB inside megatron-core's layers: timed against a plain backward (one repeat on a shared CPU says
     # nothing about the ratio, so only that both were timed), its bf16 norms against one backward per sequence
+    # what produced the summary and each part's own JSON is recorded with them
+    for record in (report, *(json.loads((tmp_path / f"{part}.json").read_text()) for part in ("overhead", "blocks", "memory"))):
+        assert set(record["provenance"]) == {"commit", "dirty", "start", "finish", "cpu"} and record["provenance"]["start"] <= record["provenance"]["finish"]
+    # the memory part ran its two steps; only a GPU has the allocator it compares with the model
+    assert report["memory"]["exit"] == 0 and report["memory"]["against_projection"] == "no CUDA allocator on cpu"
     megatron = report["megatron"]
     assert megatron["exit"] == 0 and megatron["step_s"]["plain"] > 0 and megatron["step_s"]["opob"] > 0
     assert megatron["opob_over_plain"] == megatron["step_s"]["opob"] / megatron["step_s"]["plain"]
