@@ -279,3 +279,20 @@ def test_a_function_over_80_lines_says_why_beside_it():
                 if above < 0 or not lines[above].startswith("# Over 80 lines"):
                     unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert unexplained == []
+
+
+def test_what_the_readmes_commands_write_is_ignored_and_no_committed_file_is():
+    """Every folder a README command writes into (--out, --data-dir, --report: runs/smollm2 holds a GB of checkpoints)
+    is ignored by git, so that `git add` of a change does not take a run with it; the ignore rules catch no committed
+    file (the tables' archived run folders, tables/*/runs/, stay tracked)."""
+    written = [value for block in readme_commands()
+               for value in re.findall(r"--(?:out|data-dir|report)[ =](\S+)", block)]
+    assert {"runs/smollm2", "runs/smollm2/eval", "data", "results/smoke/report.html"} <= set(written), written
+    probes = [f"{path}/probe" for path in written]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(probes),
+                             capture_output=True, text=True).stdout.split()
+    assert sorted(ignored) == sorted(probes)
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    caught = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input=tracked,
+                            capture_output=True, text=True).stdout.split()
+    assert caught == []
