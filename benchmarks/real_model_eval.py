@@ -38,7 +38,7 @@ from vcpo.local_models import packaged_model
 from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, library_versions, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
-from vcpo.studies.statistics import bootstrap_mean_interval, wilson_interval
+from vcpo.studies.statistics import bootstrap_mean_interval, percent_cell
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,10 +144,8 @@ def portable(command: str) -> str:
 
 
 def score_cell(score: dict, problems: int) -> str:
-    """'2.6% [0.5, 5.1]'; with no success at all, '0.0% [0.0, 0.0], Wilson <= 5.6%': the bootstrap cannot leave zero,
-    so the Wilson interval's upper bound over the problems (the unit the bootstrap resamples) says how far zero goes."""
-    cell = f"{100 * score['mean_at_n']:.1f}% [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
-    return cell + (f", Wilson ≤ {100 * wilson_interval(0, problems)[1]:.1f}%" if score["mean_at_n"] == 0 else "")
+    """'2.6% [0.5, 5.1]'; with no success at all, '0.0% [0.0, 0.0], Wilson <= 5.6%' (``percent_cell``)."""
+    return percent_cell(score["mean_at_n"], score["low"], score["high"], problems)
 
 
 def render(tables: Path) -> str:

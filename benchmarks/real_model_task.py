@@ -31,7 +31,7 @@ from vcpo.locks import write_atomic
 from vcpo.provenance import code_state, cpu_name, output_record, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies.real_model_lag import choice_conflict, chosen_task, evaluate_candidate, real_model_run_command
-from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval
+from vcpo.studies.statistics import bootstrap_mean_interval, mean_interval, percent_cell
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = REPO / "tables" / "real_model"  # where the tables go (--tables)
@@ -82,8 +82,8 @@ def choice_markdown(result: dict) -> str:
     for number, round_ in enumerate(result["rounds"], 1):
         for name, row in round_["rows"].items():
             inside = rule["band"][0] <= row["mean_reward"] <= rule["band"][1]
-            lines.append(f"| {number} ({round_['answer_format']}) | {name} | {row['problems']} | {100 * row['mean_reward']:.1f}% "
-                         f"[{100 * row['low']:.1f}, {100 * row['high']:.1f}] | {row['no_answer']} | "
+            lines.append(f"| {number} ({round_['answer_format']}) | {name} | {row['problems']} | "
+                         f"{percent_cell(row['mean_reward'], row['low'], row['high'], row['problems'])} | {row['no_answer']} | "
                          f"{row['mean_response_tokens']:.0f} ({100 * row['truncated']:.0f}%) | {'yes' if inside else 'no'} |")
     chosen = result["chosen"]
     verdict = (f"Chosen: **{chosen}**, scored {result['answer_format']} (in the band, closest to {100 * rule['target']:.0f}%)."
@@ -94,7 +94,8 @@ def choice_markdown(result: dict) -> str:
         f"SmolLM2-135M-Instruct before training, hf backend on CPU: the first {rule['problems']} {rule['split']} problems of "
         f"each starter task (vcpo.data.datasets), n = {sampling['n']}, temperature {sampling['temperature']}, top-p "
         f"{sampling['top_p']}, {sampling['max_new_tokens']} new tokens, the task's reward in the round's answer format; "
-        f"95% percentile bootstrap over problems. Rule (recipes/real_model.yaml, registered before each round ran): the "
+        f"95% percentile bootstrap over problems (where none succeeds, the Wilson interval's upper bound over them beside "
+        f"it). Rule (recipes/real_model.yaml, registered before each round ran): the "
         f"candidate whose mean lies in [{100 * rule['band'][0]:.0f}%, {100 * rule['band'][1]:.0f}%] and is closest to "
         f"{100 * rule['target']:.0f}%; a round runs only when the one before it chose none. {verdict}",
         f"`python benchmarks/real_model_task.py choose`, written {result['written']}, {', '.join(cpus)}; each row's code and time:",

@@ -1145,8 +1145,60 @@ def test_the_readmes_real_model_scores_are_the_committed_table():
                 quote = f"{100 * score['mean_at_n']:.1f}% [{100 * score['low']:.1f}, {100 * score['high']:.1f}]"
                 assert_quoted(part, quote)
                 part = part[part.index(quote) + len(quote):]
-                if score["mean_at_n"] == 0:  # zero successes: the Wilson upper bound over the problems, none solved
-                    assert f"Wilson ≤ {100 * wilson_interval(0, row['problems'])[1]:.1f}%" in text
+                if score["mean_at_n"] == 0:  # zero successes: right after the cell, its Wilson upper bound over the problems
+                    bound = f", Wilson ≤ {100 * zero_success_bound(row['problems']):.1f}%"
+                    assert part.startswith(bound), (name, answer_format, part[:60])
+                    part = part[len(bound):]
+                else:
+                    assert not part.lstrip(", ").startswith("Wilson"), (name, answer_format)
+
+
+def zero_success_bound(problems: int) -> float:
+    """The 95% Wilson interval's upper bound for none of ``problems`` solved: z^2 / (problems + z^2)."""
+    z = 1.959963984540054
+    return z * z / (problems + z * z)
+
+
+def test_every_zero_success_cell_of_the_real_models_tables_carries_its_wilson_bound():
+    """tables/real_model/task_choice.md and base_eval.md: a mean of zero (a bootstrap interval of zero width) stands
+    with the Wilson upper bound over its problems (48: 7.4%, 65: 5.6%, 30: 11.4%), every other mean without one; each
+    cell is its JSON row's, and each file is what its generator writes from that JSON now."""
+    assert [f"{100 * zero_success_bound(n):.1f}" for n in (48, 65, 30)] == ["7.4", "5.6", "11.4"]
+    assert zero_success_bound(48) == pytest.approx(wilson_interval(0, 48)[1])
+
+    def cells(path: str) -> dict[tuple[str, str], list[str]]:
+        lines = (ROOT / "tables" / "real_model" / path).read_text().splitlines()
+        rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines if line.startswith("| ")]
+        return {(row[0], row[1]): row for row in rows[1:]}
+
+    def expected(mean: float, low: float, high: float, problems: int) -> str:
+        cell = f"{100 * mean:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+        return cell + (f", Wilson ≤ {100 * zero_success_bound(problems):.1f}%" if mean == 0 else "")
+
+    choice = load_json("tables/real_model/task_choice.json")
+    written = cells("task_choice.md")
+    zeros = 0
+    for number, round_ in enumerate(choice["rounds"], 1):
+        for name, row in round_["rows"].items():
+            cell = written[(f"{number} ({round_['answer_format']})", name)][3]
+            assert cell == expected(row["mean_reward"], row["low"], row["high"], row["problems"]), (number, name, cell)
+            zeros += row["mean_reward"] == 0
+    assert zeros == 4
+    evaluation = load_json("tables/real_model/base_eval.json")["rows"]
+    written = {key[0]: row for key, row in cells("base_eval.md").items()}
+    for name, row in evaluation.items():
+        for column, answer_format in ((3, "strict"), (4, "lenient")):
+            score = row[answer_format]
+            assert written[name][column] == expected(score["mean_at_n"], score["low"], score["high"], row["problems"])
+
+    def benchmark(name: str):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    assert (ROOT / "tables/real_model/task_choice.md").read_text() == benchmark("real_model_task").choice_markdown(choice)
+    assert (ROOT / "tables/real_model/base_eval.md").read_text() == benchmark("real_model_eval").table(evaluation)
 
 
 def test_the_docs_task_choice_is_the_committed_table():

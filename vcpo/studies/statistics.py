@@ -120,6 +120,14 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def percent_cell(mean: float, low: float, high: float, problems: int) -> str:
+    """A mean over problems with its bootstrap interval as a table prints it, '2.6% [0.5, 5.1]'; with no success at
+    all, '0.0% [0.0, 0.0], Wilson ≤ 5.6%': a bootstrap over problems none of which succeeds cannot leave zero, so the
+    Wilson interval's upper bound over the problems (the unit the bootstrap resamples) says how far zero goes."""
+    cell = f"{100 * mean:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+    return cell + (f", Wilson ≤ {100 * wilson_interval(0, problems)[1]:.1f}%" if mean == 0 else "")
+
+
 def roc_auc(scores, labels) -> float:
     """P(score of a positive > score of a negative), ties counted half (Mann-Whitney); nan without both classes."""
     scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
