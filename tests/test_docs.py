@@ -423,6 +423,44 @@ def test_the_lr_5e_5_study_calls_the_papers_result_untested_because_seq_tis_neve
     assert all(low > largest_best / 2 for _, _, low, largest_best in rows), rows
 
 
+def test_the_summaries_give_each_comparisons_detectable_difference_at_holms_first_step():
+    """tables/evidence/summary.md and tables/across_lags/summary.md: beside the detectable difference at 0.05 before
+    Holm, each table of one Holm family gives the one at the level Holm's first step tests at (0.05 / the family's
+    tests), from the comparison's paired SD and pairs in stats.json (the evidence study's Countdown: 15.2, 7.4 and
+    12.9 points for VCPO - seq-TIS, VCPO - ESS step alone and OPOB alone - seq-TIS at 0.05 / 6); each summary is what
+    its report writes from stats.json now."""
+    from vcpo.studies import across_lags_report, evidence_report
+
+    evidence, across = load_json("tables/evidence/stats.json"), load_json("tables/across_lags/stats.json")
+    families = {"tables/evidence/summary.md": [family for entry in evidence["tasks"].values()
+                                               for family in (entry["comparisons"], entry["comparisons_last_quarter"])],
+                "tables/across_lags/summary.md": [across["countdown"][key] for key in ("primary", "same_rate", "tuned", "vcpo_rates")]
+                + [across["tir_confirm"]["comparisons"]]}
+    for path, groups in families.items():
+        text = (ROOT / path).read_text()
+        tables = [block for block in text.split("\n\n") if block.startswith("| a - b |")]
+        assert len(tables) == len(groups)
+        for table, family in zip(tables, groups, strict=True):
+            header, _, *rows = table.splitlines()
+            columns = [cell.strip() for cell in header.strip("|").split("|")]
+            tests = sum("p_holm" in c for c in family)
+            holm_column = columns.index(f"detectable at 90% power, two-sided 0.05 / {tests} (Holm's first step)")
+            plain_column = columns.index("detectable at 90% power, two-sided 0.05 before Holm")
+            for row, c in zip(rows, family, strict=True):
+                cells = [cell.strip() for cell in row.strip("|").split("|")]
+                assert cells[0] == f"{c['a']} - {c['b']}"
+                at_holm = detectable_difference(100 * c["sd"], c["n"], 0.05 / tests, 0.9)
+                assert cells[holm_column] == f"{at_holm:.1f}", (path, cells[0])
+                assert cells[plain_column] == f"{detectable_difference(100 * c['sd'], c['n'], 0.05, 0.9):.1f}"
+                assert tests == 1 or at_holm > detectable_difference(100 * c["sd"], c["n"], 0.05, 0.9)
+    countdown = dict(zip((f"{c['a']} - {c['b']}" for c in evidence["tasks"]["countdown"]["comparisons"]),
+                         evidence["tasks"]["countdown"]["comparisons"], strict=True))
+    assert [f"{detectable_difference(100 * countdown[pair]['sd'], 10, 0.05 / 6, 0.9):.1f}"
+            for pair in ("vcpo - seq_tis", "vcpo - tis_ess", "tis_opob - seq_tis")] == ["15.2", "7.4", "12.9"]
+    assert (ROOT / "tables/evidence/summary.md").read_text() == evidence_report.summary_markdown(evidence)
+    assert (ROOT / "tables/across_lags/summary.md").read_text() == across_lags_report.summary_markdown(across)
+
+
 def test_the_across_lags_registration_quotes_the_power_of_the_realised_sds():
     """recipes/sim/across_lags.md: the paired SDs it names are the evidence table's, and the detectable
     differences it quotes are detectable_difference's of them."""

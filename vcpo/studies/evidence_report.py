@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from vcpo.studies.statistics import ALPHA, detectable_difference
+
 METHOD_LABELS = {"seq_tis_c8": "seq-TIS (c = 8)", "sync": "sync (k = 0)", "vcpo": "VCPO"}
 # question 3's controls (recipes/sim/evidence.yaml), drawn apart from their method's learning-rate line
 CONTROLS = {"seq_tis_vcpo_mean_lr": ("s", "seq-TIS at VCPO's mean rate"),
@@ -64,15 +66,33 @@ def run_statistics_table(arms: dict) -> list[str]:
     return lines
 
 
+def holm_first_step_detectable(c: dict, family: int) -> float | None:
+    """The smallest difference ``c``'s pairs detect with 90% power at the level Holm's first step tests at (two-sided
+    ALPHA / ``family``, the number of tests Holm corrects over), from its paired SD; None where it was not tested, or
+    where no effect up to detectable_difference's largest (20 SDs) reaches that power with so few pairs."""
+    if "p_holm" not in c or c.get("sd") is None:
+        return None
+    if c["sd"] == 0:
+        return 0.0
+    try:
+        return detectable_difference(c["sd"], c["n"], ALPHA / family, 0.9)
+    except ValueError:  # brentq: no root in its range
+        return None
+
+
 def comparison_table(comparisons: list[dict]) -> list[str]:
-    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at 90% power, two-sided 0.05 before Holm | sign test: a > b, p |",
-             "|---|---:|---|---:|---:|---|---:|---:|---|"]
+    """One Holm family's paired comparisons (``comparisons`` is the family: Holm corrects over its tested ones)."""
+    family = sum("p_holm" in c for c in comparisons)
+    lines = ["| a - b | pairs | mean difference, points (95% CI) | p | p (Holm) | verdict | SD of the differences | detectable at "
+             "90% power, two-sided 0.05 before Holm | detectable at 90% power, two-sided 0.05 / "
+             f"{max(family, 1)} (Holm's first step) | sign test: a > b, p |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
     for c in comparisons:
         sign = f"{c['sign_positive']}/{c['sign_n']}, {p_value(c['sign_p'])}" if c.get("sign_n") else "-"
         lines.append(
             f"| {c['a']} - {c['b']} | {c['n']} | {signed_points(c['mean'])} {interval(c['low'], c['high'], signed=True)} | "
             f"{p_value(c['p'])} | {p_value(c.get('p_holm', math.nan))} | {c.get('verdict', 'not tested (fewer than 2 pairs)')} | "
-            f"{points(c.get('sd'))} | {points(c.get('detectable_90'))} | {sign} |"
+            f"{points(c.get('sd'))} | {points(c.get('detectable_90'))} | {points(holm_first_step_detectable(c, family))} | {sign} |"
         )
     return lines
 
