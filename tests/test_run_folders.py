@@ -545,3 +545,24 @@ def test_a_verl_checkpoints_config_is_made_to_say_its_weights_dtype(tmp_path):
     assert label_checkpoint_dtypes(run) == [folders[1] / "config.json"]
     assert json.loads((folders[1] / "config.json").read_text()) == {"model_type": "llama", "dtype": "float32"}
     assert json.loads((folders[3] / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_checkpoint_a_kill_cut_short_is_left_unlabelled_not_an_error(tmp_path):
+    """The launcher labels checkpoints however its run ended: weights cut inside their header, or a torn config, leave
+    that checkpoint as it is (no dtype is claimed for it) and the others are labelled."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vcpo.runs import label_checkpoint_dtypes, weights_dtype
+
+    folders = [tmp_path / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface" for step in (1, 2, 3)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    whole = (folders[0] / "model.safetensors").read_bytes()
+    (folders[0] / "model.safetensors").write_bytes(whole[:20])  # cut inside the header
+    (folders[1] / "config.json").write_text('{"dty')
+    assert weights_dtype(folders[0]) is None and weights_dtype(folders[2]) == "float32"
+    assert label_checkpoint_dtypes(tmp_path) == [folders[2] / "config.json"]
+    assert (folders[1] / "config.json").read_text() == '{"dty'

@@ -342,6 +342,42 @@ def test_a_relaunch_resumes_only_a_run_verl_resumes_and_overwrite_starts_over(tm
     assert json.loads((out / "launch.json").read_text())["command"] == started[-1]
 
 
+@pytest.mark.parametrize("ending", ["failed", "interrupted"])
+def test_a_failed_or_interrupted_runs_checkpoints_say_their_weights_dtype(tmp_path, capsys, monkeypatch, tiny_model_dir,
+                                                                         ending):
+    """verl labels a checkpoint bfloat16 whatever its weights: the launcher relabels them however its run ends (a
+    failure's exit code, Ctrl-C), and a checkpoint a kill cut short (a torn config) is left as it is without hiding
+    how the run ended."""
+    import torch
+    from safetensors.torch import save_file
+
+    import vcpo.launch.cpu as launcher
+    from vcpo.verl_plugin.cpu.recipe import write_data
+
+    def verl_saves_then_ends(command, env, out, steps):
+        for step, config in ((1, json.dumps({"model_type": "qwen2", "dtype": "bfloat16"})), (2, '{"model_ty')):
+            weights = out / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+            weights.mkdir(parents=True)
+            save_file({"w": torch.zeros(2)}, weights / "model.safetensors")
+            (weights / "config.json").write_text(config)
+        if ending == "interrupted":
+            raise KeyboardInterrupt
+        return 1
+
+    monkeypatch.setattr(launcher, "run_quietly", verl_saves_then_ends)
+    paths = write_data(tmp_path / "data")
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--model", str(tiny_model_dir), "--train", str(paths["train"]), "--val", str(paths["val"])]
+    if ending == "interrupted":
+        with pytest.raises(KeyboardInterrupt):
+            launcher.main(argv)
+    else:
+        assert launcher.main(argv) == 1
+    checkpoint = out / "checkpoints" / "global_step_{}" / "actor" / "huggingface" / "config.json"
+    assert json.loads(Path(str(checkpoint).format(1)).read_text())["dtype"] == "float32"
+    assert Path(str(checkpoint).format(2)).read_text() == '{"model_ty'
+
+
 def test_a_launch_builds_its_run_once_and_writes_its_model_and_prompts_once(tmp_path, capsys, monkeypatch):
     """One composition, one check (one line of verl's validate_config), and the random model and prompts written once,
     in the run folder, after which the files the run reads are checked: a --train that is not there is refused."""

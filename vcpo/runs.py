@@ -81,26 +81,35 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F
 
 def weights_dtype(folder: Path) -> str | None:
     """The dtype of the floating-point tensors of a Hugging Face folder's safetensors files (their headers only);
-    None when they have none or more than one."""
+    None when they have none or more than one, or a header cannot be read (a file a killed save cut short)."""
     dtypes = set()
     for path in Path(folder).glob("*.safetensors"):
-        with open(path, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        dtypes |= {SAFETENSORS_DTYPES[entry["dtype"]] for name, entry in header.items()
-                   if name != "__metadata__" and entry["dtype"] in SAFETENSORS_DTYPES}
+        try:
+            with open(path, "rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+            dtypes |= {SAFETENSORS_DTYPES[entry["dtype"]] for name, entry in header.items()
+                       if name != "__metadata__" and entry["dtype"] in SAFETENSORS_DTYPES}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def label_checkpoint_dtypes(run: str | Path) -> list[Path]:
     """Make each verl checkpoint's Hugging Face ``config.json`` say the dtype its weights have (verl saves the config
-    with bfloat16 whatever the weights are: float32 on CPU); returns the configs changed."""
+    with bfloat16 whatever the weights are: float32 on CPU); returns the configs changed. A checkpoint a killed run cut
+    short (weights or config that cannot be read) is left as it is: the launcher calls this however its run ended."""
     changed = []
     for weights in sorted(path for parts in VERL_HF_WEIGHTS
                           for path in (Path(run) / VERL_CHECKPOINTS).glob(f"global_step_*/{'/'.join(parts)}")):
         config_file, dtype = weights / CONFIG_FILE, weights_dtype(weights)
         if dtype is None or not config_file.is_file():
             continue
-        config = json.loads(config_file.read_text())
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(config, dict):
+            continue
         if config.get("dtype", config.get("torch_dtype")) != dtype:
             config.update({key: dtype for key in ("dtype", "torch_dtype") if key in config} or {"dtype": dtype})
             config_file.write_text(json.dumps(config, indent=2) + "\n")

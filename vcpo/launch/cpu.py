@@ -202,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                 write()
             check_files(config)
             write_launch_record(run, out, config, cmd, run_environment(run))
-            code = run_quietly(cmd, env, out, args.steps)
+            try:
+                code = run_quietly(cmd, env, out, args.steps)
+            finally:  # a failed or interrupted run's checkpoints too: verl labels each bfloat16 whatever its weights
+                label_checkpoint_dtypes(out)
     except (LaunchError, PackagedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    label_checkpoint_dtypes(out)
     return code
 
 
