@@ -228,6 +228,53 @@ def declare_from_git(path: Path, rows_key: str | None = None) -> int:
     return declared
 
 
+# -- what a folder's provenance.json keeps for its files that cannot hold a record (markdown row tables, logs) ------
+# One file per table folder, FOLDER_RECORD: a record at its top level is the whole folder's run (every file in it came
+# from that run); under "files", each named file's own record (or a list of them, one per run the file holds): the
+# RECORDED fields the file states in its own text (or in the committed file its "source" names), transcribed, and
+# the rest declared in ``not_recorded`` with what git history shows instead.
+FOLDER_RECORD = "provenance.json"
+FOLDER_ABOUT = ("What produced each file of this folder that cannot carry a record of its own (a markdown row table, a "
+                "log): the fields its text states (or the committed file named as its source), and those it does not "
+                "record declared with what git history shows instead (python -m vcpo.provenance declare-files; "
+                "tests/test_table_provenance.py checks each).")
+
+
+def file_records(entry: dict | list) -> list[dict]:
+    """The records of one file's entry under "files": one, or one per run the file holds."""
+    return entry if isinstance(entry, list) else [entry]
+
+
+def declare_files(paths: list[Path]) -> int:
+    """Give each committed file of ``paths`` an entry in its folder's FOLDER_RECORD (made if missing): the fields an
+    existing entry records are kept; the RECORDED fields it lacks are declared with the commit that first added the
+    file and the one that last changed it (what it holds was measured before the latter). Returns how many records
+    were declared."""
+    declared = 0
+    for path in paths:
+        path = Path(path).resolve()
+        changes = git_changes(path)
+        if not changes:
+            raise SystemExit(f"{path}: git has no history of it, so there is nothing to declare instead")
+        added = git_additions(path).get(str(path), changes[0])
+        record_path = path.parent / FOLDER_RECORD
+        document = json.loads(record_path.read_text()) if record_path.exists() else {"about": FOLDER_ABOUT}
+        entry = document.setdefault("files", {}).setdefault(path.name, {})
+        for record in file_records(entry):
+            missing = unrecorded({key: value for key, value in record.items() if key != "not_recorded"})
+            if missing:
+                record["not_recorded"] = {"fields": missing, "git_shows": {
+                    "added": added, "last_changed": changes[-1],
+                    "reading": "the commits that first added the file and last changed it: what it holds was measured "
+                               "before the last"}}
+                declared += 1
+            else:
+                record.pop("not_recorded", None)
+        document["files"] = dict(sorted(document["files"].items()))
+        record_path.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
+    return declared
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -237,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     declare = commands.add_parser("declare", help="add not_recorded to each record of FILE that lacks a field")
     declare.add_argument("files", nargs="+", type=Path)
     declare.add_argument("--rows", help="the key of FILE's object whose values are its rows (each a record)")
+    files = commands.add_parser("declare-files", help=f"give each FILE (a markdown table, a log) an entry in its folder's "
+                                f"{FOLDER_RECORD}: the fields its entry records kept, the rest declared from git")
+    files.add_argument("files", nargs="+", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "declare-files":
+        print(f"{declare_files(args.files)} records declared")
+        return 0
     for path in args.files:
         print(f"{path}: {declare_from_git(path, args.rows)} records declared")
     return 0
