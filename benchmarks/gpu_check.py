@@ -2,8 +2,8 @@
 
     python benchmarks/gpu_check.py --out gpu_check/          # one CUDA GPU, about 10 minutes
 
-Three parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json (with the commit,
-the start and finish and the host's CPU):
+Its parts, each in its own process, each logged under OUT and summarised in OUT/gpu_check.json (with the commit,
+the start and finish and the host's CPU, which OUT/provenance.json states for every file of the folder):
   overhead    benchmarks/opob_overhead.py on a 0.5B Qwen2 (Qwen2-0.5B shapes, random weights) in bf16 at
               T = 2048: step time, peak memory and ATen operators dispatched of the single-backward OPOB step
               (the engine's: split combination, a baseline per group),
@@ -54,7 +54,7 @@ import torch
 
 from vcpo.actor_memory import CUDA_OVERHEAD_BYTES, FRAGMENTATION_MARGIN, optimizer_temporaries
 from vcpo.cli import shrink_problem
-from vcpo.provenance import output_record, utc_now
+from vcpo.provenance import FOLDER_RECORD, output_record, utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 L2_SIZED_BLOCK_MB = 16  # a third of an H100's L2, where a block's passes stay in cache
@@ -265,6 +265,9 @@ def run_parts(args: argparse.Namespace) -> bool:
     result["megatron"] = megatron(args, args.out)
     result["provenance"] = output_record(started)  # the code's commit, when the check ran, and the host's CPU
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    # the logs and profiles beside it cannot carry a record: the folder's record says they all came from this run
+    folder_record = {"about": "every file of this folder came from the one GPU check that wrote gpu_check.json", **result["provenance"]}
+    (args.out / FOLDER_RECORD).write_text(json.dumps(folder_record, indent=1) + "\n")
     print(json.dumps({part: {k: v for k, v in result[part].items() if k != "command"} for part in PARTS}, indent=2, default=str))
     return all(result[part]["exit"] in (0, "skipped") for part in PARTS)
 

@@ -182,13 +182,18 @@ def test_a_gpu_check_replaces_the_committed_check_only_when_every_part_passes(tm
     monkeypatch.setattr(module, "shrink_problem", lambda *args, **kwargs: None)  # sizes are the other test's
     code = module.main(["--out", str(out), "--device", "cpu", "--model", "0.1m", "--seq-len", "64", "--repeats", "1"])
     assert code == part_exit
-    written = {f"{name}.log" for name in module.PARTS} | {"gpu_check.json"}
+    written = {f"{name}.log" for name in module.PARTS} | {"gpu_check.json", "provenance.json"}
     if part_exit:
         assert folder_files(out) == committed
         assert {path.name for path in (tmp_path / "gpu_check.failed").iterdir()} == written
     else:
         assert {path.name for path in out.iterdir()} == written and not (tmp_path / "gpu_check.failed").exists()
         assert (out / "overhead.log").read_text() == "new overhead"
+        # the new logs, which the committed folder's provenance.json no longer names, are the new run's, as it says
+        from vcpo.provenance import unrecorded
+
+        folder_record = json.loads((out / "provenance.json").read_text())
+        assert not unrecorded(folder_record) and folder_record["commit"] == json.loads((out / "gpu_check.json").read_text())["provenance"]["commit"]
     assert not (tmp_path / ".gpu_check.before").exists()
 
 
