@@ -268,7 +268,7 @@ def test_the_real_model_trains_its_registered_task_by_default(tmp_path, capsys, 
     import vcpo.launch.cpu as launcher
     from vcpo.recipes import read_yaml, recipes_dir
 
-    monkeypatch.setattr(launcher, "packaged_model", lambda name: tmp_path / "cache" / name)
+    monkeypatch.setattr(launcher, "packaged_model", lambda name, **_: tmp_path / "cache" / name)
     default = read_yaml(recipes_dir() / launcher.PRETRAINED_DEFAULT)
     out, training = tmp_path / "run", default["training"]
     argv = ["--out", str(out), "--model", "smollm2-135m-instruct", "--lag", "12", "--steps", "60", "--save-every", "20"]
@@ -290,6 +290,28 @@ def test_the_real_model_trains_its_registered_task_by_default(tmp_path, capsys, 
     assert last("+reward.custom_reward_function.reward_kwargs.answer_format") == default["answer_format"]
     assert (last("trainer.test_freq"), last("trainer.save_freq")) == (str(training["validation"]["every"]), "20")
     assert not out.exists()
+
+
+def test_printing_a_pretrained_models_command_fetches_nothing(tmp_path, capsys, monkeypatch):
+    """--print with a pretrained model not in the (empty) model cache: the command names the folder the model would
+    have, a note says it is not fetched yet, and nothing is downloaded or written."""
+    import vcpo.local_models
+    from vcpo.launch.cpu import main
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("--print fetched the model")
+
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(vcpo.local_models, "_build", no_download)
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--model", "smollm2-135m-instruct", "--print"]) == 0
+    printed = capsys.readouterr()
+    folder = tmp_path / "cache" / "models" / "smollm2-135m-instruct"
+    assert f"actor_rollout_ref.model.path={folder}" in shlex.split(printed.out)
+    notes = [line for line in printed.err.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: smollm2-135m-instruct is not fetched yet: the command reads it from {folder}, where a launch "
+                     "without --print fetches it (or `python -m vcpo.local_models fetch smollm2-135m-instruct`)"]
+    assert not folder.exists() and not out.exists()
 
 
 @pytest.mark.parametrize("keep", [False, True])

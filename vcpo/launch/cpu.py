@@ -48,7 +48,13 @@ from vcpo.launch import (
     write_launch_record,
 )
 from vcpo.launch.console import VERL_LOG, run_quietly
-from vcpo.local_models import PACKAGED_MODELS, PackagedModelError, packaged_model
+from vcpo.local_models import (
+    PACKAGED_MODELS,
+    SOURCE_FILE,
+    PackagedModelError,
+    packaged_model,
+    packaged_model_dir,
+)
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.runs import label_checkpoint_dtypes
 from vcpo.verl_contract import select_cpu_platform
@@ -93,10 +99,25 @@ def write_random_model(folder: Path) -> None:
         subprocess.run([sys.executable, "-m", "vcpo.local_models", str(folder)], check=True, stdout=subprocess.DEVNULL)
 
 
+def pretrained_folder(name: str, fetch: bool) -> Path:
+    """The cached folder of the pretrained model ``name``, fetched once (``fetch``); without ``fetch`` (``--print``, which
+    writes nothing and downloads nothing) the folder it has or would have, saying on stderr when it is not fetched yet."""
+    try:
+        return packaged_model(name, fetch=fetch)
+    except PackagedModelError as error:
+        if fetch:
+            raise
+        folder = packaged_model_dir(name)
+        fetched = (folder / SOURCE_FILE).is_file()  # else damaged: its error says how to rebuild it
+        print(f"note: {error}" if fetched else f"note: {name} is not fetched yet: the command reads it from {folder}, "
+              f"where a launch without --print fetches it (or `python -m vcpo.local_models fetch {name}`)", file=sys.stderr)
+        return folder
+
+
 def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
-    """What the run reads: ``--model`` (a folder, a pretrained model by name: the cached folder, fetched once; else a
-    random model under ``out``) and ``--train`` / ``--val`` (else the registered task's for a pretrained model, else
-    short prompts under ``out``)."""
+    """What the run reads: ``--model`` (a folder, a pretrained model by name: the cached folder, fetched once unless
+    ``--print``; else a random model under ``out``) and ``--train`` / ``--val`` (else the registered task's for a
+    pretrained model, else short prompts under ``out``)."""
     from vcpo.verl_plugin.cpu.recipe import (  # imports verl: after quiet_verl_import when run as the launcher
         data_paths,
         pretrained_task_overrides,
@@ -106,7 +127,7 @@ def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
 
     model, pretrained, writers = args.model, args.model in PACKAGED_MODELS, []
     if pretrained:
-        model = packaged_model(model)
+        model = pretrained_folder(model, fetch=not args.print)
     if model is None:
         model = out / "model"
         writers.append(partial(write_random_model, model))
@@ -178,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         "vcpo.local_models model")
     parser.add_argument("--train", default=None)
     parser.add_argument("--val", default=None)
-    parser.add_argument("--print", action="store_true", help="print the command and exit (writes nothing)")
+    parser.add_argument("--print", action="store_true", help="print the command and exit (writes and fetches nothing: a "
+                        "pretrained model not fetched yet is named by the cache folder it will have)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
     if problem := output_folder_problem(Path(args.out)):
