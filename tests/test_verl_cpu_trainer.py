@@ -314,6 +314,64 @@ def test_printing_a_pretrained_models_command_fetches_nothing(tmp_path, capsys, 
     assert not folder.exists() and not out.exists()
 
 
+def test_the_real_models_run_is_named_and_recorded_by_the_task_that_trains(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    """--model smollm2-135m-instruct without --train / --val trains its registered task: launch.json's task and verl's
+    experiment_name say so (the task recipe it launches with is recorded beside it); --task naming that task is taken,
+    --task naming another is refused in one line with nothing written; a folder holding an earlier run's record (task
+    gsm8k, no recipe) is read and named as another run."""
+    import vcpo.launch.cpu as launcher
+    from vcpo.recipes import read_yaml, recipes_dir
+
+    registered = read_yaml(recipes_dir() / launcher.PRETRAINED_DEFAULT)["task"]
+    monkeypatch.setattr(launcher, "packaged_model", lambda name, **_: tiny_model_dir)
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps, **_: 0)
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--model", "smollm2-135m-instruct"]
+    assert launcher.main(argv) == 0
+    record = json.loads((out / "launch.json").read_text())
+    assert (record["task"], record["recipe"]) == (registered, "gsm8k")
+    assert f"trainer.experiment_name={registered}-vcpo-lag1-seed0" in record["command"]
+    assert launcher.main([*argv[:2], "--out", str(tmp_path / "named"), *argv[2:], "--task", registered, "--print"]) == 0
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert launcher.main(["--out", str(other), "--model", "smollm2-135m-instruct", "--task", "countdown"]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[validate_config]")]
+    assert error == [f"error: --task countdown: smollm2-135m-instruct without --train / --val trains its registered task "
+                     f"{registered} (recipes/{launcher.PRETRAINED_DEFAULT}); leave --task out, or give --train and --val"]
+    assert not other.exists()
+    earlier = {key: value for key, value in record.items() if key != "recipe"} | {"task": "gsm8k"}
+    (out / "launch.json").write_text(json.dumps(earlier))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert launcher.main(argv) == 2
+    assert f"{out} holds another run (gsm8k, vcpo at lag 1, seed 0)" in capsys.readouterr().err
+
+
+def test_the_lag_studys_command_launches_its_task_recipe_with_its_own_prompts(tmp_path, capsys, monkeypatch):
+    """The real model's lag study launches `--task gsm8k --model smollm2-135m-instruct --train ... --val ...` (its own
+    prompts): that command still builds, and records the task recipe it names, as its earlier runs' launch.json do."""
+    import vcpo.launch.cpu as launcher
+    from vcpo.data import load_rows
+    from vcpo.studies import real_model_lag as study
+
+    monkeypatch.setattr(launcher, "packaged_model", lambda name, **_: tmp_path / "cache" / name)
+    design, task = read_yaml_design(), "sums_2digit_brief"
+    command, out = study.real_model_run_command("vcpo", 12, 100, {**design["training"], "max_response_length": 64,
+                                                "temperature": 1.0}, task, "lenient", load_rows(task, "test")[:4],
+                                                tmp_path / "run", tmp_path / "data")
+    cut = command.index("--")
+    assert command[command.index("--task") + 1] == "gsm8k"
+    assert launcher.main([*command[3:cut], "--print", *command[cut:]]) == 0
+    words = shlex.split(capsys.readouterr().out)
+    assert "trainer.experiment_name=gsm8k-vcpo-lag12-seed100" in words
+    assert f"data.train_files=[{tmp_path / 'data' / task / 'train.parquet'}]" in words
+
+
+def read_yaml_design() -> dict:
+    from vcpo.recipes import read_yaml, recipes_dir
+
+    return read_yaml(recipes_dir() / "real_model_lag.yaml")
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_checkpoints_keep_the_optimizers_state_and_resume_only_when_asked(tmp_path, capsys, keep):
     """Without --keep-optimizer the checkpoints hold the weights (sharded and Hugging Face) and no optimizer state, and

@@ -35,8 +35,10 @@ def overwriting(command: list[str]) -> list[str]:
 
 def launch_record(run: Run, config, verl_command: list[str], environment: dict[str, str]) -> dict:
     """What starts the run, with the GPUs its composed config holds (the tables cost runs by them, and read a run with
-    this record as a verl run)."""
-    record = {"task": run.task.name, "method": run.method.name, "lag": run.lag, "seed": run.seed}
+    this record as a verl run). ``task`` is the task that trains; a run whose task is not its recipe's (a pretrained
+    model's registered task on CPU) names its task recipe in ``recipe`` (records before it have no ``recipe``)."""
+    record = {"task": run.trained_task, **({"recipe": run.task.name} if run.trains else {}), "method": run.method.name,
+              "lag": run.lag, "seed": run.seed}
     return record | {"gpus": gpus_needed(config), "command": verl_command, "env": environment}
 
 

@@ -23,12 +23,12 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from vcpo.cli import output_folder_problem
-from vcpo.data import load_rows
+from vcpo.data import DATASETS, load_rows
 from vcpo.launch import (
     EXTERNAL_MODULES,
     OVERWRITE_HELP,
@@ -60,6 +60,7 @@ from vcpo.runs import label_checkpoint_dtypes
 from vcpo.verl_contract import select_cpu_platform
 
 PRETRAINED_DEFAULT = "real_model_launch.yaml"  # what a pretrained model trains on without --train / --val
+DEFAULT_TASK = "gsm8k"  # the task recipe of --task when none is given
 LAYOUT = f"""what --out holds:
   launch.json               the run, its composed config and command (as python -m vcpo.launch writes it)
   {VERL_LOG:<25} verl's own output (the terminal shows start-up, one line per step and where things went)
@@ -114,6 +115,26 @@ def pretrained_folder(name: str, fetch: bool) -> Path:
         return folder
 
 
+def registered_task(args: argparse.Namespace) -> str | None:
+    """The pretrained model's registered task (recipes/real_model_launch.yaml) when it is what trains: a pretrained
+    ``--model`` without ``--train`` / ``--val``; else None."""
+    if args.model not in PACKAGED_MODELS or args.train is not None or args.val is not None:
+        return None
+    return read_yaml(recipes_dir() / PRETRAINED_DEFAULT)["task"]
+
+
+def task_recipe(args: argparse.Namespace, registered: str | None) -> str:
+    """The ``vcpo.launch`` task recipe of the run: ``--task`` (default gsm8k); for a pretrained model's registered task,
+    the recipe of its kind of reward (countdown for Countdown's, else gsm8k's: as the lag study launches it), and an
+    explicit ``--task`` that names another task refused, since it is not what would train."""
+    if registered is None:
+        return args.task or DEFAULT_TASK
+    if args.task not in (None, registered):
+        raise LaunchError(f"--task {args.task}: {args.model} without --train / --val trains its registered task "
+                          f"{registered} (recipes/{PRETRAINED_DEFAULT}); leave --task out, or give --train and --val")
+    return "countdown" if DATASETS[registered].data_source == "countdown" else DEFAULT_TASK
+
+
 def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
     """What the run reads: ``--model`` (a folder, a pretrained model by name: the cached folder, fetched once unless
     ``--print``; else a random model under ``out``) and ``--train`` / ``--val`` (else the registered task's for a
@@ -131,7 +152,7 @@ def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
     if model is None:
         model = out / "model"
         writers.append(partial(write_random_model, model))
-    if pretrained and args.train is None and args.val is None:
+    if registered_task(args) is not None:
         default = read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
         val_rows = load_rows(default["task"], default["validation_split"])[: default["training"]["validation"]["problems"]]
         paths = write_task_data(default["task"], val_rows, out / "data", write=False)
@@ -153,7 +174,10 @@ def build(args: argparse.Namespace, extra: list[str]):
     out = Path(args.out).resolve()
     # a few CPU steps would not reach the task's lag: 1 unless asked (or fixed by the preset)
     # the actor strategy of `-- actor_rollout_ref.actor.strategy=...` (fsdp2 unless megatron is asked for)
-    run = make_run(args.task, args.method, args.lag, args.seed, output_dir=out, default_lag=1, strategy=strategy_of(extra))
+    registered = registered_task(args)
+    run = make_run(task_recipe(args, registered), args.method, args.lag, args.seed, output_dir=out, default_lag=1,
+                   strategy=strategy_of(extra))
+    run = replace(run, trains=registered)  # its name (verl's experiment_name) and launch record say what trains
     inputs = run_inputs(args, out)
     env = environment(out, run_environment(run), pretrained=inputs.pretrained)
     strategy = actor_strategy(run)
@@ -185,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vcpo.launch.cpu", description=__doc__.split("\n\n")[1],
                                      epilog=LAYOUT, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="run folder (model, data, metrics.jsonl, checkpoints)")
-    parser.add_argument("--task", default="gsm8k", help="vcpo.launch task recipe")
+    parser.add_argument("--task", default=None, help=f"vcpo.launch task recipe (default {DEFAULT_TASK}); a pretrained "
+                        "--model without --train / --val trains its registered task, which --task may only name")
     parser.add_argument("--method", default="vcpo", help="method preset (vcpo: seq-TIS + OPOB + ESS step size)")
     parser.add_argument("--lag", type=int, default=None, help="policy lag k (0: verl's sync trainer; k >= 1: separate_async); default 1")
     parser.add_argument("--seed", type=int, default=0)

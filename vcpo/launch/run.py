@@ -41,10 +41,17 @@ class Run:
     data_dir: Path = Path("data")
     output_dir: Path = Path("results/verl")
     strategy: str | None = None  # the actor's verl strategy; None: the method's (StepRule.strategies[0]), else fsdp2
+    # the data task that trains in the recipe's place (a pretrained model's registered task on CPU); None: the recipe's
+    trains: str | None = None
+
+    @property
+    def trained_task(self) -> str:
+        """The task whose prompts and reward the run trains on: what its name and launch record say."""
+        return self.trains or self.task.name
 
     @property
     def name(self) -> str:
-        return f"{self.task.name}-{self.method.name}-lag{self.lag}-seed{self.seed}"
+        return f"{self.trained_task}-{self.method.name}-lag{self.lag}-seed{self.seed}"
 
     @property
     def run_dir(self) -> Path:
