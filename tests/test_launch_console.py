@@ -4,6 +4,7 @@ the closing lines; driven by a scripted process and a scripted clock, not by ver
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -76,14 +77,36 @@ def test_following_a_run_prints_each_milestone_once_then_each_step_and_returns_t
     assert said.index(heartbeat) < said.index(steps[0])
 
 
+def pasted(line: str, prefix: str) -> list[str]:
+    """The command a closing line gives after ``prefix``, as a shell reads it, without ``python -m``."""
+    assert line.startswith(prefix), line
+    words = shlex.split(line[len(prefix):])
+    assert words[:2] == ["python", "-m"], words
+    return words[2:]
+
+
 def test_the_closing_lines_name_the_metrics_the_checkpoint_and_the_commands_or_the_failure(tmp_path):
-    weights = tmp_path / "checkpoints" / "global_step_4" / "actor" / "huggingface"
+    """The evaluation command the closing lines print is read by the evaluation's own parser as it stands (every
+    required argument there, the run folder read as its last checkpoint, the benchmark one of recipes/benchmarks.yaml);
+    a run whose prompts are no benchmark is told so, with no command that would fail."""
+    from vcpo.evaluation.__main__ import BENCHMARKS_FILE, parse_args
+    from vcpo.evaluation.harness import load_benchmarks
+
+    run = tmp_path / "my run"  # a path a shell must be given quoted
+    weights = run / "checkpoints" / "global_step_4" / "actor" / "huggingface"
     weights.mkdir(parents=True)
     (weights / "config.json").write_text("{}")
-    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
-    done = console.closing_lines(tmp_path, 0)
-    assert str(tmp_path / "metrics.jsonl") in done[0] and done[1] == f"last checkpoint: {weights}"
-    assert f"python -m vcpo.evaluation --model {tmp_path}" in done[2] and "vcpo.reporting curves" in done[3]
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    done = console.closing_lines(run, 0, "sums_2digit_brief")
+    assert str(run / "metrics.jsonl") in done[0] and done[1] == f"last checkpoint: {weights}"
+    module, *arguments = pasted(done[2], "evaluate it: ")
+    args = parse_args(arguments)  # a missing required argument ends the test here (SystemExit)
+    assert module == "vcpo.evaluation" and args.model == str(weights) and args.out == run / "eval"
+    assert [benchmark.name for benchmark in load_benchmarks(BENCHMARKS_FILE, args.benchmark_names)] == ["sums_2digit_brief"]
+    assert pasted(done[3], "draw its curves: ") == ["vcpo.reporting", "curves", str(run), "--out", str(run / "curves.png")]
+    unnamed = console.closing_lines(run, 0)
+    assert unnamed[2].startswith("evaluate it: its prompts") and "no held-out benchmark" in unnamed[2]
+    assert "--model" not in unnamed[2] and len(unnamed) == len(done)
     (tmp_path / console.VERL_LOG).write_text("".join(f"line {n}\n" for n in range(100)) + "RuntimeError: boom\n")
     failed = console.closing_lines(tmp_path, 1)
     assert failed[-2] == "RuntimeError: boom" and len(failed) == console.TAIL_LINES + 1
@@ -132,3 +155,26 @@ def test_a_launcher_killed_outright_takes_verls_trainer_with_it(tmp_path):
             return
         time.sleep(0.1)
     pytest.fail(f"verl's stand-in (pid {trainer}) outlived its killed launcher")
+
+
+def test_the_help_and_the_docs_give_an_evaluation_command_that_parses(tmp_path):
+    """`python -m vcpo.launch.cpu --help` and docs/verl.md give the command that evaluates a run's last checkpoint:
+    with the run folder in place of their placeholder, the evaluation's own parser takes it as it stands, on the
+    registered task's benchmark."""
+    import re
+
+    from vcpo.evaluation.__main__ import parse_args
+    from vcpo.launch.cpu import layout
+
+    weights = tmp_path / "checkpoints" / "global_step_2" / "actor" / "huggingface"
+    weights.mkdir(parents=True)
+    (weights / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    [helped] = [line.strip() for line in layout().splitlines() if "vcpo.evaluation" in line]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "verl.md").read_text()
+    [documented] = re.findall(r"`(python -m vcpo\.evaluation --model DIR[^`]*)`", docs)
+    for command, placeholder in ((helped, "OUT"), (documented, "DIR")):
+        words = [word.replace(placeholder, str(tmp_path)) for word in shlex.split(command)]
+        assert words[:3] == ["python", "-m", "vcpo.evaluation"], command
+        args = parse_args(words[3:])
+        assert (args.model, args.benchmark_names, args.out) == (str(weights), ["sums_2digit_brief"], tmp_path / "eval")

@@ -324,10 +324,12 @@ def test_the_real_models_run_is_named_and_recorded_by_the_task_that_trains(tmp_p
 
     registered = read_yaml(recipes_dir() / launcher.PRETRAINED_DEFAULT)["task"]
     monkeypatch.setattr(launcher, "packaged_model", lambda name, **_: tiny_model_dir)
-    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps, **_: 0)
+    benchmarks = []
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps, benchmark: benchmarks.append(benchmark) or 0)
     out = tmp_path / "run"
     argv = ["--out", str(out), "--model", "smollm2-135m-instruct"]
     assert launcher.main(argv) == 0
+    assert benchmarks == [registered]  # the closing lines' evaluation command: the benchmark of its held-out split
     record = json.loads((out / "launch.json").read_text())
     assert (record["task"], record["recipe"]) == (registered, "gsm8k")
     assert f"trainer.experiment_name={registered}-vcpo-lag1-seed0" in record["command"]
@@ -399,7 +401,7 @@ def test_a_relaunch_resumes_only_a_run_verl_resumes_and_overwrite_starts_over(tm
     from vcpo.verl_plugin.cpu.recipe import write_data
 
     started = []
-    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps: started.append(command) or 0)
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps, **_: started.append(command) or 0)
     paths = write_data(tmp_path / "data")
     out = tmp_path / "run"
     argv = ["--out", str(out), "--model", str(tiny_model_dir), "--train", str(paths["train"]), "--val", str(paths["val"])]
@@ -434,7 +436,7 @@ def test_a_failed_or_interrupted_runs_checkpoints_say_their_weights_dtype(tmp_pa
     import vcpo.launch.cpu as launcher
     from vcpo.verl_plugin.cpu.recipe import write_data
 
-    def verl_saves_then_ends(command, env, out, steps):
+    def verl_saves_then_ends(command, env, out, steps, **_):
         for step, config in ((1, json.dumps({"model_type": "qwen2", "dtype": "bfloat16"})), (2, '{"model_ty')):
             weights = out / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
             weights.mkdir(parents=True)
@@ -476,9 +478,11 @@ def test_a_launch_builds_its_run_once_and_writes_its_model_and_prompts_once(tmp_
     monkeypatch.setattr(launcher, "check", counted("check", launcher.check))
     monkeypatch.setattr(launcher, "write_random_model", counted("model", lambda folder: folder.mkdir(parents=True)))
     monkeypatch.setattr(recipe, "write_data", counted("prompts", recipe.write_data))
-    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps: 0)
+    benchmarks = []
+    monkeypatch.setattr(launcher, "run_quietly", lambda command, env, out, steps, benchmark: benchmarks.append(benchmark) or 0)
     out = tmp_path / "run"
     assert launcher.main(["--out", str(out)]) == 0
+    assert benchmarks == [None]  # a random model's prompts: no held-out benchmark for the closing lines to name
     printed = capsys.readouterr()
     assert calls == {"compose": 1, "check": 1, "model": 1, "prompts": 1}
     assert (printed.out + printed.err).count("[validate_config]") == 1

@@ -7,12 +7,15 @@ verl writes — its log (start-up milestones) and ``metrics.jsonl`` (one record 
   start-up   12 s  Ray started
   step  1/60  score 0.188  ESS 0.94  staleness 0  41.2 s
   step 10/60  score 0.312  held-out 27.0%  ESS 0.62  lr x0.81  staleness 9  38.0 s
-  done: metrics runs/x/metrics.jsonl; last checkpoint runs/x/checkpoints/global_step_60/actor/huggingface
+  done: metrics runs/x/metrics.jsonl; verl's output runs/x/main_ppo.log
+  last checkpoint: runs/x/checkpoints/global_step_60/actor/huggingface
+  evaluate it: python -m vcpo.evaluation --model runs/x --benchmarks sums_2digit_brief --out runs/x/eval
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -108,22 +111,35 @@ def follow(process: subprocess.Popen, out: Path, total_steps: int, say: Callable
         time.sleep(poll_s)
 
 
-def closing_lines(out: Path, code: int) -> list[str]:
-    """Where the run's results went and the commands that read them; on a failure, the end of verl's log."""
+def evaluation_command(out: Path, benchmark: str) -> list[str]:
+    """The command that evaluates the last checkpoint of the run folder ``out`` on ``benchmark`` (recipes/benchmarks.yaml)
+    into ``out/eval``."""
+    return ["python", "-m", "vcpo.evaluation", "--model", str(out), "--benchmarks", benchmark, "--out", str(out / "eval")]
+
+
+def closing_lines(out: Path, code: int, benchmark: str | None = None) -> list[str]:
+    """Where the run's results went and the commands that read them: the evaluation's on ``benchmark``, the held-out
+    benchmark of the task the run trained (None: its prompts are none, and the line says so); on a failure, the end of
+    verl's log."""
     if code:
         lines = (out / VERL_LOG).read_text(errors="replace").splitlines()[-TAIL_LINES:] if (out / VERL_LOG).is_file() else []
         return [*lines, f"verl's trainer exited with {code}; its whole output: {out / VERL_LOG}"]
     checkpoint = verl_hf_checkpoint(out)
+    evaluate = (f"evaluate it: {shlex.join(evaluation_command(out, benchmark))}" if benchmark else
+                "evaluate it: its prompts (a random model's, or --train / --val) are no held-out benchmark; to evaluate "
+                "it on one of recipes/benchmarks.yaml, see python -m vcpo.evaluation --help")
+    curves = ["python", "-m", "vcpo.reporting", "curves", str(out), "--out", str(out / "curves.png")]
     return [
         f"done: metrics {out / METRICS_FILE}; verl's output {out / VERL_LOG}",
         f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint saved (--save-every, or a run of 0 steps)",
-        *([f"evaluate it: python -m vcpo.evaluation --model {out} --out {out / 'eval'}"] if checkpoint else []),
-        f"draw its curves: python -m vcpo.reporting curves {out} --out {out / 'curves.png'}",
+        *([evaluate] if checkpoint else []),
+        f"draw its curves: {shlex.join(curves)}",
     ]
 
 
-def run_quietly(command: list[str], env: dict[str, str], out: Path, total_steps: int) -> int:
-    """Run verl's trainer with its output in ``out/main_ppo.log`` and this module's lines on the terminal."""
+def run_quietly(command: list[str], env: dict[str, str], out: Path, total_steps: int, benchmark: str | None = None) -> int:
+    """Run verl's trainer with its output in ``out/main_ppo.log`` and this module's lines on the terminal (``benchmark``:
+    the held-out benchmark the closing lines' evaluation command names, as in `closing_lines`)."""
     print(f"verl's trainer is starting (start-up takes minutes on CPU); its output: {out / VERL_LOG}", flush=True)
     with open(out / VERL_LOG, "wb") as handle:
         # killed without a chance to clean up (SIGKILL), this launcher still takes verl's trainer with it
@@ -135,6 +151,6 @@ def run_quietly(command: list[str], env: dict[str, str], out: Path, total_steps:
             process.terminate()
             process.wait()
             raise
-    for line in closing_lines(out, code):
+    for line in closing_lines(out, code, benchmark):
         print(line, file=sys.stderr if code else sys.stdout, flush=True)
     return code

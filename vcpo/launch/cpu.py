@@ -47,7 +47,7 @@ from vcpo.launch import (
     strategy_of,
     write_launch_record,
 )
-from vcpo.launch.console import VERL_LOG, run_quietly
+from vcpo.launch.console import VERL_LOG, evaluation_command, run_quietly
 from vcpo.local_models import (
     PACKAGED_MODELS,
     SOURCE_FILE,
@@ -61,12 +61,19 @@ from vcpo.verl_contract import select_cpu_platform
 
 PRETRAINED_DEFAULT = "real_model_launch.yaml"  # what a pretrained model trains on without --train / --val
 DEFAULT_TASK = "gsm8k"  # the task recipe of --task when none is given
-LAYOUT = f"""what --out holds:
+
+
+def layout() -> str:
+    """What ``--out`` holds (``--help``'s epilog), with the command that evaluates the real model's checkpoint."""
+    evaluate = shlex.join(evaluation_command(Path("OUT"), held_out_benchmark(registered_default()) or "BENCHMARK"))
+    return f"""what --out holds:
   launch.json               the run, its composed config and command (as python -m vcpo.launch writes it)
   {VERL_LOG:<25} verl's own output (the terminal shows start-up, one line per step and where things went)
   metrics.jsonl             verl's metrics, one line per step (step 0: a validation before training)
   checkpoints/global_step_N/actor/huggingface   the weights at step N (every --save-every steps, and the last);
-                            python -m vcpo.evaluation --model <--out> evaluates the last one
+                            {evaluate}
+                            (OUT: --out) evaluates the last one on a pretrained model's registered task; the
+                            run's closing lines print its command, or say that its prompts are no benchmark
   data/                     the prompts it trained and validated on (unless --train / --val)
   model/                    the random model (unless --model)"""
 
@@ -115,12 +122,25 @@ def pretrained_folder(name: str, fetch: bool) -> Path:
         return folder
 
 
+def registered_default() -> dict:
+    """What a pretrained model trains without --train / --val: recipes/real_model_launch.yaml."""
+    return read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
+
+
 def registered_task(args: argparse.Namespace) -> str | None:
     """The pretrained model's registered task (recipes/real_model_launch.yaml) when it is what trains: a pretrained
     ``--model`` without ``--train`` / ``--val``; else None."""
     if args.model not in PACKAGED_MODELS or args.train is not None or args.val is not None:
         return None
-    return read_yaml(recipes_dir() / PRETRAINED_DEFAULT)["task"]
+    return registered_default()["task"]
+
+
+def held_out_benchmark(default: dict) -> str | None:
+    """The benchmark of recipes/benchmarks.yaml that reads the registered task's held-out split (what its training
+    validates on), the one the closing lines' evaluation command names; None when there is none."""
+    benchmarks = read_yaml(recipes_dir() / "benchmarks.yaml")["benchmarks"]
+    return next((name for name, spec in benchmarks.items()
+                 if (spec["task"], spec["split"]) == (default["task"], default["validation_split"])), None)
 
 
 def task_recipe(args: argparse.Namespace, registered: str | None) -> str:
@@ -153,7 +173,7 @@ def run_inputs(args: argparse.Namespace, out: Path) -> Inputs:
         model = out / "model"
         writers.append(partial(write_random_model, model))
     if registered_task(args) is not None:
-        default = read_yaml(recipes_dir() / PRETRAINED_DEFAULT)
+        default = registered_default()
         val_rows = load_rows(default["task"], default["validation_split"])[: default["training"]["validation"]["problems"]]
         paths = write_task_data(default["task"], val_rows, out / "data", write=False)
         writers.append(partial(write_task_data, default["task"], val_rows, out / "data"))
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(prog="python -m vcpo.launch.cpu", description=__doc__.split("\n\n")[1],
-                                     epilog=LAYOUT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=layout(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="run folder (model, data, metrics.jsonl, checkpoints)")
     parser.add_argument("--task", default=None, help=f"vcpo.launch task recipe (default {DEFAULT_TASK}); a pretrained "
                         "--model without --train / --val trains its registered task, which --task may only name")
@@ -250,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             check_files(config)
             write_launch_record(run, out, config, cmd, run_environment(run))
             try:
-                code = run_quietly(cmd, env, out, args.steps)
+                benchmark = held_out_benchmark(registered_default()) if registered_task(args) else None
+                code = run_quietly(cmd, env, out, args.steps, benchmark=benchmark)
             finally:  # a failed or interrupted run's checkpoints too: verl labels each bfloat16 whatever its weights
                 label_checkpoint_dtypes(out)
     except (LaunchError, PackagedModelError) as error:
