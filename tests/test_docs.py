@@ -894,15 +894,16 @@ def test_the_docs_numbers_on_the_memory_measurement_are_its_numbers():
     assert_quoted(text, f"{max(deviation(k, '50m') for k in kinds):.1%}",
                   f"{max(deviation('plain', '50m'), deviation('two_pass', '50m')):.1%}", f"{deviation('single', '50m'):.1%}")
     large = [r for r in rows if r["model"] == "50m"]
-    # plain and two_pass projected a little high, single low
-    assert all((r["projected_bytes"] > r["measured_bytes"]) == (r["kind"] != "single") for r in large)
+    # plain and two_pass projected a little high, single low at 1 to 4 groups and high at 8 to 32
+    assert all((r["projected_bytes"] > r["measured_bytes"]) == (r["kind"] != "single" or r["groups"] >= 8) for r in large)
     small = [r for r in rows if r["model"] == "small"]
-    gap = [(r["measured_bytes"] - r["projected_bytes"]) / 1e6 for r in small]
+    gap = {(r["kind"], r["groups"]): (r["measured_bytes"] - r["projected_bytes"]) / 1e6 for r in small}
     ratios = [r["projected_bytes"] / r["measured_bytes"] for r in small]
     outside = sum(abs(ratio - 1) > 0.15 for ratio in ratios)
-    assert_quoted(text, f"{min(gap):.0f}", f"{max(gap):.0f}", f"{min(ratios):.2f}", f"{max(ratios):.2f}", str(outside),
-                  str(len(small)), "15%")
-    assert min(gap) > 0  # measured above projected everywhere
+    low = [value for value in gap.values() if value > 0]
+    assert [point for point, value in gap.items() if value <= 0] == [("single", 32)]  # every projection but one low
+    assert_quoted(text, f"{min(low):.0f}-{max(low):.0f} MB", f"{-gap['single', 32]:.0f} MB high", f"{min(ratios):.2f}",
+                  f"{max(ratios):.2f}", str(outside), str(len(small)), "15%")
     single_32 = next(r for r in large if r["kind"] == "single" and r["groups"] == 32)
     plain_50m = next(r for r in large if r["kind"] == "plain")
     extra = (single_32["measured_bytes"] - plain_50m["measured_bytes"]) / single_32["copy_bytes"]
