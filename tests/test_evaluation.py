@@ -406,6 +406,72 @@ def test_a_killed_evaluation_resumes_without_repeating_or_losing_a_sample(benchm
     assert again.seeds == [5, 7, 9, 11] and len(read_jsonl(samples)) == 21
 
 
+def early_ending_generator(model_dir: Path, batch_size: int):
+    """An HFGenerator of the tiny random model that ends a sequence at any of a tenth of its vocabulary (its generation
+    config's end-of-sequence ids), so that some samples end within a few tokens and others run on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vcpo.evaluation import HFGenerator
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.generation_config.eos_token_id = list(range(100, 132))
+    return HFGenerator(model, AutoTokenizer.from_pretrained(model_dir), batch_size=batch_size, progress=False)
+
+
+def test_the_generator_reports_tokens_and_ended_samples_as_it_decodes_without_changing_a_sample(tiny_model_dir):
+    """HFGenerator.on_progress is told each decode step's tokens and the samples it ended, while the batch decodes:
+    the tokens add up to the completions' and the ended samples to those not truncated, and the samples are those of
+    the same seed without the reports."""
+    conversations = [[{"role": "user", "content": f"What is {a} + 2?"}] for a in range(4)]
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=1)
+    quiet = early_ending_generator(tiny_model_dir, batch_size=8)
+    expected = quiet.generate(conversations, sampling, "quiet")
+    reporting, reports = early_ending_generator(tiny_model_dir, batch_size=8), []
+    reporting.on_progress = lambda tokens, ended: reports.append((tokens, ended))
+    completions = reporting.generate(conversations, sampling, "reported")
+    assert completions == expected
+    flat = [completion for group in completions for completion in group]
+    assert 0 < sum(not c.truncated for c in flat) < len(flat)  # some end early, some run to the limit
+    assert len(reports) == max(c.tokens for c in flat) > 1  # one report per decode step of the one batch
+    assert sum(tokens for tokens, _ in reports) == sum(c.tokens for c in flat)
+    assert sum(ended for _, ended in reports) == sum(not c.truncated for c in flat)
+    assert reports[0] == (8, sum(c.tokens == 1 and not c.truncated for c in flat))
+
+
+def test_the_evaluations_bar_moves_in_samples_and_tokens_before_its_batch_ends(benchmark_data, tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """Four problems in one batch of eight: the samples' bar counts tokens and ended samples while the batch decodes,
+    not only when it ends, and ends at every sample and token written."""
+    from vcpo.evaluation import harness
+
+    shown = []
+
+    class Bar:  # tqdm as the harness calls it, recording what it would show
+        def __init__(self, total, initial, **kwargs):
+            self.n, self.tokens = initial, 0
+
+        def update(self, count):
+            self.n += count
+            shown.append((self.n, self.tokens))
+
+        def set_postfix(self, tokens, refresh=True):
+            self.tokens = tokens
+            shown.append((self.n, self.tokens))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(harness, "tqdm", Bar)
+    (gsm8k,) = load_benchmarks(BENCHMARKS_FILE, ["gsm8k"], {"n": 1, "seed": 2, "max_new_tokens": 8, "temperature": 1.0})
+    rows = data.load_rows("gsm8k", "test", source=benchmark_data.file("gsm8k"))[:4]
+    evaluate_benchmark(early_ending_generator(tiny_model_dir, batch_size=8), gsm8k, tmp_path, rows=rows)
+    records = read_jsonl(tmp_path / "gsm8k" / "samples.jsonl")
+    total = sum(record["tokens"] for record in records)
+    assert shown[-1] == (4, total)
+    assert any(0 < tokens < total for _, tokens in shown)  # tokens as they are generated
+    assert any(0 < samples < 4 for samples, _ in shown)  # samples as they end
+
+
 def test_the_base_evaluation_never_replaces_a_row_with_one_over_fewer_problems(tmp_path, capsys):
     """benchmarks/real_model_eval.py with --limit below what its table holds (the committed gsm8k row has 65
     problems): one line naming the table and --tables, exit 2, nothing written, before any model is looked up."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +18,14 @@ from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +103,35 @@ def make_generator(backend: str, model_path: str | Path, *, batch_size: int = 8,
     return HFGenerator.load(model_path, batch_size=batch_size)
 
 
+DecodeReport = Callable[[int, int], None]  # (tokens a decode step generated, sequences it ended)
+
+
+class DecodeSteps(StoppingCriteria):
+    """A stopping criterion that stops nothing: after each decode step of ``model.generate`` it tells ``report`` how many
+    tokens the step generated (one per sequence not yet ended) and how many sequences it ended (their first
+    end-of-sequence token), so that progress moves while a batch decodes. It draws no random number and changes no
+    token: the samples are those of a generate call without it."""
+
+    def __init__(self, report: DecodeReport, end_ids: set[int]):
+        self.report, self.end_ids, self.running = report, sorted(end_ids), None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        last = input_ids[:, -1]
+        if self.running is None:
+            self.running = torch.ones_like(last, dtype=torch.bool)
+        ended = self.running & torch.isin(last, torch.tensor(self.end_ids, device=last.device))
+        tokens = int(self.running.sum())
+        self.running &= ~ended
+        self.report(tokens, int(ended.sum()))
+        return torch.zeros_like(last, dtype=torch.bool)
+
+
 class HFGenerator:
     """Batched ``model.generate`` with left padding, prompts in the order given (so the random numbers
     a prompt's samples draw depend only on the seed and the batches before it, not on prompt lengths).
 
-    The global random state and the model's training mode are left as they were.
+    The global random state and the model's training mode are left as they were. ``on_progress``, when set, is told
+    after each decode step of `generate` the tokens generated and the samples ended (`DecodeSteps`).
     """
 
     def __init__(self, model, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 8, progress: bool = True):
@@ -111,6 +142,7 @@ class HFGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.progress = batch_size, progress
         self.end_ids = set(end_token_ids(model.generation_config))
+        self.on_progress: DecodeReport | None = None
 
     @classmethod
     def load(cls, model_path: str | Path, *, batch_size: int = 8) -> HFGenerator:
@@ -131,7 +163,7 @@ class HFGenerator:
         completions: list[Completion] = []
         with self._sampling_state(sampling.seed):
             for batch in tqdm(batches, desc=f"{desc} (hf generate)", unit="batch", disable=not self.progress):
-                for ids in self._sample(batch, sampling, sampling.n, sampling.max_new_tokens):
+                for ids in self._sample(batch, sampling, sampling.n, sampling.max_new_tokens, self.on_progress):
                     kept = self._cut_at_end(ids)
                     text = self.tokenizer.decode(kept, skip_special_tokens=True)
                     completions.append(Completion(text, len(kept), kept[-1] not in self.end_ids))
@@ -174,10 +206,11 @@ class HFGenerator:
         return ids if end is None else ids[: end + 1]
 
     def _sample(
-        self, prompts: list[list[int]], sampling: SamplingParams, n: int, max_new_tokens: int
+        self, prompts: list[list[int]], sampling: SamplingParams, n: int, max_new_tokens: int,
+        on_step: DecodeReport | None = None,
     ) -> list[list[int]]:
         """``n`` sampled continuations of each (left-padded) prompt, prompt-major, with the padding after
-        the end of sequence left in."""
+        the end of sequence left in; ``on_step`` told each decode step's tokens and ended samples."""
         inputs = self.tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(self.model.device)
         if sampling.temperature > 0:
             # top_k 0 and no repetition penalty: plain temperature/top-p sampling as in vLLM, whatever
@@ -193,6 +226,7 @@ class HFGenerator:
                 max_new_tokens=max_new_tokens,
                 num_return_sequences=n,
                 pad_token_id=self.tokenizer.pad_token_id,
+                **({"stopping_criteria": StoppingCriteriaList([DecodeSteps(on_step, self.end_ids)])} if on_step else {}),
             )
         return output[:, inputs["input_ids"].shape[1] :].tolist()
 

@@ -22,7 +22,8 @@ chunk: the generator's batch, or ``DEFAULT_CHUNK_PROBLEMS``), and ``B/evaluation
 (model, sampling, problems, chunk). The same command after a kill reads back the complete chunks and goes on from
 there: no sample is drawn twice or lost, and each chunk draws from its own seed (the sampling seed plus its first
 problem's position), so a resumed evaluation holds the samples an uninterrupted one would. A folder holding another
-evaluation's samples starts clean.
+evaluation's samples starts clean. The samples' bar moves within a chunk where the generator reports its decode steps
+(HFGenerator's ``on_progress``: tokens as they are generated, samples as they end), else at the chunk's end.
 
 ``evaluate_rows`` is the whole measurement without the files; the simulator's held-out evaluation
 calls it on a model in memory, so smoke and paper accuracies come from the same code.
@@ -181,8 +182,15 @@ def evaluate_benchmark(
         (benchmark_dir / SAMPLES_FILE).write_text("")
     seconds = {"generation": 0.0, "scoring": 0.0}
     bar = tqdm(total=len(rows) * n, initial=len(records), unit="sample", desc=benchmark.name, disable=not progress)
-    bar.set_postfix(tokens=sum(record["tokens"] for record in records))
-    with open(benchmark_dir / SAMPLES_FILE, "a", encoding="utf-8") as handle, _batch_bar_off(generator):
+    tokens = [sum(record["tokens"] for record in records)]  # as decoded: the chunk under way's step by step
+    bar.set_postfix(tokens=tokens[0])
+
+    def decoded(step_tokens: int, ended: int) -> None:  # a decode step of the chunk under way (HFGenerator)
+        tokens[0] += step_tokens
+        bar.set_postfix(tokens=tokens[0], refresh=False)
+        bar.update(ended)
+
+    with open(benchmark_dir / SAMPLES_FILE, "a", encoding="utf-8") as handle, _progress_by_step(generator, decoded):
         for start in range(len(records) // n, len(rows), chunk):
             sampling = replace(benchmark.sampling, seed=benchmark.sampling.seed + start)
             new, spent = _generate_and_score(generator, rows[start : start + chunk], sampling, benchmark.answer_format,
@@ -192,8 +200,9 @@ def evaluate_benchmark(
             os.fsync(handle.fileno())
             records += new
             seconds = {key: seconds[key] + spent[key] for key in seconds}
-            bar.update(len(new))
-            bar.set_postfix(tokens=sum(record["tokens"] for record in records))
+            tokens[0] = sum(record["tokens"] for record in records)  # the chunk's as written, its truncated samples in
+            bar.update(len(records) - bar.n)
+            bar.set_postfix(tokens=tokens[0])
     bar.close()
     summary = {
         **(run_info or {}),
@@ -208,16 +217,22 @@ def evaluate_benchmark(
 
 
 @contextmanager
-def _batch_bar_off(generator: Generator) -> Iterator[None]:
-    """The generator's own progress bar (one per generate call, a chunk here) off: the samples' bar replaces it."""
-    shown = getattr(generator, "progress", None)
+def _progress_by_step(generator: Generator, decoded) -> Iterator[None]:
+    """The generator's own progress bar (one per generate call, a chunk here) off: the samples' bar replaces it; a
+    generator that reports its decode steps (HFGenerator's ``on_progress``) tells ``decoded`` each step's tokens and
+    ended samples, so the bar moves within a chunk, not only at its end (vLLM's generates a chunk at once)."""
+    shown, reported = getattr(generator, "progress", None), hasattr(generator, "on_progress")
     if shown is not None:
         generator.progress = False
+    if reported:
+        earlier, generator.on_progress = generator.on_progress, decoded
     try:
         yield
     finally:
         if shown is not None:
             generator.progress = shown
+        if reported:
+            generator.on_progress = earlier
 
 
 def _resumed_records(benchmark_dir: Path, identity: dict, chunk_samples: int) -> list[dict]:
