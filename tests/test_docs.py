@@ -1352,6 +1352,40 @@ def test_the_real_model_step_section_quotes_its_measurements():
     assert_quoted(text, *(f"{100 * count / samples:.0f}%" for count in shares.values()))
 
 
+def test_the_real_model_step_section_names_its_commits_cpu_and_the_task_it_timed():
+    """docs/verl.md's real-model step names the commits and the CPU its runs' JSON records (every commit there, and no
+    other), and says that it timed `sums` where the launcher trains the registered task: the two recipes share the
+    batch and the length limits, and the prompt and response lengths it quotes are the final run's and the lag
+    study's runs' at lr 1e-5."""
+    import gzip
+
+    text = section("docs/verl.md", "### The real model's step on CPU", "## Known verl")
+    runs = [json.loads(path.read_text()) for path in sorted((ROOT / "tables" / "real_model" / "step").glob("lag*.json"))]
+    commits = {run["provenance"]["commit"][:12] for run in runs}
+    assert set(re.findall(r"`([0-9a-f]{12})`", text)) == commits
+    final = json.loads((ROOT / "tables" / "real_model" / "step" / "lag12_final.json").read_text())
+    assert f"`{final['provenance']['commit'][:12]}` (the final lag-12 run" in text
+    (cpu,) = {run["provenance"]["cpu"] for run in runs}
+    assert f"`{cpu}`" in text and all(run["provenance"]["dirty"] for run in runs) and "(`dirty`)" in text
+    timed, registered = read_yaml(ROOT / "recipes" / "real_model.yaml"), read_yaml(ROOT / "recipes" / "real_model_launch.yaml")
+    shared = ("prompts_per_step", "responses_per_prompt", "max_response_length", "max_prompt_length")
+    assert [timed["training"][key] for key in shared] == [registered["training"][key] for key in shared]
+    assert {run["task"] for run in runs} == {"sums"} and f"task `sums` (`recipes/real_model.yaml`'s choice" in text
+    assert f"not `{registered['task']}`" in text
+    assert_quoted(text, f"temperature {timed['training']['temperature']}", f"temperature {registered['training']['temperature']}")
+    study = []
+    for path in sorted((ROOT / "tables" / "real_model_lag" / "metrics").glob("regime-*-lr1e-05-seed100.jsonl.gz")):
+        with gzip.open(path, "rt") as lines:
+            data = [json.loads(line)["data"] for line in lines]
+        study.append({key: statistics.mean(row[key] for row in data if key in row)
+                      for key in ("response_length/mean", "prompt_length/mean")})
+    assert len(study) == 2
+    prompts = sorted({f"{final['run']['prompt_tokens']:.0f}", *(f"{run['prompt_length/mean']:.0f}" for run in study)})
+    responses = sorted(f"{run['response_length/mean']:.0f}" for run in study)
+    assert f"as long ({' and '.join(prompts)} tokens)" in text
+    assert f"{final['run']['response_tokens']:.0f} tokens on average in the final run here, {' and '.join(responses)} in" in text
+
+
 def test_the_readme_and_the_docs_quote_the_lag_studys_task_choice():
     """The README's real-model bullet and the docs' section quote tables/real_model_lag/task_choice.json: the round that
     chose of how many were registered, the task, its temperature, its base mean and interval; the docs also the range
