@@ -1370,7 +1370,7 @@ def test_the_real_model_step_section_names_its_commits_cpu_and_the_task_it_timed
     timed, registered = read_yaml(ROOT / "recipes" / "real_model.yaml"), read_yaml(ROOT / "recipes" / "real_model_launch.yaml")
     shared = ("prompts_per_step", "responses_per_prompt", "max_response_length", "max_prompt_length")
     assert [timed["training"][key] for key in shared] == [registered["training"][key] for key in shared]
-    assert {run["task"] for run in runs} == {"sums"} and f"task `sums` (`recipes/real_model.yaml`'s choice" in text
+    assert {run["task"] for run in runs} == {"sums"} and "task `sums` (`recipes/real_model.yaml`'s choice" in text
     assert f"not `{registered['task']}`" in text
     assert_quoted(text, f"temperature {timed['training']['temperature']}", f"temperature {registered['training']['temperature']}")
     study = []
