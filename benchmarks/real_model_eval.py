@@ -137,9 +137,11 @@ def main(argv=None) -> int:
 
 
 def portable(command: str) -> str:
-    """A recorded command as a reader can run it: paths in the checkout relative, the home folder ``~``, the data
-    folder ``DIR`` (the JSON keeps the command as it ran)."""
-    command = command.replace(f"{REPO}/", "").replace(str(Path.home()), "~")
+    """A recorded command as a reader can run it: the checkout's results folder relative, a home folder ``~``, the
+    data folder ``DIR`` (the JSON keeps the command as it ran). Read from the command alone, so that every checkout
+    renders it alike, wherever the one that ran it was."""
+    command = re.sub(r"(?<=\s)/\S*?/(results/\S*)", r"\1", command)
+    command = re.sub(r"(?<=\s)(?:/root|/home/[^/\s]+)(?=/)", "~", command)
     return re.sub(r"--source-dir \S+", "--source-dir DIR", command)
 
 

@@ -1238,6 +1238,12 @@ def test_every_zero_success_cell_of_the_real_models_tables_carries_its_wilson_bo
 
     assert (ROOT / "tables/real_model/task_choice.md").read_text() == benchmark("real_model_task").choice_markdown(choice)
     assert (ROOT / "tables/real_model/base_eval.md").read_text() == benchmark("real_model_eval").table(evaluation)
+    # the commands read the same whichever checkout renders them (they ran in another one, under root's home)
+    ran_elsewhere = ("python -m vcpo.evaluation --model /home/ana/.cache/vcpo/models/m --benchmarks gsm8k "
+                     "--out /srv/ckout/results/real_model/gsm8k --source-dir /data/shared --limit 65")
+    assert benchmark("real_model_eval").portable(ran_elsewhere) == (
+        "python -m vcpo.evaluation --model ~/.cache/vcpo/models/m --benchmarks gsm8k --out results/real_model/gsm8k "
+        "--source-dir DIR --limit 65")
 
 
 def test_the_docs_task_choice_is_the_committed_table():
