@@ -182,12 +182,13 @@ def evaluate_benchmark(
         (benchmark_dir / SAMPLES_FILE).write_text("")
     seconds = {"generation": 0.0, "scoring": 0.0}
     bar = tqdm(total=len(rows) * n, initial=len(records), unit="sample", desc=benchmark.name, disable=not progress)
-    tokens = [sum(record["tokens"] for record in records)]  # as decoded: the chunk under way's step by step
-    bar.set_postfix(tokens=tokens[0])
+    tokens = sum(record["tokens"] for record in records)  # as decoded: the chunk under way's step by step
+    bar.set_postfix(tokens=tokens)
 
     def decoded(step_tokens: int, ended: int) -> None:  # a decode step of the chunk under way (HFGenerator)
-        tokens[0] += step_tokens
-        bar.set_postfix(tokens=tokens[0], refresh=False)
+        nonlocal tokens
+        tokens += step_tokens
+        bar.set_postfix(tokens=tokens, refresh=False)
         bar.update(ended)
 
     with open(benchmark_dir / SAMPLES_FILE, "a", encoding="utf-8") as handle, _progress_by_step(generator, decoded):
@@ -200,9 +201,9 @@ def evaluate_benchmark(
             os.fsync(handle.fileno())
             records += new
             seconds = {key: seconds[key] + spent[key] for key in seconds}
-            tokens[0] = sum(record["tokens"] for record in records)  # the chunk's as written, its truncated samples in
+            tokens = sum(record["tokens"] for record in records)  # the chunk's as written, its truncated samples in
             bar.update(len(records) - bar.n)
-            bar.set_postfix(tokens=tokens[0])
+            bar.set_postfix(tokens=tokens)
     bar.close()
     summary = {
         **(run_info or {}),
