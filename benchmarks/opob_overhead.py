@@ -584,7 +584,10 @@ def main(argv=None) -> None:
         print(f"pass_cost (κ of prefers_ghost) on {args.device}/{args.dtype}: {calibrate_pass_cost(args):.1f}")
         return
     # the device memory in use once CUDA is initialised, before any tensor: the context (and any other process's)
-    used_at_start = (lambda free, total: total - free)(*torch.cuda.mem_get_info()) if args.device.startswith("cuda") else None
+    used_at_start = None
+    if args.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        used_at_start = total - free
     timing = time_variants(args)
     memory, allocator = {}, {}
     if not args.no_memory:
