@@ -77,6 +77,36 @@ def test_following_a_run_prints_each_milestone_once_then_each_step_and_returns_t
     assert said.index(heartbeat) < said.index(steps[0])
 
 
+def test_a_metrics_file_written_anew_is_read_from_its_start_and_a_line_that_is_no_record_is_said(tmp_path, monkeypatch):
+    """A relaunch's verl opens metrics.jsonl with "wb": when the file is shorter than what was read, its new lines are
+    read from its start (before, a resumed run's steps went unprinted and a line read from mid-record stopped the
+    console, and the launcher with it). A complete line that is no record is said in one line, and following goes on."""
+    monkeypatch.setattr(console.time, "sleep", lambda seconds: None)
+    metrics = tmp_path / "metrics.jsonl"
+    earlier = "".join(json.dumps(record(step, **{"critic/score/mean": 0.5, "timing_s/step": 99.0})) + "\n" for step in (1, 2))
+    writes = iter([
+        ("w", earlier),
+        ("w", json.dumps(record(2, **{"critic/score/mean": 0.125})) + "\n"),  # anew, shorter than what was read
+        ("a", "{not json\n"),
+        ("a", json.dumps(record(3, **{"critic/score/mean": 0.25})) + "\n"),
+    ])
+
+    class Process:
+        def poll(self):
+            mode, text = next(writes, (None, None))
+            if mode is None:
+                return 0
+            with open(metrics, mode) as handle:
+                handle.write(text)
+            return None
+
+    said = []
+    assert console.follow(Process(), tmp_path, 3, say=said.append, clock=lambda: 0.0) == 0
+    assert [line for line in said if line.startswith(("step", "metrics"))] == [
+        "step 1/3  score 0.500  99.0 s", "step 2/3  score 0.500  99.0 s", "step 2/3  score 0.125",
+        "metrics.jsonl: a line that is no metrics record: '{not json'", "step 3/3  score 0.250"]
+
+
 def pasted(line: str, prefix: str) -> list[str]:
     """The command a closing line gives after ``prefix``, as a shell reads it, without ``python -m``."""
     assert line.startswith(prefix), line

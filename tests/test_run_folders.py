@@ -566,3 +566,27 @@ def test_a_checkpoint_a_kill_cut_short_is_left_unlabelled_not_an_error(tmp_path)
     assert weights_dtype(folders[0]) is None and weights_dtype(folders[2]) == "float32"
     assert label_checkpoint_dtypes(tmp_path) == [folders[2] / "config.json"]
     assert (folders[1] / "config.json").read_text() == '{"dty'
+
+
+def test_a_relaunch_killed_before_it_joined_its_metrics_is_joined_by_the_next(tmp_path):
+    """A resumed verl run whose launcher was killed outright leaves the set-aside steps in metrics.resumed.jsonl and its
+    own in metrics.jsonl (a torn last line among them); the next relaunch, from that relaunch's newer checkpoint, sets
+    aside both, joined (the repeated step merged, the torn line left out), up to that checkpoint only."""
+    from vcpo.runs import METRICS_BEFORE_RESUME, join_resumed_metrics, set_metrics_aside_for_resume
+
+    def line(step: int, **data: float) -> str:
+        return json.dumps({"step": step, "data": data}) + "\n"
+
+    (tmp_path / METRICS_BEFORE_RESUME).write_text(line(1, a=1.0) + line(2, a=2.0))
+    (tmp_path / "metrics.jsonl").write_text(line(2, v=0.5) + line(3, a=3.0) + line(4, a=4.0) + '{"step": 5, "da')
+    set_metrics_aside_for_resume(tmp_path, checkpointed_step=3)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert [json.loads(text) for text in (tmp_path / METRICS_BEFORE_RESUME).read_text().splitlines()] == [
+        {"step": 1, "data": {"a": 1.0}}, {"step": 2, "data": {"v": 0.5, "a": 2.0}}, {"step": 3, "data": {"a": 3.0}}]
+    (tmp_path / "metrics.jsonl").write_text(line(4, a=4.5))  # no validation before this relaunch's first step
+    join_resumed_metrics(tmp_path)
+    assert [json.loads(text)["data"]["a"] for text in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1.0, 2.0, 3.0, 4.5]
+    assert not (tmp_path / METRICS_BEFORE_RESUME).exists()
+    set_metrics_aside_for_resume(tmp_path, checkpointed_step=0)  # no checkpoint: verl starts over, and so do its metrics
+    assert (tmp_path / METRICS_BEFORE_RESUME).read_text() == "" and not (tmp_path / "metrics.jsonl").exists()

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,9 +47,10 @@ def ray_cluster_slot(alone: bool = False) -> Iterator[None]:
         yield
 
 
-def run_cpu_recipe(out: Path, *args: str, alone: bool = False, cwd: Path = REPO) -> tuple[list[dict], str]:
+def run_cpu_recipe(out: Path, *args: str, alone: bool = False, cwd: Path = REPO, first_step: int = 1) -> tuple[list[dict], str]:
     """Run the launcher in its own process group (with the Ray cluster to itself when ``alone``); returns (metrics
-    per step, verl's own output)."""
+    per step, verl's own output). ``first_step``: the first step the launch trains (a resumed run's is after its
+    checkpoint's)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vcpo.launch.cpu", "--out", str(out), *args]
     with ray_cluster_slot(alone):
@@ -66,16 +68,16 @@ def run_cpu_recipe(out: Path, *args: str, alone: bool = False, cwd: Path = REPO)
     metrics_file = out / "metrics.jsonl"
     assert metrics_file.exists(), f"verl's file logger wrote no {metrics_file}"
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    check_console(output, out, max(record["step"] for record in records))
+    check_console(output, out, max(record["step"] for record in records), first_step)
     return records, (out / VERL_LOG).read_text()
 
 
-def check_console(output: str, out: Path, steps: int) -> None:
-    """The launcher's terminal: one line per training step and the closing lines; verl's own output (its config, its
-    workers' warnings, the platform fallback) only in main_ppo.log."""
+def check_console(output: str, out: Path, steps: int, first_step: int = 1) -> None:
+    """The launcher's terminal: one line per training step from ``first_step`` and the closing lines; verl's own output
+    (its config, its workers' warnings, the platform fallback) only in main_ppo.log."""
     lines = output.splitlines()
     assert [line.split("/")[0] for line in lines if re.match(r"step +[1-9]", line)] == [
-        f"step {step:>{len(str(steps))}}" for step in range(1, steps + 1)], output[-3000:]
+        f"step {step:>{len(str(steps))}}" for step in range(first_step, steps + 1)], output[-3000:]
     assert f"done: metrics {out / 'metrics.jsonl'}" in output and "last checkpoint: " in output
     assert "No supported accelerator" not in output and "'loss_mode'" not in output
     assert len(lines) < 40, output[-3000:]
@@ -153,6 +155,31 @@ def check_sync_run(records: list[dict], steps: int) -> None:
     for record in records:
         assert int(finite(record, STALENESS)) == 0
         check_on_policy_log_probs(record)
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_resumes_from_it_with_its_optimizer_by_the_same_command(tmp_path):
+    """A 2-step vcpo run at lag 1 with --keep-optimizer, cut back to its step-1 checkpoint (as if killed before the
+    second was saved), launched again by the same command: verl trains step 2 alone (the console prints it alone), from
+    step 1's Adam state (the saved state has taken 2 steps: a fresh optimizer's would have taken 1), and
+    metrics.jsonl keeps the first launch's step 1 beside the relaunch's step 2."""
+    import torch
+
+    out = tmp_path / "run"
+    args = ("--method", "vcpo", "--lag", "1", "--steps", "2", "--save-every", "1", "--keep-optimizer")
+    first, output = run_cpu_recipe(out, *args)
+    check_vcpo_lag1_run(first, output, 2)
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "global_step_2")
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("1")
+    resumed, _ = run_cpu_recipe(out, *args, first_step=2)
+    assert [record["step"] for record in resumed] == [1, 2] and resumed[0] == first[0]
+    check_training_steps(resumed, 2)
+    assert int(finite(resumed[1], STALENESS)) == 1
+    check_checkpoint(out, 2)
+    [optimizer_file] = (checkpoints / "global_step_2" / "actor").glob("optim_world_size_1_rank_0.pt")
+    adam = torch.load(optimizer_file, weights_only=False)["state"]
+    assert {float(state["step"]) for state in adam.values()} == {2.0}
 
 
 # ------------------------------------------------------------------------------------------------- fast
@@ -422,6 +449,43 @@ def test_a_relaunch_resumes_only_a_run_verl_resumes_and_overwrite_starts_over(tm
     assert launcher.main([*argv, "--keep-optimizer", "--overwrite"]) == 0 and not (out / "metrics.jsonl").exists()
     assert launcher.main([*argv, "--keep-optimizer"]) == 0 and len(started) == 3  # verl resumes it
     assert json.loads((out / "launch.json").read_text())["command"] == started[-1]
+
+
+def test_a_resumed_run_keeps_the_metrics_of_the_steps_it_does_not_redo(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    """verl's file logger starts metrics.jsonl anew ("wb") when a relaunch resumes: the steps up to the checkpoint it
+    resumes from are kept (a step after it, which the relaunch redoes, is the relaunch's), the relaunch's validation of
+    the checkpoint's step is joined to that step's record, and its steps follow; while it runs the file holds the
+    relaunch's records only (what the console prints)."""
+    import vcpo.launch.cpu as launcher
+    from vcpo.verl_plugin.cpu.recipe import write_data
+
+    def line(step: int, **data: float) -> str:
+        return json.dumps({"step": step, "data": data}) + "\n"
+
+    seen_while_running = []
+
+    def verl_resumes(command, env, out, steps, **_):
+        seen_while_running.append((out / "metrics.jsonl").exists())
+        with open(out / "metrics.jsonl", "wb") as handle:  # as verl's FileLogger
+            handle.write((line(2, **{"val-core/x/acc/mean@1": 0.5}) + line(3, score=0.3) + line(4, score=0.4)).encode())
+        return 0
+
+    monkeypatch.setattr(launcher, "run_quietly", verl_resumes)
+    paths = write_data(tmp_path / "data")
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--model", str(tiny_model_dir), "--train", str(paths["train"]), "--val", str(paths["val"]),
+            "--keep-optimizer", "--steps", "4"]
+    assert launcher.main(argv) == 0  # the first launch: its own records, nothing set aside
+    first = line(1, score=0.1) + line(2, score=0.2) + line(3, score=0.25)
+    (out / "metrics.jsonl").write_text(first)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2\n")  # step 3 ran, its checkpoint did not
+    assert launcher.main(argv) == 0
+    assert seen_while_running == [False, False]
+    records = [json.loads(text) for text in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "data": {"score": 0.1}}, {"step": 2, "data": {"val-core/x/acc/mean@1": 0.5, "score": 0.2}},
+                       {"step": 3, "data": {"score": 0.3}}, {"step": 4, "data": {"score": 0.4}}]
+    assert not (out / "metrics.resumed.jsonl").exists()
 
 
 @pytest.mark.parametrize("ending", ["failed", "interrupted"])

@@ -5,6 +5,8 @@ several modules read, and the one reader of ``metrics.jsonl``.
     <run>/metrics.jsonl    one JSON object per optimizer step: the simulator's flat {"step", **metrics}, or
                            verl's file logger's {"step", "data": {...}}; evaluations add lines
     <run>/checkpoint.pt    the simulator's resume state (checkpoint.prev.pt: the one before it)
+    <run>/checkpoints/     verl's (global_step_N/, latest_checkpointed_iteration.txt); while verl resumes a run,
+                           metrics.resumed.jsonl holds the steps before it (verl's file logger starts its file anew)
     <run>/final/           the final model; final/eval.json is written last, so it marks a finished run
 
 Where a folder sits (``RUNS/<task>/<method>/lag<k>/seed<s>``) is ``vcpo.recipes.run_path``'s.
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vcpo.core.ratios import SEQ_ESS_RATIO  # noqa: F401 (re-exported: readers of runs take every name from here)
+from vcpo.locks import write_atomic
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -32,6 +35,9 @@ TRAIN_LOG = "train.log"  # a runner's record of the training's output, beside it
 # what verl's trainer saves under a run folder (trainer.default_local_dir): global_step_N/actor/huggingface
 VERL_CHECKPOINTS = "checkpoints"
 VERL_LATEST_STEP = "latest_checkpointed_iteration.txt"
+# the metrics of the steps a resumed verl run does not redo, set aside while it runs: verl's file logger opens
+# metrics.jsonl with "wb" (verl/utils/tracking.py, FileLogger), so the relaunch would erase them
+METRICS_BEFORE_RESUME = "metrics.resumed.jsonl"
 # the Hugging Face weights of a checkpoint's actor: FSDP's engine writes them beside its shards, Megatron's under model/
 VERL_HF_WEIGHTS = (("actor", "huggingface"), ("actor", "model", "huggingface"))
 
@@ -207,3 +213,58 @@ def metric_records(run: str | Path, report: Callable[[str], None]) -> list[tuple
         report(f"{path}: steps {sorted(repeated)[:5]} are logged more than once (two writers on one folder?); "
                "the first line of each is kept")
     return kept
+
+
+def verl_checkpointed_step(checkpoints: str | Path) -> int:
+    """The step of the checkpoint verl's ``resume_mode=auto`` resumes from in the folder ``checkpoints`` (its
+    ``trainer.default_local_dir``): the number its latest-iteration file names; 0 when there is none (verl starts over)."""
+    latest = Path(checkpoints) / VERL_LATEST_STEP
+    try:
+        return int(latest.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def joined_metric_lines(earlier: list[tuple[str, dict]], later: list[tuple[str, dict]]) -> list[str]:
+    """The lines of a verl run's metrics when the ``later`` records (a relaunch's) continue the ``earlier`` ones: the
+    earlier records before the later's first step, then the later records. A step both log is one record: verl
+    validates at the step it resumes from, so the relaunch's first record may repeat a step the earlier logged; the
+    earlier's values are kept and the later's other metrics added. Earlier records after it are steps the relaunch
+    redid, and are dropped."""
+    if not later:
+        return [line for line, _ in earlier]
+    first = int(later[0][1]["step"])
+    lines = [line for line, record in earlier if int(record["step"]) < first]
+    same = [record for _, record in earlier if int(record["step"]) == first]
+    if same:
+        merged = {"step": first, "data": {**later[0][1].get("data", {}), **same[0].get("data", {})}}
+        lines.append(json.dumps(merged))
+    else:
+        lines.append(later[0][0])
+    return [*lines, *(line for line, _ in later[1:])]
+
+
+def _run_metric_lines(run: Path, name: str) -> list[tuple[str, dict]]:
+    return complete_records(run / name)[0] if (run / name).is_file() else []
+
+
+def set_metrics_aside_for_resume(run: str | Path, checkpointed_step: int) -> None:
+    """Before verl resumes the run in ``run`` from its checkpoint of ``checkpointed_step`` (0: none, and verl starts
+    over): the metrics of the steps up to it move to `METRICS_BEFORE_RESUME`, from which `join_resumed_metrics` joins
+    them back. An earlier relaunch's set-aside records (one killed before it joined them) are joined first."""
+    run = Path(run)
+    history = joined_metric_lines(_run_metric_lines(run, METRICS_BEFORE_RESUME), _run_metric_lines(run, METRICS_FILE))
+    kept = [line for line in history if checkpointed_step and int(json.loads(line)["step"]) <= checkpointed_step]
+    write_atomic(run / METRICS_BEFORE_RESUME, "".join(line + "\n" for line in kept))
+    (run / METRICS_FILE).unlink(missing_ok=True)
+
+
+def join_resumed_metrics(run: str | Path) -> None:
+    """``metrics.jsonl`` of a resumed verl run in ``run`` whole again: the set-aside records of the steps before the
+    relaunch, then the relaunch's (`joined_metric_lines`); nothing to do when none are set aside."""
+    run = Path(run)
+    if not (run / METRICS_BEFORE_RESUME).is_file():
+        return
+    lines = joined_metric_lines(_run_metric_lines(run, METRICS_BEFORE_RESUME), _run_metric_lines(run, METRICS_FILE))
+    write_atomic(run / METRICS_FILE, "".join(line + "\n" for line in lines))
+    (run / METRICS_BEFORE_RESUME).unlink()

@@ -8,6 +8,7 @@ import difflib
 import functools
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,13 @@ from vcpo.launch.checks import gpus_needed
 from vcpo.launch.run import LaunchError, Run, config_name
 from vcpo.launch.verl_overrides import overrides
 from vcpo.locks import FolderInUse, cache_dir, run_folder_lock, write_atomic
-from vcpo.runs import METRICS_FILE
+from vcpo.runs import (
+    METRICS_BEFORE_RESUME,
+    METRICS_FILE,
+    join_resumed_metrics,
+    set_metrics_aside_for_resume,
+    verl_checkpointed_step,
+)
 
 LAUNCH_RECORD = "launch.json"
 # What a launched run leaves in its folder: its launch record, verl's metrics and its checkpoints.
@@ -52,15 +59,16 @@ def write_launch_record(run: Run, run_dir: Path, config, verl_command: list[str]
 def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iterator[None]:
     """Hold ``run_dir``'s lock (one launch per folder) for the block, in which the run is launched. A folder that holds
     a run (`RUN_FILES`) is refused in a LaunchError naming it and the remedy, unless it is this ``record``'s run and
-    verl resumes it (``config``'s ``trainer.resume_mode`` is not ``disable``), or ``overwrite``: then that run's files
-    are removed first."""
+    verl resumes it (``config``'s ``trainer.resume_mode`` is not ``disable``): then the metrics of the steps verl does
+    not redo are set aside for the block and joined back to the relaunch's after it (`vcpo.runs`); or ``overwrite``:
+    then that run's files are removed first."""
     run_dir = Path(run_dir)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(run_folder_lock(run_dir))
         except FolderInUse as error:
             raise LaunchError(str(error)) from None
-        held = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+        held = [run_dir / name for name in (*RUN_FILES, METRICS_BEFORE_RESUME) if (run_dir / name).exists()]
         if held and not overwrite and (problem := _not_resumed(run_dir, record, config)) is not None:
             raise LaunchError(f"{run_dir} holds {problem}: pass --overwrite to remove its "
                               f"{', '.join(path.name for path in held)} and start over, or use another folder")
@@ -69,7 +77,20 @@ def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iter
                 shutil.rmtree(path)
             else:
                 path.unlink()
+        if held and not overwrite:  # verl resumes the run: the metrics of the steps it does not redo are kept
+            set_metrics_aside_for_resume(run_dir, resumed_step(config))
+            stack.callback(join_resumed_metrics, run_dir)
         yield
+
+
+def resumed_step(config) -> int:
+    """The step of the checkpoint verl resumes from under ``config`` (0: none, verl starts over): with
+    ``trainer.resume_mode=resume_path`` the one ``trainer.resume_from_path`` names, else the latest in
+    ``trainer.default_local_dir``."""
+    if config.trainer.resume_mode == "resume_path":
+        named = re.search(r"global_step_(\d+)", str(config.trainer.resume_from_path or ""))
+        return int(named.group(1)) if named else 0
+    return verl_checkpointed_step(config.trainer.default_local_dir)
 
 
 def _not_resumed(run_dir: Path, record: dict, config) -> str | None:

@@ -66,8 +66,18 @@ def step_line(record: dict, total_steps: int) -> str | None:
     return f"step {flat['step']:>{width}}/{total_steps}  " + "  ".join(parts)
 
 
+def metrics_line(line: str, total_steps: int) -> str | None:
+    """`step_line` of one complete line of ``metrics.jsonl``; a line that is no record is said to be, since the
+    console must not stop (and take verl's trainer with it) over one."""
+    try:
+        return step_line(json.loads(line), total_steps)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"metrics.jsonl: a line that is no metrics record: {line[:80]!r}"
+
+
 class LogFollower:
-    """New complete lines of a file another process appends to, read from where the last call stopped."""
+    """New complete lines of a file another process appends to, read from where the last call stopped; a file
+    shorter than what was read (written anew: verl's file logger opens its file with "wb") is read from its start."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.partial = path, 0, b""
@@ -75,6 +85,8 @@ class LogFollower:
     def new_lines(self) -> list[str]:
         if not self.path.is_file():
             return []
+        if self.path.stat().st_size < self.offset:
+            self.offset, self.partial = 0, b""
         with open(self.path, "rb") as handle:
             handle.seek(self.offset)
             data = handle.read()
@@ -99,7 +111,7 @@ def follow(process: subprocess.Popen, out: Path, total_steps: int, say: Callable
                 del milestones[: reached[0] + 1]
                 last_said = clock()
         for line in metrics.new_lines():
-            if line.strip() and (text := step_line(json.loads(line), total_steps)):
+            if line.strip() and (text := metrics_line(line, total_steps)):
                 say(text)
                 stepping, last_said = True, clock()
         if code is not None:
