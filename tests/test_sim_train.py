@@ -336,6 +336,20 @@ def test_a_finished_run_started_again_keeps_its_end_and_lists_the_attempt(base, 
     assert [attempt["step"] for attempt in again["attempts"]] == [0, 2]
 
 
+def test_a_resolved_run_hands_on_its_method_rate_dtype_and_step_rule_found_once():
+    """resolve() asks vcpo.methods once and hands the answers on: low_lr's rate (1e-7 at the paper's 1e-6) is a tenth
+    of reference_lr; the fp16 preset's rollouts are float16; the tool task's paper rho_on (0.55) is in the step rule;
+    a bad lag and a bad rho_on are each refused under their own key."""
+    run = resolve(SimConfig(task="tir", method="low_lr", reference_lr=2e-3))
+    assert run.method.name == "low_lr" and run.base_lr == pytest.approx(2e-4) and run.rollout_dtype == "float32"
+    assert run.rule.rho_on == 0.55 == run.config.rho_on
+    assert resolve(SimConfig(method="fp16", rollout_dtype="preset")).rollout_dtype == "float16"
+    with pytest.raises(ConfigError, match="'lag'"):
+        resolve(SimConfig(method="sync", lag=3))
+    with pytest.raises(ConfigError, match="'rho_on'"):
+        resolve(SimConfig(method="vcpo", rho_on=-1.0))
+
+
 def test_the_settings_are_checked_apart_from_the_files_they_name(tmp_path):
     """check_settings reads no file (a missing base and replayed run pass it); check_inputs and validate refuse them."""
     config = apply_overrides(SimConfig(), {"method": "seq_tis_c8", "base": str(tmp_path / "no_base"),

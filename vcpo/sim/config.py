@@ -37,6 +37,17 @@ PAPER_REFERENCE_LR = 1.0e-6
 RENAMED_KEYS = {"lr": "reference_lr"}
 
 
+def preset_base_lr(reference_lr: float, method: Method) -> float:
+    """The optimizer's rate before the warm-up/decay schedule and the ESS scale: ``method``'s paper-scale rate carried
+    to the simulator's scale (`PAPER_REFERENCE_LR`)."""
+    return reference_lr * method.spec["optimizer"]["lr"] / PAPER_REFERENCE_LR
+
+
+def preset_rollout_dtype(rollout_dtype: str, method: Method) -> str:
+    """The sampler's dtype: ``rollout_dtype``, or ``method``'s precision for "preset"."""
+    return PRECISION_DTYPES[method.spec["precision"]] if rollout_dtype == "preset" else rollout_dtype
+
+
 def table_2(key: str):
     """A default of VCPO Table 2 (recipes/optimizer.yaml), read when a config is made, not at import."""
     return lambda: (tuple if key == "betas" else float)(optimizer_table()[key])
@@ -125,15 +136,11 @@ class SimConfig:
 
     @property
     def base_lr(self) -> float:
-        """The optimizer's rate before the warm-up/decay schedule and the ESS scale: the preset's paper-scale rate
-        carried to the simulator's scale."""
-        return self.reference_lr * self.method_preset.spec["optimizer"]["lr"] / PAPER_REFERENCE_LR
+        return preset_base_lr(self.reference_lr, self.method_preset)
 
     @property
     def resolved_rollout_dtype(self) -> str:
-        if self.rollout_dtype == "preset":
-            return PRECISION_DTYPES[self.method_preset.spec["precision"]]
-        return self.rollout_dtype
+        return preset_rollout_dtype(self.rollout_dtype, self.method_preset)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -38,7 +38,7 @@ from vcpo.core import (
     token_log_ratio,
 )
 from vcpo.core.registry import POLICY_LOSSES
-from vcpo.methods import VERL_POLICY_LOSSES, Method, step_rule
+from vcpo.methods import VERL_POLICY_LOSSES, Method, StepRule, step_rule
 from vcpo.runs import EFFECTIVE_LR, LR_SCALE
 from vcpo.sim.rollout import TOOL_TOKEN, Trajectory
 from vcpo.verl_contract import step_rule_applied
@@ -141,21 +141,25 @@ def warmup_stable_decay(step: int, total: int, warmup: int, decay: int) -> float
 
 
 class Learner:
-    """The policy being trained, its optimizer and the method's update rule."""
+    """The policy being trained, its optimizer and the method's update rule. ``base_lr`` (the optimizer's rate before
+    the schedule and the ESS scale) and ``rule`` (the step rule at the run's rho_on) default to what ``config`` and
+    ``method`` give; the trainer hands on its resolved run's (`vcpo.sim.validation.ResolvedRun`)."""
 
-    def __init__(self, model, method: Method, config, ref_model=None):
+    def __init__(self, model, method: Method, config, *, base_lr: float | None = None, rule: StepRule | None = None,
+                 ref_model=None):
         self.model, self.method, self.config, self.ref_model = model, method, config, ref_model
+        self.base_lr = config.base_lr if base_lr is None else base_lr
+        self.rule = step_rule(method).with_rho_on(config.rho_on) if rule is None else rule
         spec = method.spec
         self.loss_name, self.agg = method.loss_name, spec["loss"]["agg"]
         self.estimator, self.adv_params = spec["advantage"]["estimator"], spec["advantage"]["params"]
-        self.rule = step_rule(method).with_rho_on(config.rho_on)
         self.kl_beta = spec.get("kl_in_reward_beta")
         self.policy_loss = get_policy_loss_fn(self.loss_name)
         self.needs_prox = getattr(POLICY_LOSSES.get(self.loss_name), "needs_prox", False)
         self.actor_config = self._actor_config()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.base_lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            self.params, lr=self.base_lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
         self.opob = PerSequenceGradients(model, combination=config.opob_combination) if self.rule.opob else None
 
@@ -233,7 +237,7 @@ class Learner:
         ess = float(ess_ratio(seq_log_weights, valid_rows))
         scale = self.rule.lr_scale(ess) if step_scale is None else step_scale
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.base_lr * schedule_factor
+            group["lr"] = self.base_lr * schedule_factor
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
         if math.isfinite(grad_norm):
             with scaled_learning_rate(self.optimizer, scale):
@@ -250,9 +254,9 @@ class Learner:
             {
                 "actor/grad_norm": grad_norm,
                 "actor/grad_norm_finite": float(math.isfinite(grad_norm)),
-                "actor/lr": self.config.base_lr * schedule_factor,
+                "actor/lr": self.base_lr * schedule_factor,
                 LR_SCALE: scale,
-                EFFECTIVE_LR: self.config.base_lr * schedule_factor * scale,
+                EFFECTIVE_LR: self.base_lr * schedule_factor * scale,
                 "critic/score/mean": float(batch.rewards.mean()),
                 "critic/advantages/mean": advantage_mean,
             }

@@ -27,14 +27,17 @@ from vcpo.runs import (
     is_finished,
     metric_records,
 )
-from vcpo.sim.config import ConfigError, SimConfig, settings_changed
+from vcpo.sim.config import ConfigError, settings_changed
+from vcpo.sim.validation import ResolvedRun
 
 
 class RunFolder:
-    """The folder ``config.out`` of one run, held by this process from construction until ``close()`` (or the
-    end of a ``with`` block); a checkpoint there of a run with other settings is refused before any work."""
+    """The folder ``config.out`` of the resolved run ``run``, held by this process from construction until ``close()``
+    (or the end of a ``with`` block); a checkpoint there of a run with other settings is refused before any work."""
 
-    def __init__(self, config: SimConfig):
+    def __init__(self, run: ResolvedRun):
+        self.run = run
+        config = run.config
         if config.out is None:
             raise ConfigError("config key 'out': a run needs an output folder (--out DIR)")
         self.out, self.config = Path(config.out), config
@@ -141,16 +144,16 @@ class RunFolder:
     def start(self, step: int, base: Path) -> None:
         """config.json for an attempt starting at ``step`` on the SFT base ``base``: the resolved settings and the
         provenance of every attempt; and, with ``wandb``, the W&B run."""
-        config = self.config
+        config, run = self.config, self.run
         machine = machine_state()
         now, code = utc_now(), code_state()
         earlier = json.loads((self.out / CONFIG_FILE).read_text()) if step and (self.out / CONFIG_FILE).exists() else {}
         resolved = {
             **config.recorded(),
             "base": str(base),
-            "base_lr": config.base_lr,
-            "resolved_rollout_dtype": config.resolved_rollout_dtype,
-            "method_preset": config.method_preset.spec,
+            "base_lr": run.base_lr,
+            "resolved_rollout_dtype": run.rollout_dtype,
+            "method_preset": run.method.spec,
             "versions": library_versions(),
             # floating-point kernels differ between CPUs: a fixed-seed run can end elsewhere on another
             **machine,

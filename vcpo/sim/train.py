@@ -71,7 +71,7 @@ class Trainer:
     def __init__(self, config: SimConfig):
         run = resolve(config)
         self.config = run.config
-        self.folder = RunFolder(self.config)  # one writer per run folder, from before any work to the end of run()
+        self.folder = RunFolder(run)  # one writer per run folder, from before any work to the end of run()
         try:
             self._build(run)
         except BaseException:
@@ -94,13 +94,13 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.base, dtype=learner_dtype)
         self.model.train()
-        self.rollout_model = copy.deepcopy(self.model).to(getattr(torch, config.resolved_rollout_dtype)).eval()
+        self.rollout_model = copy.deepcopy(self.model).to(getattr(torch, run.rollout_dtype)).eval()
         use_grouped_query_sdpa(self.rollout_model)
-        method = config.method_preset
         ref_model = None
-        if method.spec.get("kl_in_reward_beta"):
+        if run.method.spec.get("kl_in_reward_beta"):
             ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.learner = Learner(self.model, method, config, ref_model=ref_model)
+        self.learner = Learner(self.model, run.method, config, base_lr=run.base_lr, rule=run.rule,
+                               ref_model=ref_model)
         self.lag = config.lag
 
         self.train_problems = self.task.problems("train")

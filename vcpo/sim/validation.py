@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from vcpo.core.per_sequence_grads.reductions import COMBINATIONS
-from vcpo.methods import Method, get_method, run_lag, run_rho_on, step_rule
+from vcpo.methods import Method, StepRule, get_method, run_lag, run_rho_on, step_rule
 from vcpo.runs import LR_SCALE, METRICS_FILE, MetricsProblem, metric_records
 from vcpo.sim.base import MODEL_SIZES
 from vcpo.sim.config import (
@@ -24,24 +24,32 @@ from vcpo.sim.config import (
     ROLLOUT_DTYPES,
     ConfigError,
     SimConfig,
+    preset_base_lr,
+    preset_rollout_dtype,
 )
 from vcpo.sim.tasks import SIM_TASKS, SimTask, get_sim_task
 
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    """A run as the trainer takes it: its checked settings with the task's defaults filled in, the task they
-    name, and the step-size scales it replays (``lr_scale_from``'s, read once; None: it replays none)."""
+    """A run as the trainer takes it: its checked settings with the task's defaults filled in, the task and method
+    preset they name, the rates and rollout dtype those give, and the step-size scales it replays
+    (``lr_scale_from``'s, read once; None: it replays none): each resolved once, here, and handed on."""
 
     config: SimConfig
     task: SimTask
+    method: Method
+    base_lr: float  # the optimizer's rate before the schedule and the ESS scale (SimConfig.base_lr)
+    rollout_dtype: str  # the sampler's dtype (SimConfig.resolved_rollout_dtype)
+    rule: StepRule  # the method's step rule at the run's rho_on
     replayed_lr_scales: list[float] | None
 
 
 def resolve(config: SimConfig) -> ResolvedRun:
-    """The run of ``config``: `check_settings`, then `check_inputs`. Idempotent on ``.config``; a copy changed
-    afterwards (``dataclasses.replace``) must be resolved again."""
-    return check_inputs(check_settings(config))
+    """The run of ``config``: `check_settings`, then `check_inputs`, its task and method found once. Idempotent on
+    ``.config``; a copy changed afterwards (``dataclasses.replace``) must be resolved again."""
+    checked, task, method, rule = _checked_settings(config)
+    return _read_inputs(checked, task, method, rule)
 
 
 def validate(config: SimConfig) -> SimConfig:
@@ -52,29 +60,43 @@ def validate(config: SimConfig) -> SimConfig:
 def check_inputs(config: SimConfig) -> ResolvedRun:
     """What `check_settings`' settings read from the disk, read once: the SFT base folder is checked, and the
     step-size scales of the run replayed kept; raise ConfigError naming the key."""
+    return _read_inputs(config, get_sim_task(config.task), config.method_preset,
+                        step_rule(config.method_preset).with_rho_on(config.rho_on))
+
+
+def _read_inputs(config: SimConfig, task: SimTask, method: Method, rule: StepRule) -> ResolvedRun:
     if config.base is not None and not (Path(config.base) / "config.json").is_file():
         raise ConfigError(f"config key 'base': no SFT base model at {config.base!r} (expected a save_pretrained folder "
                           "with config.json)")
     scales = None if config.lr_scale_from is None else replayed_lr_scales(config.lr_scale_from, config.steps)
-    return ResolvedRun(config, get_sim_task(config.task), scales)
+    return ResolvedRun(config, task, method, preset_base_lr(config.reference_lr, method),
+                       preset_rollout_dtype(config.rollout_dtype, method), rule, scales)
 
 
 def check_settings(config: SimConfig) -> SimConfig:
     """The settings alone (no file is read): raise ConfigError naming the key of the first problem, else return
     ``config`` with the task's defaults filled in (``max_response_tokens``, ``max_turns``, and ``rho_on`` where
     the task has a paper value), so that nothing downstream consults the task for a setting again."""
+    return _checked_settings(config)[0]
+
+
+def _checked_settings(config: SimConfig) -> tuple[SimConfig, SimTask, Method, StepRule]:
+    """`check_settings`' config, with the task and method preset it names and the step rule they give."""
     method = _check_choices(config)
     task = get_sim_task(config.task)
-    _check_run_shape(config, task, method)
+    rho_on, rule = _check_lag_and_step_rule(config, task, method)
+    _check_run_shape(config, task, method, rule)
     _check_optimizer(config)
     _check_precision(config, method)
-    _check_lag_base_and_rho(config, method)
-    return dataclasses.replace(
+    if config.base is None and config.model_size not in MODEL_SIZES:
+        _fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
+    checked = dataclasses.replace(
         config,
         max_response_tokens=task.max_response_tokens if config.max_response_tokens is None else config.max_response_tokens,
         max_turns=task.max_turns if config.max_turns is None else config.max_turns,
-        rho_on=run_rho_on(config.rho_on, task.paper_settings),
+        rho_on=rho_on,
     )
+    return checked, task, method, rule
 
 
 def _fail(key: str, message: str) -> NoReturn:
@@ -109,7 +131,7 @@ def _check_choices(config: SimConfig) -> Method:
     return method
 
 
-def _check_run_shape(config: SimConfig, task: SimTask, method: Method) -> None:
+def _check_run_shape(config: SimConfig, task: SimTask, method: Method, rule: StepRule) -> None:
     """Counts, sizes and the batch's shape: steps, budgets, evaluations, groups and micro-batches."""
     if config.max_response_tokens is not None and config.max_response_tokens < 1:
         _fail("max_response_tokens", f"must be >= 1, got {config.max_response_tokens}")
@@ -128,7 +150,7 @@ def _check_run_shape(config: SimConfig, task: SimTask, method: Method) -> None:
             _fail(key, f"must be >= 1, got {getattr(config, key)}")
     if config.test_problems > (available := task.test_size):
         _fail("test_problems", f"task {config.task!r} has {available} test problems, got {config.test_problems}")
-    if config.lr_scale_from is not None and step_rule(method).ess:
+    if config.lr_scale_from is not None and rule.ess:
         _fail("lr_scale_from", f"method {method.name!r} sets its own step size by the ESS rule; replaying another "
               "run's scale would make it another method (use a preset without the ESS step size)")
     if config.warmup_steps + config.decay_steps > config.steps:
@@ -159,7 +181,7 @@ def _check_precision(config: SimConfig, method: Method) -> None:
         _fail("rollout_dtype", f"must be one of {ROLLOUT_DTYPES}")
     if config.learner_dtype in ("bfloat16", "float16"):
         _fail("learner_dtype", "the learner keeps float32 or float64 master weights; set rollout_dtype for low precision")
-    if method.spec["precision"] == "fp16" and config.resolved_rollout_dtype != "float16":
+    if method.spec["precision"] == "fp16" and preset_rollout_dtype(config.rollout_dtype, method) != "float16":
         _fail(
             "rollout_dtype",
             f"method {method.name!r} differs from its parent only by fp16 precision; run it with rollout_dtype=preset "
@@ -167,18 +189,22 @@ def _check_precision(config: SimConfig, method: Method) -> None:
         )
 
 
-def _check_lag_base_and_rho(config: SimConfig, method: Method) -> None:
-    """The lag the method allows, the SFT base's size and the ESS rule's rho_on."""
+def _check_lag_and_step_rule(config: SimConfig, task: SimTask, method: Method) -> tuple[float | None, StepRule]:
+    """What the method's preset makes of the run, asked of `vcpo.methods` in one place before any problem is raised:
+    the lag it allows, the run's rho_on (the task's paper value unless set) and the step rule at it (returned)."""
+    problems, rule = {}, None
+    rho_on = run_rho_on(config.rho_on, task.paper_settings)
     try:
         run_lag(method.name, config.lag, config.lag, config.steps)
     except ValueError as error:
-        _fail("lag", str(error))
-    if config.base is None and config.model_size not in MODEL_SIZES:
-        _fail("model_size", f"unknown size {config.model_size!r}; known: {sorted(MODEL_SIZES)}")
+        problems["lag"] = str(error)
     try:
-        step_rule(method.name).with_rho_on(config.rho_on)
+        rule = step_rule(method).with_rho_on(rho_on)
     except ValueError as error:
-        _fail("rho_on", str(error))
+        problems["rho_on"] = str(error)
+    for key, message in problems.items():
+        _fail(key, message)
+    return rho_on, rule
 
 
 def default_lag(method: str, lag: int) -> int:
