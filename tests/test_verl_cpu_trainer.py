@@ -173,6 +173,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_from_it_with_its_optimizer_by_t
     shutil.rmtree(checkpoints / "global_step_2")
     (checkpoints / "latest_checkpointed_iteration.txt").write_text("1")
     resumed, _ = run_cpu_recipe(out, *args, first_step=2)
+    assert "verl resumes this run from its checkpoint of step 1 " in (out / "run.log").read_text()
     assert [record["step"] for record in resumed] == [1, 2] and resumed[0] == first[0]
     check_training_steps(resumed, 2)
     assert int(finite(resumed[1], STALENESS)) == 1
@@ -480,7 +481,9 @@ def test_a_resumed_run_keeps_the_metrics_of_the_steps_it_does_not_redo(tmp_path,
     (out / "metrics.jsonl").write_text(first)
     (out / "checkpoints").mkdir()
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2\n")  # step 3 ran, its checkpoint did not
+    capsys.readouterr()
     assert launcher.main(argv) == 0
+    assert "verl resumes this run from its checkpoint of step 2 " in capsys.readouterr().out
     assert seen_while_running == [False, False]
     records = [json.loads(text) for text in (out / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, "data": {"score": 0.1}}, {"step": 2, "data": {"val-core/x/acc/mean@1": 0.5, "score": 0.2}},

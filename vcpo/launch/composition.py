@@ -56,12 +56,13 @@ def write_launch_record(run: Run, run_dir: Path, config, verl_command: list[str]
 
 
 @contextlib.contextmanager
-def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iterator[None]:
+def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iterator[int | None]:
     """Hold ``run_dir``'s lock (one launch per folder) for the block, in which the run is launched. A folder that holds
     a run (`RUN_FILES`) is refused in a LaunchError naming it and the remedy, unless it is this ``record``'s run and
     verl resumes it (``config``'s ``trainer.resume_mode`` is not ``disable``): then the metrics of the steps verl does
     not redo are set aside for the block and joined back to the relaunch's after it (`vcpo.runs`); or ``overwrite``:
-    then that run's files are removed first."""
+    then that run's files are removed first. Yields the step of the checkpoint verl resumes from (0: it finds none,
+    and starts over), None when the launch starts a run."""
     run_dir = Path(run_dir)
     with contextlib.ExitStack() as stack:
         try:
@@ -77,10 +78,12 @@ def launching_into(run_dir: Path, record: dict, config, overwrite: bool) -> Iter
                 shutil.rmtree(path)
             else:
                 path.unlink()
+        resumes_from = None
         if held and not overwrite:  # verl resumes the run: the metrics of the steps it does not redo are kept
-            set_metrics_aside_for_resume(run_dir, resumed_step(config))
+            resumes_from = resumed_step(config)
+            set_metrics_aside_for_resume(run_dir, resumes_from)
             stack.callback(join_resumed_metrics, run_dir)
-        yield
+        yield resumes_from
 
 
 def resumed_step(config) -> int:

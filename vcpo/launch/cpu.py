@@ -264,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out).resolve()
     try:
-        with launching_into(out, launch_record(run, config, cmd, run_environment(run)), config, args.overwrite):
+        with launching_into(out, launch_record(run, config, cmd, run_environment(run)), config, args.overwrite) as resumes_from:
+            if resumes_from is not None:
+                print(f"verl resumes this run from its checkpoint of step {resumes_from} (the metrics of the steps up to it "
+                      "are kept)" if resumes_from else "no checkpoint to resume from: verl starts this run over", flush=True)
             for write in inputs.writers:  # the random model and prompts, once the folder is this run's
                 write()
             check_files(config)
