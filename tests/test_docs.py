@@ -1407,3 +1407,13 @@ def test_the_readme_and_the_docs_quote_the_lag_studys_task_choice():
     docs = section("docs/data_rewards_evaluation.md", "### The policy-lag study on the real model")
     earlier = [r["mean_reward"] for round_ in choice["rounds"][:-1] for r in round_["rows"].values()]
     assert_quoted(docs, *chosen, f"{100 * min(earlier):.1f}-{100 * max(earlier):.1f}%")
+
+
+def test_the_readme_says_how_the_lag_studys_rate_was_chosen_as_its_regime_file_does():
+    """The README's sentence on the study's rate follows tables/real_model_lag/regime.json: the fallback (sync improved
+    at no rate of the ladder) is said to be one exactly when the rule's record says so."""
+    regime = json.loads((ROOT / "tables" / "real_model_lag" / "regime.json").read_text())
+    readme = section("README.md", "**A real pretrained model**", "\n- **")
+    fallback = regime["by"].startswith("fallback")
+    assert fallback == (not any(rung["sync_improves"] for rung in regime["ladder"]))
+    assert ("sync improved at no rate of its ladder, so it runs at the fallback rate" in readme) == fallback
