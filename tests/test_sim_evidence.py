@@ -53,6 +53,18 @@ def test_paired_difference_with_one_degree_of_freedom_is_a_cauchy_tail():
     assert paired_difference([0.5, 1.0, 1.5], [0.25, 0.75, 1.25])["p"] == 0.0  # differences exactly 0.25
 
 
+
+def test_no_pairs_yet_is_nan_without_a_warning():
+    """A study's comparison before its arms share a seed (the lag study's report after its first confirmation run):
+    nothing to average, said as nan, and no numpy warning on the reader's terminal."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = paired_difference([], [])
+    assert result["n"] == 0 and all(math.isnan(result[key]) for key in ("mean", "p", "sd"))
+
+
 def test_holm_adjusts_step_down_and_stays_monotone():
     # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04)
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])

@@ -13,11 +13,12 @@ ALPHA = 0.05
 
 
 def mean_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the Student-t interval of the mean (n >= 2; n = 1 gives an unbounded interval)."""
+    """(mean, low, high): the Student-t interval of the mean (n >= 2; n = 1 gives an unbounded interval, n = 0 a nan
+    mean: no values, no mean, and no warning from numpy's mean of nothing)."""
     from scipy import stats
 
     values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean())
+    mean = float(values.mean()) if values.size else math.nan
     if values.size < 2:
         return mean, -math.inf, math.inf
     half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
