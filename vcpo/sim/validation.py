@@ -59,9 +59,9 @@ def validate(config: SimConfig) -> SimConfig:
 
 def check_inputs(config: SimConfig) -> ResolvedRun:
     """What `check_settings`' settings read from the disk, read once: the SFT base folder is checked, and the
-    step-size scales of the run replayed kept; raise ConfigError naming the key."""
-    return _read_inputs(config, get_sim_task(config.task), config.method_preset,
-                        step_rule(config.method_preset).with_rho_on(config.rho_on))
+    step-size scales of the run replayed kept; raise ConfigError naming the key. The settings are `resolve`d with
+    them (checking them again changes nothing), so that the task, method and step rule are found in one place."""
+    return resolve(config)
 
 
 def _read_inputs(config: SimConfig, task: SimTask, method: Method, rule: StepRule) -> ResolvedRun:
@@ -190,21 +190,17 @@ def _check_precision(config: SimConfig, method: Method) -> None:
 
 
 def _check_lag_and_step_rule(config: SimConfig, task: SimTask, method: Method) -> tuple[float | None, StepRule]:
-    """What the method's preset makes of the run, asked of `vcpo.methods` in one place before any problem is raised:
-    the lag it allows, the run's rho_on (the task's paper value unless set) and the step rule at it (returned)."""
-    problems, rule = {}, None
+    """What the method's preset makes of the run, asked of `vcpo.methods` in one place: the lag it allows, the run's
+    rho_on (the task's paper value unless set) and the step rule at it (returned)."""
     rho_on = run_rho_on(config.rho_on, task.paper_settings)
     try:
         run_lag(method.name, config.lag, config.lag, config.steps)
     except ValueError as error:
-        problems["lag"] = str(error)
+        _fail("lag", str(error))
     try:
-        rule = step_rule(method).with_rho_on(rho_on)
+        return rho_on, step_rule(method).with_rho_on(rho_on)
     except ValueError as error:
-        problems["rho_on"] = str(error)
-    for key, message in problems.items():
-        _fail(key, message)
-    return rho_on, rule
+        _fail("rho_on", str(error))
 
 
 def default_lag(method: str, lag: int) -> int:
