@@ -225,27 +225,30 @@ def verl_checkpointed_step(checkpoints: str | Path) -> int:
         return 0
 
 
-def joined_metric_lines(earlier: list[tuple[str, dict]], later: list[tuple[str, dict]]) -> list[str]:
-    """The lines of a verl run's metrics when the ``later`` records (a relaunch's) continue the ``earlier`` ones: the
+def joined_metric_records(earlier: list[tuple[str, dict]], later: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(line, record) of a verl run's metrics when the ``later`` records (a relaunch's) continue the ``earlier`` ones: the
     earlier records before the later's first step, then the later records. A step both log is one record: verl
     validates at the step it resumes from, so the relaunch's first record may repeat a step the earlier logged; the
     earlier's values are kept and the later's other metrics added. Earlier records after it are steps the relaunch
     redid, and are dropped."""
     if not later:
-        return [line for line, _ in earlier]
+        return list(earlier)
     first = int(later[0][1]["step"])
-    lines = [line for line, record in earlier if int(record["step"]) < first]
+    joined = [(line, record) for line, record in earlier if int(record["step"]) < first]
     same = [record for _, record in earlier if int(record["step"]) == first]
     if same:
         merged = {"step": first, "data": {**later[0][1].get("data", {}), **same[0].get("data", {})}}
-        lines.append(json.dumps(merged))
+        joined.append((json.dumps(merged), merged))
     else:
-        lines.append(later[0][0])
-    return [*lines, *(line for line, _ in later[1:])]
+        joined.append(later[0])
+    return [*joined, *later[1:]]
 
 
-def _run_metric_lines(run: Path, name: str) -> list[tuple[str, dict]]:
-    return complete_records(run / name)[0] if (run / name).is_file() else []
+def _resumed_history(run: Path) -> list[tuple[str, dict]]:
+    """The set-aside records of a resumed verl run joined to those of ``metrics.jsonl`` (either may be absent)."""
+    earlier, later = ([] if not (run / name).is_file() else complete_records(run / name)[0]
+                      for name in (METRICS_BEFORE_RESUME, METRICS_FILE))
+    return joined_metric_records(earlier, later)
 
 
 def set_metrics_aside_for_resume(run: str | Path, checkpointed_step: int) -> None:
@@ -253,18 +256,17 @@ def set_metrics_aside_for_resume(run: str | Path, checkpointed_step: int) -> Non
     over): the metrics of the steps up to it move to `METRICS_BEFORE_RESUME`, from which `join_resumed_metrics` joins
     them back. An earlier relaunch's set-aside records (one killed before it joined them) are joined first."""
     run = Path(run)
-    history = joined_metric_lines(_run_metric_lines(run, METRICS_BEFORE_RESUME), _run_metric_lines(run, METRICS_FILE))
-    kept = [line for line in history if checkpointed_step and int(json.loads(line)["step"]) <= checkpointed_step]
+    history = _resumed_history(run)
+    kept = [line for line, record in history if checkpointed_step and int(record["step"]) <= checkpointed_step]
     write_atomic(run / METRICS_BEFORE_RESUME, "".join(line + "\n" for line in kept))
     (run / METRICS_FILE).unlink(missing_ok=True)
 
 
 def join_resumed_metrics(run: str | Path) -> None:
     """``metrics.jsonl`` of a resumed verl run in ``run`` whole again: the set-aside records of the steps before the
-    relaunch, then the relaunch's (`joined_metric_lines`); nothing to do when none are set aside."""
+    relaunch, then the relaunch's (`joined_metric_records`); nothing to do when none are set aside."""
     run = Path(run)
     if not (run / METRICS_BEFORE_RESUME).is_file():
         return
-    lines = joined_metric_lines(_run_metric_lines(run, METRICS_BEFORE_RESUME), _run_metric_lines(run, METRICS_FILE))
-    write_atomic(run / METRICS_FILE, "".join(line + "\n" for line in lines))
+    write_atomic(run / METRICS_FILE, "".join(line + "\n" for line, _ in _resumed_history(run)))
     (run / METRICS_BEFORE_RESUME).unlink()
