@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vcpo.provenance import unrecorded
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies import real_model_lag as study
 
@@ -68,10 +69,9 @@ def test_a_ladder_no_rate_of_which_qualifies_falls_back_as_registered(sync_impro
 
 
 def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(tmp_path):
-    """Once the ladder decides, the runner's next_runs writes regime.json (status's writes nothing) and runs nothing
-    until that file is committed (without the
-    gate, as the workflow's reproduction runs, at once); then the confirmation's runs come seed by seed (sync, seq-TIS,
-    VCPO), without those already in runs.jsonl."""
+    """Once the ladder decides, the runner's next_runs writes regime.json with its provenance (status's writes nothing)
+    and runs nothing until that file is committed (without the gate, as the workflow's reproduction runs, at once);
+    then the confirmation's runs come seed by seed (sync, seq-TIS, VCPO), without those already in runs.jsonl."""
     tables = tmp_path / "tables"
     tables.mkdir()
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -83,7 +83,8 @@ def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(
     assert runs == [] and "`run` writes" in where and not (tables / study.REGIME_FILE).exists()
     runs, where = study.next_runs(DESIGN, tables, write=True)  # as the runner asks
     assert runs == [] and "commit" in where
-    assert json.loads((tables / study.REGIME_FILE).read_text())["rate"] == 1e-5
+    written = json.loads((tables / study.REGIME_FILE).read_text())
+    assert written["rate"] == 1e-5 and not unrecorded(written)  # the choice says which code made it, where and when
     assert len(study.next_runs(DESIGN, tables, commit_gate=False)[0]) == 3 * 8 - 1  # a reproduction's results folder
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "add", "."], check=True)

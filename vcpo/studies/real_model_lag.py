@@ -37,7 +37,7 @@ from pathlib import Path
 from vcpo.data import DATASETS, load_rows
 from vcpo.lifetimes import dies_with_this_thread, run_jobs_with_snakemake
 from vcpo.locks import run_folder_lock, write_atomic
-from vcpo.provenance import code_state, cpu_name, is_committed, library_versions, utc_now
+from vcpo.provenance import code_state, cpu_name, is_committed, library_versions, output_record, utc_now
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.reporting.run_data import read_metrics, series
 from vcpo.runs import METRICS_FILE, SEQ_ESS_RATIO, STALENESS, STEP_SECONDS, VAL_ACCURACY
@@ -309,7 +309,8 @@ def write_regime(regime: dict, tables: Path) -> None:
               for v in regime["ladder"]]
     text = "\n".join([*lines, "", f"Chosen rate: **{regime['rate']:g}** ({regime['by']}; recipes/real_model_lag.md, part 2). "
                        f"From tables/real_model_lag/runs.jsonl by `python -m vcpo.studies.real_model_lag run`, {utc_now()}.", ""])
-    write_atomic(tables / REGIME_FILE, json.dumps({**regime, "written": utc_now()}, indent=2) + "\n")
+    decided = utc_now()  # the rule reads committed rows: the decision takes no time of its own
+    write_atomic(tables / REGIME_FILE, json.dumps({**regime, **output_record(decided)}, indent=2) + "\n")
     write_atomic(tables / "regime.md", text)
 
 
