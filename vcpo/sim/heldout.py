@@ -95,14 +95,15 @@ def heldout_accuracy(
     if samples < 1:
         raise ValueError(f"heldout_accuracy: samples must be >= 1, got {samples}")
     n = 1 if temperature == 0 else samples  # every greedy sample would be the same
-    sampling = SamplingParams(
-        n=n, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens or task.max_response_tokens, seed=seed
-    )
+    rows = evaluation_rows(task, list(problems))
     if tool is not None and max_turns > 0:
         generator = ToolUseGenerator(model, tokenizer, tool, max_turns=max_turns, tool_workers=tool_workers)
     else:
         generator = HFGenerator(model, tokenizer, batch_size=max(1, SEQUENCES_PER_BATCH // n), progress=False)
-    _, metrics = evaluate_rows(generator, evaluation_rows(task, list(problems)), sampling, desc=task.name, progress=False)
+    sampling = SamplingParams(
+        n=n, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens or task.max_response_tokens, seed=seed
+    )
+    _, metrics = evaluate_rows(generator, rows, sampling, desc=task.name, progress=False)
     return metrics
 
 
