@@ -69,7 +69,7 @@ def test_following_a_run_prints_each_milestone_once_then_each_step_and_returns_t
                           clock=lambda: next(ticks))
     assert code == 3
     stages = [line.split(" s  ", 1)[1] for line in said if line.startswith("start-up") and "still" not in line]
-    assert stages == ["Ray started", "prompts loaded", "trainer's model built", "first rollouts (step 0 validates first)"]
+    assert stages == ["Ray started", "prompts loaded", "trainer's model built", "training starts (step 0's validation first, when asked)"]
     steps = [line for line in said if line.startswith("step ")]
     assert steps == ["step 0/2  held-out 15.0%", "step 1/2  score 0.250  40.0 s"]
     [heartbeat] = [line for line in said if "still running" in line]

@@ -42,7 +42,7 @@ START_UP_MILESTONES = (
     ("dataset len:", "prompts loaded"),
     ("M parameters", "trainer's model built"),
     ("LLMServerManager", "rollout server up"),
-    ("Creating file logger", "first rollouts (step 0 validates first)"),
+    ("Creating file logger", "training starts (step 0's validation first, when asked)"),
 )
 # a line at least this often while nothing else is printed, so a slow start is not a hung one; a step can take minutes
 # on a loaded machine, so training says so only after a longer silence
