@@ -179,6 +179,14 @@ def test_countdown_set_is_cached_on_disk(tmp_path, monkeypatch):
     countdown._train_and_validation.cache_clear()
 
 
+def test_a_countdown_set_drawn_here_is_the_one_the_workers_draw(monkeypatch):
+    """A set of one chunk is drawn in this process, a larger one by worker processes chunk by chunk: the first
+    ``size`` distinct puzzles in index order either way."""
+    here = countdown._distinct_puzzles(30, 5)
+    monkeypatch.setattr(countdown, "_CHUNK", 12)  # three chunks, drawn by the workers
+    assert countdown._distinct_puzzles(30, 5) == here and len({puzzle_key(entry) for entry in here}) == 30
+
+
 @pytest.mark.slow
 def test_countdown_full_set_is_9000_train_1000_validation_without_overlap():
     train = load_rows("countdown", "train")

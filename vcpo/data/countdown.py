@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,18 +123,19 @@ def _generate(seed: int, indices: range) -> list[dict[str, Any]]:
 
 def _distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
     """The first ``size`` distinct puzzles in index order. Reasoning Gym draws each index from its
-    own seed, so indices are generated in parallel chunks and deduplicated in order afterwards."""
+    own seed, so indices are generated in chunks (in parallel for a set of more than one) and deduplicated in order
+    afterwards."""
     puzzles: list[dict[str, Any]] = []
     seen: set = set()
     limit = size * _MAX_DRAWS_PER_PUZZLE
     chunk = max(1, min(_CHUNK, size))
     workers = min(os.cpu_count() or 1, 8)
     chunks = (range(start, min(start + chunk, limit)) for start in range(0, limit, chunk))
-    with (
-        tqdm(total=size, desc=f"countdown puzzles (seed {seed})", unit="puzzle") as progress,
-        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool,
-    ):
-        for entries in pool.map(functools.partial(_generate, seed), chunks):
+    generate = functools.partial(_generate, seed)
+    # a set of one chunk is drawn here: starting the workers (each imports Reasoning Gym) costs more than the chunk
+    pool = None if size <= _CHUNK else ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    with tqdm(total=size, desc=f"countdown puzzles (seed {seed})", unit="puzzle") as progress, pool or nullcontext():
+        for entries in pool.map(generate, chunks) if pool else map(generate, chunks):
             for entry in entries:
                 if puzzle_key(entry) in seen:
                     continue
@@ -141,6 +143,7 @@ def _distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
                 puzzles.append(entry)
                 progress.update()
                 if len(puzzles) == size:
-                    pool.shutdown(cancel_futures=True)
+                    if pool:
+                        pool.shutdown(cancel_futures=True)
                     return puzzles
     raise RuntimeError(f"Reasoning Gym gave fewer than {size} distinct countdown puzzles for seed {seed}")
