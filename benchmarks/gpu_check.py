@@ -94,6 +94,8 @@ def engine_step(args: argparse.Namespace) -> list[str]:
 def overhead(args: argparse.Namespace, out: Path) -> dict:
     result_file = out / "overhead.json"
     command = [*engine_step(args), "--repeats", str(args.repeats), "--count-ops", "--json", str(result_file)]
+    if not args.device.startswith("cuda"):  # a CPU's peaks take a process per variant; the memory part measures two
+        command.append("--no-memory")
     part = run_part("overhead", command, out, args.part_timeout)
     if result_file.exists():
         measured = json.loads(result_file.read_text())
