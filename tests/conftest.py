@@ -27,6 +27,13 @@ if importlib.util.find_spec("verl") is not None:
     os.environ.clear()
     os.environ.update(_environment)
 
+# pytest -n N runs N workers on the machine's cores: torch's default of a thread per core in each would oversubscribe
+# them. (Subprocesses choose their own threads, as outside the tests.)
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
 
 @dataclass(frozen=True)
 class BenchmarkData:
