@@ -15,6 +15,7 @@ from vcpo.provenance import unrecorded
 from vcpo.recipes import read_yaml, recipes_dir
 from vcpo.studies import real_model_lag as study
 
+ROOT = Path(__file__).resolve().parents[1]
 DESIGN = read_yaml(recipes_dir() / study.DESIGN)
 RULE = DESIGN["regime"]
 
@@ -93,6 +94,35 @@ def test_the_confirmation_waits_for_the_committed_regime_then_runs_seed_by_seed(
     assert [(r.arm, r.seed, r.lag, r.rate) for r in runs[:3]] == [("seq_tis", 0, 12, 1e-5), ("vcpo", 0, 12, 1e-5),
                                                                   ("sync", 1, 0, 1e-5)]
     assert len(runs) == 3 * 8 - 1 and "1 of 24" in where
+
+
+def test_the_runner_trains_one_run_at_a_time_in_the_registrations_order_and_stops_at_a_failure(tmp_path, monkeypatch):
+    """run_study hands Snakemake one run per plan, in next_runs' order (seed by seed, not Snakemake's own choice among
+    several), until the registration asks for none; a run that leaves no row stops the study, and the same command
+    runs it again first."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "task_choice.json").write_text((ROOT / "tables" / "real_model_lag" / "task_choice.json").read_text())
+    sync, seq = regime_runs(1e-5)
+    (tables / study.RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in (row(sync, improves=True),
+                                                                                  row(seq, collapsed=True))))
+    planned = []
+
+    def fake_snakemake(snakefile, plan, cores):
+        [run] = json.loads(Path(plan).read_text())["runs"]
+        planned.append(run["name"])
+        if run["name"] != failing:
+            with open(tables / study.RUNS_FILE, "a") as rows:
+                rows.write(json.dumps({"name": run["name"]}) + "\n")
+
+    monkeypatch.setattr(study, "run_jobs_with_snakemake", fake_snakemake)
+    failing = "confirmation-vcpo-lr1e-05-seed1"
+    assert study.run_study(tmp_path / "work", tables, commit=False, commit_gate=False) == 1
+    order = [f"confirmation-{arm}-lr1e-05-seed{seed}" for seed in range(8) for arm in ("sync", "seq_tis", "vcpo")]
+    assert planned == order[: order.index(failing) + 1]
+    failing, planned[:] = None, []
+    assert study.run_study(tmp_path / "work", tables, commit=False, commit_gate=False) == 0
+    assert planned == order[order.index("confirmation-vcpo-lr1e-05-seed1"):]
 
 
 def test_a_finished_run_leaves_a_row_with_verls_staleness_its_heldout_accuracies_and_its_metrics(tmp_path, monkeypatch):

@@ -389,7 +389,8 @@ def git_with_retry(*args: str, attempts: int = 30) -> None:
 
 def run_study(work: Path, tables: Path, commit: bool, commit_gate: bool = True) -> int:
     """Run what the registration asks next until it asks for nothing (or for the regime's commit), one Snakemake job
-    per run; returns the number of runs that failed."""
+    per run, in the registration's order (seed by seed: a study stopped between sessions leaves whole pairs); returns
+    1 when a run failed, which stops the study, else 0."""
     work, tables = work.resolve(), tables.resolve()
     study_setup(tables)  # refuses a study with no task
     work.mkdir(parents=True, exist_ok=True)
@@ -399,15 +400,13 @@ def run_study(work: Path, tables: Path, commit: bool, commit_gate: bool = True) 
             print(f"study: {where}", flush=True)
             if not runs:
                 return 0
-            plan = work / "plan.json"
+            plan, run = work / "plan.json", runs[0]  # Snakemake would choose among several in an order of its own
             write_atomic(plan, json.dumps({"work": str(work), "tables": str(tables), "commit": commit, "plan": str(plan),
-                                           "runs": [{**asdict(run), "name": run.name} for run in runs]}))
+                                           "runs": [{**asdict(run), "name": run.name}]}))
             run_jobs_with_snakemake(SNAKEFILE, plan, os.cpu_count() or 1)
-            failed = [run.name for run in runs if run.name not in read_rows(tables)]
-            if failed:
-                print(f"failed: {', '.join(failed)} (logs in {work / 'runs'}); the same command runs them again",
-                      file=sys.stderr)
-                return len(failed)
+            if run.name not in read_rows(tables):
+                print(f"failed: {run.name} (its log in {work / 'runs'}); the same command runs it again", file=sys.stderr)
+                return 1
 
 
 def run_planned(plan_file: Path, name: str) -> None:
@@ -457,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "choose":
         choose(args.work, args.tables)
     elif args.command == "run":
-        return 1 if run_study(args.work, args.tables, args.commit, args.commit_gate) else 0
+        return run_study(args.work, args.tables, args.commit, args.commit_gate)
     elif args.command == "run-one":
         run_planned(args.plan, args.name)
     elif args.command == "report":

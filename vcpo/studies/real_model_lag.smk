@@ -1,5 +1,5 @@
-# The real model's lag study: one job per verl run. vcpo.studies.real_model_lag.run_study writes the config (the runs
-# the registration asks for next) and runs this file; each job takes every core, so the runs go one at a time. A job
+# The real model's lag study: one job per verl run. vcpo.studies.real_model_lag.run_study writes the config (the run
+# the registration asks for next) and runs this file, run after run; each job takes every core. A job
 # runs in a process of its own: Snakemake puts this folder first on sys.path, where statistics.py would shadow the
 # standard library's for what the run imports.
 import os
