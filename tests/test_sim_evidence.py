@@ -56,13 +56,17 @@ def test_paired_difference_with_one_degree_of_freedom_is_a_cauchy_tail():
 
 def test_no_pairs_yet_is_nan_without_a_warning():
     """A study's comparison before its arms share a seed (the lag study's report after its first confirmation run):
-    nothing to average, said as nan, and no numpy warning on the reader's terminal."""
+    nothing to average, said as nan (its interval unbounded), no verdict, and no numpy warning on the reader's
+    terminal; compare states it as paired_difference does."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = paired_difference([], [])
+        [compared] = compare({"vcpo": {}, "sync": {0: {"end": 0.3}}}, [("vcpo", "sync")])
     assert result["n"] == 0 and all(math.isnan(result[key]) for key in ("mean", "p", "sd"))
+    assert {key: compared[key] for key in result} == pytest.approx(result, nan_ok=True)  # the same statement
+    assert compared["sign_n"] == 0 and math.isnan(compared["sign_p"]) and "verdict" not in compared  # not tested
 
 
 def test_holm_adjusts_step_down_and_stays_monotone():
