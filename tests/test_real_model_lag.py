@@ -308,3 +308,11 @@ def test_a_panel_no_run_logs_says_so(tmp_path, monkeypatch):
     empty = {title for title, axis in panels.items() if any(text.get_text() == "no run here logs it" for text in axis.texts)}
     assert empty == {label for key, label in figures.RUN_PANELS if key not in ("critic/score/mean", figures.SEQ_ESS_RATIO)}
     assert len(panels["sequence ESS ratio"].lines) >= 1
+
+
+def test_a_comparison_below_two_pairs_says_how_many_it_has():
+    from vcpo.studies import real_model_lag_report as report
+
+    untested = {"a": "vcpo", "b": "seq_tis", "verdict": "not tested yet (fewer than 2 pairs)"}
+    assert report.comparison_sentence({**untested, "n": 0}) == "vcpo − seq_tis: 0 pairs so far; not tested yet (fewer than 2 pairs)."
+    assert report.comparison_sentence({**untested, "n": 1}).startswith("vcpo − seq_tis: 1 pair so far;")

@@ -147,7 +147,7 @@ def arms_markdown(arms: dict) -> list[str]:
 
 def comparison_sentence(c: dict) -> str:
     if c["n"] < 2:
-        return f"{c['a']} − {c['b']}: {c['n']} pair so far; {c['verdict']}."
+        return f"{c['a']} − {c['b']}: {c['n']} {'pair' if c['n'] == 1 else 'pairs'} so far; {c['verdict']}."
     return (f"{c['a']} − {c['b']}: {points(c['mean'])} points [{points(c['low'])}, {points(c['high'])}] over {c['n']} "
             f"seeds, Holm p = {p_text(c['p_holm'])}, {c['sign_positive']} of {c['sign_n']} seeds above (one-sided sign "
             f"test p = {p_text(c['sign_p_one_sided'])}): {c['verdict']}.")
