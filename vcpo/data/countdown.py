@@ -123,8 +123,8 @@ def _generate(seed: int, indices: range) -> list[dict[str, Any]]:
 
 def _distinct_puzzles(size: int, seed: int) -> list[dict[str, Any]]:
     """The first ``size`` distinct puzzles in index order. Reasoning Gym draws each index from its
-    own seed, so indices are generated in chunks (in parallel for a set of more than one) and deduplicated in order
-    afterwards."""
+    own seed, so indices are generated in chunks (in parallel when the set needs more than one chunk) and deduplicated
+    in order afterwards."""
     puzzles: list[dict[str, Any]] = []
     seen: set = set()
     limit = size * _MAX_DRAWS_PER_PUZZLE

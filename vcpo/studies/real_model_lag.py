@@ -307,9 +307,9 @@ def write_regime(regime: dict, tables: Path) -> None:
     lines = ["| rate | sync improves | seq-TIS collapses |", "|---:|---|---|"]
     lines += [f"| {v['rate']:g} | {'yes' if v['sync_improves'] else 'no'} | {'yes' if v['seq_tis_collapses'] else 'no'} |"
               for v in regime["ladder"]]
-    text = "\n".join([*lines, "", f"Chosen rate: **{regime['rate']:g}** ({regime['by']}; recipes/real_model_lag.md, part 2). "
-                       f"From tables/real_model_lag/runs.jsonl by `python -m vcpo.studies.real_model_lag run`, {utc_now()}.", ""])
     decided = utc_now()  # the rule reads committed rows: the decision takes no time of its own
+    text = "\n".join([*lines, "", f"Chosen rate: **{regime['rate']:g}** ({regime['by']}; recipes/real_model_lag.md, part 2). "
+                       f"From tables/real_model_lag/runs.jsonl by `python -m vcpo.studies.real_model_lag run`, {decided}.", ""])
     write_atomic(tables / REGIME_FILE, json.dumps({**regime, **output_record(decided)}, indent=2) + "\n")
     write_atomic(tables / "regime.md", text)
 
