@@ -53,7 +53,6 @@ def test_paired_difference_with_one_degree_of_freedom_is_a_cauchy_tail():
     assert paired_difference([0.5, 1.0, 1.5], [0.25, 0.75, 1.25])["p"] == 0.0  # differences exactly 0.25
 
 
-
 def test_no_pairs_yet_is_nan_without_a_warning():
     """A study's comparison before its arms share a seed (the lag study's report after its first confirmation run):
     nothing to average, said as nan (its interval unbounded), no verdict, and no numpy warning on the reader's

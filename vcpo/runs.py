@@ -246,7 +246,7 @@ def joined_metric_records(earlier: list[tuple[str, dict]], later: list[tuple[str
 
 def _resumed_history(run: Path) -> list[tuple[str, dict]]:
     """The set-aside records of a resumed verl run joined to those of ``metrics.jsonl`` (either may be absent)."""
-    earlier, later = ([] if not (run / name).is_file() else complete_records(run / name)[0]
+    earlier, later = (complete_records(run / name)[0] if (run / name).is_file() else []
                       for name in (METRICS_BEFORE_RESUME, METRICS_FILE))
     return joined_metric_records(earlier, later)
 

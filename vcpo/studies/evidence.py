@@ -302,8 +302,8 @@ def compare(by_arm: dict[str, dict[int, dict]], pairs: list[tuple[str, str]], me
     for a, b in pairs:
         seeds = sorted(set(by_arm.get(a, {})) & set(by_arm.get(b, {})))
         first, second = [by_arm[a][s][metric] for s in seeds], [by_arm[b][s][metric] for s in seeds]
-        differences = np.subtract(first, second, dtype=np.float64)  # float: no seeds is an empty float array
-        results.append({"a": a, "b": b, "metric": metric, **paired_difference(first, second), **sign_test(differences)})
+        results.append({"a": a, "b": b, "metric": metric, **paired_difference(first, second),
+                        **sign_test(np.subtract(first, second))})
     for result in results:  # what these pairs could have detected (90% power, two-sided ALPHA, before Holm)
         if result["n"] >= 2:
             result["detectable_90"] = detectable_difference(result["sd"], result["n"]) if result["sd"] > 0 else 0.0
