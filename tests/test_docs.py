@@ -113,7 +113,7 @@ def claims_table() -> dict[int, list[str]]:
     """docs/claims.md's rows by number: the cells (claim, measured, verdict, where a GPU would test it), each `normalised`."""
     rows = {}
     for line in (ROOT / "docs/claims.md").read_text().splitlines():
-        if match := re.match(r"\| (\d) \|", line):
+        if match := re.match(r"\| (\d+) \|", line):
             rows[int(match[1])] = [normalised(cell) for cell in line.strip().strip("|").split(" | ")[1:]]
     return rows
 
@@ -151,7 +151,7 @@ def test_the_claims_table_quotes_its_files_numbers():
     confirmed = confirm["arms"]
     tir_seq_tis, tir_vcpo, tir_sync = (confirmed[a] for a in ("seq_tis_lr5e-4_k8", "vcpo_lr5e-4_k8", "sync_lr5e-4"))
     row = claims_rows()
-    assert set(row) == set(range(1, 9))
+    assert set(row) == set(range(1, 12))
 
     seq_tis, sync, vcpo = arms["seq_tis"], arms["sync"], arms["vcpo"]
     tuned = [across["countdown"]["arms"][f"seq_tis_lr5e-5_k{lag}"] for lag in across["countdown"]["lags"]]
@@ -227,6 +227,17 @@ def test_the_claims_table_quotes_its_files_numbers():
 
     gsm8k = load_json("tables/real_model/base_eval.json")["rows"]["gsm8k"]
     assert_quoted(row[8], f"{100 * gsm8k['strict']['mean_at_n']:.1f}%")
+
+
+def test_the_real_models_claims_rows_are_written_from_its_committed_statistics():
+    """docs/claims.md's rows 9-11 are what the lag study's report writes from its committed stats.json (so they move
+    with every committed run), and the block sits under the section that explains them."""
+    from vcpo.studies.real_model_lag_report import claims_markdown
+
+    before, rest = (ROOT / "docs/claims.md").read_text().split("<!-- real_model_claims -->\n")
+    written, _ = rest.split("\n<!-- /real_model_claims -->")
+    assert written == claims_markdown(load_json("tables/real_model_lag/stats.json"))
+    assert "## On a real pretrained model" in before.split("| 8 |")[1]
 
 
 def test_the_regime_study_quotes_its_paired_differences_as_computed_from_its_table():

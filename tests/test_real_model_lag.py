@@ -194,7 +194,7 @@ def test_a_rows_commit_waits_out_another_commits_index_lock_and_fails_loudly_on_
 def scripted_row(phase: str, arm: str, seed: int, end: float, collapsed: bool = False, rate: float = 3e-5) -> dict:
     lag = DESIGN["confirmation"]["arms"][arm]["lag"]
     run = study.Run(phase, arm, DESIGN["confirmation"]["arms"][arm]["method"], lag, rate, seed)
-    return {**study.asdict(run), "name": run.name, "staleness": [[s, min(s - 1, lag), min(s - 1, lag)] for s in (1, 14, 20)],
+    return {**study.asdict(run), "name": run.name, "task": "sums_2digit_brief", "staleness": [[s, min(s - 1, lag), min(s - 1, lag)] for s in (1, 14, 20)],
             "outcome": {"base": 0.15, "best": max(end, 0.15), "end": end, "ess_min": 0.05 if collapsed else 0.8,
                         "collapsed": collapsed, "improves": end > 0.2}, "median_step_s": 30.0 + seed}
 
@@ -258,14 +258,29 @@ def test_the_report_pairs_ends_by_seed_corrects_by_holm_and_gives_the_registered
     assert "4 of 8 [21.5%, 78.5%]" in text and "8 of 8 seeds above" in text
     assert (tmp_path / "curves.png").stat().st_size > 20_000 and (tmp_path / "ladder.png").stat().st_size > 10_000
 
+    # docs/claims.md's rows, by its rule: VCPO above seq-TIS on 8 of 8 (one-sided sign p 1/256) is reproduced; sync -
+    # seq-TIS silent, quoted with the difference its 8 pairs detect at Holm's first step (0.05 / 3) with 80% power; a
+    # difference test cannot show VCPO matching sync, and nothing opposes it
+    from vcpo.studies.statistics import detectable_difference
+
+    rows = {int(line.split(" | ")[0].strip("| ")): line.split(" | ") for line in report.claims_markdown(got).splitlines()[2:]}
+    silent = by_pair[("sync", "seq_tis")]
+    assert rows[9][3] == f"not detected: {100 * detectable_difference(silent['sd'], 8, 0.05 / 3, 0.8):.1f} points detectable"
+    assert rows[10][3] == "reproduced" and rows[11][3] == "not detected"
+    assert "VCPO − seq-TIS: +" in rows[10][2] and "8 of 8 seeds above (one-sided sign test p = 0.004): reproduced" in rows[10][2]
+    assert "seq-TIS ends 10.6% [2.6, 18.6] over 8 seeds, collapses in 4 of 8 [21.5%, 78.5%]" in rows[9][2]
+    assert "staleness max 12, mean after filling 12.00" in rows[9][2]
+
 
 def test_a_verdict_in_the_other_direction_and_one_with_too_few_pairs():
     from vcpo.studies.real_model_lag_report import verdict
 
-    worse = {"n": 8, "mean": -0.1, "p_holm": 0.01, "sign_p_one_sided": 0.99}
+    worse = {"n": 8, "mean": -0.1, "p_holm": 0.01, "sign_positive": 1, "sign_n": 8, "sign_p_one_sided": 0.99}
     assert verdict(worse, "above") == "not reproduced (the other direction)"
     assert verdict(worse, "not_below") == "not reproduced (detected worse)"
-    assert verdict({**worse, "mean": 0.1, "sign_p_one_sided": 0.07}, "above") == "not reproduced (no detectable difference)"
+    assert verdict({**worse, "mean": 0.1, "sign_positive": 6, "sign_p_one_sided": 0.145}, "above") == (
+        "not reproduced (no detectable difference)")
+    assert verdict({**worse, "mean": 0.1, "sign_positive": 7, "sign_p_one_sided": 9 / 256}, "above") == "reproduced"
     assert verdict({"n": 1}, "above").startswith("not tested yet")
 
 
@@ -314,5 +329,5 @@ def test_a_comparison_below_two_pairs_says_how_many_it_has():
     from vcpo.studies import real_model_lag_report as report
 
     untested = {"a": "vcpo", "b": "seq_tis", "verdict": "not tested yet (fewer than 2 pairs)"}
-    assert report.comparison_sentence({**untested, "n": 0}) == "vcpo − seq_tis: 0 pairs so far; not tested yet (fewer than 2 pairs)."
-    assert report.comparison_sentence({**untested, "n": 1}).startswith("vcpo − seq_tis: 1 pair so far;")
+    assert report.comparison_sentence({**untested, "n": 0}) == "VCPO − seq-TIS: 0 pairs so far; not tested yet (fewer than 2 pairs)."
+    assert report.comparison_sentence({**untested, "n": 1}).startswith("VCPO − seq-TIS: 1 pair so far;")

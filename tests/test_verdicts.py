@@ -86,3 +86,30 @@ def test_a_claims_cell_names_why_it_is_untested_and_what_could_have_been_detecte
     both = Claim(10, (Part("study", ("family",), HIGHER),))
     assert claim_verdict(both, statistics) == "partly reproduced"
     assert claim_verdict(Claim(11, both.parts, untested_because="one seed"), statistics) == "untested: one seed"
+
+
+def test_a_one_sided_sign_test_agrees_where_the_study_registered_it():
+    """7 of 8 pairs above: two-sided binomial p = 18/256 does not confirm; the one-sided 9/256 a study registered does."""
+    result = {**difference(+0.10, 0.01, 7, 18 / 256, n=8), "sign_p_one_sided": 9 / 256}
+    assert part_answer(result, "difference", HIGHER) == SILENT
+    assert part_answer(result, "difference", HIGHER, sign_p="sign_p_one_sided") == AGREES
+
+
+def test_the_real_models_claims_wait_for_every_registered_pair():
+    """Claims 9-11 (the real model's lag study) are untested until each comparison pairs all the registered seeds,
+    and the cell counts the pairs; then the rule reads the comparisons with their one-sided sign tests."""
+    from vcpo.studies.readme_results import REAL_MODEL_LAG
+    from vcpo.studies.verdicts import CLAIMS
+
+    def study(pairs: int, above: int, p_holm: float) -> dict:
+        comparisons = [{**difference(+0.1, p_holm, above, 1.0, n=pairs, pair=pair), "sign_p_one_sided": 9 / 256}
+                       for pair in (("vcpo", "seq_tis"), ("vcpo", "sync"), ("sync", "seq_tis"))]
+        return {REAL_MODEL_LAG: {"comparisons": comparisons, "registered_seeds": list(range(8))}}
+
+    claims = {claim.number: claim for claim in CLAIMS}
+    assert claim_verdict(claims[10], study(5, 5, 0.01)) == "untested: the confirmation is under way (5 of 8 pairs)"
+    assert claim_verdict(claims[10], study(8, 7, 0.01)) == "reproduced"
+    assert claim_verdict(claims[9], study(8, 7, 0.01)) == "reproduced"
+    assert claim_verdict(claims[11], study(8, 7, 0.01)) == "not reproduced"  # a difference where the paper says they match
+    assert claim_verdict(claims[11], study(8, 7, 0.2)) == "not detected"
+

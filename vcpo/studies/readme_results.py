@@ -22,6 +22,7 @@ from vcpo.studies.statistics import ALPHA, by_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE, ACROSS_LAGS = "tables/evidence/stats.json", "tables/across_lags/stats.json"
+REAL_MODEL_LAG = "tables/real_model_lag/stats.json"
 
 # (label, study's file, its part, the arms of sync, seq-TIS and VCPO)
 SETTINGS = (
@@ -79,7 +80,7 @@ def results_markdown(statistics: dict[str, dict]) -> str:
 
 
 def committed_statistics(root: Path = ROOT) -> dict[str, dict]:
-    return {file: json.loads((root / file).read_text()) for file in (EVIDENCE, ACROSS_LAGS)}
+    return {file: json.loads((root / file).read_text()) for file in (EVIDENCE, ACROSS_LAGS, REAL_MODEL_LAG)}
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ appends its row to tables/real_model_lag/runs.jsonl (verl's staleness per step, 
 inputs, commit, start, finish, CPU) and keeps its verl metrics beside it, gzipped; ``--commit`` commits them at once,
 so that a session's end loses at most the run under way, which starts over. ``status`` says what is done and what
 is left; ``report`` writes the study's statistics, tables, figures and prose from the rows
-(``vcpo.studies.real_model_lag_report``).
+(``vcpo.studies.real_model_lag_report``), and docs/claims.md's rows of the claims it tests.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ MODEL = "smollm2-135m-instruct"  # vcpo.local_models.PACKAGED_MODELS
 TABLES = Path("tables") / "real_model_lag"
 WORK = Path("results") / "real_model_lag"
 SNAKEFILE = Path(__file__).with_name("real_model_lag.smk")
+CLAIMS_DOC, CLAIMS_BLOCK = Path("docs") / "claims.md", "real_model_claims"  # the block of the claims rows it tests
 RUNS_FILE, REGIME_FILE, METRICS_FOLDER = "runs.jsonl", "regime.json", "metrics"
 INTERVAL = {"level": 0.95, "resamples": 10_000, "seed": 0}  # percentile bootstrap over problems, as the base evaluation
 
@@ -460,10 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "run-one":
         run_planned(args.plan, args.name)
     elif args.command == "report":
-        from vcpo.studies.real_model_lag_report import write_report  # matplotlib and scipy, for the report only
+        from vcpo.studies.across_lags_report import replace_block  # matplotlib and scipy, for the report only
+        from vcpo.studies.real_model_lag_report import claims_markdown, write_report
 
-        write_report(args.tables, read_rows(args.tables), read_yaml(recipes_dir() / DESIGN), METRICS_FOLDER)
+        statistics = write_report(args.tables, read_rows(args.tables), read_yaml(recipes_dir() / DESIGN), METRICS_FOLDER)
         print(f"wrote {args.tables / 'report.md'}")
+        if args.tables == TABLES:  # the study's own rows: docs/claims.md quotes them
+            replace_block(CLAIMS_DOC, CLAIMS_BLOCK, claims_markdown(statistics))
+            print(f"wrote {CLAIMS_DOC}'s rows of this study")
     else:
         print(status(args.tables))
     return 0

@@ -21,8 +21,8 @@ import numpy as np
 from vcpo.locks import write_atomic
 from vcpo.reporting.figures import draw_runs
 from vcpo.runs import flat_record
+from vcpo.studies.readme_results import REAL_MODEL_LAG
 from vcpo.studies.statistics import (
-    ALPHA,
     holm,
     mean_interval,
     paired_difference,
@@ -30,6 +30,18 @@ from vcpo.studies.statistics import (
     sign_test_above,
     wilson_interval,
 )
+from vcpo.studies.verdicts import AGREES, CLAIMS, DIFFERENCE, HIGHER, OPPOSES, claim_verdict, part_answer
+
+ARM_LABELS = {"sync": "sync", "seq_tis": "seq-TIS", "vcpo": "VCPO"}
+# docs/claims.md's rows of the claims this study tests, in the paper's words (vcpo.studies.verdicts.CLAIMS holds the
+# comparison that tests each)
+PAPER_CLAIMS = {
+    9: "On a real model, sequence-level TIS falls behind synchronous training at lag 12 (the paper's GSM8K run, "
+       "Qwen2-1.5B at PipelineRL-12: its ESS ratio degrades, then it collapses).",
+    10: "On a real model, VCPO stays stable where sequence-level TIS collapses.",
+    11: "On a real model, VCPO matches synchronous training's accuracy.",
+}
+GPU_TEST = "GSM8K on Qwen2-1.5B at k = 12 (`snakemake --configfile workflows/config/paper.yaml`)"
 
 
 def run_lines(tables: Path, name: str, metrics_folder: str) -> list[dict]:
@@ -56,15 +68,16 @@ def arm_statistics(rows: list[dict]) -> dict:
 
 
 def verdict(comparison: dict, direction: str) -> str:
-    """The registered verdict of one comparison (recipes/real_model_lag.md, Verdicts)."""
+    """The registered verdict of one comparison (recipes/real_model_lag.md, Verdicts), in docs/claims.md's terms:
+    "above" agrees with a Holm p < ALPHA above and a one-sided sign test p < ALPHA; "not_below" (VCPO matches sync)
+    fails only where a test of "above" rejects on the other side."""
     if comparison["n"] < 2:
         return "not tested yet (fewer than 2 pairs)"
-    below = comparison["p_holm"] < ALPHA and comparison["mean"] < 0
+    answer = part_answer(comparison, DIFFERENCE, HIGHER, sign_p="sign_p_one_sided")
     if direction == "not_below":
-        return "not reproduced (detected worse)" if below else "reproduced (not detected worse)"
-    if comparison["mean"] > 0 and comparison["p_holm"] < ALPHA and comparison["sign_p_one_sided"] < ALPHA:
-        return "reproduced"
-    return "not reproduced (the other direction)" if below else "not reproduced (no detectable difference)"
+        return "not reproduced (detected worse)" if answer == OPPOSES else "reproduced (not detected worse)"
+    return {AGREES: "reproduced", OPPOSES: "not reproduced (the other direction)"}.get(
+        answer, "not reproduced (no detectable difference)")
 
 
 def comparisons(arms: dict[str, list[dict]], plan: dict) -> list[dict]:
@@ -95,7 +108,9 @@ def study_statistics(rows: dict[str, dict], design: dict) -> dict:
     return {"ladder": sorted(ladder, key=lambda row: (row["rate"], row["arm"] != "sync")),
             "arms": {arm: arm_statistics(members) for arm, members in arms.items() if members},
             "comparisons": comparisons(arms, design["confirmation"]) if confirmation else [],
-            "rate": confirmation[0]["rate"] if confirmation else None}
+            "rate": confirmation[0]["rate"] if confirmation else None,
+            "task": confirmation[0]["task"] if confirmation else None,
+            "registered_seeds": design["confirmation"]["seeds"]}
 
 
 # ------------------------------------------------------------------------------------------------------- markdown
@@ -139,18 +154,47 @@ def arms_markdown(arms: dict) -> list[str]:
         stale = "—" if s["staleness_max"] is None else f"{s['staleness_max']}, {s['staleness_mean_filled']:.2f}"
         step = "—" if s["median_step_s"] is None else f"{s['median_step_s']:.1f} s"
         interval = f"[{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else "(one run)"
-        lines.append(f"| {arm} | {s['n']} | {percent(s['mean'])} {interval} | "
+        lines.append(f"| {ARM_LABELS[arm]} | {s['n']} | {percent(s['mean'])} {interval} | "
                      f"{s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}] | "
                      f"{stale} | {step} |")
     return lines
 
 
 def comparison_sentence(c: dict) -> str:
+    label = f"{ARM_LABELS[c['a']]} − {ARM_LABELS[c['b']]}"
     if c["n"] < 2:
-        return f"{c['a']} − {c['b']}: {c['n']} {'pair' if c['n'] == 1 else 'pairs'} so far; {c['verdict']}."
-    return (f"{c['a']} − {c['b']}: {points(c['mean'])} points [{points(c['low'])}, {points(c['high'])}] over {c['n']} "
+        return f"{label}: {c['n']} {'pair' if c['n'] == 1 else 'pairs'} so far; {c['verdict']}."
+    return (f"{label}: {points(c['mean'])} points [{points(c['low'])}, {points(c['high'])}] over {c['n']} "
             f"seeds, Holm p = {p_text(c['p_holm'])}, {c['sign_positive']} of {c['sign_n']} seeds above (one-sided sign "
             f"test p = {p_text(c['sign_p_one_sided'])}): {c['verdict']}.")
+
+
+def arm_sentence(arm: str, s: dict) -> str:
+    """'seq-TIS ends 29.2% [-12.0, 70.5] over 2 seeds, collapses in 0 of 2 [0.0%, 65.8%]'."""
+    interval = f" [{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else ""
+    return (f"{ARM_LABELS[arm]} ends {percent(s['mean'])}{interval} over {s['n']} {'seed' if s['n'] == 1 else 'seeds'}, "
+            f"collapses in {s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}]")
+
+
+def claims_markdown(statistics: dict) -> str:
+    """docs/claims.md's rows of the claims this study tests: what it measured and the verdict by claims.md's rule."""
+    lagged = [s for s in statistics["arms"].values() if s["staleness_max"]]
+    lag = (f"verl's staleness max {max(s['staleness_max'] for s in lagged)}, mean after filling "
+           f"{min(s['staleness_mean_filled'] for s in lagged):.2f}") if lagged else "no lagged run yet"
+    setting = (f"SmolLM2-135M-Instruct on `{statistics['task']}`, lr {statistics['rate']:g}, k = 12 ({lag}), greedy "
+               f"held-out accuracy on 200 test problems at step 60")
+    comparisons = {(c["a"], c["b"]): c for c in statistics["comparisons"]}
+    lines = ["| # | the paper's claim | measured here | verdict | where a GPU would test it |", "|---:|---|---|---|---|"]
+    for claim in CLAIMS:
+        if claim.parts and claim.parts[0].study == REAL_MODEL_LAG:
+            pair = claim.parts[0].pair
+            arms = "; ".join(arm_sentence(arm, statistics["arms"][arm]) for arm in pair if arm in statistics["arms"])
+            comparison = comparisons.get(pair)
+            tested = comparison_sentence(comparison) if comparison else "no pair yet."
+            lines.append(f"| {claim.number} | {PAPER_CLAIMS[claim.number]} | {setting}: {arms}. The registered "
+                         f"comparison, {tested} (`tables/real_model_lag/stats.json`) | "
+                         f"{claim_verdict(claim, {REAL_MODEL_LAG: statistics})} | {GPU_TEST} |")
+    return "\n".join(lines)
 
 
 def report_markdown(statistics: dict, regime: dict | None) -> str:

@@ -86,11 +86,12 @@ def sign_test_above(differences) -> float:
     return float(stats.binomtest(positive, nonzero, 0.5, alternative="greater").pvalue) if nonzero else math.nan
 
 
-def sign_agrees(comparison: dict, alpha: float = ALPHA) -> bool:
-    """A paired comparison's exact sign test rejects (``sign_p`` < alpha) with most nonzero pairs on the side of its mean
+def sign_agrees(comparison: dict, alpha: float = ALPHA, sign_p: str = "sign_p") -> bool:
+    """A paired comparison's exact sign test rejects (its ``sign_p`` entry < alpha: the two-sided test, or
+    ``sign_p_one_sided`` where a study registered the one-sided one) with most nonzero pairs on the side of its mean
     difference: it confirms what the t-test says of the direction."""
     above = comparison["sign_positive"] > comparison["sign_n"] / 2
-    return comparison["sign_p"] < alpha and above == (comparison["mean"] > 0)
+    return comparison[sign_p] < alpha and above == (comparison["mean"] > 0)
 
 
 def by_pair(comparisons: list[dict]) -> dict[tuple[str, str], dict]:

@@ -7,7 +7,7 @@ against the registered margin, Holm-corrected). The paper says of each part that
 the two match. A part answers:
 
 - ``AGREES``: it rejects in the paper's direction after Holm (p_holm < ALPHA), and, for a difference, its sign test
-  agrees (p < ALPHA with most pairs on the same side);
+  agrees (p < ALPHA with most pairs on the same side; two-sided, or one-sided where the study registered that);
 - ``OPPOSES``: it rejects in the opposite direction after Holm (a difference where the paper says the two match,
   or a difference against the paper's sign), or an equivalence test puts the effect inside the margin where the
   paper claims a difference;
@@ -16,7 +16,8 @@ the two match. A part answers:
 A difference test cannot show that two arms match, nor an equivalence test that one is higher: such a part only
 counts when it opposes. The verdict over a claim's answering parts, first rule that applies:
 
-    untested          no registered test, the premise did not arise, or the evidence is one seed or one timing run
+    untested          no registered test, the premise did not arise, the registered runs are not all in, or the
+                      evidence is one seed or one timing run
     not reproduced    some part OPPOSES
     reproduced        every part AGREES
     partly reproduced some part AGREES
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vcpo.studies.across_lags_report import common_rate_winners
-from vcpo.studies.readme_results import ACROSS_LAGS, EVIDENCE, part_of
+from vcpo.studies.readme_results import ACROSS_LAGS, EVIDENCE, REAL_MODEL_LAG, part_of
 from vcpo.studies.statistics import ALPHA, detectable_difference, sign_agrees
 
 AGREES, OPPOSES, SILENT = "agrees", "opposes", "silent"
@@ -38,10 +39,10 @@ DIFFERENCE, EQUIVALENCE = "difference", "equivalence"
 POWER = 0.8  # the power the smallest detectable difference of a "not detected" verdict is quoted at
 
 
-def part_answer(result: dict, kind: str, paper: str, alpha: float = ALPHA) -> str | None:
+def part_answer(result: dict, kind: str, paper: str, alpha: float = ALPHA, sign_p: str = "sign_p") -> str | None:
     """What one registered test says of the paper's statement about a - b (AGREES, OPPOSES or SILENT), or None where
     its kind cannot answer that statement (a difference test for a match, an equivalence test for a direction) and it
-    does not oppose."""
+    does not oppose. ``sign_p``: the result's entry holding the registered sign test's p."""
     rejects = result["p_holm"] < alpha
     if kind == EQUIVALENCE:
         if paper == MATCH:
@@ -52,7 +53,7 @@ def part_answer(result: dict, kind: str, paper: str, alpha: float = ALPHA) -> st
     direction = HIGHER if result["mean"] > 0 else LOWER
     if paper == MATCH or direction != paper:
         return OPPOSES
-    return AGREES if sign_agrees(result, alpha) else SILENT
+    return AGREES if sign_agrees(result, alpha, sign_p) else SILENT
 
 
 def verdict(answers: list[str | None], untested_because: str | None = None) -> str:
@@ -78,13 +79,15 @@ def holm_detectable(result: dict, family_size: int, power: float = POWER) -> flo
 @dataclass(frozen=True)
 class Part:
     """Registered tests in one family of a study's statistics (``family``: the keys to its list): the one comparing
-    ``pair`` (a, b), or every one of the family (a per-lag family), and what the paper says of a against b."""
+    ``pair`` (a, b), or every one of the family (a per-lag family), what the paper says of a against b, and the entry
+    holding the sign test's p the study registered."""
 
     study: str
     family: tuple[str, ...]
     paper: str
     pair: tuple[str, str] | None = None
     kind: str = DIFFERENCE
+    sign_p: str = "sign_p"
 
     def results(self, statistics: dict[str, dict]) -> tuple[list[dict], int]:
         """This part's test results and the size of the family Holm corrected them in."""
@@ -102,15 +105,25 @@ class Claim:
     number: int
     parts: tuple[Part, ...] = ()
     untested_because: str | None = None
-    premise: str | None = None  # the name of a check in PREMISES that must hold for the parts to bear on the claim
+    premise: str | None = None  # the name of a check in PREMISES that must pass for the parts to bear on the claim
 
 
-def rate_transfer_premise(statistics: dict[str, dict]) -> bool:
+def rate_transfer_premise(statistics: dict[str, dict]) -> str | None:
     """Claim 5's premise: some method's best rate, among those tested at every lag, changes with the lag."""
-    return any(len(best) > 1 for best in common_rate_winners(statistics[ACROSS_LAGS]["countdown"]["best_rates"]).values())
+    best_rates = statistics[ACROSS_LAGS]["countdown"]["best_rates"]
+    return None if any(len(best) > 1 for best in common_rate_winners(best_rates).values()) else "the premise did not arise"
 
 
-PREMISES = {"a best rate changes with the lag": rate_transfer_premise}
+def real_model_runs_all_in(statistics: dict[str, dict]) -> str | None:
+    """The real model's claims wait for the registered confirmation: every comparison paired over every seed."""
+    study = statistics[REAL_MODEL_LAG]
+    pairs = min((comparison["n"] for comparison in study["comparisons"]), default=0)
+    registered = len(study["registered_seeds"])
+    return None if pairs >= registered else f"the confirmation is under way ({pairs} of {registered} pairs)"
+
+
+# each check returns None when it passes, else why the claim is untested
+PREMISES = {"a best rate changes with the lag": rate_transfer_premise, "the real model's runs are all in": real_model_runs_all_in}
 COUNTDOWN, LEARNING_RATE = ("tasks", "countdown", "comparisons"), ("tasks", "countdown", "learning_rate", "comparisons")
 CLAIMS = (
     Claim(1, untested_because="no registered test compares a collapse rate with sync's"),
@@ -131,6 +144,11 @@ CLAIMS = (
     Claim(6, untested_because="one timing run per task"),
     Claim(7, untested_because="no registered test, one timing run per setting"),
     Claim(8, untested_because="needs the paper's scale"),
+    # the real model's lag study (recipes/real_model_lag.md): its three registered comparisons, one-sided sign tests
+    *(Claim(number, (Part(REAL_MODEL_LAG, ("comparisons",), paper, pair, sign_p="sign_p_one_sided"),),
+            premise="the real model's runs are all in")
+      for number, pair, paper in ((9, ("sync", "seq_tis"), HIGHER), (10, ("vcpo", "seq_tis"), HIGHER),
+                                  (11, ("vcpo", "sync"), MATCH))),
 )
 
 
@@ -139,16 +157,14 @@ def claim_answers(claim: Claim, statistics: dict[str, dict]) -> list[tuple[dict,
     found = []
     for part in claim.parts:
         results, family_size = part.results(statistics)
-        found += [(result, family_size, part_answer(result, part.kind, part.paper)) for result in results]
+        found += [(result, family_size, part_answer(result, part.kind, part.paper, sign_p=part.sign_p)) for result in results]
     return found
 
 
 def untested_reason(claim: Claim, statistics: dict[str, dict]) -> str | None:
     if claim.untested_because is not None:
         return claim.untested_because
-    if claim.premise is not None and not PREMISES[claim.premise](statistics):
-        return "the premise did not arise"
-    return None
+    return PREMISES[claim.premise](statistics) if claim.premise is not None else None
 
 
 def claim_verdict(claim: Claim, statistics: dict[str, dict]) -> str:
