@@ -221,11 +221,12 @@ def write_report(tables: Path, rows: dict[str, dict], design: dict, metrics_fold
     if statistics["ladder"]:
         groups: dict[str, list[list[dict]]] = {}
         for row in statistics["ladder"]:
-            groups.setdefault(f"{row['arm']} lr {row['rate']:g}", []).append(run_lines(tables, row["name"], metrics_folder))
+            label = f"{ARM_LABELS[row['arm']]} lr {row['rate']:g}"
+            groups.setdefault(label, []).append(run_lines(tables, row["name"], metrics_folder))
         draw_runs(groups, tables / "ladder.png", "The learning-rate ladder: sync (lag 0) and seq-TIS (lag 12), seed 100")
     if statistics["arms"]:
         confirmation = [row for row in rows.values() if row["phase"] == "confirmation"]
-        groups = {arm: [run_lines(tables, row["name"], metrics_folder) for row in confirmation if row["arm"] == arm]
+        groups = {ARM_LABELS[arm]: [run_lines(tables, row["name"], metrics_folder) for row in confirmation if row["arm"] == arm]
                   for arm in statistics["arms"]}
         draw_runs(groups, tables / "curves.png", f"The confirmation at rate {statistics['rate']:g}: each seed faint, "
                   "the mean bold")
