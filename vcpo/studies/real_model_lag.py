@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "run-one":
         run_planned(args.plan, args.name)
     elif args.command == "report":
-        from vcpo.studies.across_lags_report import replace_block  # matplotlib and scipy, for the report only
+        # matplotlib and scipy, for the report only
+        from vcpo.studies.across_lags_report import replace_block
         from vcpo.studies.real_model_lag_report import claims_markdown, write_report
 
         statistics = write_report(args.tables, read_rows(args.tables), read_yaml(recipes_dir() / DESIGN), METRICS_FOLDER)
