@@ -271,6 +271,11 @@ def test_the_report_pairs_ends_by_seed_corrects_by_holm_and_gives_the_registered
     assert "seq-TIS ends 10.6% [2.6, 18.6] over 8 seeds, collapses in 4 of 8 [21.5%, 78.5%]" in rows[9][2]
     assert "staleness max 12, mean after filling 12.00" in rows[9][2]
 
+    # before any confirmation run (the ladder under way) the rows say so
+    empty = report.claims_markdown(report.study_statistics({ladder_row["name"]: ladder_row}, DESIGN))
+    assert "| No confirmation run of these arms yet. The registered comparison, no pair yet. (" in empty
+    assert empty.count("untested: the confirmation is under way (0 of 8 pairs)") == 3
+
 
 def test_a_verdict_in_the_other_direction_and_one_with_too_few_pairs():
     from vcpo.studies.real_model_lag_report import verdict

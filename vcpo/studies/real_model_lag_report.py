@@ -182,16 +182,17 @@ def claims_markdown(statistics: dict) -> str:
     lag = (f"verl's staleness max {max(s['staleness_max'] for s in lagged)}, mean after filling "
            f"{min(s['staleness_mean_filled'] for s in lagged):.2f}") if lagged else "no lagged run yet"
     setting = (f"SmolLM2-135M-Instruct on `{statistics['task']}`, lr {statistics['rate']:g}, k = 12 ({lag}), greedy "
-               f"held-out accuracy on 200 test problems at step 60")
+               "held-out accuracy on 200 test problems at step 60") if statistics["arms"] else None
     comparisons = {(c["a"], c["b"]): c for c in statistics["comparisons"]}
     lines = ["| # | the paper's claim | measured here | verdict | where a GPU would test it |", "|---:|---|---|---|---|"]
     for claim in CLAIMS:
         if claim.parts and claim.parts[0].study == REAL_MODEL_LAG:
             pair = claim.parts[0].pair
             arms = "; ".join(arm_sentence(arm, statistics["arms"][arm]) for arm in pair if arm in statistics["arms"])
+            measured = f"{setting}: {arms}." if arms else "No confirmation run of these arms yet."
             comparison = comparisons.get(pair)
             tested = comparison_sentence(comparison) if comparison else "no pair yet."
-            lines.append(f"| {claim.number} | {PAPER_CLAIMS[claim.number]} | {setting}: {arms}. The registered "
+            lines.append(f"| {claim.number} | {PAPER_CLAIMS[claim.number]} | {measured} The registered "
                          f"comparison, {tested} (`tables/real_model_lag/stats.json`) | "
                          f"{claim_verdict(claim, {REAL_MODEL_LAG: statistics})} | {GPU_TEST} |")
     return "\n".join(lines)
