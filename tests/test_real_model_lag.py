@@ -336,3 +336,14 @@ def test_a_comparison_below_two_pairs_says_how_many_it_has():
     untested = {"a": "vcpo", "b": "seq_tis", "verdict": "not tested yet (fewer than 2 pairs)"}
     assert report.comparison_sentence({**untested, "n": 0}) == "VCPO − seq-TIS: 0 pairs so far; not tested yet (fewer than 2 pairs)."
     assert report.comparison_sentence({**untested, "n": 1}).startswith("VCPO − seq-TIS: 1 pair so far;")
+
+
+def test_a_verdict_on_fewer_pairs_than_registered_says_it_is_interim():
+    """Two of eight registered seeds paired: the verdict is the registered rule's, marked as standing so far."""
+    from vcpo.studies import real_model_lag_report as report
+
+    arms = {arm: [scripted_row("confirmation", arm, seed, end) for seed, end in enumerate(ends)]
+            for arm, ends in (("vcpo", (0.3, 0.2)), ("seq_tis", (0.1, 0.25)), ("sync", (0.2, 0.2, 0.3)))}
+    by_pair = {(c["a"], c["b"]): c for c in report.comparisons(arms, DESIGN["confirmation"])}
+    assert by_pair[("vcpo", "seq_tis")]["verdict"] == "not reproduced (no detectable difference) so far, 2 of 8 registered pairs"
+    assert by_pair[("sync", "seq_tis")]["n"] == 2 and by_pair[("vcpo", "sync")]["verdict"].endswith("so far, 2 of 8 registered pairs")

@@ -81,7 +81,8 @@ def verdict(comparison: dict, direction: str) -> str:
 
 
 def comparisons(arms: dict[str, list[dict]], plan: dict) -> list[dict]:
-    """The registered comparisons of the ends, paired by seed, Holm-adjusted together, each with its verdict."""
+    """The registered comparisons of the ends, paired by seed, Holm-adjusted together, each with its verdict (marked
+    as interim while its pairs are fewer than the registered seeds)."""
     results = []
     for a, b in plan["comparisons"]:
         ends_a = {row["seed"]: row["outcome"]["end"] for row in arms.get(a, [])}
@@ -97,6 +98,8 @@ def comparisons(arms: dict[str, list[dict]], plan: dict) -> list[dict]:
     for result in results:
         result.setdefault("p_holm", math.nan)
         result["verdict"] = verdict(result, plan["paper_direction"][f"{result['a']}-{result['b']}"])
+        if 2 <= result["n"] < len(plan["seeds"]):  # Holm's family and the sign test's power are the registered n's
+            result["verdict"] += f" so far, {result['n']} of {len(plan['seeds'])} registered pairs"
     return results
 
 
