@@ -23,6 +23,7 @@ from vcpo.reporting.figures import draw_runs
 from vcpo.runs import flat_record
 from vcpo.studies.readme_results import REAL_MODEL_LAG
 from vcpo.studies.statistics import (
+    by_pair,
     holm,
     mean_interval,
     paired_difference,
@@ -150,16 +151,24 @@ def load_text(row: dict) -> str:
     return f"{row['load_at_start']:.1f}, {row['load_at_finish']:.1f}"
 
 
+def end_interval(s: dict) -> str:
+    """An arm's mean end's 95% t interval in points, '[19.7, 35.7]'; empty for one run."""
+    return f"[{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else ""
+
+
+def collapse_count(s: dict) -> str:
+    """'1 of 4 [4.6%, 69.9%]': an arm's collapses with their Wilson interval."""
+    return f"{s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}]"
+
+
 def arms_markdown(arms: dict) -> list[str]:
     lines = ["| arm | runs | end, mean [95% t CI] | collapsed [95% Wilson] | staleness: max, mean after filling | "
              "median step |", "|---|---:|---|---|---|---:|"]
     for arm, s in arms.items():
         stale = "—" if s["staleness_max"] is None else f"{s['staleness_max']}, {s['staleness_mean_filled']:.2f}"
         step = "—" if s["median_step_s"] is None else f"{s['median_step_s']:.1f} s"
-        interval = f"[{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else "(one run)"
-        lines.append(f"| {ARM_LABELS[arm]} | {s['n']} | {percent(s['mean'])} {interval} | "
-                     f"{s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}] | "
-                     f"{stale} | {step} |")
+        lines.append(f"| {ARM_LABELS[arm]} | {s['n']} | {percent(s['mean'])} {end_interval(s) or '(one run)'} | "
+                     f"{collapse_count(s)} | {stale} | {step} |")
     return lines
 
 
@@ -174,9 +183,9 @@ def comparison_sentence(c: dict) -> str:
 
 def arm_sentence(arm: str, s: dict) -> str:
     """'seq-TIS ends 29.2% [-12.0, 70.5] over 2 seeds, collapses in 0 of 2 [0.0%, 65.8%]'."""
-    interval = f" [{100 * s['low']:.1f}, {100 * s['high']:.1f}]" if math.isfinite(s["low"]) else ""
+    interval = f" {end_interval(s)}" if end_interval(s) else ""
     return (f"{ARM_LABELS[arm]} ends {percent(s['mean'])}{interval} over {s['n']} {'seed' if s['n'] == 1 else 'seeds'}, "
-            f"collapses in {s['collapsed']} of {s['n']} [{percent(s['collapse_low'])}, {percent(s['collapse_high'])}]")
+            f"collapses in {collapse_count(s)}")
 
 
 def claims_markdown(statistics: dict) -> str:
@@ -186,7 +195,7 @@ def claims_markdown(statistics: dict) -> str:
            f"{min(s['staleness_mean_filled'] for s in lagged):.2f}") if lagged else "no lagged run yet"
     setting = (f"SmolLM2-135M-Instruct on `{statistics['task']}`, lr {statistics['rate']:g}, k = 12 ({lag}), greedy "
                "held-out accuracy on 200 test problems at step 60") if statistics["arms"] else None
-    comparisons = {(c["a"], c["b"]): c for c in statistics["comparisons"]}
+    comparisons = by_pair(statistics["comparisons"])
     lines = ["| # | the paper's claim | measured here | verdict | where a GPU would test it |", "|---:|---|---|---|---|"]
     for claim in CLAIMS:
         if claim.parts and claim.parts[0].study == REAL_MODEL_LAG:
